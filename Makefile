@@ -1,0 +1,36 @@
+# zerodp: `make demo` and `make test` each do all set-up on a fresh machine, then run.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# torch first and pinned: pip then takes the CPU wheel on disk instead of a CUDA build.
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast browser clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# Debian's Chromium for the browser tests (never a browser that a tool downloads itself).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium missing: run 'sudo apt-get install chromium' (browser tests will be skipped)"; fi; }
+
+demo: setup
+	$(BIN)/zerodp demo
+
+test: setup browser
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not dist and not browser"
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

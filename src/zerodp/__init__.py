@@ -1,0 +1,17 @@
+"""zerodp: data parallelism with ZeRO and FSDP, and the seed's cost models to plan it.
+
+- ``zerodp.plan``   torch-free cost models: memory, collectives, roofline, batch, timeline.
+- ``zerodp.engine`` the training engine on torch.distributed (stages 0-3).
+- ``zerodp.spawn``  run a function on N local ranks (tests, benchmarks, examples).
+"""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The engine imports torch; keep ``import zerodp`` (and ``zerodp.plan``) torch-free until used.
+    if name == "parallelize":
+        from zerodp.engine import parallelize
+
+        return parallelize
+    raise AttributeError(f"module 'zerodp' has no attribute {name!r}")

@@ -1,0 +1,39 @@
+"""The local launcher that every multi-rank test stands on: results come back, failures end every rank."""
+
+import time
+
+import pytest
+
+from zerodp.spawn import RankFailure, run_local
+
+
+def _sum_ranks(rank, world, scale):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item() * scale
+
+
+def _rank1_raises_then_others_block(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.all_reduce(torch.ones(1))  # would wait forever for rank 1
+
+
+pytestmark = pytest.mark.dist
+
+
+def test_results_come_back_by_rank():
+    assert run_local(_sum_ranks, 3, 2.0) == [12.0, 12.0, 12.0]
+
+
+def test_one_failing_rank_ends_all_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match="boom on rank 1"):
+        run_local(_rank1_raises_then_others_block, 2, timeout=60, grace=3)
+    assert time.monotonic() - t0 < 45
