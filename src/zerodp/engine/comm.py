@@ -1,0 +1,116 @@
+"""The three collectives of data parallelism, with accounting: AllReduce, ReduceScatter, AllGather.
+
+Seed §2.4 and §9: a ring AllReduce of V bytes on N ranks sends 2(N−1)/N·V bytes per rank;
+ReduceScatter and AllGather each send (N−1)/N·V, and AllReduce = ReduceScatter + AllGather.
+Every call here records an :class:`~zerodp.engine.trace.Event` on the comm lane with
+
+- ``kind``: ``all_reduce`` | ``reduce_scatter`` | ``all_gather``
+- ``bytes``: V, the size of the full (unsharded) buffer
+- ``sent_bytes``: what the ring algorithm sends per rank, as above
+- ``label``: which bucket or unit it served
+- ``wait_s``: how long the host was blocked waiting for it — the *exposed* part
+
+Averages are done as SUM followed by a division by N on our side: ``ReduceOp.AVG`` is missing
+on gloo or has been silently wrong there in several releases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from zerodp.engine.trace import COMM, Event, Recorder
+
+ALL_REDUCE = "all_reduce"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_GATHER = "all_gather"
+
+
+def ring_sent_bytes(kind: str, nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends in a ring collective over a V-byte buffer (seed §2.4)."""
+    frac = (world_size - 1) / world_size if world_size > 0 else 0.0
+    return (2.0 if kind == ALL_REDUCE else 1.0) * frac * nbytes
+
+
+@dataclass
+class Pending:
+    """An issued collective. :meth:`wait` blocks until done and applies any post-processing once."""
+
+    event: Event
+    recorder: Recorder
+    work: object | None = None
+    after: Callable[[], None] | None = None
+    done: bool = field(default=False)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        t = self.recorder.clock()
+        if self.work is not None:
+            self.work.wait()
+        if self.after is not None:
+            self.after()
+        self.recorder.end(self.event, wait_s=self.recorder.clock() - t)
+        self.done = True
+
+
+class Collectives:
+    """Collectives on one process group, each recorded. ``async_op=True`` returns a :class:`Pending`."""
+
+    def __init__(self, recorder: Recorder, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.recorder = recorder
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def _issue(self, kind: str, label: str, nbytes: int, launch: Callable[[], object],
+               after: Callable[[], None] | None, async_op: bool) -> Pending:
+        ev = self.recorder.begin(
+            kind, COMM, kind=kind, label=label, bytes=nbytes,
+            sent_bytes=ring_sent_bytes(kind, nbytes, self.world_size),
+        )
+        # Always launched asynchronously, so that a blocking call's whole duration shows as wait_s.
+        pending = Pending(ev, self.recorder, launch(), after)
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def all_reduce_mean(self, tensor: torch.Tensor, label: str, async_op: bool = True) -> Pending:
+        """Average ``tensor`` in place across ranks (stage 0's gradient sync, seed §3-§4)."""
+        n = self.world_size
+        return self._issue(
+            ALL_REDUCE, label, tensor.numel() * tensor.element_size(),
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+            (lambda: tensor.div_(n)) if n > 1 else None, async_op,
+        )
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, label: str,
+                            async_op: bool = True) -> Pending:
+        """``shard`` ← average over ranks of this rank's 1/N slice of ``full`` (seed §9.1-§9.2)."""
+        n = self.world_size
+        return self._issue(
+            REDUCE_SCATTER, label, full.numel() * full.element_size(),
+            lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group,
+                                               async_op=True),
+            (lambda: shard.div_(n)) if n > 1 else None, async_op,
+        )
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
+                   async_op: bool = True) -> Pending:
+        """``full`` ← every rank's ``shard`` concatenated in rank order (seed §9.1, §9.3)."""
+        return self._issue(
+            ALL_GATHER, label, full.numel() * full.element_size(),
+            lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True),
+            None, async_op,
+        )
+
+    def all_reduce_sum(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """Blocking SUM AllReduce for small control values (norms, flags); recorded too."""
+        self._issue(
+            ALL_REDUCE, label, tensor.numel() * tensor.element_size(),
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), None, False,
+        )
+        return tensor

@@ -1,0 +1,169 @@
+"""fp32 master shards and the stock ``torch.optim`` optimizer that updates them.
+
+Seed §1, §9.1: with bf16 mixed precision each parameter carries an fp32 master copy plus the
+optimizer's states (Adam: m and v), k = 12 bytes per parameter. ZeRO shards exactly this part:
+rank r keeps the master values and optimizer states of its 1/N slice of every flat buffer, and
+updates only that slice. Because the update of Adam, AdamW, SGD and friends is *elementwise*,
+running the stock optimizer on a 1-D slice gives bit-for-bit the same numbers as running it on
+the whole tensor — which is why sharding is exact. Optimizers that couple elements (Adafactor's
+factored row/column moments, LBFGS, Muon) are refused.
+
+Each :class:`Target` is one 1-D fp32 tensor the optimizer updates: elements
+``[flat_start, flat_start + numel)`` of a flat buffer (its full extent for stage 0, the rank's
+shard for stages 1-3). Targets of one parameter group go to one optimizer param group.
+
+Checkpoints see this state as :class:`Piece` s — "elements [start, stop) of parameter NAME, of
+kind KIND" — which is independent of stage and world size, so a checkpoint saved at one layout
+loads at any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from zerodp.engine.layout import FlatLayout
+
+PARAM = "param"
+
+# Optimizers whose update of element i reads only element i of the parameter, its gradient and
+# its states (plus scalars shared by the whole tensor, such as the step count).
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta")
+    if hasattr(torch.optim, name)
+)
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class Target:
+    tensor: torch.Tensor  # 1-D fp32, the values the optimizer updates
+    layout: FlatLayout
+    flat_start: int
+    group: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, stop)`` of the flattened parameter ``name``, of state ``kind``."""
+
+    name: str
+    kind: str
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    tensor: torch.Tensor  # 1-D view of stop - start elements
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers whose update is not elementwise: their sharded update would be wrong."""
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
+        raise ValueError(
+            f"{type(optimizer).__name__} is not known to be elementwise: ZeRO runs the optimizer on "
+            f"1/N slices of flattened parameters, which is exact only when each element's update "
+            f"depends on that element alone (factored or matrix-wise optimizers such as Adafactor, "
+            f"Muon or LBFGS read whole rows or matrices). Use one of: {known}."
+        )
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class MasterOptimizer:
+    """The stock optimizer over fp32 targets, with state exposed as pieces and scalars."""
+
+    def __init__(self, factory: OptimizerFactory, targets: list[Target], group_options: list[dict]):
+        self.targets = targets
+        param_groups = []
+        for g, opts in enumerate(group_options):
+            params = [t.tensor for t in targets if t.group == g]
+            if params:
+                param_groups.append({"params": params, **opts})
+        self.optimizer = factory(param_groups)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                "optimizer must be a callable taking a list of param groups and returning a "
+                f"torch.optim.Optimizer, e.g. lambda groups: torch.optim.AdamW(groups, lr=3e-4); "
+                f"it returned {type(self.optimizer).__name__}"
+            )
+        check_elementwise(self.optimizer)
+        given = {id(p) for grp in self.optimizer.param_groups for p in grp["params"]}
+        if given != {id(t.tensor) for t in targets}:
+            raise ValueError(
+                "the optimizer factory must build its optimizer over exactly the param groups it is "
+                "given (the engine's flat fp32 shards), not over model.parameters()"
+            )
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        for t in self.targets:
+            t.tensor.grad = None
+
+    # ---- state as pieces --------------------------------------------------------------
+    def state_kinds(self) -> list[str]:
+        """Per-element state names (e.g. exp_avg, exp_avg_sq) present now."""
+        kinds: set[str] = set()
+        for t in self.targets:
+            for k, v in self.optimizer.state.get(t.tensor, {}).items():
+                if torch.is_tensor(v) and v.shape == t.tensor.shape and v.dim() == 1:
+                    kinds.add(k)
+        return sorted(kinds)
+
+    def pieces(self, kinds: Iterable[str] | None = None) -> list[Piece]:
+        kinds = self.state_kinds() if kinds is None else list(kinds)
+        out = []
+        for t in self.targets:
+            state = self.optimizer.state.get(t.tensor, {})
+            sources = [(PARAM, t.tensor)] + [(k, state[k]) for k in kinds if k in state]
+            for span in t.layout.spans(t.flat_start, t.flat_start + t.tensor.numel()):
+                lo = span.flat_start - t.flat_start
+                for kind, tensor in sources:
+                    out.append(Piece(span.slot.name, kind, span.param_start, span.param_stop,
+                                     span.slot.shape, tensor[lo:lo + span.numel]))
+        return out
+
+    def scalar_state(self) -> dict:
+        """Scalars per param group (e.g. Adam's step) and the per-element state kinds."""
+        groups = []
+        for grp in self.optimizer.param_groups:
+            state = self.optimizer.state.get(grp["params"][0], {})
+            groups.append({k: float(v) for k, v in state.items()
+                           if not torch.is_tensor(v) or v.dim() == 0})
+        return {"kinds": self.state_kinds(), "groups": groups}
+
+    def load_scalar_state(self, scalars: dict) -> None:
+        """Create the optimizer state (zeros + scalars) so that pieces can be loaded into it."""
+        groups = scalars.get("groups", [])
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"checkpoint has optimizer state for {len(groups)} param groups, this engine has "
+                f"{len(self.optimizer.param_groups)}: build the engine with the same param groups"
+            )
+        for grp, saved in zip(self.optimizer.param_groups, groups):
+            for p in grp["params"]:
+                state = self.optimizer.state[p]
+                state.clear()
+                for kind in scalars.get("kinds", []):
+                    state[kind] = torch.zeros_like(p)
+                for k, v in saved.items():
+                    state[k] = torch.tensor(v, dtype=_scalar_dtype())
+
+    def load_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
+        """Fill every piece this rank holds from ``read(name, kind, start, stop)``."""
+        with torch.no_grad():
+            for piece in self.pieces():
+                src = read(piece.name, piece.kind, piece.start, piece.stop)
+                if src.numel() != piece.tensor.numel():
+                    raise ValueError(
+                        f"checkpoint gave {src.numel()} elements for {piece.kind} of {piece.name}"
+                        f"[{piece.start}:{piece.stop}], expected {piece.tensor.numel()}"
+                    )
+                piece.tensor.copy_(src.reshape(-1))
