@@ -9,6 +9,7 @@ import sys
 
 # Subcommand modules, in the order ``zerodp --help`` lists them.
 COMMAND_MODULES = [
+    "zerodp.plan.cli",
 ]
 
 

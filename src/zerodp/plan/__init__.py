@@ -1,0 +1,46 @@
+"""zerodp.plan: the seed's cost models as a torch-free library.
+
+Every function takes plain numbers (bytes, seconds, FLOP/s, counts) or dataclasses and returns a
+dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input raises ValueError.
+
+- hardware:    :class:`Hardware`, presets (H100, H800, H200, A100, B200, TPU v5p), :func:`load_hardware`
+- collectives: alpha-beta ring times, algbw/busbw, V* = NαW, two-leg (intra/inter node) times
+- memory:      model states per GPU for stages 0–3, activations (Korthikanti et al. 2022)
+- roofline:    tokens-per-device threshold, MoE, whole-model and per-layer (FSDP) forms
+- batch:       gbs = mbs × grad_acc × dp
+- timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
+- models:      model presets and custom shapes
+- report:      the seed's worked examples, recomputed
+- plot:        timeline lanes and sweep curve (matplotlib imported only when called)
+"""
+
+from zerodp.plan.batch import BatchPlan, nearest_power_of_two, plan_batch
+from zerodp.plan.collectives import (KINDS, CollectiveTime, HierarchicalCost, RingCost,
+                                     bus_factor, collective_time, network_cost, ring_steps)
+from zerodp.plan.hardware import (PRESETS as HARDWARE_PRESETS, Hardware, get_hardware,
+                                  hardware_from_dict, hardware_names, load_hardware,
+                                  save_hardware)
+from zerodp.plan.memory import (ADAM_K, Activations, MaxParams, ModelStates, activations,
+                                all_stages, max_params, model_states)
+from zerodp.plan.models import PRESETS as MODEL_PRESETS, Model, custom_model, get_model, model_names
+from zerodp.plan.plot import plot_timeline
+from zerodp.plan.report import Report, ReportRow, build_report
+from zerodp.plan.roofline import (LayerPrefetch, MaxDevices, Roofline, WholeModel, layer_prefetch,
+                                  max_devices, threshold, whole_model)
+from zerodp.plan.timeline import (DDP_DEFAULT_BUCKET_BYTES, BackwardTimeline, Bucket, BucketRun,
+                                  BucketSweep, CommOp, FsdpTimeline, Layer, LayerSpan, SweepPoint,
+                                  default_bucket_sizes, model_layers, simulate_backward,
+                                  simulate_fsdp, sweep_buckets, uniform_layers)
+
+__all__ = [
+    "ADAM_K", "Activations", "BackwardTimeline", "BatchPlan", "Bucket", "BucketRun", "BucketSweep",
+    "CollectiveTime", "CommOp", "DDP_DEFAULT_BUCKET_BYTES", "FsdpTimeline", "HARDWARE_PRESETS",
+    "Hardware", "HierarchicalCost", "KINDS", "Layer", "LayerPrefetch", "LayerSpan", "MODEL_PRESETS",
+    "MaxDevices", "MaxParams", "Model", "ModelStates", "Report", "ReportRow", "RingCost", "Roofline",
+    "SweepPoint", "WholeModel", "activations", "all_stages", "build_report", "bus_factor",
+    "collective_time", "custom_model", "default_bucket_sizes", "get_hardware", "get_model",
+    "hardware_from_dict", "hardware_names", "layer_prefetch", "load_hardware", "max_devices",
+    "max_params", "model_layers", "model_names", "model_states", "nearest_power_of_two",
+    "network_cost", "plan_batch", "plot_timeline", "ring_steps", "save_hardware", "threshold", "simulate_backward", "simulate_fsdp",
+    "sweep_buckets", "uniform_layers", "whole_model",
+]

@@ -1,0 +1,123 @@
+"""Shared plumbing for the planner: units, number parsing, validation, and the ``to_dict`` mixin.
+
+Every size in the planner is in bytes and every time in seconds; "GB" means 1e9 bytes, as in the
+seed (seed §2.4, §8: "16 GB", "120 GB").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+KB = 1e3
+MB = 1e6
+GB = 1e9
+TB = 1e12
+
+_SUFFIX = {
+    "": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
+    "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40,
+}
+_QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]{0,3})\s*$")
+
+
+def parse_quantity(text: str | float | int, what: str = "value") -> float:
+    """Parse ``"16e9"``, ``"25MB"``, ``"4M"``, ``"16GiB"`` or a number into a float.
+
+    Suffixes k/M/G/T/P are decimal (1e3...), Ki/Mi/Gi/Ti binary; a trailing ``B`` is allowed.
+    """
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _QUANTITY.match(str(text))
+    suffix = m.group(2).lower() if m else ""
+    if suffix not in _SUFFIX and suffix.endswith("b"):
+        suffix = suffix[:-1]
+    if not m or suffix not in _SUFFIX:
+        raise ValueError(
+            f"cannot read {what} {text!r}: expected a number with an optional suffix "
+            "k/M/G/T (x1e3...) or Ki/Mi/Gi (x1024...), e.g. 16e9, 25MB, 4M, 16GiB")
+    return float(m.group(1)) * _SUFFIX[suffix]
+
+
+def check_positive(name: str, value: float, allow_zero: bool = False) -> float:
+    """Raise ValueError unless ``value`` is a finite number > 0 (or >= 0 with ``allow_zero``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return value
+
+
+def check_count(name: str, value: int, minimum: int = 1) -> int:
+    """Raise ValueError unless ``value`` is an integer >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) and not (
+            isinstance(value, float) and value.is_integer()):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return value.to_dict() if hasattr(value, "to_dict") else {
+            f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no inf/nan
+    return value
+
+
+class ToDict:
+    """Mixin for result dataclasses: ``to_dict()`` gives JSON-ready values under the field names."""
+
+    def to_dict(self) -> dict:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def fmt_bytes(n: float) -> str:
+    """Human bytes in decimal units (GB = 1e9)."""
+    for unit, scale in (("TB", TB), ("GB", GB), ("MB", MB), ("kB", KB)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    """Human seconds: s, ms or µs."""
+    if abs(s) >= 1:
+        return f"{s:.3g} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def fmt_count(n: float) -> str:
+    """Human count: 8.8M, 40.5M, 2,475."""
+    if abs(n) >= 1e9:
+        return f"{n / 1e9:.3g}B"
+    if abs(n) >= 1e6:
+        return f"{n / 1e6:.3g}M"
+    return f"{n:,.0f}"
+
+
+def table(headers: list[str], rows: list[list], title: str | None = None, align: str | None = None) -> str:
+    """A plain-text table. ``align``: one letter per column, "l" or "r" (default: first column
+    left, the rest right)."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    align = align or "l" + "r" * (len(headers) - 1)
+
+    def line(r):
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                         for c, w, a in zip(r, widths, align)).rstrip()
+
+    out = [title] if title else []
+    out += [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
+    return "\n".join(out)

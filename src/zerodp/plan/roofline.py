@@ -1,0 +1,193 @@
+"""When data parallelism is communication-bound (seed §7, §10.1, §10.2).
+
+Per layer (seed §7.1), backward compute 8·D·F·B/(X·C) against AllReduce 8·D·F/W: compute-bound iff
+the tokens per device B/X exceed C/W, the hardware's "network arithmetic intensity". Corrections:
+
+* small DP (seed §7.3): the ring's (X−1)/X factor: B/X > C/W · (X−1)/X;
+* across nodes (seed §7.2, §7.3): two legs, NVLink per device inside a node with (g−1)/g and NIC
+  egress per node between nodes with (m−1)/m; the slower leg sets W:
+  ``threshold = C · max((g−1)/g / W_intra, (m−1)/m / W_inter)``. "At scale" (``n=None``) means
+  many nodes, (m−1)/m → 1, the seed's 2475 (H100) and 4300 (H800) tokens/GPU;
+* MoE (seed §7.3): compute follows the k active experts, gradients all E: threshold × E/k.
+
+The seed's quoted "C/W" numbers (e.g. H100 inside a node ≈ 2200) are ``intra_c_over_w`` and
+``inter_c_over_w``: C over one leg's bandwidth, without any (n−1)/n.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zerodp.plan._common import ToDict, check_count, check_positive
+from zerodp.plan.collectives import network_cost
+from zerodp.plan.hardware import Hardware, get_hardware
+from zerodp.plan.models import Model, get_model
+
+BF16 = 2
+#: seed §7.4: backward ≈ 4·tokens·Ψ FLOPs (twice the forward's 2·tokens·Ψ)
+BACKWARD_FLOPS_PER_TOKEN_PARAM = 4
+FORWARD_FLOPS_PER_TOKEN_PARAM = 2
+#: seed §10.2: a transformer layer has about 16h² parameters
+PARAMS_PER_LAYER_PER_H2 = 16
+
+
+@dataclass(frozen=True)
+class Roofline(ToDict):
+    """Tokens-per-device threshold. ``to_dict()`` keys:
+
+    ``hardware``, ``n`` (devices; null = at scale), ``axes``, ``flops``, ``intra_c_over_w`` and
+    ``inter_c_over_w`` (C over each leg's bandwidth, uncorrected; inter null without a network),
+    ``intra_factor`` (g−1)/g, ``inter_factor`` (m−1)/m (null on one node), ``bottleneck``
+    ("intra"/"inter"), ``dense_threshold_tokens`` (corrected), ``moe_factor`` (E/k),
+    ``threshold_tokens`` (dense × E/k, tokens per device to be compute-bound) and
+    ``min_batch_tokens`` (threshold × n; null at scale).
+    """
+
+    hardware: str
+    n: int | None
+    axes: int
+    flops: float
+    intra_c_over_w: float
+    inter_c_over_w: float | None
+    intra_factor: float
+    inter_factor: float | None
+    bottleneck: str
+    dense_threshold_tokens: float
+    moe_factor: float
+    threshold_tokens: float
+    min_batch_tokens: float | None
+
+
+def _moe(model, experts, experts_per_token) -> float:
+    if model is not None:
+        if experts != 1 or experts_per_token != 1:
+            raise ValueError("give either a model or experts/experts_per_token, not both")
+        return get_model(model).moe_factor
+    e = check_count("experts", experts)
+    k = check_count("experts_per_token", experts_per_token)
+    if k > e:
+        raise ValueError(f"experts_per_token ({k}) must be <= experts ({e})")
+    return e / k
+
+
+def threshold(hardware: Hardware | str, n: int | None = None, axes: int = 1,
+             model: Model | str | None = None, experts: int = 1,
+             experts_per_token: int = 1) -> Roofline:
+    """The tokens-per-device threshold on ``n`` devices (``None``: at scale, many nodes).
+
+    MoE from ``model`` (a preset or :class:`Model`) or ``experts``/``experts_per_token``.
+    """
+    hw = get_hardware(hardware)
+    axes = check_count("axes", axes)
+    if axes > hw.axes:
+        raise ValueError(f"{hw.name} has {hw.axes} DP axis(es); got axes={axes}")
+    moe = _moe(model, experts, experts_per_token)
+    w_intra = hw.intra_bw * axes
+    has_inter = hw.inter_bw > 0
+    if n is None:
+        g = hw.devices_per_node
+        inter_factor = 1.0 if has_inter else None
+    else:
+        n = check_count("n (devices)", n)
+        network_cost(hw, n, axes)  # validates that n fits this hardware's network
+        g = min(n, hw.devices_per_node)
+        nodes = math.ceil(n / hw.devices_per_node)
+        inter_factor = (nodes - 1) / nodes if nodes > 1 else None
+    intra_factor = (g - 1) / g
+    intra_term = intra_factor / w_intra
+    inter_term = inter_factor / hw.inter_bw if inter_factor is not None else 0.0
+    bottleneck = "inter" if inter_term > intra_term else "intra"
+    dense = hw.flops * max(intra_term, inter_term)
+    thr = dense * moe
+    return Roofline(hardware=hw.name, n=n, axes=axes, flops=hw.flops,
+                    intra_c_over_w=hw.flops / w_intra,
+                    inter_c_over_w=hw.flops / hw.inter_bw if has_inter else None,
+                    intra_factor=intra_factor, inter_factor=inter_factor, bottleneck=bottleneck,
+                    dense_threshold_tokens=dense, moe_factor=moe, threshold_tokens=thr,
+                    min_batch_tokens=thr * n if n is not None else None)
+
+
+@dataclass(frozen=True)
+class MaxDevices(ToDict):
+    """Most devices a batch keeps compute-bound: ``hardware``, ``batch_tokens``, ``axes``,
+    ``moe_factor``, ``threshold_tokens`` (at scale), ``max_devices`` = floor(batch/threshold)."""
+
+    hardware: str
+    batch_tokens: float
+    axes: int
+    moe_factor: float
+    threshold_tokens: float
+    max_devices: int
+
+
+def max_devices(hardware: Hardware | str, batch_tokens: float, axes: int = 1,
+                model: Model | str | None = None, experts: int = 1,
+                experts_per_token: int = 1) -> MaxDevices:
+    """Largest DP size whose tokens per device stay above the at-scale threshold (seed §7.5)."""
+    check_positive("batch_tokens", batch_tokens)
+    r = threshold(hardware, None, axes, model, experts, experts_per_token)
+    return MaxDevices(r.hardware, batch_tokens, axes, r.moe_factor, r.threshold_tokens,
+                      int(batch_tokens // r.threshold_tokens))
+
+
+@dataclass(frozen=True)
+class WholeModel(ToDict):
+    """Seed §7.4 for a whole model: ``params``, ``active_params``, ``tokens_per_device``, ``n``,
+    ``compute_s`` (4·tokens·Ψ_active/C), ``comm_s`` (AllReduce of 2Ψ bytes, bandwidth term of the
+    slower leg), ``ratio`` (compute/comm), ``compute_bound``, ``threshold_tokens``
+    (tokens per device where compute = comm)."""
+
+    params: float
+    active_params: float
+    tokens_per_device: float
+    n: int
+    compute_s: float
+    comm_s: float
+    ratio: float
+    compute_bound: bool
+    threshold_tokens: float
+
+
+def whole_model(params: float, tokens_per_device: float, n: int, hardware: Hardware | str,
+                active_params: float | None = None, axes: int = 1) -> WholeModel:
+    """t_compute = 4·tokens·Ψ/C against t_comm = 2Ψ·2(N−1)/N / W (seed §7.4)."""
+    hw = get_hardware(hardware)
+    check_positive("params", params)
+    check_positive("tokens_per_device", tokens_per_device)
+    active = params if active_params is None else check_positive("active_params", active_params)
+    cost = network_cost(hw, n, axes)
+    compute = BACKWARD_FLOPS_PER_TOKEN_PARAM * tokens_per_device * active / hw.flops
+    comm = cost.seconds_per_byte("all_reduce") * BF16 * params
+    thr = comm * hw.flops / (BACKWARD_FLOPS_PER_TOKEN_PARAM * active)
+    return WholeModel(params, active, tokens_per_device, n, compute, comm,
+                      compute / comm if comm > 0 else math.inf, compute > comm, thr)
+
+
+@dataclass(frozen=True)
+class LayerPrefetch(ToDict):
+    """Seed §10.2, FSDP per-layer prefetch: ``hidden``, ``tokens_per_device`` (seq·mbs), ``n``,
+    ``layer_params`` (16h²), ``allgather_s`` (32h²·(N−1)/N / W), ``forward_s``
+    (2·tokens·16h²/C), ``ratio`` (forward/allgather), ``hidden_by_compute``."""
+
+    hidden: int
+    tokens_per_device: float
+    n: int
+    layer_params: float
+    allgather_s: float
+    forward_s: float
+    ratio: float
+    hidden_by_compute: bool
+
+
+def layer_prefetch(hidden: int, seq: int, micro_batch: int, n: int,
+                   hardware: Hardware | str) -> LayerPrefetch:
+    """Is one layer's AllGather hidden behind its forward? (seed §10.2)"""
+    hw = get_hardware(hardware)
+    h = check_count("hidden", hidden)
+    tokens = check_count("seq", seq) * check_count("micro_batch", micro_batch)
+    layer_params = PARAMS_PER_LAYER_PER_H2 * h * h
+    ag = network_cost(hw, n).seconds_per_byte("all_gather") * BF16 * layer_params
+    fwd = FORWARD_FLOPS_PER_TOKEN_PARAM * tokens * layer_params / hw.flops
+    return LayerPrefetch(h, tokens, n, layer_params, ag, fwd,
+                         fwd / ag if ag > 0 else math.inf, fwd > ag)
