@@ -1,0 +1,154 @@
+"""Predict a training step from a calibration profile, with the planner's simulator.
+
+Closing the loop (DESIGN §1): ``zerodp calibrate`` measured α, W per collective and the model's
+compute on this machine; here the planner's event simulation (seed §4 for buckets, §9.3/§10.2
+for FSDP units) turns them into a predicted step per stage, which ``zerodp bench`` prints next to
+the measured one.
+
+The model is cut into the simulator's layers in forward order — embeddings, each block, the
+final norm + head — with each layer's share of the measured forward and backward time in
+proportion to its FLOPs (2·P·tokens forward, 4·P·tokens backward for P weights used in a matmul,
+plus attention's scores 4·T²·d per sequence forward; the embedding lookup costs none), and its
+gradient bytes from its parameter count and the gradient dtype.
+
+Per stage (what the engine does, see ``zerodp.engine``):
+
+- stage 0: forward + backward + the AllReduce tail exposed after backward (bucketed) + the
+  optimizer over all Ψ parameters;
+- stages 1, 2: the ReduceScatter tail after backward + the optimizer over Ψ/N + the parameter
+  AllGather, which runs alongside the next buckets' updates: max(optimizer, AllGather);
+- stage 3: the FSDP simulation (per-unit AllGather with prefetch, ReduceScatter per unit, the
+  kept last unit) + the optimizer over Ψ/N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from zerodp.plan.collectives import RingCost
+from zerodp.plan.timeline import Layer, simulate_backward, simulate_fsdp
+
+FORWARD_FLOPS_PER_TOKEN_PARAM = 2
+BACKWARD_TO_FORWARD = 2  # backward = 2 × forward FLOPs (seed §7.1: 4 matmuls vs 2)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    params: int  # parameters whose gradients this layer communicates
+    matmul_params: int  # parameters used in a matmul per token (0 for an embedding lookup)
+    attn_flops_per_token: float = 0.0
+
+
+def gpt_layer_shapes(cfg, seq_len: int) -> list[LayerShape]:
+    """Embedding, blocks and head of :class:`zerodp.train.model.GPT`, from its config alone."""
+    d, v, f = cfg.d_model, cfg.vocab_size, cfg.ffn_mult * cfg.d_model
+    bias = 1 if cfg.bias else 0
+    ln = 2 * d if cfg.bias else d
+    block_matmul = 4 * d * d + 2 * d * f
+    block = block_matmul + bias * (3 * d + d + f + d) + 2 * ln
+    attn = 4 * seq_len * d / 2  # QK^T and AV, causal half, per token: 2·(2·T·d)/2
+    emb = v * d + cfg.seq_len * d
+    head = 0 if cfg.tie_weights else v * d
+    layers = [LayerShape("embedding", emb, 0)]
+    layers += [LayerShape(f"block{i}", block, block_matmul, attn) for i in range(cfg.n_layer)]
+    layers.append(LayerShape("head", head + ln, v * d))
+    return layers
+
+
+def split_compute(shapes: list[LayerShape], tokens: int, forward_s: float, backward_s: float,
+                  grad_bytes_per_param: int) -> list[Layer]:
+    """Planner layers whose forward/backward times add up to the measured ones, by FLOP share."""
+    flops = [FORWARD_FLOPS_PER_TOKEN_PARAM * s.matmul_params + s.attn_flops_per_token for s in shapes]
+    total = sum(flops)
+    if total <= 0:
+        raise ValueError("the model has no matmul FLOPs to share the measured time by")
+    return [Layer(s.name, float(grad_bytes_per_param * s.params),
+                  backward_s * fl / total, forward_s * fl / total) for s, fl in zip(shapes, flops)]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    stage: int
+    world_size: int
+    tokens_per_rank: int
+    bucket_bytes: float
+    forward_s: float
+    backward_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    param_sync_s: float  # stages 1-2: AllGather of updated params not hidden by the update
+    step_s: float
+    comm_s: float  # total time of all collectives of the step
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fit_cost(cal: dict, kind: str) -> RingCost:
+    for f in cal["fits"]:
+        if f["kind"] == kind:
+            return RingCost(alpha=f["alpha_s"], bandwidth=f["bandwidth"], n=f["world_size"])
+    raise ValueError(f"the profile has no fit for {kind}; re-run zerodp calibrate")
+
+
+class _PerKindCost:
+    """The simulator's cost protocol, with each collective priced by its own measured fit."""
+
+    def __init__(self, cal: dict):
+        self.costs = {k: _fit_cost(cal, k) for k in ("all_reduce", "reduce_scatter", "all_gather")}
+
+    def time(self, kind: str, nbytes: float) -> float:
+        return self.costs[kind].time(kind, nbytes)
+
+
+def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | None = None,
+                 bucket_mb: float = 25.0, grad_bytes_per_param: int = 4,
+                 world_size: int | None = None) -> Prediction:
+    """Predicted step of the GPT ``cfg`` at ``micro_batch`` × ``seq_len`` tokens per rank.
+
+    ``cal`` is the ``calibration`` table of a profile. Compute is rescaled from the calibrated
+    token count to this one (linear in tokens, seed §7.1).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    n = world_size or cal["world_size"]
+    if n != cal["world_size"]:
+        raise ValueError(f"profile was calibrated on {cal['world_size']} ranks; predict for that many")
+    seq = seq_len or cfg.seq_len
+    tokens = micro_batch * seq
+    comp = cal["compute"]
+    scale = tokens / comp["tokens"]
+    shapes = gpt_layer_shapes(cfg, seq)
+    params = sum(s.params for s in shapes)
+    layers = split_compute(shapes, tokens, comp["forward_s"] * scale, comp["backward_s"] * scale,
+                           grad_bytes_per_param)
+    fwd = sum(l.forward_s for l in layers)
+    bwd = sum(l.backward_s for l in layers)
+    opt_full = comp["optimizer_s_per_param"] * params
+    cost = _PerKindCost(cal)
+    bucket_bytes = bucket_mb * 2**20
+    if stage == 0:
+        tl = simulate_backward(layers, cost, bucket_bytes, "all_reduce", split_layers=False)
+        exposed, opt, sync, comm = tl.exposed_comm_s, opt_full, 0.0, tl.comm_s
+    elif stage in (1, 2):
+        tl = simulate_backward(layers, cost, bucket_bytes, "reduce_scatter", split_layers=False)
+        opt = opt_full / n
+        gather = sum(cost.time("all_gather", b.nbytes) for b in tl.buckets())
+        sync = max(0.0, gather - opt)
+        exposed, comm = tl.exposed_comm_s, tl.comm_s + gather
+    else:
+        tl = simulate_fsdp(layers, cost, prefetch=True, keep_last=True)
+        exposed, opt, sync, comm = tl.exposed_comm_s, opt_full / n, 0.0, tl.comm_s
+    step = fwd + bwd + exposed + opt + sync
+    return Prediction(stage, n, tokens, bucket_bytes, fwd, bwd, exposed, opt, sync, step, comm)
+
+
+def predictions_table(preds: list[Prediction]) -> str:
+    lines = [f"{'stage':>5} {'tokens/rank':>11} {'forward':>9} {'backward':>9} {'exposed':>9} "
+             f"{'optimizer':>9} {'param AG':>9} {'step':>9}   (ms)"]
+    for p in preds:
+        lines.append(f"{p.stage:>5} {p.tokens_per_rank:>11} {p.forward_s * 1e3:>9.1f} "
+                     f"{p.backward_s * 1e3:>9.1f} {p.exposed_comm_s * 1e3:>9.1f} "
+                     f"{p.optimizer_s * 1e3:>9.1f} {p.param_sync_s * 1e3:>9.1f} {p.step_s * 1e3:>9.1f}")
+    return "\n".join(lines)
