@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
-	  else echo "chromium missing: run 'sudo apt-get install chromium' (browser tests will be skipped)"; fi; }
+	  else echo "chromium missing: run 'sudo apt-get install chromium' (the browser tests need it)"; fi; }
 
 demo: setup
 	$(BIN)/zerodp demo

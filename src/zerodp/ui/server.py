@@ -1,0 +1,138 @@
+"""The local web server of ``zerodp ui``: one page, its static files, plotly.js, and the JSON API.
+
+Routes (GET only):
+
+* ``/`` — the page (``static/index.html``); ``/static/<file>`` — its script and style;
+* ``/plotly.min.js`` — the chart library, served from the installed ``plotly`` Python package,
+  so the page loads nothing from the internet;
+* ``/api/<endpoint>?name=value&...`` — :mod:`zerodp.ui.api`; 200 with JSON, 422 with
+  ``{"error", "field", "expected"}`` for bad input, 404 for an unknown endpoint.
+
+A Content-Security-Policy of ``'self'`` tells the browser to refuse anything from elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+from zerodp.ui.api import Api
+from zerodp.ui.measured import Measured
+from zerodp.ui.params import ApiError
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+          ".css": "text/css; charset=utf-8"}
+# plotly injects <style> elements and uses inline style attributes; everything else is 'self'
+CSP = ("default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'none'")
+
+
+def plotly_js_path() -> str:
+    """The plotly.js bundle that ships inside the ``plotly`` Python package."""
+    try:
+        import plotly
+    except ImportError:
+        raise FileNotFoundError("the plotly package is missing: pip install plotly") from None
+    path = os.path.join(os.path.dirname(plotly.__file__), "package_data", "plotly.min.js")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: reinstall plotly (pip install --force-reinstall plotly)")
+    return path
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Serves one request; the :class:`Api` and the quiet flag live on the server."""
+
+    server: "UiServer"
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        url = urlsplit(self.path)
+        if url.path.startswith("/api/"):
+            return self._api(url.path[len("/api/"):], url.query)
+        if url.path in ("/", "/index.html"):
+            return self._file(os.path.join(STATIC_DIR, "index.html"))
+        if url.path == "/plotly.min.js":
+            return self._file(self.server.plotly_path, cache=True)
+        if url.path.startswith("/static/"):
+            name = url.path[len("/static/"):]
+            if name in self.server.static_files:  # a fixed list: no path can escape the folder
+                return self._file(os.path.join(STATIC_DIR, name))
+        self._json(HTTPStatus.NOT_FOUND, {"error": f"not found: {url.path}"})
+
+    def _api(self, name: str, query: str):
+        try:
+            raw = parse_qs(query, keep_blank_values=True, strict_parsing=False)
+        except ValueError as exc:
+            return self._json(HTTPStatus.BAD_REQUEST, {"error": f"bad query string: {exc}"})
+        repeated = sorted(k for k, v in raw.items() if len(v) > 1)
+        if repeated:
+            err = ApiError(repeated[0], f"{repeated[0]} given {len(raw[repeated[0]])} times", "one value")
+            return self._json(HTTPStatus.UNPROCESSABLE_ENTITY, err.to_dict())
+        try:
+            body = self.server.api.handle(name, {k: v[0] for k, v in raw.items()})
+        except KeyError:
+            names = ", ".join(self.server.api.endpoints())
+            return self._json(HTTPStatus.NOT_FOUND, {"error": f"no endpoint {name!r}; endpoints: {names}"})
+        except ApiError as exc:
+            return self._json(HTTPStatus.UNPROCESSABLE_ENTITY, exc.to_dict())
+        self._json(HTTPStatus.OK, body)
+
+    def _send(self, status: int, body: bytes, content_type: str, cache: bool = False):
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "max-age=3600" if cache else "no-store")
+        self.send_header("Content-Security-Policy", CSP)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj):
+        body = json.dumps(obj, allow_nan=False).encode()
+        self._send(status, body, "application/json")
+
+    def _file(self, path: str, cache: bool = False):
+        with open(path, "rb") as f:
+            body = f.read()
+        self._send(HTTPStatus.OK, body, _TYPES.get(os.path.splitext(path)[1], "application/octet-stream"),
+                   cache)
+
+    def log_message(self, format, *args):  # noqa: A002 (http.server's signature)
+        if not self.server.quiet:
+            super().log_message(format, *args)
+
+
+class UiServer(ThreadingHTTPServer):
+    """A threading HTTP server that carries the :class:`Api` its handlers answer with."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], api: Api, quiet: bool = True):
+        self.api = api
+        self.quiet = quiet
+        self.plotly_path = plotly_js_path()
+        self.static_files = frozenset(os.listdir(STATIC_DIR))
+        super().__init__(address, Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/"
+
+
+def make_server(host: str = "127.0.0.1", port: int = 0, profile: str | None = None,
+                trace: str | None = None, quiet: bool = True) -> UiServer:
+    """A bound, not yet serving server; ``port=0`` picks a free port (see ``server.url``)."""
+    return UiServer((host, port), Api(Measured.load(profile, trace)), quiet=quiet)
+
+
+def serve_in_thread(server: UiServer) -> threading.Thread:
+    """Run ``server`` in a daemon thread (tests); stop it with ``server.shutdown()``."""
+    thread = threading.Thread(target=server.serve_forever, name="zerodp-ui", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,202 @@
+"""The page in headless Chromium (Debian's package, driven by Playwright).
+
+One browser for the module; one server started with a trace for the interactions, one without
+for the screenshots. Sliders are moved with the keyboard, as a person without a mouse would, and
+every figure asserted is read from the page. Screenshots go to out/screenshots/; set
+ZERODP_SCREENSHOTS=docs/img to refresh the ones the README and docs/ui.md show.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from zerodp.ui.server import make_server, serve_in_thread
+
+pytestmark = pytest.mark.browser
+
+# Screenshots go to out/screenshots (ignored by git); ZERODP_SCREENSHOTS=docs/img refreshes the README's.
+IMG_DIR = Path(os.environ.get("ZERODP_SCREENSHOTS", Path(__file__).resolve().parents[1] / "out" / "screenshots"))
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+PANELS = ("memory", "overlap", "roofline", "batch")
+ALL_READY = ("() => window.Plotly && [...document.querySelectorAll('section.panel')]"
+             ".every(s => s.getAttribute('aria-busy') === 'false')")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # a Chrome trace shaped like the engine's (test_ui_api reads a real one), so the measured
+    # timeline is drawn too
+    trace = tmp_path_factory.mktemp("trace") / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "compute"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "comm"}},
+        {"name": "backward", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 9e3, "args": {}},
+        {"name": "all_reduce", "ph": "X", "pid": 0, "tid": 1, "ts": 5e3, "dur": 6e3,
+         "args": {"label": "bucket 0", "bytes": 1 << 20}},
+    ]}))
+    srv = make_server(port=0, trace=str(trace))
+    serve_in_thread(srv)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+    """No trace: the page as a first-time user sees it, for the screenshots."""
+    srv = make_server(port=0)
+    serve_in_thread(srv)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("Chromium is not installed: run 'apt-get install chromium' (Debian's package; "
+                    "'make test' does it when run as root). These tests use that browser, not one "
+                    "that 'playwright install' downloads.")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the playwright package is missing: pip install -e '.[dev]'")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+class Visit:
+    """A page with its console errors and every request it made."""
+
+    def __init__(self, browser, url, viewport):
+        self.url = url
+        self.context = browser.new_context(viewport=viewport)
+        self.page = self.context.new_page()
+        self.errors, self.requests = [], []
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.goto(url)
+        self.page.wait_for_function(ALL_READY, timeout=30_000)
+
+    def settle(self, panel):
+        self.page.wait_for_selector(f"#{panel}[aria-busy='false']", timeout=15_000)
+
+    def number(self, selector) -> float:
+        return float(self.page.get_attribute(selector, "data-value"))
+
+    def press(self, slider, key, panel="overlap"):
+        self.page.press(slider, key)
+        self.settle(panel)
+
+    def sweep_buckets(self) -> list[float]:
+        """Exposed communication at the bucket slider's smallest value, ten PageUps, its largest."""
+        self.press("#bucket", "Home")
+        readings = [self.number("#exposed")]
+        while self.page.eval_on_selector("#bucket", "el => Number(el.value) < Number(el.max)"):
+            self.press("#bucket", "PageUp")
+            readings.append(self.number("#exposed"))
+            assert len(readings) < 30, "PageUp does not reach the end of the bucket slider"
+        return readings
+
+    def close(self):
+        self.context.close()
+
+
+@pytest.fixture(scope="module")
+def desktop(server, browser):
+    visit = Visit(browser, server.url, DESKTOP)
+    yield visit
+    visit.close()
+
+
+def test_page_loads_clean_and_local(desktop, server):
+    assert desktop.errors == []
+    assert desktop.requests and all(u.startswith(server.url) for u in desktop.requests), desktop.requests
+    assert any(u.endswith("/plotly.min.js") for u in desktop.requests)
+    for panel in PANELS:  # every panel drew its charts
+        assert desktop.page.locator(f"#{panel} .js-plotly-plot").count() >= 1, panel
+        assert desktop.page.locator(f"#{panel} .error").inner_text() == ""
+    # the trace the server was started with is drawn next to the simulation
+    desktop.page.wait_for_selector("#measured-lanes.js-plotly-plot", timeout=10_000)
+    assert "trace.json" in desktop.page.inner_text("#measured-source")
+
+
+def test_every_control_is_labelled_and_sliders_are_native(desktop):
+    unlabelled = desktop.page.eval_on_selector_all(
+        "form input, form select", "els => els.filter(e => !e.labels || !e.labels.length).map(e => e.name)")
+    assert unlabelled == []
+    sliders = desktop.page.eval_on_selector_all(
+        "input[type=range]", "els => els.map(e => [e.name, e.getAttribute('aria-valuetext')])")
+    assert len(sliders) >= 5 and all(text for _, text in sliders), sliders
+
+
+def test_memory_panel_shows_the_zero_paper_table(desktop):
+    shown = [desktop.page.inner_text(f"#memory dd[data-stage='{s}']")
+             for s in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
+    assert shown == ["120 GB", "31.4 GB", "16.6 GB", "1.88 GB"]
+
+
+def test_bucket_slider_goes_high_low_high_and_few_tokens_stay_high(desktop):
+    page = desktop.page
+    backward = desktop.number("#overlap output[data-field='labels.backward']")
+    exposed = desktop.sweep_buckets()
+    print("exposed (s), bucket slider Home → End, 4096 tokens/GPU:", [f"{e:.3g}" for e in exposed])
+    low = min(exposed)
+    i = exposed.index(low)
+    assert 0 < i < len(exposed) - 1, exposed  # the sweet spot is inside the range
+    assert low < 0.1 * backward, (low, backward)  # only a small tail shows
+    assert exposed[0] > 10 * low and exposed[-1] > 3 * low, exposed  # latency / last bucket
+    assert list(exposed[: i + 1]) == sorted(exposed[: i + 1], reverse=True), exposed
+    assert page.inner_text("#exposed").endswith("s")  # a readable time, not a raw number
+
+    # fewer tokens per GPU: backward shrinks, gradients do not, so no bucket size hides them
+    for _ in range(4):  # 4096 → 256 tokens per GPU
+        desktop.press("#tokens", "ArrowLeft")
+    assert page.get_attribute("#tokens", "aria-valuetext") == "256"
+    short_backward = desktop.number("#overlap output[data-field='labels.backward']")
+    few = desktop.sweep_buckets()
+    print("exposed (s), bucket slider Home → End, 256 tokens/GPU:", [f"{e:.3g}" for e in few],
+          f"backward {short_backward:.3g} s")
+    assert short_backward < backward / 10
+    assert all(e > short_backward for e in few), (few, short_backward)  # comm-bound everywhere
+    assert min(few) > 5 * low, (few, low)
+    for _ in range(4):
+        desktop.press("#tokens", "ArrowRight")
+
+
+def test_bad_input_shows_the_servers_message(desktop):
+    page = desktop.page
+    page.fill("#memory input[name=params]", "-5")
+    desktop.settle("memory")
+    assert "params" in page.inner_text("#memory .error")
+    assert page.get_attribute("#memory input[name=params]", "aria-invalid") == "true"
+    page.select_option("#memory select[name=model]", "zero-7.5b")
+    desktop.settle("memory")
+    assert page.inner_text("#memory .error") == ""
+    assert page.inner_text("#memory dd[data-stage='ZeRO-3']") == "1.88 GB"
+
+
+@pytest.mark.parametrize("name, viewport", [("desktop", DESKTOP), ("phone", PHONE)])
+def test_screenshots_at_default_values(plain_server, browser, name, viewport):
+    """A fresh page at each width: no horizontal scrolling, no errors; images for the docs."""
+    IMG_DIR.mkdir(parents=True, exist_ok=True)
+    visit = Visit(browser, plain_server.url, viewport)
+    try:
+        assert visit.errors == []
+        width = visit.page.evaluate("document.documentElement.scrollWidth")
+        assert width <= viewport["width"], f"page is {width}px wide in a {viewport['width']}px window"
+        visit.page.screenshot(path=IMG_DIR / f"ui-{name}.png", full_page=True)
+        visit.page.locator("#overlap").screenshot(path=IMG_DIR / f"ui-overlap-{name}.png")
+    finally:
+        visit.close()
+    assert (IMG_DIR / f"ui-{name}.png").stat().st_size > 10_000
