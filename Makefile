@@ -24,7 +24,7 @@ browser:
 	  else echo "chromium missing: run 'sudo apt-get install chromium' (the browser tests need it)"; fi; }
 
 demo: setup
-	$(BIN)/zerodp demo
+	$(BIN)/zerodp train
 
 test: setup browser
 	$(BIN)/python -m pytest -q

@@ -37,3 +37,14 @@ def test_one_failing_rank_ends_all_with_its_traceback():
     with pytest.raises(RankFailure, match="boom on rank 1"):
         run_local(_rank1_raises_then_others_block, 2, timeout=60, grace=3)
     assert time.monotonic() - t0 < 45
+
+
+def _return_tensor(rank, world):
+    import torch
+
+    return torch.full((3,), float(rank))
+
+
+def test_tensors_come_back_by_value():
+    a, b = run_local(_return_tensor, 2)
+    assert a.tolist() == [0.0, 0.0, 0.0] and b.tolist() == [1.0, 1.0, 1.0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -71,7 +72,9 @@ def _rank_main(job: _Job, rank: int, results: "mp.Queue") -> None:
             out = job.fn(rank, job.world_size, *job.args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Pickled here, by value: a tensor sent through the queue as-is would live in this
+        # process's shared memory, which is gone once it exits.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt, to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -122,7 +125,7 @@ def run_local(
                     first_error_at = first_error_at or time.monotonic()
             continue
         if ok:
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
         else:
             errors[rank] = payload
             first_error_at = first_error_at or time.monotonic()
