@@ -10,6 +10,9 @@ import sys
 # Subcommand modules, in the order ``zerodp --help`` lists them.
 COMMAND_MODULES = [
     "zerodp.plan.cli",
+    "zerodp.train.cli",
+    "zerodp.ui.cli",
+    "zerodp.bench.cli",
 ]
 
 

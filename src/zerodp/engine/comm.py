@@ -28,6 +28,10 @@ ALL_REDUCE = "all_reduce"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_GATHER = "all_gather"
 
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def ring_sent_bytes(kind: str, nbytes: int, world_size: int) -> float:
     """Bytes one rank sends in a ring collective over a V-byte buffer (seed §2.4)."""
@@ -93,7 +97,7 @@ class Collectives:
         n = self.world_size
         return self._issue(
             REDUCE_SCATTER, label, full.numel() * full.element_size(),
-            lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group,
+            lambda: reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=self.group,
                                                async_op=True),
             (lambda: shard.div_(n)) if n > 1 else None, async_op,
         )
@@ -103,7 +107,7 @@ class Collectives:
         """``full`` ← every rank's ``shard`` concatenated in rank order (seed §9.1, §9.3)."""
         return self._issue(
             ALL_GATHER, label, full.numel() * full.element_size(),
-            lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True),
+            lambda: all_gather_flat(full, shard, group=self.group, async_op=True),
             None, async_op,
         )
 

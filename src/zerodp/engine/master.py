@@ -117,13 +117,20 @@ class MasterOptimizer:
                     kinds.add(k)
         return sorted(kinds)
 
-    def pieces(self, kinds: Iterable[str] | None = None) -> list[Piece]:
+    def pieces(self, kinds: Iterable[str] | None = None,
+               ranges: Callable[[Target], tuple[int, int]] | None = None) -> list[Piece]:
+        """State as pieces. ``ranges(target)`` restricts each target to a flat range ``[lo, hi)``
+        of its layout (stage 0 holds full replicas but each rank saves only its slice)."""
         kinds = self.state_kinds() if kinds is None else list(kinds)
         out = []
         for t in self.targets:
             state = self.optimizer.state.get(t.tensor, {})
             sources = [(PARAM, t.tensor)] + [(k, state[k]) for k in kinds if k in state]
-            for span in t.layout.spans(t.flat_start, t.flat_start + t.tensor.numel()):
+            start, stop = t.flat_start, t.flat_start + t.tensor.numel()
+            if ranges is not None:
+                want = ranges(t)
+                start, stop = max(start, want[0]), min(stop, want[1])
+            for span in t.layout.spans(start, stop):
                 lo = span.flat_start - t.flat_start
                 for kind, tensor in sources:
                     out.append(Piece(span.slot.name, kind, span.param_start, span.param_stop,

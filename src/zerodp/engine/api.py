@@ -1,0 +1,63 @@
+"""``zerodp.parallelize``: one call, one switch for the sharding stage (seed §9, DESIGN §2).
+
+    engine = zerodp.parallelize(model, optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4),
+                                stage=2, mixed_precision="bf16")
+
+stage 0 = data parallelism as DDP does it (seed §2-§5), 1 = ZeRO-1 (optimizer states sharded,
+§9.1), 2 = ZeRO-2 (+ gradients, §9.2), 3 = ZeRO-3 / FSDP (+ parameters, §9.3, §10). Every stage
+class has the same constructor, see :mod:`zerodp.engine.base`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerodp.engine.base import StageEngine
+from zerodp.engine.config import EngineConfig, MixedPrecision
+from zerodp.engine.master import OptimizerFactory
+
+
+def engine_class(stage: int, reduce_every_microbatch: bool = True) -> type[StageEngine]:
+    """The engine class of a stage (stage 3 is imported only when asked for)."""
+    if stage == 0:
+        from zerodp.engine.ddp import DDPEngine
+
+        return DDPEngine
+    if stage == 1:
+        from zerodp.engine.zero1 import ZeRO1Engine
+
+        return ZeRO1Engine
+    if stage == 2:
+        from zerodp.engine.zero1 import ZeRO2ReduceOnceEngine
+        from zerodp.engine.zero2 import ZeRO2Engine
+
+        return ZeRO2Engine if reduce_every_microbatch else ZeRO2ReduceOnceEngine
+    if stage == 3:
+        from zerodp.engine.fsdp import FSDPEngine
+
+        return FSDPEngine
+    raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3 (FSDP)")
+
+
+def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
+                mixed_precision: "str | MixedPrecision | None" = None,
+                units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None,
+                **options) -> StageEngine:
+    """Wrap ``model`` for data-parallel training at the given ZeRO ``stage``.
+
+    ``optimizer(param_groups)`` must build a stock elementwise ``torch.optim`` optimizer over the
+    groups it is given (the engine's fp32 master tensors). ``mixed_precision``: None (fp32),
+    ``"bf16"`` or a :class:`MixedPrecision`. ``units``: FSDP units for stage 3 (e.g.
+    ``list(model.blocks)``). Other keyword options are :class:`EngineConfig` fields
+    (``bucket_mb``, ``sync``, ``find_unused_parameters``, ``average_by_tokens``, ``param_groups``,
+    ``reduce_every_microbatch``, ...).
+    """
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"stage", "mixed_precision"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"parallelize got unknown option(s) {unknown}; known options: {sorted(known)}")
+    config = EngineConfig(stage=stage, mixed_precision=MixedPrecision.parse(mixed_precision), **options)
+    return engine_class(stage, config.reduce_every_microbatch)(model, optimizer, config, units=units, group=group)

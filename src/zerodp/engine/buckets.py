@@ -1,0 +1,118 @@
+"""Gradient buckets: which parameters travel together, and the flat buffers they live in.
+
+Seed §4: one collective per parameter pays the fixed latency α hundreds of times, so gradients
+are packed into *buckets* of about ``bucket_mb`` MB (PyTorch DDP's default is 25 MB) and each
+bucket is reduced with one collective as soon as all its gradients are final. Buckets are filled
+in **reverse registration order**, because backward produces the last layers' gradients first
+(seed §3); the first bucket is small (``first_bucket_mb``) so that communication starts early.
+A bucket never mixes optimizer param groups or dtypes.
+
+The three sync modes of the seed map onto bucket plans:
+
+- ``naive``    (§2.5): one bucket per param group, reduced after backward ends;
+- ``overlap``  (§3):   one bucket per parameter, reduced from its gradient hook;
+- ``bucketed`` (§4):   buckets of ``bucket_mb``, reduced as each one fills.
+
+Each bucket owns a flat parameter buffer (padded to a multiple of N, DESIGN §2) and each
+parameter becomes a view into it, so collectives and the optimizer run on a few large
+contiguous tensors with no copies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from zerodp.engine.layout import FlatLayout
+
+MB = 1024 * 1024  # DDP's bucket_cap_mb counts mebibytes
+
+
+def plan_buckets(sizes: list[int], groups: list[int], element_size: int, sync: str,
+                 bucket_mb: float, first_bucket_mb: float) -> list[list[int]]:
+    """Split parameter indices (registration order) into buckets, in launch order.
+
+    Walks parameters in reverse; each param group fills its own open bucket, which closes once it
+    holds at least its cap (``first_bucket_mb`` for the very first bucket, then ``bucket_mb``).
+    Buckets are ordered by the position of their first parameter in the reverse walk, i.e. by
+    when backward starts filling them.
+    """
+    if sync == "overlap":
+        return [[i] for i in reversed(range(len(sizes)))]
+    caps = (math.inf, math.inf) if sync == "naive" else (first_bucket_mb * MB, bucket_mb * MB)
+    closed: list[list[int]] = []
+    open_: dict[int, list[int]] = {}
+    open_bytes: dict[int, int] = {}
+    for i in reversed(range(len(sizes))):
+        g = groups[i]
+        open_.setdefault(g, []).append(i)
+        open_bytes[g] = open_bytes.get(g, 0) + sizes[i] * element_size
+        cap = caps[0] if not closed else caps[1]
+        if open_bytes[g] >= cap:
+            closed.append(open_.pop(g))
+            open_bytes.pop(g)
+    buckets = closed + list(open_.values())
+    order = {i: pos for pos, i in enumerate(reversed(range(len(sizes))))}
+    return sorted(buckets, key=lambda b: order[b[0]])
+
+
+@dataclass
+class Bucket:
+    """One bucket: its parameters (in bucket order), layout, flat parameter buffer and group."""
+
+    index: int
+    group: int
+    names: list[str]
+    params: list[nn.Parameter]
+    layout: FlatLayout
+    param_buf: torch.Tensor
+    grad_buf: torch.Tensor | None = None  # full local gradients (stages 0-1, 2 with reduce once)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"bucket {self.index}"
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view into a flat buffer of this bucket's layout."""
+        return [flat[s.offset:s.stop].view(s.shape) for s in self.layout.slots]
+
+    def describe(self) -> dict:
+        return {"group": self.group, "dtype": str(self.param_buf.dtype), **self.layout.to_dict()}
+
+
+@torch.no_grad()
+def build_buckets(named_params: list[tuple[str, nn.Parameter]], groups: list[int], plan: list[list[int]],
+                  world_size: int, dtype: torch.dtype, device: torch.device,
+                  ) -> tuple[list[Bucket], list[torch.Tensor]]:
+    """Create the flat buffers and turn every parameter into a view of its bucket's buffer.
+
+    Returns the buckets and, per bucket, an fp32 flat copy of the parameters' *original* values
+    (before any cast to ``dtype``), which the caller uses as the fp32 master or drops.
+    """
+    buckets, originals = [], []
+    for b, idx in enumerate(plan):
+        names = [named_params[i][0] for i in idx]
+        params = [named_params[i][1] for i in idx]
+        layout = FlatLayout.pack([(n, tuple(p.shape)) for n, p in zip(names, params)], world_size)
+        fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+        for slot, p in zip(layout.slots, params):
+            fp32[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
+        param_buf = fp32 if dtype == torch.float32 else fp32.to(dtype)
+        bucket = Bucket(b, groups[idx[0]], names, params, layout, param_buf)
+        for p, view in zip(params, bucket.views(param_buf)):
+            p.data = view
+        buckets.append(bucket)
+        originals.append(fp32)
+    return buckets, originals
+
+
+def cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Mixed precision: floating-point module buffers follow the compute dtype (seed §1)."""
+    for sub in module.modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                setattr(sub, name, buf.to(dtype))

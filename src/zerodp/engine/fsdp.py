@@ -1,0 +1,534 @@
+"""Stage 3: ZeRO-3 / FSDP — parameters, gradients and optimizer states all sharded 1/N.
+
+Seed §9.3: each rank keeps 1/N of everything, (2 + 2 + k)Ψ/N bytes of model states, plus the
+temporarily gathered units. A step, unit by unit (seed §10's sharded notation):
+
+forward   for each unit: AllGather its parameters → compute → free them. The unit that finishes
+          forward last stays gathered, because backward needs it first: 2L − 1 AllGathers per
+          step for L units, not 2L (seed §9.3).
+backward  in reverse: AllGather the unit again (§10 "可提前做", may be done early) → its backward
+          → ReduceScatter its gradients (§10 "可异步", asynchronous) → free parameters and the
+          full gradients; each rank keeps only its gradient shard.
+prefetch  while unit i computes, unit i+1's AllGather is in flight (forward), unit i−1's in
+          backward (§9.3 预取). It hides when one unit's compute outlasts one unit's AllGather,
+          i.e. tokens per rank > C/W (§10.2). At most two gathered units are alive besides the
+          kept last one; the engine measures that peak (``stats().peak_gathered_units``).
+step      the stock optimizer updates this rank's fp32 master shard; the compute-dtype shard is
+          refreshed by a cast. There is no AllGather after the step: the next forward gathers.
+
+Communicated elements per rank per step: Ψ (forward AG) + Ψ (backward AG, minus the kept unit)
++ Ψ (RS) ≈ 3Ψ·(N−1)/N, 1.5× stage 2 (seed §9.3, §10.1). A single unit holding the whole model
+degenerates to ZeRO-1/2: one AllGather before forward, one ReduceScatter after backward
+(seed §10.3).
+
+Units (seed §10.3) default to each block of the model's largest ``nn.ModuleList`` plus a root
+unit for the remaining parameters (embeddings, final norm, head); ``units=[...]`` overrides.
+
+Tied parameters WORK when every module sharing the weight is in the same unit (a GPT's tied
+embedding and head both live in the root unit: one slot, one gradient, one update); weights tied
+across units are REFUSED at construction with a message naming both. Frozen parameters
+(``requires_grad=False``) WORK: they are gathered with their unit (forward needs them), get no
+gradient, no optimizer state, and are never updated.
+
+Gradient accumulation has the two options of stage 2 (seed §5, §9.2): by default every
+micro-batch's gradients are ReduceScattered and accumulated on the shard (memory first); with
+``reduce_every_microbatch=False`` the full unsharded gradients of every unit are kept across
+the ``no_sync`` micro-batches and reduced once (communication first, +2Ψ of memory).
+
+At rest (between steps) the module's parameters are empty placeholders — nothing is gathered —
+so read weights with ``engine.full_state_dict()`` (a collective), not ``module.state_dict()``;
+``engine.module(x)`` still runs, gathering unit by unit (under ``torch.no_grad()`` every unit is
+freed again after its forward).
+
+Mechanics: parameters are views into each unit's flat buffer (:mod:`zerodp.engine.unit`);
+module forward pre/post hooks gather and free; hooks on each unit's outputs start its backward
+(gather, prefetch); a unit's backward is over when post-accumulate-grad hooks have counted all
+its gradients *and* an identity function on its inputs has received their gradient; then its
+ReduceScatter is launched and it is freed. An end-of-backward callback catches units whose
+parameters got no gradient and waits for the last ReduceScatters. Prefetch follows the order
+recorded in the previous forward (module registration order before the first one), so every
+rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerodp.engine.base import StageEngine
+from zerodp.engine.comm import Pending
+from zerodp.engine.config import EngineConfig
+from zerodp.engine.master import OptimizerFactory, Target
+from zerodp.engine.stats import EngineStats, fmt_bytes
+from zerodp.engine.trace import COMPUTE
+from zerodp.engine.unit import FROZEN, Unit, plan_units
+
+MAX_REDUCE_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
+
+
+@dataclass
+class UnitInfo:
+    """One unit as data: Ψ_u, padded to a multiple of N, the shard each rank keeps, and the
+    bytes of its gathered buffer in the compute dtype."""
+
+    name: str
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    gathered_bytes: int
+
+
+@dataclass
+class FSDPStats(EngineStats):
+    """:class:`~zerodp.engine.stats.EngineStats` for stage 3: ``memory["gathered"]`` is the peak
+    of the last step, ``peak_gathered_units`` how many units that was, ``units`` the unit sizes."""
+
+    peak_gathered_units: int = 0
+    units: list[UnitInfo] = field(default_factory=list)
+
+    @property
+    def all_gathers_expected(self) -> int:
+        """Seed §9.3: 2L − 1 AllGathers per step for L units."""
+        return 2 * len(self.units) - 1
+
+    def table(self) -> str:
+        lines = [super().table(),
+                 f"units: L = {len(self.units)} → 2L−1 = {self.all_gathers_expected} AllGathers/step "
+                 f"expected; peak gathered {self.peak_gathered_units} units "
+                 f"({fmt_bytes(self.memory.get('gathered', 0))})"]
+        for u in self.units:
+            lines.append(f"  {u.name:<18}Ψ_u {u.numel:>10,}  padded {u.padded_numel:>10,}  "
+                         f"shard {u.shard_numel:>9,}  gathered {fmt_bytes(u.gathered_bytes):>10}")
+        return "\n".join(lines)
+
+
+class FSDPEngine(StageEngine):
+    """ZeRO-3 / FSDP over units; see the module docstring. Built by ``parallelize(stage=3)``."""
+
+    stage = 3
+    grads_sharded = True
+
+    def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
+                 units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):
+        super().__init__(module, optimizer_factory, config, units=units, group=group)
+        mp = config.mixed_precision
+        group_index = {id(p): g for (_, p), g in zip(self.named_params, self.param_group_of)}
+        specs = plan_units(module, units, lambda fqn, p: group_index[id(p)])
+        self.param_dtype = mp.param_dtype if mp else None
+        # Check before the first broadcast, so that mismatched ranks fail with words, not a hang.
+        self._check_consistency({
+            "stage": self.stage, "world_size": self.world_size,
+            "mixed_precision": repr(mp), "prefetch": config.prefetch,
+            "units": [{"name": s.label, "params": [[f, list(p.shape), str(p.dtype), g]
+                                                   for f, p, g in s.params]} for s in specs],
+        })
+        self.fsdp_units = [
+            Unit(i, spec, self.rank, self.world_size, self.param_dtype,
+                 mp.comm_dtype if mp else None, bool(mp and mp.fp32_grad_accum), group)
+            for i, spec in enumerate(specs)
+        ]
+        targets: list[Target] = []
+        self._target_grads: list[torch.Tensor] = []
+        for u in self.fsdp_units:
+            lo = u.layout.shard_range(self.rank)[0]
+            for t in u.targets():
+                targets.append(t)
+                self._target_grads.append(u.grad_shard[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()])
+        self.master = self._build_master(targets)
+
+        # Prefetch order: registration order until a forward has been seen, then the recorded one.
+        order = list(self.fsdp_units)
+        self._next_fwd: dict[int, Unit] = {a.index: b for a, b in zip(order, order[1:])}
+        self._next_bwd: dict[int, Unit] = {b.index: a for a, b in zip(order, order[1:])}
+        self._fwd_order: list[Unit] = []
+        self._post_order: list[Unit] = []
+        self._deferred: Unit | None = None  # finished forward, not yet freed (maybe the last one)
+        self._kept: Unit | None = None  # the last forward unit, kept gathered into backward
+        self._forwarding = False
+        self._reduce_this_pass = True
+        self._bwd_started = [False] * len(self.fsdp_units)
+        self._bwd_done = [False] * len(self.fsdp_units)
+        self._grad_count = [0] * len(self.fsdp_units)
+        self._inputs_expected = [0] * len(self.fsdp_units)  # forward calls with grad-requiring inputs
+        self._inputs_fired = [0] * len(self.fsdp_units)
+        self._bwd_events: list[Any] = [None] * len(self.fsdp_units)
+        self._fwd_events: list[Any] = [None] * len(self.fsdp_units)
+        self._reduces: list[tuple[Pending, Any]] = []
+        self._n_gathered = 0
+        self._gathered_bytes = 0
+        self._peak_units = 0
+        self._peak_bytes = 0
+        self.last_peak_gathered_units = 0
+        self.last_peak_gathered_bytes = 0
+        self._handles = []
+        self._install_hooks()
+        self._start_clock()
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        root = self._module
+        self._handles.append(root.register_forward_pre_hook(self._top_pre_forward, prepend=True))
+        for u in self.fsdp_units:
+            self._handles.append(u.module.register_forward_pre_hook(
+                lambda m, a, k, u=u: self._pre_forward(u, a, k), with_kwargs=True))
+            self._handles.append(u.module.register_forward_hook(
+                lambda m, a, out, u=u: self._post_forward(u, out)))
+            for i in u.trainable:
+                self._handles.append(u.params[i].register_post_accumulate_grad_hook(
+                    lambda p, u=u: self._on_grad_final(u)))
+        self._handles.append(root.register_forward_hook(self._top_post_forward))
+
+    def _top_pre_forward(self, module, args):
+        if self._forwarding:
+            return None
+        self._forwarding = True
+        self._finish_reduces()
+        for u in self.fsdp_units:  # e.g. the kept unit of a forward that had no backward
+            if u.gathered:
+                self._free(u)
+        self._kept = None
+        self._fwd_order = []
+        self._post_order = []
+        self._inputs_expected = [0] * len(self.fsdp_units)  # a forward without backward left some
+        self._reduce_this_pass = self._sync or self.config.reduce_every_microbatch
+        return None
+
+    def _pre_forward(self, u: Unit, args, kwargs):
+        if not self._forwarding:
+            # Called outside the model's own forward (a unit run on its own, or activation
+            # recomputation during backward): just make sure the parameters are there.
+            self._ensure_gathered(u)
+            return self._cast_inputs(args, kwargs)
+        d = self._deferred
+        if d is not None and d is not u:
+            self._free(d)
+            self._deferred = None
+        self._fwd_order.append(u)
+        self._ensure_gathered(u)
+        if self.config.prefetch:
+            nxt = self._next_fwd.get(u.index)
+            if nxt is not None and not nxt.gathered:
+                self._gather(nxt, async_op=True)
+        self._fwd_events[u.index] = self.recorder.begin(f"forward {u.name}", COMPUTE, unit=u.name)
+        cast = self._cast_inputs(args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        if torch.is_grad_enabled():
+            args, kwargs = self._watch_inputs(u, args, kwargs)
+        return args, kwargs
+
+    def _watch_inputs(self, u: Unit, args, kwargs):
+        """Route the unit's grad-requiring inputs through :class:`_InputsGradient`, whose backward
+        runs once the gradient w.r.t. those inputs is complete, i.e. the unit's backward is over."""
+        flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if not flat:
+            return args, kwargs
+        self._inputs_expected[u.index] += 1
+        outs = _InputsGradient.apply(self, u, *flat)
+        if isinstance(outs, torch.Tensor):
+            outs = (outs,)
+        swap = {id(a): b for a, b in zip(flat, outs)}
+        return _replace((args, kwargs), swap)
+
+    def _post_forward(self, u: Unit, out):
+        ev = self._fwd_events[u.index]
+        if ev is not None:
+            self.recorder.end(ev)
+            self._fwd_events[u.index] = None
+        if not self._forwarding:
+            return None
+        d = self._deferred
+        if d is not None and d is not u:
+            self._free(d)
+        self._deferred = u
+        self._post_order.append(u)
+        if torch.is_grad_enabled():
+            hook = lambda grad, u=u: self._pre_backward(u)  # noqa: E731
+            for t in _grad_tensors(out):
+                t.register_hook(hook)
+        return None
+
+    def _top_post_forward(self, module, args, out):
+        if not self._forwarding:
+            return None
+        self._forwarding = False
+        last, self._deferred = self._deferred, None
+        if self._fwd_order:
+            seq = self._fwd_order
+            self._next_fwd = {a.index: b for a, b in zip(seq, seq[1:])}
+            back = self._post_order[::-1]
+            self._next_bwd = {a.index: b for a, b in zip(back, back[1:])}
+        if last is not None:
+            if torch.is_grad_enabled() and _grad_tensors(out):
+                self._kept = last  # seed §9.3: used first by backward, so never freed: 2L − 1
+            else:
+                self._free(last)
+        return None
+
+    def _pre_backward(self, u: Unit) -> None:
+        i = u.index
+        if self._bwd_started[i]:
+            return
+        self._bwd_started[i] = True
+        self._backward_started()
+        self._ensure_gathered(u)
+        if self.config.prefetch:
+            nxt = self._next_bwd.get(i)
+            if nxt is not None and not nxt.gathered and not self._bwd_started[nxt.index]:
+                self._gather(nxt, async_op=True)
+        self._bwd_events[i] = self.recorder.begin(f"backward {u.name}", COMPUTE, unit=u.name)
+
+    # A unit's backward is over when (a) every trainable parameter's gradient is accumulated and
+    # (b) the gradient w.r.t. its inputs is computed — (b) matters when a parameter without
+    # gradient (frozen) is still needed after the last trainable one, e.g. a frozen norm weight
+    # at the start of a block. Units whose inputs need no gradient rely on (a); the end-of-backward
+    # callback catches whatever got no gradient at all.
+    def _on_grad_final(self, u: Unit) -> None:
+        i = u.index
+        self._grad_count[i] += 1
+        if self._bwd_started[i] and self._unit_backward_over(u):
+            self._post_backward(u)
+
+    def _on_inputs_grad(self, u: Unit) -> None:
+        i = u.index
+        self._inputs_fired[i] += 1
+        if self._bwd_started[i] and self._unit_backward_over(u):
+            self._post_backward(u)
+
+    def _unit_backward_over(self, u: Unit) -> bool:
+        i = u.index
+        return (self._grad_count[i] >= len(u.trainable)
+                and self._inputs_fired[i] >= self._inputs_expected[i])
+
+    def _post_backward(self, u: Unit) -> None:
+        """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
+        i = u.index
+        if self._bwd_done[i]:
+            return
+        self._bwd_done[i] = True
+        ev = self._bwd_events[i]
+        if ev is not None:
+            self.recorder.end(ev)
+            self._bwd_events[i] = None
+        if u.has_trainable:
+            u.collect_grads()
+        if u.has_trainable and self._reduce_this_pass:
+            self._reduce(u)
+        if self._kept is u:
+            self._kept = None
+        self._free(u)
+
+    def _on_backward_end(self) -> None:
+        # Units whose parameters got no (or not every) gradient in this backward.
+        for u in self.fsdp_units:
+            i = u.index
+            if (self._bwd_started[i] or self._grad_count[i]) and not self._bwd_done[i]:
+                self._post_backward(u)
+        for u in self.fsdp_units:
+            if u.gathered:
+                self._free(u)
+        self._kept = None
+        self._finish_reduces()
+        n = len(self.fsdp_units)
+        self._bwd_started, self._bwd_done, self._grad_count = [False] * n, [False] * n, [0] * n
+        self._inputs_expected, self._inputs_fired = [0] * n, [0] * n
+
+    # ---- gather / free / reduce ---------------------------------------------------------------
+    def _gather(self, u: Unit, async_op: bool) -> None:
+        u.gather(self.comm, async_op=async_op)
+        self._n_gathered += 1
+        self._gathered_bytes += u.gathered_nbytes()  # measured: the storage just allocated
+        if self._n_gathered > self._peak_units:
+            self._peak_units = self._n_gathered
+        if self._gathered_bytes > self._peak_bytes:
+            self._peak_bytes = self._gathered_bytes
+
+    def _ensure_gathered(self, u: Unit) -> None:
+        if not u.gathered:
+            self._gather(u, async_op=False)
+        else:
+            u.wait_gather()
+
+    def _free(self, u: Unit) -> None:
+        if u.gathered:
+            self._n_gathered -= 1
+            self._gathered_bytes -= u.gathered_nbytes()
+            u.free()
+
+    def _reduce(self, u: Unit) -> None:
+        factor = self._token_factor()
+        if factor is not None:
+            u.grad_full.mul_(factor)
+        while len(self._reduces) >= MAX_REDUCE_IN_FLIGHT:
+            pending, finish = self._reduces.pop(0)
+            pending.wait()
+            finish()
+        self._reduces.append(u.reduce(self.comm))
+
+    def _finish_reduces(self) -> None:
+        for pending, finish in self._reduces:
+            pending.wait()
+            finish()
+        self._reduces.clear()
+
+    def _cast_inputs(self, args, kwargs):
+        dt = self.param_dtype
+        if dt is None:
+            return None
+        return _cast_floats(args, dt), _cast_floats(kwargs, dt)
+
+    # ---- StageEngine contract ------------------------------------------------------------------
+    def _finish_grad_sync(self) -> None:
+        self._finish_reduces()
+        # Gradients kept unreduced by no_sync with reduce_every_microbatch=False, and a step
+        # taken without a final synchronized micro-batch: reduce them now (every rank does).
+        pending = [u for u in self.fsdp_units if u.grad_allocated and u.has_trainable]
+        if pending:
+            for u in pending:
+                self._reduce(u)
+            self._finish_reduces()
+
+    def _master_grads(self) -> list[torch.Tensor | None]:
+        for u in self.fsdp_units:
+            if u.grad_shard_fresh:  # no gradient was reduced since zero_grad
+                u.grad_shard.zero_()
+                u.grad_shard_fresh = False
+        return self._target_grads
+
+    def _publish_params(self) -> None:
+        """No AllGather after the step (unlike ZeRO-1/2): only the cast of the new fp32 master
+        into the compute-dtype shard; the next forward gathers unit by unit."""
+        for u in self.fsdp_units:
+            u.refresh_param_shard()
+
+    def step(self) -> None:
+        super().step()
+        # The gathered peak of the step just completed, for stats(); start the next one.
+        self.last_peak_gathered_units = self._peak_units
+        self.last_peak_gathered_bytes = self._peak_bytes
+        self._peak_units, self._peak_bytes = self._n_gathered, self._gathered_bytes
+
+    def _zero_grad(self) -> None:
+        for u in self.fsdp_units:
+            u.grad_shard_fresh = True
+            u.free_grads()
+
+    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [], "comm_buffers": []}
+        for u in self.fsdp_units:
+            if u.param_shard is not u.master:
+                out["params"].append(u.param_shard)
+            out["grads"].append(u.grad_shard)
+            out["gathered"].append(u.full)
+            # Full gradients: in flight to the ReduceScatter, or (reduce_every_microbatch=False)
+            # the unsharded local sum kept across no_sync micro-batches.
+            out["comm_buffers" if self.config.reduce_every_microbatch else "grads"].append(u.grad_full)
+            out["comm_buffers"] += [t for t in (u._rs_scratch, u._rs_src) if t is not None]
+        return out
+
+    # ---- stage-3 specific views ------------------------------------------------------------------
+    def stats(self) -> "FSDPStats":
+        """:meth:`StageEngine.stats` plus the units and the measured peak of gathered units.
+
+        At rest a ZeRO-3 rank holds no gathered unit, so ``memory["gathered"]`` reports the peak
+        bytes of simultaneously gathered units during the last step (measured from the storages
+        when they were allocated); ``peak_gathered_units`` counts them (seed §9.3: the unit in use
+        + the one prefetched, plus the last unit kept from forward into backward).
+        """
+        base = super().stats()
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        fields["memory"] = dict(fields["memory"], gathered=self.last_peak_gathered_bytes)
+        # Ψ from the layouts: at rest the module's parameters are empty placeholders.
+        fields["num_params"] = sum(u.layout.slots[i].numel for u in self.fsdp_units for i in u.trainable)
+        return FSDPStats(
+            **fields, peak_gathered_units=self.last_peak_gathered_units,
+            units=[UnitInfo(u.name, u.numel, u.layout.padded_numel, u.layout.shard_numel,
+                            u.gathered_bytes_when_full()) for u in self.fsdp_units],
+        )
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter (frozen ones too) as a full tensor from the fp32 master."""
+        self._finish_grad_sync()
+        out: dict[str, torch.Tensor] = {}
+        for u in self.fsdp_units:
+            flat = torch.empty(u.layout.padded_numel, dtype=u.master.dtype, device=u.master.device)
+            self.comm.all_gather(flat, u.master, "full_state_dict", async_op=False)
+            for slot in u.layout.slots:
+                out[slot.name] = flat[slot.offset:slot.stop].view(slot.shape).clone()
+        return out
+
+    def layout(self) -> list[dict]:
+        """One entry per unit: its flat layout, parameter groups, and who owns which slice."""
+        out = []
+        for u in self.fsdp_units:
+            d = u.layout.to_dict()
+            d.update(index=u.index, unit=u.name, sharded=True,
+                     groups=[g for g in u.groups],
+                     options=[self.group_options[g] if g != FROZEN else None for g in u.groups],
+                     owners=[list(u.layout.shard_range(r)) for r in range(self.world_size)])
+            out.append(d)
+        return out
+
+
+class _InputsGradient(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward tells the engine the unit's backward is over."""
+
+    @staticmethod
+    def forward(ctx, engine: "FSDPEngine", unit: Unit, *inputs: torch.Tensor):
+        ctx.engine, ctx.unit = engine, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._on_inputs_grad(ctx.unit)
+        return (None, None) + grads
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _replace(x: Any, swap: dict[int, torch.Tensor]) -> Any:
+    if isinstance(x, torch.Tensor):
+        return swap.get(id(x), x)
+    if isinstance(x, tuple):
+        return tuple(_replace(v, swap) for v in x)
+    if isinstance(x, list):
+        return [_replace(v, swap) for v in x]
+    if isinstance(x, dict):
+        return {k: _replace(v, swap) for k, v in x.items()}
+    return x
+
+
+def _grad_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _grad_tensors(item)]
+    return []
+
+
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, tuple):
+        return tuple(_cast_floats(v, dtype) for v in x)
+    if isinstance(x, list):
+        return [_cast_floats(v, dtype) for v in x]
+    if isinstance(x, dict):
+        return {k: _cast_floats(v, dtype) for k, v in x.items()}
+    return x

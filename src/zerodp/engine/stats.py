@@ -1,0 +1,218 @@
+"""What a step cost: measured bytes per rank by kind, collectives, exposed communication.
+
+Memory is *measured*, not computed: the engine lists the tensors it holds by kind and this module
+sums the sizes of their distinct storages (a view into a flat buffer counts once, with the first
+kind that names the buffer). The seed's ledger (§1, §8, §9) then says what it should be; with bf16
+mixed precision and AdamW (k = 12), per rank with Ψ parameters on N ranks:
+
+==========  ===========  ============  ===========  ======================
+stage       params       grads         master       optimizer states (m, v)
+==========  ===========  ============  ===========  ======================
+0 DP        2Ψ           2Ψ (+4Ψ)      4Ψ           8Ψ
+1 ZeRO-1    2Ψ           2Ψ (+4Ψ)      4Ψ/N         8Ψ/N
+2 ZeRO-2    2Ψ           2Ψ/N (+4Ψ/N)  4Ψ/N         8Ψ/N
+==========  ===========  ============  ===========  ======================
+
+(+…: fp32 gradient accumulation.) ``python -m zerodp.engine.stats`` runs every stage on local
+ranks and prints formula vs measured per kind; the formulas come from the planner
+(:func:`zerodp.plan.memory.model_states`), written independently of the engine.
+
+Communication of the last completed step is grouped by collective kind; ``wait_s`` is how long
+the host was blocked waiting for it (seed §4: the *exposed* part, what overlap did not hide).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from zerodp.engine.base import MEMORY_KINDS, MODEL_STATE_KINDS
+from zerodp.engine.trace import COMM, COMPUTE
+
+
+@dataclass
+class CollectiveStats:
+    """All collectives of one kind in a step: how many, full-buffer bytes V, ring bytes sent."""
+
+    kind: str
+    count: int = 0
+    bytes: int = 0
+    sent_bytes: float = 0.0
+    seconds: float = 0.0  # issue to completion, summed
+    wait_s: float = 0.0  # host blocked on them: exposed communication
+
+
+@dataclass
+class EngineStats:
+    stage: int
+    rank: int
+    world_size: int
+    num_params: int  # Ψ: trainable parameters
+    param_dtype: str
+    step: int  # the step the per-step figures describe (last completed)
+    memory: dict[str, int] = field(default_factory=dict)  # bytes per rank by kind
+    collectives: dict[str, CollectiveStats] = field(default_factory=dict)
+    exposed_comm_s: float = 0.0
+    compute_s: dict[str, float] = field(default_factory=dict)  # forward / backward / step spans
+    step_time_s: float | None = None
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(self.memory.get(k, 0) for k in MODEL_STATE_KINDS)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["model_state_bytes"] = self.model_state_bytes
+        return d
+
+    def table(self) -> str:
+        """A readable table with units."""
+        lines = [f"stage {self.stage}, rank {self.rank}/{self.world_size}, Ψ = {self.num_params:,} "
+                 f"params ({self.param_dtype}), step {self.step}",
+                 f"{'memory kind':<18}{'bytes':>14}{'per param':>11}"]
+        for kind in MEMORY_KINDS:
+            v = self.memory.get(kind, 0)
+            lines.append(f"  {kind:<16}{fmt_bytes(v):>14}{v / self.num_params:>11.3f}")
+        lines.append(f"  {'model states':<16}{fmt_bytes(self.model_state_bytes):>14}"
+                     f"{self.model_state_bytes / self.num_params:>11.3f}")
+        lines.append(f"{'collective':<18}{'count':>7}{'bytes V':>12}{'sent':>12}{'time':>10}{'exposed':>10}")
+        for c in self.collectives.values():
+            lines.append(f"  {c.kind:<16}{c.count:>7}{fmt_bytes(c.bytes):>12}{fmt_bytes(c.sent_bytes):>12}"
+                         f"{c.seconds * 1e3:>8.2f}ms{c.wait_s * 1e3:>8.2f}ms")
+        spans = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.compute_s.items())
+        step = "n/a" if self.step_time_s is None else f"{self.step_time_s * 1e3:.2f} ms"
+        lines.append(f"compute: {spans or 'n/a'}; exposed comm {self.exposed_comm_s * 1e3:.2f} ms; step {step}")
+        return "\n".join(lines)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def measured_bytes(by_kind: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of distinct storages per kind; a storage already counted under an earlier kind
+    (in :data:`MEMORY_KINDS` order) is not counted again."""
+    seen: set[tuple[str, int]] = set()
+    out = {}
+    for kind in MEMORY_KINDS:
+        total = 0
+        for t in by_kind.get(kind, []):
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        out[kind] = total
+    return out
+
+
+def engine_memory(engine) -> dict[str, int]:
+    by_kind = dict(engine._memory_tensors())
+    master = engine.master
+    by_kind["master"] = [t.tensor for t in master.targets]
+    by_kind["optimizer_states"] = [v for state in master.optimizer.state.values()
+                                   for v in state.values() if torch.is_tensor(v)]
+    return measured_bytes(by_kind)
+
+
+def collect_stats(engine) -> EngineStats:
+    rec = engine.recorder
+    step = rec.step - 1
+    events = rec.step_events(step)
+    colls: dict[str, CollectiveStats] = {}
+    compute: dict[str, float] = {}
+    for e in events:
+        if e.lane == COMM:  # counted when issued; an AllGather of the step may still be in flight
+            c = colls.setdefault(e.args["kind"], CollectiveStats(e.args["kind"]))
+            c.count += 1
+            c.bytes += int(e.args.get("bytes", 0))
+            c.sent_bytes += float(e.args.get("sent_bytes", 0.0))
+            c.seconds += e.duration if e.end is not None else 0.0
+            c.wait_s += float(e.args.get("wait_s", 0.0))
+        elif e.lane == COMPUTE and e.end is not None:
+            compute[e.name] = compute.get(e.name, 0.0) + e.duration
+    return EngineStats(
+        stage=engine.stage, rank=engine.rank, world_size=engine.world_size,
+        num_params=sum(p.numel() for _, p in engine.named_params),
+        param_dtype=str(getattr(engine, "param_dtype", "")).replace("torch.", ""),
+        step=step, memory=engine_memory(engine), collectives=colls,
+        exposed_comm_s=sum(c.wait_s for c in colls.values()), compute_s=compute,
+        step_time_s=engine.last_step_time_s,
+    )
+
+
+# ---- formula vs measured (seed §9) --------------------------------------------------------------
+def formula_by_kind(stage: int, num_params: int, world_size: int, fp32_grad_accum: bool,
+                    k: float = 12.0, master_bytes: float = 4.0) -> dict[str, float]:
+    """The seed's model-state bytes per rank by kind, from the planner's ledger."""
+    from zerodp.plan.memory import model_states
+
+    m = model_states(num_params, world_size, stage, k=k, fp32_grad_acc=fp32_grad_accum)
+    return {"params": m.param_bytes, "grads": m.grad_bytes + m.grad_acc_bytes,
+            "master": m.optimizer_bytes * master_bytes / k,
+            "optimizer_states": m.optimizer_bytes * (k - master_bytes) / k,
+            "total": m.model_state_bytes}
+
+
+def compare_table(stats: EngineStats, formula: dict[str, float]) -> str:
+    n = stats.num_params
+    lines = [f"stage {stats.stage}, N = {stats.world_size}, Ψ = {n:,}",
+             f"  {'kind':<18}{'formula':>14}{'measured':>14}{'B/param':>9}{'diff':>10}"]
+    rows = [(k, formula[k], stats.memory.get(k, 0)) for k in MODEL_STATE_KINDS]
+    rows.append(("model states", formula["total"], stats.model_state_bytes))
+    for kind, want, got in rows:
+        lines.append(f"  {kind:<18}{fmt_bytes(want):>14}{fmt_bytes(got):>14}{got / n:>9.3f}"
+                     f"{(got - want) / max(want, 1) * 100:>9.3f}%")
+    return "\n".join(lines)
+
+
+def _memory_demo(rank: int, world: int, preset: str) -> list[tuple[bool, dict, dict]]:
+    import zerodp
+    from zerodp.engine.config import MixedPrecision
+    from zerodp.train.model import GPT, PRESETS
+
+    out = []
+    for fp32_accum in (False, True):
+        for stage in (0, 1, 2):
+            torch.manual_seed(0)
+            model = GPT(PRESETS[preset])
+            engine = zerodp.parallelize(model, lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage,
+                                        mixed_precision=MixedPrecision(fp32_grad_accum=fp32_accum))
+            cfg = model.cfg
+            x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+            engine(x, x).backward()
+            engine.step()
+            engine.zero_grad()
+            s = engine.stats()
+            out.append((fp32_accum, s.to_dict(), formula_by_kind(stage, s.num_params, world, fp32_accum)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the seed's model-state formula vs the measured bytes, per kind, for stages 0-2."""
+    from zerodp.spawn import run_local
+
+    ap = argparse.ArgumentParser(prog="python -m zerodp.engine.stats", description=main.__doc__)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--preset", default="tiny")
+    args = ap.parse_args(argv)
+    results = run_local(_memory_demo, args.world, args.preset)
+    for i, (fp32_accum, stats, formula) in enumerate(results[0]):
+        if i % 3 == 0:
+            print(f"== bf16 + AdamW (k = 12){' + fp32 grad accumulation' if fp32_accum else ''}, "
+                  f"rank 0 of {args.world} ==")
+        s = EngineStats(**{k: v for k, v in stats.items() if k != "model_state_bytes"})
+        print(compare_table(s, formula))
+
+
+if __name__ == "__main__":
+    main()

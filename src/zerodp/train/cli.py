@@ -1,0 +1,183 @@
+"""``zerodp train``, ``zerodp sample`` and ``zerodp export``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from zerodp.train.config import PRESET_NAMES, TrainConfig
+
+_DEFAULTS = TrainConfig()
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the ones that are None (their help says what None means)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _d(name: str):
+    return getattr(_DEFAULTS, name)
+
+
+def add_parser(sub) -> None:
+    _add_train(sub)
+    _add_sample(sub)
+    _add_export(sub)
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a small GPT data-parallel on local ranks (or under torchrun)",
+        description="Train a GPT on the bundled English corpus (or --data) with the zerodp engine. "
+                    "Starts --nproc local ranks through PyTorch's elastic launcher; under torchrun "
+                    "it runs as one of torchrun's workers. Writes metrics, checkpoints and a report "
+                    "into --out.",
+        formatter_class=_Help)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", default=_d("preset"), choices=PRESET_NAMES, help="model size")
+    g.add_argument("--data", default=None, metavar="FILE",
+                   help="a text file, or a nanoGPT-style uint16 .bin token file (default: Python's "
+                        "bundled documentation topics)")
+    g.add_argument("--seq-len", type=int, default=_d("seq_len"), help="tokens per sequence")
+    g = p.add_argument_group("batch (seed §6.1: gbs = micro-batch × grad_acc × ranks)")
+    g.add_argument("--global-batch-tokens", type=int, default=_d("global_batch_tokens"),
+                   help="tokens per optimizer step, over all ranks")
+    g.add_argument("--micro-batch", type=int, default=_d("micro_batch"),
+                   help="sequences per rank per forward/backward")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--nproc", type=int, default=_d("nproc"), help="local ranks to start")
+    g.add_argument("--stage", type=int, default=_d("stage"),
+                   help="0 DP, 1 ZeRO-1, 2 ZeRO-2, 3 ZeRO-3/FSDP (seed §9)")
+    g.add_argument("--mixed-precision", default=None, choices=["bf16"],
+                   help="bf16 compute with fp32 master weights (seed §1)")
+    g.add_argument("--bucket-mb", type=float, default=_d("bucket_mb"), help="gradient bucket size (seed §4)")
+    g.add_argument("--backend", default=_d("backend"), choices=["auto", "gloo", "nccl"])
+    g.add_argument("--max-restarts", type=int, default=_d("max_restarts"),
+                   help="restart the group this often after a rank fails (resumes from the newest checkpoint)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=_d("steps"), help="optimizer steps in all")
+    g.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="end this invocation after N steps with a checkpoint (continue with --resume)")
+    g.add_argument("--lr", type=float, default=_d("lr"), help="peak learning rate (AdamW)")
+    g.add_argument("--min-lr-ratio", type=float, default=_d("min_lr_ratio"),
+                   help="final learning rate of the cosine decay, as a fraction of --lr")
+    g.add_argument("--warmup-steps", type=int, default=_d("warmup_steps"))
+    g.add_argument("--weight-decay", type=float, default=_d("weight_decay"))
+    g.add_argument("--clip", type=float, default=_d("clip"), help="gradient-norm clipping threshold")
+    g.add_argument("--seed", type=int, default=_d("seed"), help="initial weights and data order")
+    g = p.add_argument_group("outputs")
+    g.add_argument("--out", default=None, metavar="DIR", help="run directory (default: runs/<time>)")
+    g.add_argument("--eval-every", type=int, default=_d("eval_every"), help="steps between validation losses (0: end only)")
+    g.add_argument("--eval-batches", type=int, default=_d("eval_batches"), help="validation micro-batches per rank")
+    g.add_argument("--ckpt-every", type=int, default=_d("ckpt_every"), help="steps between checkpoints (0: end only)")
+    g.add_argument("--keep-checkpoints", type=int, default=_d("keep_checkpoints"))
+    g.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
+                   help="continue from a checkpoint directory or a run directory's newest checkpoint "
+                        "(no value: the one in --out)")
+    g.add_argument("--trace", action="store_true", help="write the Chrome trace of one step (trace.json)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=run_train)
+
+
+def config_from_args(args) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    if kw.get("resume") == "":
+        if not kw.get("out"):
+            raise ValueError("--resume without a checkpoint needs --out DIR (the run to continue)")
+        kw["resume"] = kw["out"]
+    return TrainConfig(**kw)
+
+
+def run_train(args) -> int:
+    from dataclasses import replace
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from zerodp.train.launch import default_out, launch, launched_by_torchrun
+
+    cfg = config_from_args(args)
+    if cfg.out is None and not launched_by_torchrun():
+        cfg = replace(cfg, out=default_out())
+    try:
+        out = launch(cfg)
+    except (KeyboardInterrupt, SignalException):
+        print(f"\nzerodp train: interrupted. {_resumable(cfg.out)}", file=sys.stderr)
+        return 130
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message
+        callstack = ""
+        if isinstance(message, dict):
+            callstack = message.get("extraInfo", {}).get("py_callstack", "")
+            message = message.get("message", "")
+        if callstack:
+            print(callstack, file=sys.stderr)
+        print(f"zerodp train: rank {rank} failed (exit code {failure.exitcode}): {message}. "
+              f"{_resumable(cfg.out)}", file=sys.stderr)
+        return 1
+    if out:
+        print(f"\nrun directory: {out}", file=sys.stderr)
+    return 0
+
+
+def _resumable(out: str | None) -> str:
+    """Where a stopped run can continue from, in words."""
+    from pathlib import Path
+
+    from zerodp.train.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(Path(out) / "checkpoints") if out else []
+    if not found:
+        return "No checkpoint had been completed yet."
+    return (f"The newest complete checkpoint is {found[-1]}; continue with: "
+            f"zerodp train --out {out} --resume (with the same options)")
+
+
+def _add_sample(sub) -> None:
+    p = sub.add_parser("sample", help="print text generated by a trained model",
+                       description="Generate text from a checkpoint (a checkpoint directory, a run "
+                                   "directory = its newest checkpoint, or a file from zerodp export). "
+                                   "Runs in one process; no engine needed.",
+                       formatter_class=_Help)
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--prompt", default="The ", help="text to continue")
+    p.add_argument("--tokens", type=int, default=300, help="tokens (bytes) to generate")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_sample)
+
+
+def run_sample(args) -> int:
+    from zerodp.train.export import sample
+
+    text = sample(args.checkpoint, prompt=args.prompt, tokens=args.tokens,
+                  temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                  log=lambda m: print(m, file=sys.stderr))
+    print(text)
+    return 0
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a plain state_dict (safetensors)",
+                       description="Assemble the full fp32 parameters from a sharded checkpoint (any "
+                                   "world size, any stage) into one safetensors state_dict that "
+                                   "GPT(cfg).load_state_dict(safetensors.torch.load_file(OUT)) loads.")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or run directory")
+    p.add_argument("output", metavar="OUT.safetensors")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args) -> int:
+    from zerodp.train.export import export
+
+    out = export(args.checkpoint, args.output, log=lambda m: print(m, file=sys.stderr))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,155 @@
+"""What one training run is: a dataclass of every setting, and the batch arithmetic of seed §6.1.
+
+``gbs_tokens = gbs × seq_len`` and ``gbs = mbs × grad_acc × dp`` (seed §6): the user fixes the
+global batch in tokens and the sequence length (steps 1–2 of §6.1), picks the largest micro-batch
+that fits (step 3), and the number of ranks; gradient accumulation makes up the rest (step 4).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+
+from typing import TYPE_CHECKING
+
+from zerodp.plan.batch import plan_batch as planner_batch
+
+if TYPE_CHECKING:  # the CLI imports this module; keep it free of torch until a run starts
+    from zerodp.train.model import GPTConfig
+
+# Names of zerodp.train.model.PRESETS (checked against it in tests), so that parsing arguments
+# does not import torch.
+PRESET_NAMES = ("nano", "tiny", "small", "medium", "gpt2-small")
+
+STAGES = (0, 1, 2, 3)
+MIXED_PRECISION = (None, "bf16")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The factors of the global batch (seed §6): ``gbs = micro_batch × grad_acc × dp``."""
+
+    global_batch_tokens: int
+    seq_len: int
+    micro_batch: int
+    dp: int
+    global_batch: int  # samples
+    grad_acc: int
+
+    @property
+    def tokens_per_rank_per_step(self) -> int:
+        return self.micro_batch * self.grad_acc * self.seq_len
+
+
+def plan_batch(global_batch_tokens: int, seq_len: int, micro_batch: int, dp: int) -> BatchPlan:
+    """grad_acc = gbs / (mbs × dp) with gbs = global_batch_tokens / seq_len (seed §6.1, step 4).
+
+    Raises ``ValueError`` that names the numbers and a fix when the factors do not divide, and when
+    ``grad_acc`` would be below 1 (more ranks than the batch needs: "GPU-rich", seed §6.1).
+    """
+    for name, v in (("--global-batch-tokens", global_batch_tokens), ("--seq-len", seq_len),
+                    ("--micro-batch", micro_batch), ("number of ranks", dp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if global_batch_tokens % seq_len:
+        raise ValueError(
+            f"--global-batch-tokens {global_batch_tokens} is not a multiple of --seq-len {seq_len}: "
+            f"the global batch is a whole number of sequences; try {_round(global_batch_tokens, seq_len)}")
+    gbs = global_batch_tokens // seq_len
+    per_pass = micro_batch * dp
+    if gbs < per_pass:
+        raise ValueError(
+            f"the global batch of {gbs} sequences is smaller than --micro-batch {micro_batch} × "
+            f"{dp} ranks = {per_pass}, so grad_acc would be below 1 (too many ranks for this batch, "
+            f"seed §6.1): lower --micro-batch, use fewer ranks, or raise --global-batch-tokens to "
+            f"{per_pass * seq_len}")
+    if gbs % per_pass:
+        raise ValueError(
+            f"the global batch of {gbs} sequences ({global_batch_tokens} tokens / {seq_len}) is not "
+            f"divisible by --micro-batch {micro_batch} × {dp} ranks = {per_pass}: choose "
+            f"--global-batch-tokens {_round(gbs, per_pass) * seq_len} or a micro-batch that divides "
+            f"{gbs // dp if gbs % dp == 0 else gbs}")
+    # The planner's arithmetic (seed §6.1), without its power-of-two rounding: a training run takes
+    # the batch it is given. The checks above turned each of its warnings into an error first.
+    plan = planner_batch(global_batch_tokens, seq_len, micro_batch, dp, round_to_power_of_two=False)
+    if plan.warnings or plan.samples != gbs:
+        raise ValueError("; ".join(plan.warnings) or f"planner disagrees: {plan}")
+    return BatchPlan(global_batch_tokens, seq_len, micro_batch, dp, plan.samples, plan.grad_acc)
+
+
+def _round(x: int, m: int) -> int:
+    return max(m, round(x / m) * m)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every setting of a run; the CLI flags map one to one onto these fields."""
+
+    preset: str = "tiny"
+    data: str | None = None  # None: the bundled corpus
+    out: str | None = None  # run directory; None: runs/<timestamp>
+    steps: int = 60  # the whole run (the learning-rate schedule spans these)
+    stop_after: int | None = None  # end this invocation after so many steps (checkpoint, report)
+    global_batch_tokens: int = 8192
+    seq_len: int = 128
+    micro_batch: int = 16
+    stage: int = 2
+    mixed_precision: str | None = None
+    bucket_mb: float = 0.5
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 1234
+    eval_every: int = 20
+    eval_batches: int = 2
+    ckpt_every: int = 30  # 0: only at the end
+    keep_checkpoints: int = 2
+    resume: str | None = None  # a checkpoint directory or a run directory (its latest checkpoint)
+    trace: bool = False
+    nproc: int = 2
+    backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
+    max_restarts: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.preset not in PRESET_NAMES:
+            raise ValueError(f"unknown --preset {self.preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+        if self.stage not in STAGES:
+            raise ValueError(f"unknown --stage {self.stage!r}: stages are 0 (DP), 1 (ZeRO-1), "
+                             "2 (ZeRO-2), 3 (ZeRO-3/FSDP)")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"--mixed-precision must be bf16 or left out, got {self.mixed_precision!r}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        for name in ("steps", "seq_len", "micro_batch", "global_batch_tokens", "nproc",
+                     "eval_batches", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "ckpt_every", "warmup_steps", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"--stop-after must be >= 1, got {self.stop_after}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+
+    def model_config(self, vocab_size: int) -> "GPTConfig":
+        """The preset, at this run's sequence length and large enough for the data's vocabulary."""
+        from zerodp.train.model import PRESETS
+
+        base = PRESETS[self.preset]
+        return replace(base, seq_len=self.seq_len, vocab_size=max(base.vocab_size, vocab_size))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

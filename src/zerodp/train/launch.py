@@ -1,0 +1,132 @@
+"""Start the ranks of a training run: locally through PyTorch's elastic launcher, or under torchrun.
+
+``zerodp train --nproc 2`` starts two local ranks with
+:func:`torch.distributed.launcher.api.elastic_launch` — the agent ``torchrun`` itself runs: it
+hosts a c10d rendezvous, spawns the workers with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+``MASTER_ADDR``/``MASTER_PORT`` set, watches them, and (with ``--max-restarts``) restarts the whole
+group when one fails. Under ``torchrun`` the same command finds those variables already set and
+runs as one worker directly, so multi-node runs work unchanged::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        -m zerodp.cli train --out /shared/run1 --preset gpt2-small
+
+Everything that can be checked in one process (data, batch arithmetic, a checkpoint to resume) is
+checked before any rank starts, so bad input ends with one clear line instead of N tracebacks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import uuid
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from zerodp.train.config import TrainConfig
+
+# How long ranks wait for each other in a collective before giving up (no silent hangs).
+COLLECTIVE_TIMEOUT_S = 600
+DEFAULT_RUNS_DIR = "runs"
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a worker of torchrun / the elastic agent (the rank variables are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def default_out() -> str:
+    return str(Path(DEFAULT_RUNS_DIR) / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def resolve_backend(cfg: TrainConfig) -> str:
+    if cfg.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if cfg.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+    return cfg.backend
+
+
+def validate(cfg: TrainConfig, world: int) -> None:
+    """The checks every rank would make, made once up front (raise ValueError with the fix)."""
+    from zerodp.train.loop import check_resume, prepare
+
+    resolve_backend(cfg)
+    _, mc, _, _, _ = prepare(cfg, world)
+    check_resume(cfg, mc, log=lambda message: None)  # rank 0 prints the notes once it runs
+    out = Path(cfg.out) if cfg.out else None
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if out is not None and not cfg.resume and not restarted and (out / "checkpoints").is_dir() and any(
+            (out / "checkpoints").iterdir()):
+        raise ValueError(f"{out} already holds checkpoints of another run; pass --resume {out} to "
+                         "continue it, or choose a new --out (nothing was overwritten)")
+
+
+@record  # a failing worker's traceback goes where the elastic agent reports it
+def worker(cfg_dict: dict) -> dict:
+    """Entry point of one rank: set up the process group and device, train, report (rank 0)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from zerodp.train.loop import RankContext, train
+
+    # torch 2.13 renamed the tensor collectives (*_into_tensor -> *_single); the old names still
+    # work and the warning would print once per rank and call site in the middle of the progress bar.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single", category=FutureWarning)
+    from zerodp.train.report import write_report
+
+    cfg = TrainConfig.from_dict(cfg_dict)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and cfg.out:
+        # The agent restarted the group after a failure: continue from the newest checkpoint.
+        if (Path(cfg.out) / "checkpoints").is_dir():
+            cfg = replace(cfg, resume=cfg.out)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = resolve_backend(cfg)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    try:
+        if cfg.out is None:  # the same new directory on every rank
+            name = [default_out() if rank == 0 else None]
+            dist.broadcast_object_list(name, src=0)
+            cfg = replace(cfg, out=name[0])
+        summary = train(cfg, RankContext(rank, world, local_rank, device))
+        if rank == 0:
+            write_report(summary)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"out": cfg.out} if rank == 0 else {}
+
+
+def launch(cfg: TrainConfig) -> str:
+    """Run ``cfg`` on ``cfg.nproc`` local ranks (or as this torchrun worker); return the run dir."""
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        validate(cfg, world)
+        return worker(asdict(cfg)).get("out", cfg.out or "")
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from zerodp.spawn import free_port
+
+    cfg = cfg if cfg.out else replace(cfg, out=default_out())
+    validate(cfg, cfg.nproc)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"zerodp-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.max_restarts,
+        monitor_interval=0.2, start_method="spawn")
+    elastic_launch(config, worker)(asdict(cfg))
+    return cfg.out
+

@@ -1,0 +1,253 @@
+"""The training loop that runs on every rank: data → engine → optimizer step, with evals,
+checkpoints, metrics and the final report.
+
+One step is seed §5's loop: ``grad_acc`` micro-batches, the gradient synchronisation switched off
+(``no_sync``) for all but the last, then clipping and one optimizer step. Which samples each rank
+reads is decided in :mod:`zerodp.train.data`; how gradients and states are sharded is the engine's
+business (stage 0–3, seed §9).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zerodp.train import checkpoint as ckpt
+from zerodp.train.config import BatchPlan, TrainConfig, plan_batch
+from zerodp.train.data import Corpus, Sharding, TrainStream, Windows, load_corpus, val_batches
+from zerodp.train.model import GPT, GPTConfig
+from zerodp.train.progress import METRICS_FILE, MetricsLog, ProgressBar
+
+CHECKPOINTS = "checkpoints"
+# Settings that decide which samples a step reads and how large a step it takes: changing them on
+# resume is allowed (say, a larger batch) but the continuation is then not the saved run's.
+CONTINUITY = ("data", "seed", "global_batch_tokens", "seq_len", "steps", "lr", "warmup_steps",
+              "min_lr_ratio", "weight_decay", "clip", "mixed_precision")
+TRACE_FILE = "trace.json"
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio·lr`` at ``steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def flops_per_token(mc: GPTConfig, n_params: int) -> float:
+    """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's scores and
+    weighted sum, 12·n_layer·d_model·seq_len (the PaLM-paper count, causal mask not discounted).
+    Embedding lookups are not matmuls, so the token and position tables are left out."""
+    lookups = mc.d_model * (mc.seq_len + (0 if mc.tie_weights else mc.vocab_size))
+    return 6.0 * (n_params - lookups) + 12.0 * mc.n_layer * mc.d_model * mc.seq_len
+
+
+def prepare(cfg: TrainConfig, world: int) -> tuple[Corpus, GPTConfig, BatchPlan, Windows, Windows]:
+    """Everything that can be checked before any rank starts: data, model config, batch plan."""
+    corpus = load_corpus(cfg.data)
+    mc = cfg.model_config(corpus.vocab_size)
+    plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, cfg.micro_batch, world)
+    train_w = Windows(corpus.train, cfg.seq_len, "training", corpus.name)
+    val_w = Windows(corpus.val, cfg.seq_len, "validation", corpus.name)
+    return corpus, mc, plan, train_w, val_w
+
+
+def check_resume(cfg: TrainConfig, mc: GPTConfig, log=print) -> "ckpt.Checkpoint | None":
+    """Find and validate the checkpoint ``cfg.resume`` points at (None when not resuming)."""
+    if not cfg.resume:
+        return None
+    ck = ckpt.Checkpoint.open(ckpt.find(cfg.resume, log=log))
+    ck.check_model(mc.to_dict())
+    if ck.step >= cfg.steps:
+        raise ValueError(f"{ck.path} is at step {ck.step} and --steps is {cfg.steps}: nothing left to "
+                         f"do; raise --steps to train further")
+    saved = ck.manifest.get("train", {})
+    changed = [f"{k} {saved[k]!r} -> {getattr(cfg, k)!r}" for k in CONTINUITY
+               if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        log(f"note: resuming with {', '.join(changed)}: training continues, but not along the path "
+            "the saved run would have taken")
+    kinds = {"param", *ck.manifest.get("scalars", {}).get("kinds", [])}
+    for name in ck.names():
+        missing = kinds - set(ck.kinds(name))
+        if missing:
+            raise ckpt.CheckpointError(f"{ck.path / ckpt.MANIFEST} lacks {sorted(missing)} of {name}")
+    return ck
+
+
+def _torch_optimizer(engine) -> torch.optim.Optimizer:
+    # ``engine.optimizer`` if the engine offers it, else the stock optimizer inside its fp32 master.
+    opt = getattr(engine, "optimizer", None) or getattr(getattr(engine, "master", None), "optimizer", None)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise RuntimeError("the engine exposes no torch optimizer to set the learning rate on")
+    return opt
+
+
+def set_lr(engine, lr: float) -> None:
+    for group in _torch_optimizer(engine).param_groups:
+        group["lr"] = lr
+
+
+def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
+    from zerodp.engine import parallelize
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = GPT(mc).to(ctx.device)
+    n_params = model.num_params()  # before wrapping: stage 3 frees the full parameters
+    wd, betas = cfg.weight_decay, (0.9, 0.95)
+    engine = parallelize(model, optimizer=lambda groups: torch.optim.AdamW(
+        groups, lr=cfg.lr, weight_decay=wd, betas=betas), stage=cfg.stage,
+        mixed_precision=cfg.mixed_precision, bucket_mb=cfg.bucket_mb,
+        units=list(model.blocks) if cfg.stage == 3 else None)
+    return engine, n_params
+
+
+def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
+    """Apply a validated checkpoint on every rank, or on none: each rank first checks that it can
+    serve every piece it owns, and the ranks agree before anything is written."""
+    problem = ""
+    try:
+        ck.check_pieces(engine.state_pieces())
+    except ckpt.CheckpointError as e:
+        problem = str(e)
+    flag = torch.tensor([0.0 if problem else 1.0], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item() < 1.0:
+        raise ckpt.CheckpointError(problem or f"another rank cannot load {ck.path}; nothing was loaded")
+    engine.load_scalar_state(ck.manifest.get("scalars", {}))
+    engine.load_state_pieces(ck.read)
+    rng = ck.rng(ctx.rank)
+    if ckpt.RNG_CPU in rng:
+        torch.set_rng_state(rng[ckpt.RNG_CPU])
+    if ckpt.RNG_CUDA in rng and ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(rng[ckpt.RNG_CUDA], ctx.device)
+
+
+@torch.no_grad()
+def evaluate(engine, val_w: Windows, cfg: TrainConfig, ctx: RankContext) -> float:
+    """Mean validation loss over a fixed set of windows, averaged over ranks."""
+    total = torch.zeros(1, device=ctx.device, dtype=torch.float64)
+    for x, y in val_batches(val_w, cfg.micro_batch, cfg.eval_batches, ctx.rank, ctx.world):
+        total += engine(x.to(ctx.device), y.to(ctx.device)).double()
+    dist.all_reduce(total)
+    return total.item() / (cfg.eval_batches * ctx.world)
+
+
+def train(cfg: TrainConfig, ctx: RankContext) -> dict:
+    """Run ``cfg`` on this rank (the process group is up). Returns a summary dict on rank 0."""
+    corpus, mc, plan, train_w, val_w = prepare(cfg, ctx.world)
+    out = Path(cfg.out)
+    lead = ctx.rank == 0
+    say = print if lead else (lambda *a, **k: None)
+    ck = check_resume(cfg, mc, log=say)
+    engine, n_params = build_engine(cfg, mc, ctx)
+    start = 0
+    if ck is not None:
+        load_into(engine, ck, ctx)
+        start = ck.step
+        say(f"resumed from {ck.path} at step {start} (saved by {ck.world_size} ranks at stage "
+            f"{ck.manifest.get('stage')}; now {ctx.world} ranks at stage {cfg.stage})")
+    stream = TrainStream(train_w, Sharding(plan.micro_batch, plan.grad_acc, ctx.world), cfg.seed)
+    fpt = flops_per_token(mc, n_params)
+    step_tokens = plan.global_batch * cfg.seq_len
+
+    log = MetricsLog(out / METRICS_FILE) if lead else None
+    if lead:
+        log.write("start" if ck is None else "resume", step=start, world=ctx.world, stage=cfg.stage,
+                  params=n_params, grad_acc=plan.grad_acc, global_batch=plan.global_batch,
+                  config=asdict(cfg), model=mc.to_dict(), corpus=corpus.name,
+                  train_tokens=int(corpus.train.size), val_tokens=int(corpus.val.size))
+        say(f"model {cfg.preset}: {n_params / 1e6:.2f}M parameters | data {corpus.name}: "
+            f"{corpus.train.size:,} train / {corpus.val.size:,} val tokens | {ctx.world} ranks, "
+            f"stage {cfg.stage}, global batch {plan.global_batch} × {cfg.seq_len} tokens = "
+            f"{plan.micro_batch} micro × {plan.grad_acc} grad_acc × {ctx.world} ranks")
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    bar = ProgressBar(end, start, enabled=lead and cfg.progress)
+
+    def checkpoint(step: int) -> Path:
+        meta = dict(stage=cfg.stage, mixed_precision=cfg.mixed_precision, model=mc.to_dict(),
+                    train=asdict(cfg), scalars=engine.scalar_state(),
+                    data=dict(step=step, samples_consumed=step * plan.global_batch, seed=cfg.seed,
+                              corpus=corpus.name, kind=corpus.kind, epoch=stream.epoch_at(step)))
+        return ckpt.save(engine.state_pieces(), out / CHECKPOINTS, step, meta, keep=cfg.keep_checkpoints)
+
+    val_loss = None
+    if cfg.eval_every and start % cfg.eval_every == 0 or start == 0:
+        val_loss = evaluate(engine, val_w, cfg, ctx)
+        if lead:
+            log.write("eval", step=start, val_loss=val_loss)
+    trace_step = start + min(2, end - start - 1)  # a warm step, not the first
+    step_times, last_ckpt, train_loss = [], None, float("nan")
+    t_run = time.perf_counter()
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        set_lr(engine, lr)
+        loss_sum = torch.zeros((), device=ctx.device)
+        for micro in range(plan.grad_acc):
+            x, y = stream.micro_batch(step, micro, ctx.rank)
+            with engine.no_sync(micro < plan.grad_acc - 1):
+                loss = engine(x.to(ctx.device), y.to(ctx.device)) / plan.grad_acc
+                loss.backward()
+            loss_sum += loss.detach().float()
+        norm = engine.clip_grad_norm_(cfg.clip)
+        engine.step()
+        engine.zero_grad()
+        dist.all_reduce(loss_sum)
+        train_loss = loss_sum.item() / ctx.world
+        step_s = time.perf_counter() - t0
+        step_times.append(step_s)
+        done = step + 1
+        if cfg.trace and step == trace_step:  # the engine counts its steps from 0 in this process
+            engine.export_chrome_trace(out / TRACE_FILE, step=step - start)
+        val_loss = None
+        if (cfg.eval_every and done % cfg.eval_every == 0) or done == end:
+            val_loss = evaluate(engine, val_w, cfg, ctx)
+        if lead:
+            log.write("step", step=done, loss=train_loss, lr=lr, grad_norm=float(norm),
+                      step_s=step_s, tokens=done * step_tokens, tokens_per_s=step_tokens / step_s,
+                      flops_per_s=fpt * step_tokens / step_s, epoch=stream.epoch_at(done))
+            if val_loss is not None:
+                log.write("eval", step=done, val_loss=val_loss)
+        bar.update(train_loss, step_tokens / step_s, step_s, val_loss)
+        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end:
+            last_ckpt = checkpoint(done)
+            if lead:
+                log.write("checkpoint", step=done, path=str(last_ckpt))
+    bar.close()
+    wall = time.perf_counter() - t_run
+
+    try:
+        stats = engine.stats()
+    except Exception as e:  # the report then says it has no engine measurements, and why
+        stats = None
+        say(f"warning: engine.stats() failed ({type(e).__name__}: {e}); the report has no memory "
+            "or communication tables")
+    everyone = [None] * ctx.world
+    dist.all_gather_object(everyone, stats)
+    summary = {}
+    if lead:
+        log.write("end", step=end, wall_s=wall, train_loss=train_loss)
+        log.close()
+        summary = dict(out=str(out), steps=end, total_steps=cfg.steps, start=start, world=ctx.world, stage=cfg.stage,
+                       params=n_params, flops_per_token=fpt, step_tokens=step_tokens,
+                       step_times=step_times, wall_s=wall, checkpoint=str(last_ckpt) if last_ckpt else None,
+                       trace=str(out / TRACE_FILE) if cfg.trace else None, stats=everyone,
+                       device=str(ctx.device), mixed_precision=cfg.mixed_precision,
+                       bucket_mb=cfg.bucket_mb, grad_acc=plan.grad_acc, global_batch=plan.global_batch)
+    return summary

@@ -1,0 +1,82 @@
+"""Shared pieces of the engine tests: tiny models, deterministic data, error measures.
+
+Every numerical claim is checked against an independent reference computed in the same rank
+process: a single-process full-batch model, torch DDP, or ZeroRedundancyOptimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerodp.train.model import GPT, PRESETS
+
+NANO = PRESETS["nano"]  # 43,904 parameters: seq 64, 2 blocks, d 32
+PER_RANK = 2  # sequences per rank per micro-batch
+SMALL_BUCKETS = dict(bucket_mb=0.02, first_bucket_mb=0.005)  # 8 buckets on the nano GPT
+FEW_BUCKETS = dict(bucket_mb=0.06, first_bucket_mb=0.01)  # 4 buckets: cheaper for long runs
+# Trajectories use bias=False: the key part of the attention's qkv bias has an exactly zero
+# gradient (softmax is shift invariant), so Adam turns its rounding noise into full-size steps
+# and no two correct implementations agree on it.
+TRAJECTORY = dict(bias=False)
+
+
+def make_gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(dataclasses.replace(NANO, **overrides))
+
+
+class Odd(nn.Module):
+    """Parameter sizes not divisible by 2, 3 or 4 (35, 7, 7, 7, 21, 3): padding everywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(5, 7)
+        self.norm = nn.LayerNorm(7)
+        self.fc2 = nn.Linear(7, 3)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(torch.tanh(self.norm(self.fc1(x)))), y)
+
+
+def make_odd(seed: int = 0) -> Odd:
+    torch.manual_seed(seed)
+    return Odd()
+
+
+def gpt_batch(step: int, world: int, per_rank: int = PER_RANK, seq: int = NANO.seq_len):
+    """The global batch of a step (the same on every rank); rank r takes rows r·per_rank..."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, NANO.vocab_size, (world * per_rank, seq + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def odd_batch(step: int, world: int, per_rank: int = 3):
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(world * per_rank, 5, generator=g), torch.randn(world * per_rank, 3, generator=g)
+
+
+def shard(t: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
+    return t[rank * per_rank:(rank + 1) * per_rank]
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |b| — elementwise, relative to the reference's scale."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ — the relative error of a whole tensor."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.norm().item()
+    return (a - b).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def worst(errors: dict[str, float]) -> tuple[str, float]:
+    name = max(errors, key=errors.get)
+    return name, errors[name]

@@ -1,0 +1,157 @@
+"""`zerodp train / sample / export` from the command line: bad input ends with one clear line,
+and a real run through the elastic launcher leaves metrics, report, loss curve, trace and a
+checkpoint that export and sample read."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerodp.cli import main
+from zerodp.train import checkpoint as ckpt
+from zerodp.train.model import GPT, PRESETS
+
+TINY_RUN = ["--preset", "nano", "--seq-len", "32", "--global-batch-tokens", "512", "--micro-batch", "4"]
+
+
+def _err(capsys, argv) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"zerodp {argv[0]}: error: "), err  # one line, no traceback
+    return lines[0]
+
+
+def _plain_checkpoint(root: Path, preset="nano", step=5) -> tuple[GPT, Path]:
+    """A world-1 checkpoint holding a freshly initialised GPT's parameters (no optimizer state)."""
+    torch.manual_seed(3)
+    model = GPT(PRESETS[preset])
+    pieces = [type("P", (), dict(name=n, kind="param", start=0, stop=p.numel(), shape=tuple(p.shape),
+                                 tensor=p.detach().reshape(-1)))
+              for n, p in model.named_parameters()]
+    path = ckpt.save(pieces, root / "checkpoints", step,
+                     {"model": model.cfg.to_dict(), "stage": 0, "scalars": {"kinds": [], "groups": [{}]},
+                      "data": {"kind": "bytes"}})
+    return model, path
+
+
+def test_missing_data_file(capsys, tmp_path):
+    line = _err(capsys, ["train", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "r")])
+    assert "missing.txt does not exist" in line
+
+
+def test_sequence_longer_than_the_data(capsys, tmp_path):
+    f = tmp_path / "short.txt"
+    f.write_text("a tiny corpus " * 20)
+    line = _err(capsys, ["train", "--data", str(f), "--seq-len", "512", "--global-batch-tokens", "4096",
+                         "--micro-batch", "4", "--out", str(tmp_path / "r")])
+    assert "fewer than seq_len + 1 = 513" in line and "--seq-len" in line
+
+
+def test_global_batch_not_divisible(capsys, tmp_path):
+    line = _err(capsys, ["train", "--global-batch-tokens", "8192", "--micro-batch", "24", "--out", str(tmp_path / "r")])
+    assert "not divisible by --micro-batch 24 × 2 ranks = 48" in line
+
+
+def test_unknown_stage(capsys, tmp_path):
+    line = _err(capsys, ["train", "--stage", "4", "--out", str(tmp_path / "r")])
+    assert "unknown --stage 4" in line
+
+
+def test_checkpoint_of_another_model(capsys, tmp_path):
+    _plain_checkpoint(tmp_path / "old", preset="nano")
+    line = _err(capsys, ["train", "--preset", "tiny", "--resume", str(tmp_path / "old"), "--out", str(tmp_path / "r")])
+    assert "checkpoint of another model" in line and "d_model: checkpoint 32, this run 128" in line
+    assert "manifest.json" in line
+
+
+def test_resume_needs_a_place_and_runs_never_overwrite(capsys, tmp_path):
+    assert "--resume without a checkpoint needs --out" in _err(capsys, ["train", "--resume"])
+    _plain_checkpoint(tmp_path / "run")
+    line = _err(capsys, ["train", "--preset", "nano", "--out", str(tmp_path / "run")])
+    assert "already holds checkpoints" in line and "--resume" in line
+
+
+def test_export_and_sample_errors(capsys, tmp_path):
+    assert "does not exist" in _err(capsys, ["export", str(tmp_path / "none"), str(tmp_path / "o.safetensors")])
+    _plain_checkpoint(tmp_path / "run")
+    assert "ending in .safetensors" in _err(capsys, ["export", str(tmp_path / "run"), str(tmp_path / "o.pt")])
+    assert "--tokens must be >= 1" in _err(capsys, ["sample", str(tmp_path / "run"), "--tokens", "0"])
+
+
+def test_export_gives_the_same_logits_and_sample_prints_text(capsys, tmp_path):
+    model, path = _plain_checkpoint(tmp_path / "run")
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(tmp_path / "run"), str(out)]) == 0
+    from safetensors.torch import load_file
+
+    plain = GPT(model.cfg)
+    plain.load_state_dict(load_file(str(out)))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(plain(x), model(x))
+    capsys.readouterr()
+    assert main(["sample", str(path), "--prompt", "The ", "--tokens", "20", "--seed", "1"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("The ") and len(text.encode()) >= 20
+
+
+def test_parsing_train_arguments_does_not_import_torch():
+    code = ("import sys, zerodp.cli as c; c.build_parser().parse_args(['train', '--stage', '3']); "
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "False", r.stderr
+
+
+def test_preset_names_match_the_model():
+    from zerodp.train.config import PRESET_NAMES
+
+    assert tuple(PRESETS) == PRESET_NAMES
+
+
+@pytest.mark.dist
+def test_train_end_to_end_through_the_elastic_launcher(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "zerodp.cli", "train", *TINY_RUN, "--steps", "6", "--eval-every", "3",
+           "--ckpt-every", "3", "--stage", "2", "--trace", "--out", str(run)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for name in ("metrics.jsonl", "loss.png", "report.md", "report.json", "trace.json"):
+        assert (run / name).stat().st_size > 0, name
+    report = (run / "report.md").read_text()
+    for needle in ("memory per rank, measured", "reduce_scatter", "all_gather", "exposed communication",
+                   "FLOP/s", "tokens/s"):
+        assert needle in report, needle
+    assert f"run directory: {run}" in r.stderr
+    records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "eval"] == [0, 3, 6]
+    assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, 7))
+    trace = json.loads((run / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert any(e.get("args", {}).get("kind") == "reduce_scatter" for e in trace["traceEvents"])
+    data = json.loads((run / "report.json").read_text())
+    assert len(data["stats"]) == 2 and data["stats"][0]["memory"]["optimizer_states"] > 0
+    ck = ckpt.Checkpoint.open(ckpt.find(run))
+    assert ck.step == 6 and ck.world_size == 2 and ck.manifest["stage"] == 2
+    assert [p.name for p in ckpt.complete_checkpoints(run / "checkpoints")] == ["step_00000003", "step_00000006"]
+    s = subprocess.run([sys.executable, "-m", "zerodp.cli", "sample", str(run), "--tokens", "10"],
+                       capture_output=True, text=True, timeout=120)
+    assert s.returncode == 0 and s.stdout.startswith("The "), s.stderr
+
+
+@pytest.mark.dist
+def test_the_same_command_runs_under_torchrun(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "zerodp.cli", "train", *TINY_RUN, "--steps", "3", "--stage", "1", "--no-progress",
+           "--out", str(run)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ck = ckpt.Checkpoint.open(ckpt.find(run))
+    assert ck.step == 3 and ck.world_size == 2 and ck.manifest["stage"] == 1
+    assert "memory per rank, measured" in (run / "report.md").read_text()
+    assert r.stdout.count("# zerodp training report") == 1  # rank 0 reports, once
