@@ -32,18 +32,26 @@ FLOPS_PER_TOKEN_PARAM = 6  # forward 2 + backward 4 (seed §7.4)
 
 @dataclass(frozen=True)
 class ComputeProfile:
-    """Measured per-rank compute of one micro-batch of the model (medians over iterations)."""
+    """Measured per-rank compute of the model (medians over iterations) at two token counts.
+
+    A step has a fixed part (Python, kernel launches, the optimizer's loop) and a part linear in
+    tokens (seed §7.1); measuring at ``tokens`` and at ``small_tokens`` separates the two, so that
+    predictions hold at 32 tokens per rank as well as at 2048.
+    """
 
     model: str
     params: int
-    tokens: int  # per rank per micro-batch
+    tokens: int  # per rank per micro-batch, the main measurement
     forward_s: float
     backward_s: float
     optimizer_s: float  # AdamW step over all parameters, fp32
+    small_tokens: int = 0
+    small_forward_s: float = 0.0
+    small_backward_s: float = 0.0
 
     @property
     def flops(self) -> float:
-        """Achieved FLOP/s, C = 6·Ψ·tokens / (forward + backward)."""
+        """Achieved FLOP/s at the main size, C = 6·Ψ·tokens / (forward + backward)."""
         return FLOPS_PER_TOKEN_PARAM * self.params * self.tokens / (self.forward_s + self.backward_s)
 
     @property
@@ -57,21 +65,23 @@ class ComputeProfile:
         return d
 
 
-def measure_compute(model_name: str, micro_batch: int, seq_len: int | None = None,
-                    iters: int = 5, warmup: int = 2, seed: int = 0) -> ComputeProfile:
-    """Time forward, backward and an AdamW step of the GPT preset on this rank (no communication)."""
-    import torch
+def _affine(t_small: float, n_small: int, t_main: float, n_main: int, tokens: int) -> float:
+    """t(tokens) through the two measurements (fixed ≥ 0 + per-token), linear when one is missing."""
+    if n_small <= 0 or n_small >= n_main:
+        return t_main * tokens / n_main
+    per_token = max(0.0, (t_main - t_small) / (n_main - n_small))
+    fixed = max(0.0, t_main - per_token * n_main)
+    return fixed + per_token * tokens
 
-    from zerodp.train.model import GPT, PRESETS
 
-    if model_name not in PRESETS:
-        raise ValueError(f"unknown model preset {model_name!r}; use one of {', '.join(PRESETS)}")
-    cfg = PRESETS[model_name]
-    seq = seq_len or cfg.seq_len
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, cfg.vocab_size, (micro_batch, seq))
+def compute_times(compute: dict, tokens: int) -> tuple[float, float]:
+    """(forward_s, backward_s) at ``tokens`` per rank from a profile's ``compute`` table."""
+    small = compute.get("small_tokens", 0)
+    return (_affine(compute.get("small_forward_s", 0.0), small, compute["forward_s"], compute["tokens"], tokens),
+            _affine(compute.get("small_backward_s", 0.0), small, compute["backward_s"], compute["tokens"], tokens))
+
+
+def _time_model(model, opt, x, iters: int, warmup: int) -> tuple[float, float, float]:
     fwd, bwd, step = [], [], []
     for i in range(warmup + iters):
         t0 = time.perf_counter()
@@ -86,8 +96,30 @@ def measure_compute(model_name: str, micro_batch: int, seq_len: int | None = Non
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
             step.append(t3 - t2)
-    return ComputeProfile(model_name, model.num_params(), micro_batch * seq, statistics.median(fwd),
-                          statistics.median(bwd), statistics.median(step))
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(step)
+
+
+def measure_compute(model_name: str, micro_batch: int, seq_len: int | None = None,
+                    iters: int = 5, warmup: int = 2, seed: int = 0) -> ComputeProfile:
+    """Time forward, backward and an AdamW step of the GPT preset on this rank (no communication),
+    at ``micro_batch`` sequences and at one short sequence (the fixed cost)."""
+    import torch
+
+    from zerodp.train.model import GPT, PRESETS
+
+    if model_name not in PRESETS:
+        raise ValueError(f"unknown model preset {model_name!r}; use one of {', '.join(PRESETS)}")
+    cfg = PRESETS[model_name]
+    seq = seq_len or cfg.seq_len
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, seq))
+    fwd, bwd, step = _time_model(model, opt, x, iters, warmup)
+    small_seq = max(1, min(seq // 8, 32))
+    sf, sb, _ = _time_model(model, opt, x[:1, :small_seq], iters, warmup)
+    return ComputeProfile(model_name, model.num_params(), micro_batch * seq, fwd, bwd, step,
+                          small_seq, sf, sb)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(func=run_predict)
 
+    b = sub.add_parser(
+        "bench",
+        help="our engine vs its PyTorch peer per stage, two regimes; table, JSON, PNG",
+        description="Stage 0 vs DDP, 1 vs ZeroRedundancyOptimizer + DDP, 2 vs FSDP2 without "
+                    "resharding after forward, 3 vs FSDP2, plus the no-communication floor: same "
+                    "model, data and seed, alternated steps, medians, in a compute-bound and a "
+                    "communication-bound regime. With --profile, predicted next to measured.",
+    )
+    b.add_argument("--stages", default="0,1,2,3", help="comma-separated stages (default 0,1,2,3)")
+    b.add_argument("--regimes", default="compute,comm",
+                   help="comma-separated: compute (8×256 tokens/rank), comm (1×32), or a number of "
+                        "tokens per rank (default compute,comm)")
+    b.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 6)")
+    b.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3)")
+    b.add_argument("--model", default=None, help="GPT preset (default small)")
+    b.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    b.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for ours and DDP (default 25)")
+    b.add_argument("--out", default="bench-out", help="folder for bench.json/png, roofline.json/png")
+    b.add_argument("--profile", default=None, help="calibration profile: predictions and the auto-bucket row")
+    b.add_argument("--calibrate", action="store_true",
+                   help="run zerodp calibrate first (writes --profile, default OUT/profile.json)")
+    b.add_argument("--roofline", action="store_true", help="also sweep tokens per rank for stage 0")
+    b.add_argument("--roofline-tokens", default=None,
+                   help="comma-separated tokens per rank for --roofline (default 32,...,2048)")
+    b.add_argument("--markdown", default=None, help="write this markdown page (e.g. docs/benchmarks.md)")
+    b.add_argument("--quick", action="store_true", help="nano model, tiny regimes, 1+2 steps: for tests")
+    b.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    b.set_defaults(func=run_bench_cmd)
+
 
 def _positive(name: str, value: int) -> int:
     if value < 1:
@@ -96,4 +125,126 @@ def run_predict(args) -> int:
     else:
         print(f"predicted step on {cal['world_size']} ranks, model {args.model}, profile {args.profile}")
         print(predictions_table(preds))
+    return 0
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"--{name} is empty")
+    return values
+
+
+def _regimes(text: str, quick: bool, model_seq_len: int):
+    from zerodp.bench.compare import QUICK_REGIMES, REGIMES
+    from zerodp.bench.roofline import regime_for
+
+    named = QUICK_REGIMES if quick else REGIMES
+    out = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        if item in named:
+            out.append(named[item])
+        elif item.isdigit() and int(item) > 0:
+            out.append(regime_for(int(item), model_seq_len))
+        else:
+            raise ValueError(f"--regimes: {item!r} is neither {' nor '.join(named)} nor a number of tokens per rank")
+    if len({r.name for r in out}) != len(out):
+        raise ValueError(f"--regimes lists a regime twice: {text!r}")
+    if not out:
+        raise ValueError("--regimes is empty")
+    return tuple(out)
+
+
+def bench_command_line(args) -> str:
+    """The command that reproduces this run, rebuilt from the parsed options (for the page)."""
+    import shlex
+
+    flags = [("--stages", args.stages, "0,1,2,3"), ("--regimes", args.regimes, "compute,comm"),
+             ("--steps", args.steps, None), ("--warmup", args.warmup, None), ("--model", args.model, None),
+             ("--nproc", args.nproc, 2), ("--bucket-mb", args.bucket_mb, 25.0),
+             ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None)]
+    words = ["zerodp", "bench"]
+    words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
+                              ("--roofline", args.roofline)) if on]
+    for flag, value, default in flags:
+        if value is not None and value != default:
+            words += [flag, str(value)]
+    words += ["--out", args.out]
+    if args.markdown:
+        words += ["--markdown", args.markdown]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def run_bench_cmd(args) -> int:
+    import os
+
+    from zerodp.bench import compare, roofline
+    from zerodp.train.model import PRESETS
+
+    model = args.model or ("nano" if args.quick else "small")
+    if model not in PRESETS:
+        raise ValueError(f"unknown model {model!r}; use one of {', '.join(PRESETS)}")
+    stages = tuple(_int_list("stages", args.stages))
+    regimes = _regimes(args.regimes, args.quick, PRESETS[model].seq_len)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    steps = args.steps if args.steps is not None else (2 if args.quick else 6)
+    os.makedirs(args.out, exist_ok=True)
+    profile = args.profile
+    if args.calibrate:
+        from zerodp.bench.calibrate import calibrate, write_profile
+
+        profile = profile or os.path.join(args.out, "profile.json")
+        quick = dict(max_bytes=1 << 20, iters=3) if args.quick else {}
+        cal = calibrate(args.nproc, model=model, micro_batch=regimes[0].micro_batch,
+                        seq_len=regimes[0].seq_len, **quick)
+        write_profile(cal, profile)
+        if not args.json:
+            print(sweep.points_table(cal.points, cal.world_size))
+            print(sweep.fits_table(cal.fits))
+            print(f"wrote {profile}\n")
+    spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
+                             warmup=warmup, steps=steps, bucket_mb=args.bucket_mb, profile=profile)
+    t0 = time.perf_counter()
+    result = compare.run_bench(spec)
+    bench_json = compare.write_json(result, os.path.join(args.out, "bench.json"))
+    bench_png = compare.plot(result, os.path.join(args.out, "bench.png"))
+    rl = rl_png = None
+    if args.roofline:
+        tokens = (_int_list("roofline-tokens", args.roofline_tokens) if args.roofline_tokens else
+                  (roofline.QUICK_TOKENS if args.quick else roofline.DEFAULT_TOKENS))
+        rspec = roofline.RooflineSpec(model=model, world_size=args.nproc, tokens=tuple(tokens),
+                                      warmup=min(warmup, 2), steps=min(steps, 4),
+                                      bucket_mb=args.bucket_mb, profile=profile)
+        rl = roofline.run_roofline(rspec)
+        with open(os.path.join(args.out, "roofline.json"), "w") as f:
+            json.dump(rl.to_dict(), f, indent=2)
+        rl_png = roofline.plot(rl, os.path.join(args.out, "roofline.png"))
+    wall = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"bench": result.to_dict(), "roofline": rl.to_dict() if rl else None}, indent=2))
+    else:
+        print(compare.contenders_table(result))
+        print()
+        print(compare.summary_table(result))
+        if rl is not None:
+            print()
+            print(roofline.table(rl))
+        print(f"\nwrote {bench_json}, {bench_png}" + (f", {rl_png}" if rl_png else "") + f" ({wall:.0f} s)")
+    if args.markdown:
+        from zerodp.bench.docs import write_markdown
+
+        load = result.machine.get("load_average_1_5_15")
+        cores = result.machine.get("cores") or 1
+        note = None
+        if load and load[0] > cores:
+            note = (f"The machine was loaded while this ran (1-minute load {load[0]:.1f} on {cores} cores): "
+                    "absolute times are inflated and noisy; ratios from alternated runs are less affected.")
+        write_markdown(args.markdown, bench_command_line(args), result, bench_png, rl, rl_png, note)
+        if not args.json:
+            print(f"wrote {args.markdown}")
     return 0

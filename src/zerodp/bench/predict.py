@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from zerodp.bench.calibrate import compute_times
 from zerodp.plan.collectives import RingCost
 from zerodp.plan.timeline import Layer, simulate_backward, simulate_fsdp
 
@@ -107,8 +108,8 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
                  world_size: int | None = None) -> Prediction:
     """Predicted step of the GPT ``cfg`` at ``micro_batch`` × ``seq_len`` tokens per rank.
 
-    ``cal`` is the ``calibration`` table of a profile. Compute is rescaled from the calibrated
-    token count to this one (linear in tokens, seed §7.1).
+    ``cal`` is the ``calibration`` table of a profile. Compute at this token count comes from the
+    two calibrated sizes (a fixed part + a part linear in tokens, seed §7.1).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -118,11 +119,9 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     seq = seq_len or cfg.seq_len
     tokens = micro_batch * seq
     comp = cal["compute"]
-    scale = tokens / comp["tokens"]
     shapes = gpt_layer_shapes(cfg, seq)
     params = sum(s.params for s in shapes)
-    layers = split_compute(shapes, tokens, comp["forward_s"] * scale, comp["backward_s"] * scale,
-                           grad_bytes_per_param)
+    layers = split_compute(shapes, tokens, *compute_times(comp, tokens), grad_bytes_per_param)
     fwd = sum(l.forward_s for l in layers)
     bwd = sum(l.backward_s for l in layers)
     opt_full = comp["optimizer_s_per_param"] * params

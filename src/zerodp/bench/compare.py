@@ -1,0 +1,515 @@
+"""``zerodp bench``: our engine side by side with its PyTorch peer, stage by stage, in two regimes.
+
+What is measured (one spawned group of gloo ranks per regime, every contender alive at once):
+
+- **step time**: every training step (forward, backward, optimizer, zero grad; for our engine
+  also the wait for any in-flight parameter AllGather, so that no work leaks into the next
+  contender's step) timed on each rank between barriers; a step takes as long as its slowest rank,
+  so the figure per step is the max over ranks, and per contender the **median** over the timed
+  steps. Contenders run **alternated**: step i of every contender before step i+1 of any, the
+  order rotating each step, so drift of a shared machine hits all alike. The first ``warmup``
+  steps are not timed.
+- **ratio** ours/peer of the medians, and **overhead** = median / the floor's median (the floor
+  does the same per-rank work with no collectives; seed §7: ≈ 1 when compute-bound).
+- **peak memory per rank**: the RSS growth while the contender is built and runs its first step,
+  from ``VmHWM`` after a reset (:mod:`zerodp.bench.probe`) — model states + activations + buffers.
+- **model-state bytes** per rank: tensor storages of params, grads, optimizer state
+  (:mod:`zerodp.bench.peers`).
+- **bytes sent per step** per rank: growth of the process's ``wchar`` over the step, i.e. what
+  gloo wrote to its sockets, measured identically for our engine and the peers.
+
+Two regimes (seed §7, DESIGN §6): **compute-bound** — many tokens per rank (2048), where every
+contender should sit near the floor — and **communication-bound** — few (32), where the
+implementation's fixed costs decide. With a calibration profile the planner's prediction
+(:func:`zerodp.bench.predict.predict_step`) is printed next to each measured median, and the
+stage-0 row with ``bucket_mb`` chosen by :func:`zerodp.bench.auto.choose_bucket_mb` is compared
+with the default 25 MB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from zerodp.bench import probe
+from zerodp.bench.peers import COMPARISONS, CONTENDERS
+
+MIB = 2**20
+RATIO_TARGET = 1.05  # issue 7: ours/PyTorch median step time for stages 0 and 3
+PREDICTION_TOLERANCE = 0.25  # issue 7: predicted within ±25 % of measured
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Tokens per rank as ``micro_batch`` sequences of ``seq_len`` tokens."""
+
+    name: str
+    micro_batch: int
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+REGIMES = {"compute": Regime("compute", 8, 256), "comm": Regime("comm", 1, 32)}
+QUICK_REGIMES = {"compute": Regime("compute", 2, 64), "comm": Regime("comm", 1, 8)}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    model: str = "small"
+    world_size: int = 2
+    regimes: tuple[Regime, ...] = tuple(REGIMES.values())
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    warmup: int = 3
+    steps: int = 6
+    bucket_mb: float = 25.0
+    seed: int = 0
+    profile: str | None = None  # calibration profile: predictions and the auto bucket row
+
+    def __post_init__(self):
+        if self.world_size < 2:
+            raise ValueError(f"world_size must be >= 2 to compare data-parallel engines, got {self.world_size}")
+        if self.warmup < 1 or self.steps < 1:
+            raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={self.warmup}, steps={self.steps}")
+        bad = [s for s in self.stages if s not in COMPARISONS]
+        if bad or not self.stages:
+            raise ValueError(f"stages must be a non-empty subset of {sorted(COMPARISONS)}, got {list(self.stages)}")
+        if not self.regimes:
+            raise ValueError("give at least one regime")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+
+    def contenders(self, with_auto: bool) -> list[str]:
+        names = ["floor"]
+        for s in self.stages:
+            ours, peers = COMPARISONS[s]
+            names += [ours, *peers]
+        if with_auto and 0 in self.stages:
+            names.append("ours0_auto")
+        return names
+
+
+@dataclass
+class ContenderResult:
+    name: str
+    label: str
+    stage: int | None
+    role: str
+    times_s: list[float]  # per timed step, max over ranks
+    median_s: float
+    peak_rss_bytes: list[int | None]  # per rank
+    model_state_bytes: list[int]  # per rank
+    sent_bytes_per_step: list[float | None]  # per rank, median over timed steps
+    options: dict = field(default_factory=dict)
+    own_comm: dict = field(default_factory=dict)  # ours: the engine's own accounting, rank 0
+    first_loss: float = float("nan")
+    predicted_s: float | None = None
+
+
+@dataclass
+class RegimeResult:
+    regime: Regime
+    contenders: dict[str, ContenderResult]
+    wall_s: float
+
+
+@dataclass
+class Row:
+    """One line of the summary: ours against one peer in one regime (ratios from the medians)."""
+
+    regime: str
+    tokens_per_rank: int
+    stage: int
+    ours: str
+    peer: str
+    ours_ms: float
+    peer_ms: float
+    ratio: float  # ours / peer
+    floor_ms: float | None
+    ours_overhead: float | None  # ours / floor
+    peer_overhead: float | None
+    predicted_ms: float | None = None
+    predicted_error: float | None = None  # (predicted − measured) / measured, ours
+
+    @property
+    def target(self) -> float | None:
+        return RATIO_TARGET if self.stage in (0, 3) and self.peer in _REFERENCE_PEERS else None
+
+
+SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_view": "DDP bucket view",
+                "ours1": "zerodp", "zero_ddp": "ZeRO-opt + DDP", "ours2": "zerodp", "fsdp2_keep": "FSDP2 keep",
+                "ours3": "zerodp", "fsdp2": "FSDP2", "ours0_auto": "zerodp auto bucket"}
+_REFERENCE_PEERS = {peers[0] for _, peers in COMPARISONS.values()}
+
+
+@dataclass
+class BenchResult:
+    spec: BenchSpec
+    machine: dict
+    regimes: list[RegimeResult]
+    auto_bucket_mb: dict[str, float] = field(default_factory=dict)
+    params: int = 0
+
+    def rows(self) -> list[Row]:
+        return summary_rows(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": asdict(self.spec),
+            "machine": self.machine,
+            "params": self.params,
+            "auto_bucket_mb": self.auto_bucket_mb,
+            "regimes": [{"regime": asdict(r.regime), "tokens_per_rank": r.regime.tokens, "wall_s": r.wall_s,
+                         "contenders": {k: asdict(c) for k, c in r.contenders.items()}} for r in self.regimes],
+            "rows": [asdict(row) | {"target": row.target} for row in self.rows()],
+        }
+
+
+def result_from_dict(d: dict) -> BenchResult:
+    """A :class:`BenchResult` back from its JSON (``bench.json``): re-render without re-measuring."""
+    spec_d = dict(d["spec"])
+    spec_d["regimes"] = tuple(Regime(**r) for r in spec_d["regimes"])
+    spec_d["stages"] = tuple(spec_d["stages"])
+    spec = BenchSpec(**spec_d)
+    regimes = [RegimeResult(Regime(**r["regime"]), {k: ContenderResult(**c) for k, c in r["contenders"].items()},
+                            r["wall_s"]) for r in d["regimes"]]
+    return BenchResult(spec, d["machine"], regimes, d.get("auto_bucket_mb", {}), d.get("params", 0))
+
+
+# ---- the measurement, on every rank ------------------------------------------------------------
+def _make_model_factory(model: str, seed: int):
+    def make():
+        import torch
+
+        from zerodp.train.model import GPT, PRESETS
+
+        torch.manual_seed(seed)
+        return GPT(PRESETS[model])
+    return make
+
+
+def _batches(regime: Regime, vocab: int, count: int, rank: int, world: int, seed: int):
+    import torch
+
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + i * world + rank)
+        tok = torch.randint(0, vocab, (regime.micro_batch, regime.seq_len + 1), generator=g)
+        out.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+    return out
+
+
+def _settle(c) -> None:
+    """Our engine may leave a parameter AllGather in flight after step(): wait for it."""
+    if c.engine is not None:
+        c.engine.module  # noqa: B018 — the property waits for in-flight parameter collectives
+
+
+def _own_comm(c) -> dict:
+    if c.engine is None:
+        return {}
+    s = c.engine.stats()
+    return {k: {"count": v.count, "bytes": v.bytes, "sent_bytes": v.sent_bytes}
+            for k, v in s.collectives.items()}
+
+
+def _prime(make, batch) -> None:
+    """One untimed step of a throwaway model: lazy library set-up is nobody's peak memory."""
+    import torch
+
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    model(*batch).backward()
+    opt.step()
+    del model, opt
+
+
+def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: list[str],
+                bucket_mb: dict[str, float]) -> dict:
+    """Build every contender (memory measured), then time them alternated (module docstring)."""
+    import torch.distributed as dist
+
+    from zerodp.bench.peers import build
+    from zerodp.train.model import PRESETS
+
+    cfg = PRESETS[spec.model]
+    if regime.seq_len > cfg.seq_len:
+        raise ValueError(f"regime {regime.name}: seq_len {regime.seq_len} > the model's {cfg.seq_len}")
+    make = _make_model_factory(spec.model, spec.seed)
+    total = spec.warmup + spec.steps
+    batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed)
+    _prime(make, batches[0])
+    contenders, peak, first_loss, states = {}, {}, {}, {}
+    for name in names:  # one at a time: its RSS peak while built and stepped once
+        dist.barrier()
+        with probe.PeakMemory() as mem:
+            c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb))
+            first_loss[name] = float(c.step(*batches[0]))
+            _settle(c)
+        contenders[name], peak[name] = c, mem.bytes
+    times = {n: [] for n in names}
+    sent = {n: [] for n in names}
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=(total - 1) * len(names), desc=f"bench {regime.name} ({regime.tokens} tok/rank)",
+                   unit="step", leave=False)
+    for i in range(1, total):  # step 0 was the first warm-up step, above
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            c = contenders[name]
+            # Model states are counted once, after backward of the second step, when grads and
+            # optimizer states both exist; the count's own time is taken out of the step's.
+            hook_s = [0.0]
+
+            def count_states(c=c, name=name, hook_s=hook_s):
+                h0 = time.perf_counter()
+                states[name] = c.model_state_bytes()
+                hook_s[0] = time.perf_counter() - h0
+            dist.barrier()
+            w0 = probe.bytes_written()
+            t0 = time.perf_counter()
+            c.step(*batches[i], on_backward=count_states if i == 1 else None)
+            _settle(c)
+            t1 = time.perf_counter()
+            w1 = probe.bytes_written()
+            if i >= spec.warmup:
+                times[name].append(t1 - t0 - hook_s[0])
+                sent[name].append(None if w0 is None else w1 - w0)
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    out = {}
+    for name in names:
+        c = contenders[name]
+        s = [v for v in sent[name] if v is not None]
+        out[name] = {"times": times[name], "peak": peak[name], "states": states[name],
+                     "sent": statistics.median(s) if s else None, "options": c.options,
+                     "own_comm": _own_comm(c) if rank == 0 else {}, "first_loss": first_loss[name]}
+    dist.barrier()
+    return out
+
+
+def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
+                bucket_mb: dict[str, dict[str, float]]) -> list[tuple[dict, float]]:
+    """Every regime in one spawned group (a spawn costs seconds): results and wall time each."""
+    import gc
+
+    out = []
+    for regime in spec.regimes:
+        t0 = time.perf_counter()
+        res = _run_regime(rank, world, spec, regime, names, bucket_mb.get(regime.name, {}))
+        gc.collect()
+        out.append((res, time.perf_counter() - t0))
+    return out
+
+
+# ---- the driver, in the parent ----------------------------------------------------------------
+def _predict(spec: BenchSpec, regime: Regime, name: str, bucket_mb: float):
+    from zerodp.bench.calibrate import load_calibration
+    from zerodp.bench.predict import predict_step
+    from zerodp.train.model import PRESETS
+
+    cal = load_calibration(spec.profile)["calibration"]
+    stage, role, _ = CONTENDERS[name]
+    cfg = PRESETS[spec.model]
+    if role == "floor":
+        p = predict_step(cal, cfg, 0, regime.micro_batch, regime.seq_len, bucket_mb)
+        return p.forward_s + p.backward_s + p.optimizer_s
+    if role == "ours":
+        return predict_step(cal, cfg, stage, regime.micro_batch, regime.seq_len, bucket_mb).step_s
+    return None
+
+
+def check_profile(profile: str, model: str, world_size: int) -> dict:
+    """The profile's calibration table, if it was measured for this model and world size."""
+    from zerodp.bench.calibrate import load_calibration
+
+    cal = load_calibration(profile)["calibration"]
+    measured = cal["compute"]["model"]
+    if measured != model:
+        raise ValueError(f"profile {profile} measured the compute of model {measured!r}, the bench runs "
+                         f"{model!r}: re-run 'zerodp calibrate --model {model}' (or bench --calibrate)")
+    if cal["world_size"] != world_size:
+        raise ValueError(f"profile {profile} was calibrated on {cal['world_size']} ranks, the bench "
+                         f"runs {world_size}: re-run 'zerodp calibrate --nproc {world_size}'")
+    return cal
+
+
+def _check_profile(spec: BenchSpec) -> None:
+    check_profile(spec.profile, spec.model, spec.world_size)
+
+
+def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
+    """Measure every regime of ``spec`` (one spawned group each) and return the results."""
+    from zerodp.spawn import run_local
+    from zerodp.train.model import GPT, PRESETS
+
+    if spec.model not in PRESETS:
+        raise ValueError(f"unknown model preset {spec.model!r}; use one of {', '.join(PRESETS)}")
+    auto: dict[str, float] = {}
+    if spec.profile:
+        from zerodp.bench.auto import choose_bucket_mb
+
+        _check_profile(spec)
+        if 0 in spec.stages:
+            auto = {r.name: choose_bucket_mb(spec.profile, PRESETS[spec.model], r.tokens, r.seq_len)
+                    for r in spec.regimes}
+    machine = probe.machine()
+    names = spec.contenders(with_auto=bool(auto))
+    bucket = {r.name: {"ours0_auto": auto[r.name]} for r in spec.regimes if r.name in auto}
+    per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, timeout=timeout)
+    results = []
+    for j, regime in enumerate(spec.regimes):
+        ranks = [r[j][0] for r in per_rank]
+        wall = per_rank[0][j][1]
+        contenders = {}
+        for name in names:
+            stage, role, label = CONTENDERS[name]
+            times = [max(s) for s in zip(*(r[name]["times"] for r in ranks))]
+            r0 = ranks[0][name]
+            c = ContenderResult(name, label, stage, role, times, statistics.median(times),
+                                [r[name]["peak"] for r in ranks], [r[name]["states"] for r in ranks],
+                                [r[name]["sent"] for r in ranks], r0["options"], r0["own_comm"],
+                                r0["first_loss"])
+            if spec.profile:
+                c.predicted_s = _predict(spec, regime, name, bucket.get(regime.name, {}).get(name, spec.bucket_mb))
+            contenders[name] = c
+        results.append(RegimeResult(regime, contenders, wall))
+    import torch
+
+    torch.manual_seed(0)
+    params = GPT(PRESETS[spec.model]).num_params()
+    return BenchResult(spec, machine, results, auto, params)
+
+
+def summary_rows(result: BenchResult) -> list[Row]:
+    """ours vs each peer, per regime and stage, ratios from the medians; plus auto vs 25 MB."""
+    rows = []
+    for rr in result.regimes:
+        cs = rr.contenders
+        floor = cs.get("floor")
+        floor_ms = floor.median_s * 1e3 if floor else None
+        pairs = [(s, COMPARISONS[s][0], p) for s in result.spec.stages for p in COMPARISONS[s][1]]
+        if "ours0_auto" in cs:
+            pairs.append((0, "ours0_auto", "ours0"))
+        for stage, ours, peer in pairs:
+            o, p = cs[ours], cs[peer]
+            pred = o.predicted_s * 1e3 if o.predicted_s is not None else None
+            rows.append(Row(
+                rr.regime.name, rr.regime.tokens, stage, ours, peer, o.median_s * 1e3, p.median_s * 1e3,
+                o.median_s / p.median_s, floor_ms,
+                o.median_s / floor.median_s if floor else None, p.median_s / floor.median_s if floor else None,
+                pred, (pred - o.median_s * 1e3) / (o.median_s * 1e3) if pred is not None else None))
+    return rows
+
+
+# ---- output -------------------------------------------------------------------------------------
+def _mib(v) -> str:
+    return "n/a" if v is None else f"{v / MIB:.1f}"
+
+
+def contenders_table(result: BenchResult) -> str:
+    """Every contender of every regime: median, overhead, memory, bytes, prediction."""
+    spec = result.spec
+    lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} gloo "
+             f"ranks × 1 thread, {spec.steps} timed steps after {spec.warmup} warm-up, alternated; "
+             "times: median of the per-step max over ranks; memory, states, sent: rank 0"]
+    head = (f"{'stage':>5}  {'contender':<38}{'median ms':>10}{'/floor':>8}{'peak RSS MiB':>13}"
+            f"{'states MiB':>11}{'sent MiB/step':>14}")
+    if spec.profile:
+        head += f"{'predicted ms':>13}{'error':>8}"
+    for rr in result.regimes:
+        r = rr.regime
+        lines += ["", f"[{r.name}] {r.tokens} tokens per rank ({r.micro_batch} × {r.seq_len}), "
+                      f"{rr.wall_s:.0f} s", head]
+        floor = rr.contenders.get("floor")
+        for c in rr.contenders.values():
+            stage = "-" if c.stage is None else str(c.stage)
+            label = c.label + (f" ({c.options['bucket_mb']:.3g} MB)" if c.name == "ours0_auto" else "")
+            over = f"{c.median_s / floor.median_s:.2f}" if floor else "n/a"
+            line = (f"{stage:>5}  {label:<38}{c.median_s * 1e3:>10.1f}{over:>8}{_mib(c.peak_rss_bytes[0]):>13}"
+                    f"{_mib(c.model_state_bytes[0]):>11}{_mib(c.sent_bytes_per_step[0]):>14}")
+            if spec.profile:
+                if c.predicted_s is None:
+                    line += f"{'':>13}{'':>8}"
+                else:
+                    err = (c.predicted_s - c.median_s) / c.median_s
+                    line += f"{c.predicted_s * 1e3:>13.1f}{err * 100:>+7.0f}%"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def summary_table(result: BenchResult) -> str:
+    """ours/peer per stage and regime, with the issue's targets where they apply."""
+    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'ours vs peer':<60}{'ours ms':>9}{'peer ms':>9}"
+             f"{'ours/peer':>10}{'target':>8}"]
+    for row in result.rows():
+        o, p = CONTENDERS[row.ours][2], CONTENDERS[row.peer][2]
+        target = row.target
+        verdict = "" if target is None else ("ok" if row.ratio <= target else "MISSED")
+        lines.append(f"{row.regime:<8}{row.tokens_per_rank:>9}{row.stage:>6}  {o + ' vs ' + p:<60}"
+                     f"{row.ours_ms:>9.1f}{row.peer_ms:>9.1f}{row.ratio:>10.3f}"
+                     f"{'' if target is None else f'≤{target:.2f}':>8} {verdict}")
+    return "\n".join(lines)
+
+
+def write_json(result: BenchResult, path: str) -> str:
+    with open(path, "w") as f:
+        json.dump(result.to_dict(), f, indent=2)
+    return path
+
+
+def plot(result: BenchResult, path: str) -> str:
+    """Bars of step time / floor per stage, ours next to its peers, one panel per regime."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(result.regimes)
+    fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 4.8), squeeze=False)
+    colors = {"ours": "#1f77b4", "peer": "#ff7f0e"}
+    for ax, rr in zip(axes[0], result.regimes):
+        floor = rr.contenders["floor"].median_s
+        x = 0.0
+        ticks, tick_labels = [], []
+        for stage in result.spec.stages:
+            ours, peers = COMPARISONS[stage]
+            group = [ours, *peers] + (["ours0_auto"] if stage == 0 and "ours0_auto" in rr.contenders else [])
+            for name in group:
+                c = rr.contenders[name]
+                h = c.median_s / floor
+                ax.bar(x, h, width=0.8, color=colors[c.role], alpha=0.55 if name == "ours0_auto" else 1.0,
+                       edgecolor="black", linewidth=0.4)
+                ax.text(x, h, f"{c.median_s * 1e3:.0f}", ha="center", va="bottom", fontsize=7)
+                ticks.append(x)
+                tick_labels.append(f"{stage}: {SHORT_LABELS[name]}")
+                x += 1
+            x += 0.6
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xticks(ticks, tick_labels, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("median step time / no-communication floor")
+        ax.set_title(f"{rr.regime.name}-bound: {rr.regime.tokens} tokens/rank, floor {floor * 1e3:.0f} ms "
+                     "(bar labels: ms)", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in ("ours", "peer")]
+    fig.legend(handles, ["zerodp", "PyTorch"], loc="upper right")
+    fig.suptitle(f"zerodp vs PyTorch, model {result.spec.model}, {result.spec.world_size} ranks "
+                 f"({result.machine.get('cores')} cores, torch {result.machine.get('torch')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def quick_spec(**overrides) -> BenchSpec:
+    """A tiny model and two short regimes: seconds, for tests (``zerodp bench --quick``)."""
+    base = BenchSpec(model="nano", regimes=tuple(QUICK_REGIMES.values()), warmup=1, steps=2)
+    return dataclasses.replace(base, **overrides)

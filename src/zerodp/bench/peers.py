@@ -1,0 +1,192 @@
+"""The contenders of ``zerodp bench``: our engine per stage, its PyTorch peers, and the floor.
+
+Every contender is built on the same GPT, from the same seed, with the same AdamW settings, and
+exposes one call, ``step(x, y)`` = forward, backward, optimizer step, zero grad. The pairing
+follows the seed's stages (§9) and what PyTorch ships for each:
+
+=====  ================================  =====================================================
+stage  ours                              PyTorch peer(s)
+=====  ================================  =====================================================
+0      ``parallelize(stage=0)``          ``DistributedDataParallel`` default, and with
+                                         ``gradient_as_bucket_view=True`` (its fastest, DESIGN §6)
+1      ``parallelize(stage=1)``          ``ZeroRedundancyOptimizer(AdamW)`` + DDP
+2      ``parallelize(stage=2)``          FSDP2 ``fully_shard`` per block + root,
+                                         ``reshard_after_forward=False`` (ZeRO-2-like, §9.2)
+3      ``parallelize(stage=3)``          FSDP2 ``fully_shard`` per block + root,
+                                         ``reshard_after_forward=True`` (ZeRO-3, §9.3, §10.3)
+=====  ================================  =====================================================
+
+plus the **floor**: the plain model and optimizer on each rank with no collectives at all — the
+same per-rank forward/backward/update, so that step time / floor is the price of data
+parallelism (seed §7: ≈ 1 when compute-bound, large when communication-bound).
+
+Model-state bytes are counted the same way for every contender — distinct tensor storages of the
+parameters this rank holds, their ``.grad`` and the optimizer's state (our engine: its own
+:meth:`stats`, which counts the same storages plus its fp32 master when it is a separate copy).
+Buffers internal to C++ (DDP's reducer buckets without ``gradient_as_bucket_view``) are not
+visible to Python and are not in that count; the RSS peak (:mod:`zerodp.bench.probe`) sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+LR = 3e-4
+
+#: name → (stage, role, label). Roles: "ours", "peer", "floor".
+CONTENDERS: dict[str, tuple[int | None, str, str]] = {
+    "floor": (None, "floor", "no communication (floor)"),
+    "ours0": (0, "ours", "zerodp stage 0"),
+    "ddp": (0, "peer", "DDP default"),
+    "ddp_bucket_view": (0, "peer", "DDP gradient_as_bucket_view=True"),
+    "ours1": (1, "ours", "zerodp stage 1"),
+    "zero_ddp": (1, "peer", "ZeroRedundancyOptimizer(AdamW) + DDP"),
+    "ours2": (2, "ours", "zerodp stage 2"),
+    "fsdp2_keep": (2, "peer", "FSDP2 reshard_after_forward=False"),
+    "ours3": (3, "ours", "zerodp stage 3"),
+    "fsdp2": (3, "peer", "FSDP2 reshard_after_forward=True"),
+    "ours0_auto": (0, "ours", "zerodp stage 0, bucket_mb=auto"),
+}
+
+#: stage → (ours, peers): the comparisons ``zerodp bench`` prints, the first peer is the reference.
+COMPARISONS: dict[int, tuple[str, tuple[str, ...]]] = {
+    0: ("ours0", ("ddp_bucket_view", "ddp")),
+    1: ("ours1", ("zero_ddp",)),
+    2: ("ours2", ("fsdp2_keep",)),
+    3: ("ours3", ("fsdp2",)),
+}
+
+
+@dataclass
+class Contender:
+    """One thing to time: ``step(x, y)`` runs a full training step and returns the loss.
+
+    ``step(x, y, on_backward=fn)`` calls ``fn()`` between backward and the optimizer step — where
+    gradients and optimizer states both exist — which is when the bench counts model states.
+    """
+
+    name: str
+    stage: int | None
+    role: str
+    label: str
+    step: Callable[..., torch.Tensor]
+    model_state_bytes: Callable[[], int]
+    options: dict = field(default_factory=dict)  # e.g. the bucket size actually used
+    engine: object | None = None  # our engine, for its own comm accounting
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view of a flat buffer counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        local = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def _states_counter(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], int]:
+    def count() -> int:
+        params = list(model.parameters())
+        return storage_bytes(params + [p.grad for p in params] + _optimizer_tensors(opt))
+    return count
+
+
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool):
+    def step(x, y, on_backward=None):
+        loss = model(x, y)
+        loss.backward()
+        if on_backward is not None:
+            on_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return loss.detach()
+    return step
+
+
+def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
+          bucket_mb: float = 25.0) -> Contender:
+    """Build contender ``name`` (a key of :data:`CONTENDERS`) on a fresh model from ``make_model``.
+
+    Call on every rank of an initialized gloo process group; ``make_model`` must seed itself so
+    that every contender starts from the same weights. ``bucket_mb`` applies to our stages 0-2
+    and to DDP (``bucket_cap_mb``).
+    """
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r}; use one of {', '.join(CONTENDERS)}")
+    stage, role, label = CONTENDERS[name]
+    model = make_model()
+    opt_factory = lambda params: torch.optim.AdamW(params, lr=LR)  # noqa: E731
+
+    if role == "ours":
+        import zerodp
+
+        engine = zerodp.parallelize(model, optimizer=opt_factory, stage=stage,
+                                    **({} if stage == 3 else {"bucket_mb": bucket_mb}))
+
+        def step(x, y, on_backward=None):
+            loss = engine(x, y)
+            loss.backward()
+            if on_backward is not None:
+                on_backward()
+            engine.step()
+            engine.zero_grad()
+            return loss.detach()
+        return Contender(name, stage, role, label, step, lambda: engine.stats().model_state_bytes,
+                         {"bucket_mb": bucket_mb} if stage != 3 else {}, engine)
+
+    if name == "floor":
+        opt = opt_factory(model.parameters())
+        return Contender(name, stage, role, label, _plain_step(model, opt, False), _states_counter(model, opt))
+
+    if name in ("ddp", "ddp_bucket_view"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        view = name == "ddp_bucket_view"
+        ddp = DDP(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=view)
+        opt = opt_factory(ddp.parameters())
+        # With bucket views the grads must stay (they alias the buckets): zero in place.
+        return Contender(name, stage, role, label, _plain_step(ddp, opt, not view), _states_counter(model, opt),
+                         {"bucket_mb": bucket_mb, "gradient_as_bucket_view": view})
+
+    if name == "zero_ddp":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, bucket_cap_mb=bucket_mb)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+
+        def count() -> int:
+            params = list(model.parameters())
+            return storage_bytes(params + [p.grad for p in params] + _optimizer_tensors(zero.optim))
+        return Contender(name, stage, role, label, _plain_step(ddp, zero, True), count,
+                         {"bucket_mb": bucket_mb})
+
+    if name in ("fsdp2", "fsdp2_keep"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = name == "fsdp2"
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in getattr(model, "blocks", []):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        opt = opt_factory(model.parameters())
+        return Contender(name, stage, role, label, _plain_step(model, opt, True), _states_counter(model, opt),
+                         {"reshard_after_forward": reshard})
+
+    raise AssertionError(f"contender {name!r} is listed but has no builder")

@@ -1,0 +1,213 @@
+"""``zerodp bench``: the machinery (rows, ratios, JSON, PNG, markdown, auto bucket), not speed.
+
+Speed is shown by running ``zerodp bench``; these tests check that what it prints is computed from
+what it measured: ratios from the medians, every comparison present, counters sane.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from zerodp.bench import auto, compare, roofline
+from zerodp.bench.calibrate import Calibration, ComputeProfile, write_profile
+from zerodp.bench.peers import COMPARISONS, CONTENDERS
+from zerodp.bench.sweep import Point, fit_alpha_beta
+from zerodp.cli import main
+from zerodp.plan.collectives import RingCost, bus_factor
+from zerodp.train.model import PRESETS
+
+
+def synthetic_profile(path, alpha=50e-6, bandwidth=1e9, flops=2e9, world=2, model="nano") -> str:
+    """A profile as ``zerodp calibrate`` writes it, from a known α, W and C (no measurement)."""
+    cost = RingCost(alpha=alpha, bandwidth=bandwidth, n=world)
+    points = []
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        for v in (4096, 65536, 1 << 20, 16 << 20):
+            t = cost.time(kind, v)
+            points.append(Point(kind, v, t, v / t, v / t * bus_factor(kind, world)))
+    fits = [fit_alpha_beta([p for p in points if p.kind == k], world)
+            for k in ("all_reduce", "reduce_scatter", "all_gather")]
+    cfg = PRESETS[model]
+    params = 43_904 if model == "nano" else 11_000_000
+    tokens = 2 * cfg.seq_len
+    fb = 6 * params * tokens / flops
+    comp = ComputeProfile(model, params, tokens, fb / 3, 2 * fb / 3, 1e-9 * params)
+    return write_profile(Calibration(world, "gloo", points, fits, comp, "test"), str(path))
+
+
+# ---- auto bucket -----------------------------------------------------------------------------
+def test_choose_bucket_mb_is_in_the_simulated_sweet_spot(tmp_path):
+    path = synthetic_profile(tmp_path / "p.json", model="small")
+    cfg = PRESETS["small"]
+    sweep = auto.bucket_sweep(path, cfg, 2048)
+    mb = auto.choose_bucket_mb(path, cfg, 2048)
+    sizes = {p.bucket_bytes / auto.MIB: p for p in sweep.points}
+    assert mb in sizes
+    limit = sweep.best_exposed_comm_s * (1 + auto.SWEET_SPOT_TOLERANCE) + auto.SWEET_SPOT_SLACK_S
+    assert sizes[mb].exposed_comm_s <= limit
+    assert all(p.exposed_comm_s > limit for p in sweep.points if p.bucket_bytes / auto.MIB > mb)
+    # same answer from the profile dict and from its calibration table
+    with open(path) as f:
+        prof = json.load(f)
+    assert auto.choose_bucket_mb(prof, cfg, 2048) == mb == auto.choose_bucket_mb(prof["calibration"], cfg, 2048)
+
+
+def test_choose_bucket_mb_grows_with_latency(tmp_path):
+    cfg = PRESETS["small"]
+    fast = auto.choose_bucket_mb(synthetic_profile(tmp_path / "a.json", alpha=1e-6, model="small"), cfg, 2048)
+    slow = auto.choose_bucket_mb(synthetic_profile(tmp_path / "b.json", alpha=20e-3, model="small"), cfg, 2048)
+    assert slow >= fast  # seed §4: a large α makes small buckets pay
+
+
+def test_choose_bucket_mb_bad_input(tmp_path):
+    cfg = PRESETS["small"]
+    with pytest.raises(ValueError, match="tokens_per_rank"):
+        auto.choose_bucket_mb(synthetic_profile(tmp_path / "p.json"), cfg, 0)
+    with pytest.raises(ValueError, match="calibration profile"):
+        auto.choose_bucket_mb({"nope": 1}, cfg, 128)
+    with pytest.raises(FileNotFoundError, match="zerodp calibrate"):
+        auto.choose_bucket_mb(str(tmp_path / "missing.json"), cfg, 128)
+
+
+# ---- tables from synthetic results -------------------------------------------------------------
+def _fake_result(profile=None) -> compare.BenchResult:
+    spec = compare.quick_spec(profile=profile)
+    regimes = []
+    for j, regime in enumerate(spec.regimes):
+        cs = {}
+        for k, name in enumerate(spec.contenders(with_auto=True)):
+            stage, role, label = CONTENDERS[name]
+            times = [0.010 * (1 + k) * (1 + j) + d for d in (0.0, 0.004, 0.001)]
+            cs[name] = compare.ContenderResult(name, label, stage, role, times, sorted(times)[1], [1 << 20] * 2,
+                                               [1000] * 2, [2048.0, 2048.0], {"bucket_mb": 25.0},
+                                               predicted_s=0.02 if role != "peer" else None)
+        regimes.append(compare.RegimeResult(regime, cs, 1.0))
+    return compare.BenchResult(spec, {"cores": 2, "torch": "x"}, regimes, {"compute": 1.5, "comm": 0.5}, 43904)
+
+
+def test_rows_cover_every_stage_and_regime_and_ratios_come_from_medians():
+    result = _fake_result()
+    rows = result.rows()
+    want = {(r.name, s, COMPARISONS[s][0], p) for r in result.spec.regimes for s in result.spec.stages
+            for p in COMPARISONS[s][1]}
+    want |= {(r.name, 0, "ours0_auto", "ours0") for r in result.spec.regimes}
+    assert {(r.regime, r.stage, r.ours, r.peer) for r in rows} == want
+    for row in rows:
+        cs = next(rr for rr in result.regimes if rr.regime.name == row.regime).contenders
+        assert row.ratio == pytest.approx(cs[row.ours].median_s / cs[row.peer].median_s)
+        assert row.ours_overhead == pytest.approx(cs[row.ours].median_s / cs["floor"].median_s)
+        assert (row.target is not None) == (row.stage in (0, 3) and row.peer in ("ddp_bucket_view", "fsdp2"))
+
+
+def test_tables_json_png_markdown(tmp_path):
+    profile = synthetic_profile(tmp_path / "p.json")
+    result = _fake_result(profile)
+    summary = compare.summary_table(result)
+    table = compare.contenders_table(result)
+    for rr in result.regimes:
+        for c in rr.contenders.values():
+            assert c.label in table
+    assert summary.count("\n") == len(result.rows())
+    assert "predicted ms" in table
+    d = json.loads(json.dumps(result.to_dict()))
+    assert {"spec", "machine", "params", "auto_bucket_mb", "regimes", "rows"} <= set(d)
+    assert {"ratio", "ours_ms", "peer_ms", "floor_ms", "target", "predicted_ms"} <= set(d["rows"][0])
+    c = d["regimes"][0]["contenders"]["ours0"]
+    assert {"times_s", "median_s", "peak_rss_bytes", "model_state_bytes", "sent_bytes_per_step"} <= set(c)
+    png = compare.plot(result, str(tmp_path / "bench.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    from zerodp.bench.docs import write_markdown
+
+    md = write_markdown(str(tmp_path / "docs" / "b.md"), "zerodp bench --quick", result, png, note="loaded")
+    text = open(md).read()
+    assert "zerodp bench --quick" in text and "torch" in text and "../bench.png" in text
+    assert "Predicted vs measured" in text and "all_reduce" in text  # the calibration sweep is shown
+
+
+def test_roofline_knee_is_the_seed_formula(tmp_path):
+    profile = synthetic_profile(tmp_path / "p.json", bandwidth=2e9, flops=4e9)
+    k, flops, bw = roofline.knee(profile, grad_bytes_per_param=2)
+    assert k == pytest.approx(flops / bw * (2 - 1) / 2, rel=1e-9)  # seed §7.3: C/W·(N−1)/N
+    assert flops == pytest.approx(4e9, rel=1e-6) and bw == pytest.approx(2e9, rel=0.01)
+    assert roofline.knee(profile, grad_bytes_per_param=4)[0] == pytest.approx(2 * k)
+    assert roofline.regime_for(2048, 256).micro_batch == 8
+    with pytest.raises(ValueError, match="multiple"):
+        roofline.regime_for(300, 256)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--stages", "5"], "stages"),
+    (["bench", "--regimes", "fast"], "regimes"),
+    (["bench", "--nproc", "1"], "world_size"),
+    (["bench", "--steps", "0"], "steps"),
+    (["bench", "--model", "huge"], "unknown model"),
+])
+def test_bench_cli_bad_input(argv, message, capsys, tmp_path):
+    assert main(argv + ["--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- one real quick run (spawns ranks) ---------------------------------------------------------
+@pytest.mark.dist
+def test_bench_quick_end_to_end(tmp_path, capsys):
+    profile = synthetic_profile(tmp_path / "profile.json")
+    out = tmp_path / "out"
+    md = tmp_path / "docs" / "benchmarks.md"
+    rc = main(["bench", "--quick", "--roofline", "--profile", profile, "--out", str(out),
+               "--markdown", str(md)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for s in (0, 1, 2, 3):
+        ours, peers = COMPARISONS[s]
+        for name in (ours, *peers):
+            assert CONTENDERS[name][2] in printed
+    d = json.load(open(out / "bench.json"))
+    assert [r["regime"]["name"] for r in d["regimes"]] == ["compute", "comm"]
+    assert len(d["rows"]) == 2 * (sum(len(p) for _, p in COMPARISONS.values()) + 1)  # + auto vs 25 MB
+    for r in d["regimes"]:
+        cs = r["contenders"]
+        assert set(cs) == set(compare.quick_spec().contenders(with_auto=True))
+        losses = {n: c["first_loss"] for n, c in cs.items()}
+        assert max(losses.values()) - min(losses.values()) < 1e-4, losses  # same model, data, seed
+        for name, c in cs.items():
+            assert len(c["times_s"]) == 2 and all(t > 0 for t in c["times_s"])
+            assert c["median_s"] == pytest.approx(sorted(c["times_s"])[0] / 2 + sorted(c["times_s"])[1] / 2)
+            assert all(b > 0 for b in c["model_state_bytes"])
+            sent = c["sent_bytes_per_step"][0]
+            if sent is not None:
+                # the floor sends nothing; every data-parallel contender at least its gradients once
+                assert sent == 0 if name == "floor" else sent >= 43_904 * 4 * 0.9, (name, sent)
+        ours = {s: cs[f"ours{s}"]["model_state_bytes"][0] for s in range(4)}
+        assert ours[3] < ours[2] < ours[1] < ours[0]  # seed §9: each stage shards one more kind
+        assert all(c["predicted_s"] > 0 for c in cs.values() if c["role"] == "ours")
+    for row in d["rows"]:
+        assert row["ratio"] == pytest.approx(row["ours_ms"] / row["peer_ms"])
+        assert math.isfinite(row["ratio"])
+    rl = json.load(open(out / "roofline.json"))
+    assert [p["tokens"] for p in rl["points"]] == list(roofline.QUICK_TOKENS)
+    assert rl["knee_tokens"] > 0
+    for name in ("bench.png", "roofline.png"):
+        assert os.path.getsize(out / name) > 1000
+    text = md.read_text()
+    assert "zerodp bench" in text and "Roofline" in text and "Machine" in text
+
+
+def test_bench_refuses_a_profile_of_another_model_or_world(tmp_path, capsys):
+    small = synthetic_profile(tmp_path / "small.json", model="small")
+    assert main(["bench", "--quick", "--profile", small, "--out", str(tmp_path)]) == 2
+    assert "measured the compute of model 'small'" in capsys.readouterr().err
+    four = synthetic_profile(tmp_path / "four.json", world=4)
+    assert main(["bench", "--quick", "--profile", four, "--out", str(tmp_path)]) == 2
+    assert "calibrated on 4 ranks" in capsys.readouterr().err
+
+
+def test_result_round_trips_through_json():
+    result = _fake_result()
+    back = compare.result_from_dict(json.loads(json.dumps(result.to_dict())))
+    assert json.loads(json.dumps(back.to_dict())) == json.loads(json.dumps(result.to_dict()))
+    assert compare.summary_table(back) == compare.summary_table(result)
