@@ -69,6 +69,7 @@ import torch.nn as nn
 
 from zerodp.engine.comm import Collectives
 from zerodp.engine.config import EngineConfig
+from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
@@ -199,6 +200,9 @@ class StageEngine:
         self._backward_event = None
         self._last_step_end: float | None = None
         self.last_step_time_s: float | None = None
+        # Non-finite gradients: skip the step on every rank alike (see zerodp.engine.guard).
+        skips = getattr(config, "max_nonfinite_skips", None)
+        self.guard = None if skips is None else NonFiniteGuard(skips)
 
     # ---- public API ---------------------------------------------------------------------
     @property
@@ -297,7 +301,10 @@ class StageEngine:
         """Finish gradient sync, update the fp32 master values, publish the new parameters."""
         with self.recorder.span("step", COMPUTE):
             self._finish_grad_sync()
-            self._optimizer_step()
+            if self.guard is not None and self.guard.should_skip(self):  # collective
+                self._zero_grad()  # inf/NaN somewhere: apply nothing, on every rank
+            else:
+                self._optimizer_step()
         self._tokens = 0.0
         self._token_factor_value = None
         now = self.recorder.clock()

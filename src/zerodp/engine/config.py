@@ -69,6 +69,9 @@ class EngineConfig:
     average_by_tokens: bool = False  # seed §2.2: weight each rank by its token count
     prefetch: bool = True  # stage 3: AllGather unit i±1 while unit i computes (seed §9.3)
     param_groups: Callable[[str, torch.nn.Parameter], dict[str, Any]] | None = None
+    # Skip steps whose gradients hold inf/NaN on any rank; raise after this many in a row
+    # (None: no check, the step is applied as torch's optimizers would). See engine.guard.
+    max_nonfinite_skips: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from zerodp.engine.base import StageEngine, split_target
-from zerodp.engine.buckets import Bucket, build_buckets, cast_floating_buffers, plan_buckets
+from zerodp.engine.buckets import build_buckets, cast_floating_buffers, plan_buckets
 from zerodp.engine.comm import Pending
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.master import OptimizerFactory, Target
@@ -224,9 +224,6 @@ class BucketEngine(StageEngine):
     def _layout_extra(self, index: int, target: Target) -> dict:
         bucket = self.buckets[index]  # layouts come in bucket order
         return {"label": bucket.label, "dtype": str(bucket.param_buf.dtype)}
-
-    def _bucket(self, b: int) -> Bucket:
-        return self.buckets[b]
 
 
 class FullGradEngine(BucketEngine):

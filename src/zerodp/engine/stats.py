@@ -57,6 +57,7 @@ class EngineStats:
     exposed_comm_s: float = 0.0
     compute_s: dict[str, float] = field(default_factory=dict)  # forward / backward / step spans
     step_time_s: float | None = None
+    nonfinite: dict = field(default_factory=dict)  # the skip guard's counters (engine.guard)
 
     @property
     def model_state_bytes(self) -> int:
@@ -147,6 +148,7 @@ def collect_stats(engine) -> EngineStats:
         step=step, memory=engine_memory(engine), collectives=colls,
         exposed_comm_s=sum(c.wait_s for c in colls.values()), compute_s=compute,
         step_time_s=engine.last_step_time_s,
+        nonfinite=asdict(engine.guard.stats()) if getattr(engine, "guard", None) else {},
     )
 
 

@@ -27,7 +27,14 @@ Gradient accumulation, two choices (``reduce_every_microbatch``):
   for the gradients instead of Ψ.
 - ``False`` (communication first): full local gradients accumulate under ``no_sync`` and are
   reduced once (:class:`~zerodp.engine.zero1.ZeRO2ReduceOnceEngine`); gradients at rest are 2Ψ,
-  ZeRO-1's memory. The planner prices both (``zerodp.plan.memory``, ``zerodp.plan.collectives``).
+  ZeRO-1's memory.
+
+In numbers, from the planner, for the seed's Ψ = 7.5B on N = 64 H100s (8 nodes) and grad_acc = 4:
+the bf16 gradients are 15 GB; one ReduceScatter of them takes ≈ 33 ms
+(``collective_time("reduce_scatter", 15e9, 64, "h100")``). Memory first keeps 0.23 GB of
+gradients per GPU and moves 4 × 33 ≈ 131 ms of ReduceScatter per step (each hidden only under
+its own micro-batch's backward); communication first moves 33 ms but keeps 15 GB of gradients
+per GPU (``model_states(7.5e9, 64, 1)`` vs ``model_states(7.5e9, 64, 2)``: 31.4 vs 16.6 GB).
 """
 
 from __future__ import annotations
@@ -37,7 +44,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from zerodp.engine.comm import Pending
 from zerodp.engine.zero1 import ShardedMaster
 
 #: staging buffers allocated up front: one bucket filling while the previous one is reduced
