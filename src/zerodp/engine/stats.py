@@ -11,9 +11,12 @@ stage       params       grads         master       optimizer states (m, v)
 0 DP        2Ψ           2Ψ (+4Ψ)      4Ψ           8Ψ
 1 ZeRO-1    2Ψ           2Ψ (+4Ψ)      4Ψ/N         8Ψ/N
 2 ZeRO-2    2Ψ           2Ψ/N (+4Ψ/N)  4Ψ/N         8Ψ/N
+3 ZeRO-3    2Ψ/N         2Ψ/N (+4Ψ/N)  4Ψ/N         8Ψ/N
 ==========  ===========  ============  ===========  ======================
 
-(+…: fp32 gradient accumulation.) ``python -m zerodp.engine.stats`` runs every stage on local
+(+…: fp32 gradient accumulation. Stage 3 then keeps no bf16 gradient shard at rest — the
+ReduceScatter lands in a buffer that lives only while it is added to the fp32 shard — so it
+measures 2Ψ/N below the seed's count; stage 3's gathered units are listed apart.) ``python -m zerodp.engine.stats`` runs every stage on local
 ranks and prints formula vs measured per kind; the formulas come from the planner
 (:func:`zerodp.plan.memory.model_states`), written independently of the engine.
 
@@ -24,11 +27,12 @@ the host was blocked waiting for it (seed §4: the *exposed* part, what overlap 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
 from zerodp.engine.base import MEMORY_KINDS, MODEL_STATE_KINDS
+from zerodp.engine.config import STAGES
 from zerodp.engine.trace import COMM, COMPUTE
 
 
@@ -184,7 +188,7 @@ def _memory_demo(rank: int, world: int, preset: str) -> list[tuple[bool, dict, d
 
     out = []
     for fp32_accum in (False, True):
-        for stage in (0, 1, 2):
+        for stage in STAGES:
             torch.manual_seed(0)
             model = GPT(PRESETS[preset])
             engine = zerodp.parallelize(model, lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage,
@@ -200,7 +204,7 @@ def _memory_demo(rank: int, world: int, preset: str) -> list[tuple[bool, dict, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the seed's model-state formula vs the measured bytes, per kind, for stages 0-2."""
+    """Print the seed's model-state formula vs the measured bytes, per kind, for stages 0-3."""
     from zerodp.spawn import run_local
 
     ap = argparse.ArgumentParser(prog="python -m zerodp.engine.stats", description=main.__doc__)
@@ -209,10 +213,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     results = run_local(_memory_demo, args.world, args.preset)
     for i, (fp32_accum, stats, formula) in enumerate(results[0]):
-        if i % 3 == 0:
+        if i % len(STAGES) == 0:
             print(f"== bf16 + AdamW (k = 12){' + fp32 grad accumulation' if fp32_accum else ''}, "
                   f"rank 0 of {args.world} ==")
-        s = EngineStats(**{k: v for k, v in stats.items() if k != "model_state_bytes"})
+        names = {f.name for f in fields(EngineStats)}
+        s = EngineStats(**{k: v for k, v in stats.items() if k in names})
         print(compare_table(s, formula))
 
 
