@@ -347,6 +347,6 @@ def test_stats_command_prints_formula_vs_measured(capsys):
 
     main(["--world", "2", "--preset", "nano"])
     text = capsys.readouterr().out
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, 3):
         assert f"stage {stage}, N = 2" in text
-    assert text.count("model states") == 6 and "formula" in text and "measured" in text
+    assert text.count("model states") == 8 and "formula" in text and "measured" in text
