@@ -288,8 +288,10 @@ class Checkpoint:
         for rec in manifest["files"]:
             f = path / rec["file"]
             if not f.exists():
-                raise CheckpointError(f"{f} is missing: the checkpoint was saved by "
-                                      f"{manifest['world_size']} ranks and rank {rec['rank']}'s file is gone")
+                n = manifest["world_size"]
+                raise CheckpointError(f"{f} is missing: the checkpoint was saved by {n} rank{'s' if n != 1 else ''} "
+                                      f"and rank {rec['rank']}'s shard file is gone; copy it back, or "
+                                      "resume from another checkpoint")
             size = f.stat().st_size
             if size != rec["bytes"]:
                 raise CheckpointError(f"{f} has {size} bytes but the manifest says {rec['bytes']}: "

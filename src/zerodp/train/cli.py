@@ -59,6 +59,9 @@ def _add_train(sub) -> None:
     g.add_argument("--backend", default=_d("backend"), choices=["auto", "gloo", "nccl"])
     g.add_argument("--max-restarts", type=int, default=_d("max_restarts"),
                    help="restart the group this often after a rank fails (resumes from the newest checkpoint)")
+    g.add_argument("--timeout-s", type=float, default=_d("timeout_s"),
+                   help="how long a rank waits for the others in a collective before it gives up; a "
+                        "rank that makes no progress for 1.5x this (+2 s) is ended by its watchdog")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=_d("steps"), help="optimizer steps in all")
     g.add_argument("--stop-after", type=int, default=None, metavar="N",
@@ -70,6 +73,9 @@ def _add_train(sub) -> None:
     g.add_argument("--weight-decay", type=float, default=_d("weight_decay"))
     g.add_argument("--clip", type=float, default=_d("clip"), help="gradient-norm clipping threshold")
     g.add_argument("--seed", type=int, default=_d("seed"), help="initial weights and data order")
+    g.add_argument("--max-skipped-steps", type=int, default=_d("max_skipped_steps"), metavar="N",
+                   help="a step whose gradients hold inf/NaN on any rank is skipped on every rank; "
+                        "training stops after N such steps in a row")
     g = p.add_argument_group("outputs")
     g.add_argument("--out", default=None, metavar="DIR", help="run directory (default: runs/<time>)")
     g.add_argument("--eval-every", type=int, default=_d("eval_every"), help="steps between validation losses (0: end only)")
@@ -112,11 +118,7 @@ def run_train(args) -> int:
         return 130
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        message = failure.message
-        callstack = ""
-        if isinstance(message, dict):
-            callstack = message.get("extraInfo", {}).get("py_callstack", "")
-            message = message.get("message", "")
+        message, callstack = describe_failure(failure)
         if callstack:
             print(callstack, file=sys.stderr)
         print(f"zerodp train: rank {rank} failed (exit code {failure.exitcode}): {message}. "
@@ -125,6 +127,30 @@ def run_train(args) -> int:
     if out:
         print(f"\nrun directory: {out}", file=sys.stderr)
     return 0
+
+
+# Failures whose message says everything: no traceback from inside the engine or the backend.
+EXPLAINED_ERRORS = ("CollectiveFailure", "NonFiniteGradients", "CheckpointError", "ValueError",
+                    "FileNotFoundError")
+
+
+def describe_failure(failure) -> tuple[str, str]:
+    """A failed worker (torch.distributed.elastic's ``ProcessFailure``) in words, and the Python
+    traceback to show with it ("" when the error explains itself or there is none)."""
+    from zerodp.train.watchdog import WATCHDOG_EXIT_CODE
+
+    message = failure.message
+    if isinstance(message, dict):  # the worker raised: @record wrote its error file
+        text = str(message.get("message", ""))
+        callstack = message.get("extraInfo", {}).get("py_callstack", "")
+        return text, "" if text.split(":", 1)[0] in EXPLAINED_ERRORS else callstack
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"it was killed by signal {failure.signal_name()}", ""
+    if failure.exitcode == WATCHDOG_EXIT_CODE:
+        return ("its watchdog ended it: it made no progress within the time --timeout-s allows "
+                "(its output above says where it was stuck)"), ""
+    return ("its process ended without a Python error (a crash, os._exit, or the out-of-memory "
+            "killer); its output above may say more"), ""
 
 
 def _resumable(out: str | None) -> str:

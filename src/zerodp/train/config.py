@@ -111,6 +111,8 @@ class TrainConfig:
     nproc: int = 2
     backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
     max_restarts: int = 0
+    timeout_s: float = 600.0  # collective timeout; the watchdog allows 1.5x this + 2 s (issue 9)
+    max_skipped_steps: int = 3  # stop after this many consecutive steps with inf/NaN gradients
     progress: bool = True
 
     def __post_init__(self):
@@ -124,7 +126,7 @@ class TrainConfig:
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         for name in ("steps", "seq_len", "micro_batch", "global_batch_tokens", "nproc",
-                     "eval_batches", "keep_checkpoints"):
+                     "eval_batches", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "ckpt_every", "warmup_steps", "max_restarts"):
@@ -136,6 +138,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout-s must be a positive number of seconds, got {self.timeout_s}")
         if not self.bucket_mb > 0:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
 

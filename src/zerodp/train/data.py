@@ -93,7 +93,8 @@ def load_corpus(path: str | None = None, val_fraction: float = VAL_FRACTION) -> 
         else:
             tokens, kind = np.fromfile(p, dtype=np.uint8), "bytes"
     if tokens.size < 2:
-        raise ValueError(f"data {name} holds {tokens.size} tokens; a language model needs at least 2")
+        raise ValueError(f"data {name} holds {tokens.size} token{'' if tokens.size == 1 else 's'}; a "
+                         "language model needs at least 2 (an input and the next token to predict)")
     n_val = max(1, int(tokens.size * val_fraction))
     train, val = tokens[:-n_val], tokens[-n_val:]
     return Corpus(name, kind, train, val, _vocab(train, val, kind))

@@ -17,7 +17,10 @@ checked before any rank starts, so bad input ends with one clear line instead of
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import logging
 import os
+import signal
 import time
 import uuid
 from dataclasses import asdict, replace
@@ -28,8 +31,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from zerodp.train.config import TrainConfig
 
-# How long ranks wait for each other in a collective before giving up (no silent hangs).
-COLLECTIVE_TIMEOUT_S = 600
 DEFAULT_RUNS_DIR = "runs"
 
 
@@ -65,6 +66,25 @@ def validate(cfg: TrainConfig, world: int) -> None:
                          "continue it, or choose a new --out (nothing was overwritten)")
 
 
+def attempt_store(rank: int, world: int, attempt: int, timeout: datetime.timedelta):
+    """The rendezvous store of this attempt of the group, as ``env://`` would make it, but with
+    its keys under a prefix of their own.
+
+    After an elastic restart the store can still hold the keys the dead attempt wrote (the
+    addresses its ranks listened on); a new rank that reads one tries to connect to a process
+    that is gone ("Gloo connectFullMesh failed … Connection refused"), or waits for it. A prefix
+    per attempt (``TORCHELASTIC_RESTART_COUNT``) makes every attempt start from a clean slate.
+    """
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # the agent hosts the store
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    else:  # rank 0 hosts it, as env:// does
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"zerodp/attempt-{attempt}/", store)
+
+
 @record  # a failing worker's traceback goes where the elastic agent reports it
 def worker(cfg_dict: dict) -> dict:
     """Entry point of one rank: set up the process group and device, train, report (rank 0)."""
@@ -79,12 +99,23 @@ def worker(cfg_dict: dict) -> dict:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single", category=FutureWarning)
     from zerodp.train.report import write_report
 
+    from zerodp.train.checkpoint import complete_checkpoints
+
     cfg = TrainConfig.from_dict(cfg_dict)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and cfg.out:
-        # The agent restarted the group after a failure: continue from the newest checkpoint.
-        if (Path(cfg.out) / "checkpoints").is_dir():
-            cfg = replace(cfg, resume=cfg.out)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where every thread of this rank is
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0 and cfg.out:
+        # The agent restarted the group after a failure: continue from the newest complete
+        # checkpoint (or from the start when none was completed before the failure).
+        found = complete_checkpoints(Path(cfg.out) / "checkpoints")
+        if found:
+            cfg = replace(cfg, resume=cfg.out)
+        if rank == 0:
+            print(f"zerodp: restart {restart} of the group after a failure; "
+                  + (f"resuming from {found[-1]}" if found else "no checkpoint was complete, starting over"),
+                  flush=True)
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = resolve_backend(cfg)
@@ -94,7 +125,9 @@ def worker(cfg_dict: dict) -> dict:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    dist.init_process_group(backend, store=attempt_store(rank, world, restart, timeout), rank=rank,
+                            world_size=world, timeout=timeout,
                             **({"device_id": device} if backend == "nccl" else {}))
     try:
         if cfg.out is None:  # the same new directory on every rank
@@ -123,6 +156,10 @@ def launch(cfg: TrainConfig) -> str:
 
     cfg = cfg if cfg.out else replace(cfg, out=default_out())
     validate(cfg, cfg.nproc)
+    # A failed worker is reported by `zerodp train` itself: in one line when the error explains
+    # itself (a peer died or stalled, inf/NaN, a bad checkpoint), with its traceback otherwise.
+    # The launcher would log the same traceback once more, from inside its process machinery.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"zerodp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.max_restarts,

@@ -9,6 +9,7 @@ business (stage 0–3, seed §9).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -21,7 +22,9 @@ from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import BatchPlan, TrainConfig, plan_batch
 from zerodp.train.data import Corpus, Sharding, TrainStream, Windows, load_corpus, val_batches
 from zerodp.train.model import GPT, GPTConfig
+from zerodp.train.faults import Faults
 from zerodp.train.progress import METRICS_FILE, MetricsLog, ProgressBar
+from zerodp.train.watchdog import Watchdog, explain, is_collective_error
 
 CHECKPOINTS = "checkpoints"
 # Settings that decide which samples a step reads and how large a step it takes: changing them on
@@ -113,25 +116,41 @@ def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
     engine = parallelize(model, optimizer=lambda groups: torch.optim.AdamW(
         groups, lr=cfg.lr, weight_decay=wd, betas=betas), stage=cfg.stage,
         mixed_precision=cfg.mixed_precision, bucket_mb=cfg.bucket_mb,
-        units=list(model.blocks) if cfg.stage == 3 else None)
+        units=list(model.blocks) if cfg.stage == 3 else None,
+        max_nonfinite_skips=cfg.max_skipped_steps)
     return engine, n_params
 
 
 def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
-    """Apply a validated checkpoint on every rank, or on none: each rank first checks that it can
-    serve every piece it owns, and the ranks agree before anything is written."""
-    problem = ""
+    """Apply a validated checkpoint on every rank, or on none (it never half-applies).
+
+    Each rank first reads everything it will load — its pieces of every state kind and its RNG
+    state — into memory, so that a file that cannot be read (deleted, damaged or replaced since
+    it was validated) fails here, before anything is written. Then the ranks agree with one
+    AllReduce; only when every rank is ready does any of them touch the engine. (The price: this
+    rank's share of the checkpoint is held in memory once more while loading.)
+    """
+    problem, cache, rng = "", {}, {}
     try:
         ck.check_pieces(engine.state_pieces())
-    except ckpt.CheckpointError as e:
-        problem = str(e)
+        kinds = ["param", *ck.manifest.get("scalars", {}).get("kinds", [])]
+        for p in engine.master.pieces(kinds=[]):  # the ranges this rank holds (parameters only)
+            for kind in kinds:
+                cache[(p.name, kind, p.start, p.stop)] = ck.read(p.name, kind, p.start, p.stop)
+        rng = ck.rng(ctx.rank)
+    except Exception as e:  # noqa: BLE001 - any failure to read means: load nothing, anywhere
+        problem = str(e) if isinstance(e, ckpt.CheckpointError) else f"{ck.path}: cannot read it ({type(e).__name__}: {e})"
     flag = torch.tensor([0.0 if problem else 1.0], device=ctx.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if flag.item() < 1.0:
         raise ckpt.CheckpointError(problem or f"another rank cannot load {ck.path}; nothing was loaded")
+
+    def read(name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+        got = cache.get((name, kind, start, stop))
+        return got if got is not None else ck.read(name, kind, start, stop)
+
     engine.load_scalar_state(ck.manifest.get("scalars", {}))
-    engine.load_state_pieces(ck.read)
-    rng = ck.rng(ctx.rank)
+    engine.load_state_pieces(read)
     if ckpt.RNG_CPU in rng:
         torch.set_rng_state(rng[ckpt.RNG_CPU])
     if ckpt.RNG_CUDA in rng and ctx.device.type == "cuda":
@@ -149,15 +168,37 @@ def evaluate(engine, val_w: Windows, cfg: TrainConfig, ctx: RankContext) -> floa
 
 
 def train(cfg: TrainConfig, ctx: RankContext) -> dict:
-    """Run ``cfg`` on this rank (the process group is up). Returns a summary dict on rank 0."""
+    """Run ``cfg`` on this rank (the process group is up). Returns a summary dict on rank 0.
+
+    No hangs (issue 9): a watchdog ends this rank if it makes no progress for about
+    ``cfg.timeout_s`` (see :mod:`zerodp.train.watchdog`), and a collective that fails because a
+    peer died or stalled is re-raised as a :class:`~zerodp.train.watchdog.CollectiveFailure`
+    that says so, instead of a traceback from inside the backend.
+    """
+    faults = Faults.from_env(ctx.rank)  # test-only; empty unless ZERODP_TEST_FAULT is set
+    with Watchdog.for_timeout(cfg.timeout_s, ctx.rank) as dog:
+        dog.slow("start-up")  # longer limit until the first step
+        try:
+            return _train(cfg, ctx, dog, faults)
+        except Exception as e:
+            if is_collective_error(e):
+                raise explain(e, ctx.rank, ctx.world, dog.where, cfg.timeout_s) from None
+            raise
+
+
+def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) -> dict:
     corpus, mc, plan, train_w, val_w = prepare(cfg, ctx.world)
     out = Path(cfg.out)
     lead = ctx.rank == 0
     say = print if lead else (lambda *a, **k: None)
+    if faults:
+        say(f"warning: {faults.describe()}")
     ck = check_resume(cfg, mc, log=say)
+    dog.slow("building the engine")
     engine, n_params = build_engine(cfg, mc, ctx)
     start = 0
     if ck is not None:
+        dog.slow(f"loading checkpoint {ck.path}")
         load_into(engine, ck, ctx)
         start = ck.step
         say(f"resumed from {ck.path} at step {start} (saved by {ck.world_size} ranks at stage "
@@ -180,6 +221,7 @@ def train(cfg: TrainConfig, ctx: RankContext) -> dict:
     bar = ProgressBar(end, start, enabled=lead and cfg.progress)
 
     def checkpoint(step: int) -> Path:
+        dog.pet(f"saving the checkpoint of step {step}")
         meta = dict(stage=cfg.stage, mixed_precision=cfg.mixed_precision, model=mc.to_dict(),
                     train=asdict(cfg), scalars=engine.scalar_state(),
                     data=dict(step=step, samples_consumed=step * plan.global_batch, seed=cfg.seed,
@@ -188,26 +230,42 @@ def train(cfg: TrainConfig, ctx: RankContext) -> dict:
 
     val_loss = None
     if cfg.eval_every and start % cfg.eval_every == 0 or start == 0:
+        dog.slow(f"validation at step {start}")
         val_loss = evaluate(engine, val_w, cfg, ctx)
         if lead:
             log.write("eval", step=start, val_loss=val_loss)
     trace_step = start + min(2, end - start - 1)  # a warm step, not the first
     step_times, last_ckpt, train_loss = [], None, float("nan")
     t_run = time.perf_counter()
+    skipped_steps = 0
     for step in range(start, end):
+        dog.pet(f"step {step}")
+        faults.at_step_start(step)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         set_lr(engine, lr)
         loss_sum = torch.zeros((), device=ctx.device)
         for micro in range(plan.grad_acc):
+            dog.pet(f"step {step}, micro-batch {micro} (forward/backward)")
             x, y = stream.micro_batch(step, micro, ctx.rank)
             with engine.no_sync(micro < plan.grad_acc - 1):
                 loss = engine(x.to(ctx.device), y.to(ctx.device)) / plan.grad_acc
                 loss.backward()
             loss_sum += loss.detach().float()
+        faults.after_backward(engine, step)
+        dog.pet(f"step {step}, gradient clipping and optimizer step")
         norm = engine.clip_grad_norm_(cfg.clip)
-        engine.step()
+        engine.step()  # skipped on every rank when any rank's gradients hold inf/NaN
         engine.zero_grad()
+        guard = engine.guard.stats()
+        if guard.last_skipped:
+            skipped_steps += 1
+            if lead:
+                log.write("skip", step=step + 1, ranks=guard.last_ranks, consecutive=guard.consecutive,
+                          skipped_steps=guard.skipped_steps)
+                (bar.write if cfg.progress else say)(f"step {step + 1}: inf/NaN gradients on rank(s) "
+                          f"{', '.join(map(str, guard.last_ranks))}; the step was skipped on every rank "
+                          f"({guard.consecutive} in a row, at most {cfg.max_skipped_steps})")
         dist.all_reduce(loss_sum)
         train_loss = loss_sum.item() / ctx.world
         step_s = time.perf_counter() - t0
@@ -217,20 +275,23 @@ def train(cfg: TrainConfig, ctx: RankContext) -> dict:
             engine.export_chrome_trace(out / TRACE_FILE, step=step - start)
         val_loss = None
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == end:
+            dog.pet(f"validation at step {done}")
             val_loss = evaluate(engine, val_w, cfg, ctx)
         if lead:
             log.write("step", step=done, loss=train_loss, lr=lr, grad_norm=float(norm),
+                      skipped=guard.last_skipped, skipped_steps=guard.skipped_steps,
                       step_s=step_s, tokens=done * step_tokens, tokens_per_s=step_tokens / step_s,
                       flops_per_s=fpt * step_tokens / step_s, epoch=stream.epoch_at(done))
             if val_loss is not None:
                 log.write("eval", step=done, val_loss=val_loss)
-        bar.update(train_loss, step_tokens / step_s, step_s, val_loss)
+        bar.update(train_loss, step_tokens / step_s, step_s, val_loss, guard.skipped_steps)
         if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end:
             last_ckpt = checkpoint(done)
             if lead:
                 log.write("checkpoint", step=done, path=str(last_ckpt))
     bar.close()
     wall = time.perf_counter() - t_run
+    dog.pet("the end-of-run report")
 
     try:
         stats = engine.stats()
@@ -249,5 +310,6 @@ def train(cfg: TrainConfig, ctx: RankContext) -> dict:
                        step_times=step_times, wall_s=wall, checkpoint=str(last_ckpt) if last_ckpt else None,
                        trace=str(out / TRACE_FILE) if cfg.trace else None, stats=everyone,
                        device=str(ctx.device), mixed_precision=cfg.mixed_precision,
-                       bucket_mb=cfg.bucket_mb, grad_acc=plan.grad_acc, global_batch=plan.global_batch)
+                       bucket_mb=cfg.bucket_mb, grad_acc=plan.grad_acc, global_batch=plan.global_batch,
+                       skipped_steps=skipped_steps)
     return summary

@@ -61,13 +61,16 @@ class ProgressBar:
                              file=sys.stderr, desc="train",
                              bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}")
 
-    def update(self, loss: float, tokens_per_s: float, step_s: float, val_loss: float | None) -> None:
+    def update(self, loss: float, tokens_per_s: float, step_s: float, val_loss: float | None,
+               skipped: int = 0) -> None:
         if self._bar is None:
             return
         post = f" loss {loss:.3f}"
         if val_loss is not None:
             post += f" val {val_loss:.3f}"
         post += f" | {tokens_per_s:,.0f} tok/s | {step_s * 1e3:.0f} ms/step"
+        if skipped:
+            post += f" | {skipped} skipped (inf/NaN)"
         self._bar.set_postfix_str(post, refresh=False)
         self._bar.update(1)
 

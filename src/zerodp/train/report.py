@@ -134,6 +134,7 @@ def write_report(summary: dict) -> Path:
         ["throughput", f"{tokens_per_s:,.0f} tokens/s ({tokens_per_s / world:,.0f} per rank)"],
         ["achieved compute", f"{si(flops, 'FLOP/s')} ({si(flops / world, 'FLOP/s')} per rank)"],
         ["wall time of the loop", f"{summary['wall_s']:.1f} s"],
+        ["steps skipped (inf/NaN gradients)", f"{summary.get('skipped_steps', 0)}"],
     ]))
     if evals:
         drop = 1 - evals[-1] / evals[0]
