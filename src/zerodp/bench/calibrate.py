@@ -26,8 +26,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from zerodp.bench import sweep
+from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_PER_TOKEN_PARAM
 
-FLOPS_PER_TOKEN_PARAM = 6  # forward 2 + backward 4 (seed §7.4)
+FLOPS_PER_TOKEN_PARAM = FORWARD_FLOPS_PER_TOKEN_PARAM + BACKWARD_FLOPS_PER_TOKEN_PARAM  # 2 + 4 (seed §7.4)
 
 
 @dataclass(frozen=True)

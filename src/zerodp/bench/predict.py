@@ -27,10 +27,9 @@ from dataclasses import asdict, dataclass
 
 from zerodp.bench.calibrate import compute_times
 from zerodp.plan.collectives import RingCost
+from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
 from zerodp.plan.timeline import Layer, simulate_backward, simulate_fsdp
 
-FORWARD_FLOPS_PER_TOKEN_PARAM = 2
-BACKWARD_TO_FORWARD = 2  # backward = 2 × forward FLOPs (seed §7.1: 4 matmuls vs 2)
 
 
 @dataclass(frozen=True)

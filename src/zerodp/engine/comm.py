@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.engine.trace import COMM, Event, Recorder
+from zerodp.plan.collectives import bus_factor
 
 ALL_REDUCE = "all_reduce"
 REDUCE_SCATTER = "reduce_scatter"
@@ -35,8 +36,7 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 def ring_sent_bytes(kind: str, nbytes: int, world_size: int) -> float:
     """Bytes one rank sends in a ring collective over a V-byte buffer (seed §2.4)."""
-    frac = (world_size - 1) / world_size if world_size > 0 else 0.0
-    return (2.0 if kind == ALL_REDUCE else 1.0) * frac * nbytes
+    return bus_factor(kind, world_size) * nbytes
 
 
 @dataclass
