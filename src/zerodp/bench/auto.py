@@ -11,14 +11,25 @@ Which size inside the spot: the simulator prices a collective by α and W only, 
 also costs host work the model does not see (a hook, a launch, a wait). So among the sizes whose
 simulated exposed communication is within :data:`SWEET_SPOT_TOLERANCE` of the best, take the
 largest — the fewest collectives for (almost) the same exposed tail.
+
+Which model: a :class:`zerodp.train.model.GPT` (or its config) is cut into embedding, blocks and
+head (:func:`zerodp.bench.predict.gpt_layer_shapes`); any other ``nn.Module`` into one layer per
+module that owns trainable parameters (:func:`module_layer_shapes`). The engine calls
+:func:`choose_bucket_mb` once, at construction, for ``parallelize(..., bucket_mb="auto")``
+(:func:`zerodp.engine.config.resolve_auto_bucket`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+from typing import TYPE_CHECKING
 
 from zerodp.plan.timeline import sweep_buckets
+
+if TYPE_CHECKING:
+    from zerodp.bench.predict import LayerShape
 
 SWEET_SPOT_TOLERANCE = 0.05  # relative to the best exposed communication
 SWEET_SPOT_SLACK_S = 1e-4  # absolute slack: differences below 0.1 ms are noise on any machine
@@ -39,31 +50,109 @@ def _calibration_table(profile) -> dict:
                      "profile dict, or its 'calibration' table with 'fits', 'compute', 'world_size')")
 
 
-def bucket_sweep(profile, model_cfg, tokens_per_rank: int, seq_len: int | None = None,
-                 grad_bytes_per_param: int = 4, collective: str = "all_reduce"):
-    """The simulator's bucket sweep (:class:`zerodp.plan.timeline.BucketSweep`) for this model."""
-    from zerodp.bench.calibrate import compute_times
-    from zerodp.bench.predict import _PerKindCost, gpt_layer_shapes, split_compute
+def _is_module(model) -> bool:
+    """True for a ``torch.nn.Module`` (without importing torch for a config: no torch, no module)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(model, torch.nn.Module)
 
+
+def module_layer_shapes(module) -> list[LayerShape]:
+    """The simulator's layers of any ``nn.Module``, from its parameters alone (seed §4).
+
+    Modules are walked in registration order (``named_modules``), which stands for forward order;
+    each module that directly owns trainable parameters is one layer. ``params`` counts the
+    trainable parameters it owns, a shared (tied) parameter only at its first owner, where the
+    engine's flat buffers hold it too; ``matmul_params`` counts all of them — a tied head still
+    multiplies — except for ``nn.Embedding``, whose lookup costs no FLOPs. No attention term: a
+    generic module's compute is shared out by its weights alone.
+    """
+    import torch.nn as nn
+
+    from zerodp.bench.predict import LayerShape
+
+    seen: set[int] = set()
+    shapes = []
+    for name, sub in module.named_modules():
+        own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        new = [p for p in own if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        matmul = 0 if isinstance(sub, nn.Embedding) else sum(p.numel() for p in own)
+        shapes.append(LayerShape(name or type(sub).__name__, sum(p.numel() for p in new), matmul))
+    if not shapes:
+        raise ValueError("the model has no trainable parameters: no gradient buckets to size")
+    return shapes
+
+
+def layer_shapes(model, tokens_per_rank: int, seq_len: int | None = None) -> list[LayerShape]:
+    """The simulator's layers of ``model``: a GPTConfig, a :class:`zerodp.train.model.GPT`, or
+    any other ``nn.Module`` (:func:`module_layer_shapes`).
+
+    A GPT (config or module) is cut by :func:`zerodp.bench.predict.gpt_layer_shapes` at
+    ``seq_len`` tokens per sequence (default: the model's, at most ``tokens_per_rank``).
+    """
+    from zerodp.bench.predict import gpt_layer_shapes
+
+    if _is_module(model):
+        from zerodp.train.model import GPTConfig
+
+        cfg = getattr(model, "cfg", None)
+        if not isinstance(cfg, GPTConfig):
+            return module_layer_shapes(model)
+        model = cfg
+    return gpt_layer_shapes(model, seq_len or min(model.seq_len, tokens_per_rank))
+
+
+def calibration_for(profile, world_size: int | None = None) -> dict:
+    """The ``calibration`` table of ``profile`` (path, dict or table), checked for ``world_size``.
+
+    α and W are fitted per world size (seed §2.4): a profile holds for its own group size only, so
+    one measured on another number of ranks is a ``ValueError`` (when ``world_size`` is given).
+    """
     cal = _calibration_table(profile)
-    if not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
+    if world_size is not None and cal["world_size"] != world_size:
+        raise ValueError(
+            f"the calibration profile was measured on {cal['world_size']} ranks, but this process group "
+            f"has {world_size}: its collective fits (α, W) do not hold here; calibrate on this many "
+            f"ranks ('zerodp calibrate --nproc {world_size}') or give bucket_mb a number of MiB")
+    return cal
+
+
+def bucket_sweep(profile, model_cfg, tokens_per_rank: int, seq_len: int | None = None,
+                 grad_bytes_per_param: int = 4, collective: str = "all_reduce",
+                 world_size: int | None = None):
+    """The simulator's bucket sweep (:class:`zerodp.plan.timeline.BucketSweep`) for this model.
+
+    ``model_cfg``: anything :func:`layer_shapes` accepts. ``world_size``: when given, the size of
+    the process group the buckets are for; a profile calibrated on another size is refused.
+    """
+    from zerodp.bench.calibrate import compute_times
+    from zerodp.bench.predict import _PerKindCost, split_compute
+
+    cal = calibration_for(profile, world_size)
+    if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
         raise ValueError(f"tokens_per_rank must be a positive integer, got {tokens_per_rank!r}")
-    seq = seq_len or min(model_cfg.seq_len, tokens_per_rank)
-    comp = cal["compute"]
-    layers = split_compute(gpt_layer_shapes(model_cfg, seq), tokens_per_rank,
-                           *compute_times(comp, tokens_per_rank), grad_bytes_per_param)
+    shapes = layer_shapes(model_cfg, tokens_per_rank, seq_len)
+    layers = split_compute(shapes, tokens_per_rank, *compute_times(cal["compute"], tokens_per_rank),
+                           grad_bytes_per_param)
     return sweep_buckets(layers, _PerKindCost(cal), collective=collective, split_layers=False)
 
 
 def choose_bucket_mb(profile, model_cfg, tokens_per_rank: int, seq_len: int | None = None,
-                     grad_bytes_per_param: int = 4, collective: str = "all_reduce") -> float:
-    """Bucket size in MiB at the simulated sweet spot (module docstring) for ``model_cfg``.
+                     grad_bytes_per_param: int = 4, collective: str = "all_reduce",
+                     world_size: int | None = None) -> float:
+    """Bucket size in MiB at the simulated sweet spot (module docstring, seed §4) for a model.
 
     ``profile``: a calibration profile (path, dict, or its ``calibration`` table);
-    ``model_cfg``: a :class:`zerodp.train.model.GPTConfig`; ``tokens_per_rank``: micro-batch ×
-    sequence length on each rank.
+    ``model_cfg``: a :class:`zerodp.train.model.GPTConfig`, a ``GPT`` module or any ``nn.Module``
+    (see :func:`layer_shapes`); ``tokens_per_rank``: micro-batch × sequence length on each rank;
+    ``grad_bytes_per_param``: bytes of one gradient element as communicated (4 fp32, 2 bf16);
+    ``collective``: ``"all_reduce"`` (stage 0) or ``"reduce_scatter"`` (stages 1-2);
+    ``world_size``: when given, must equal the profile's (else ``ValueError``).
     """
-    sweep = bucket_sweep(profile, model_cfg, tokens_per_rank, seq_len, grad_bytes_per_param, collective)
+    sweep = bucket_sweep(profile, model_cfg, tokens_per_rank, seq_len, grad_bytes_per_param, collective,
+                         world_size)
     limit = sweep.best_exposed_comm_s * (1 + SWEET_SPOT_TOLERANCE) + SWEET_SPOT_SLACK_S
     spot = [p for p in sweep.points if p.exposed_comm_s <= limit]
     return max(p.bucket_bytes for p in spot) / MIB

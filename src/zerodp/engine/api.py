@@ -54,6 +54,19 @@ def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
     ``list(model.blocks)``). Other keyword options are :class:`EngineConfig` fields
     (``bucket_mb``, ``sync``, ``find_unused_parameters``, ``average_by_tokens``, ``param_groups``,
     ``reduce_every_microbatch``, ...).
+
+    ``bucket_mb="auto"`` (stages 0-2, seed §4) picks the bucket size at the simulator's sweet spot
+    for this model on this machine, once, from a calibration profile::
+
+        engine = zerodp.parallelize(model, optimizer=..., stage=2, bucket_mb="auto",
+                                    profile="profile.json", tokens_per_rank=8 * 1024)
+        engine.config.bucket_mb, engine.bucket_auto   # e.g. (5.36, True)
+
+    ``profile``: a path written by ``zerodp calibrate`` on as many ranks as this process group (or
+    the loaded dict, or its ``calibration`` table); ``tokens_per_rank``: micro-batch × sequence
+    length per rank. Without either, or with a profile of another world size, ``ValueError``
+    says what to pass. Stage 3 has no gradient buckets: "auto" is accepted and ignored there.
+    See :class:`EngineConfig` and :func:`zerodp.bench.auto.choose_bucket_mb`.
     """
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"stage", "mixed_precision"}
     unknown = sorted(set(options) - known)

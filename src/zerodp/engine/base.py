@@ -158,6 +158,8 @@ class StageEngine:
 
     stage: ClassVar[int] = -1
     grads_sharded: ClassVar[bool] = True
+    #: True when ``config.bucket_mb`` was chosen by ``bucket_mb="auto"`` (stages 0-2, seed §4).
+    bucket_auto: bool = False
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):

@@ -6,6 +6,8 @@ states sharded), 2 = ZeRO-2 (+ gradients), 3 = ZeRO-3 / FSDP (+ parameters).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -15,6 +17,9 @@ STAGES = (0, 1, 2, 3)
 SYNC_MODES = ("naive", "overlap", "bucketed")  # seed §2.5, §3, §4
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (seed §4)
 DEFAULT_FIRST_BUCKET_MB = 1.0  # small first bucket: the last layers' gradients start moving early
+AUTO = "auto"  # bucket_mb="auto": the simulator's sweet spot for this model and machine (seed §4)
+#: The collective a gradient bucket goes through, per stage (stage 3 has FSDP units, no buckets).
+BUCKET_COLLECTIVE = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter"}
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -55,11 +60,25 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything :func:`zerodp.parallelize` accepts besides the model and the optimizer."""
+    """Everything :func:`zerodp.parallelize` accepts besides the model and the optimizer.
+
+    ``bucket_mb``: size of the gradient buckets in MiB (stages 0-2, seed §4), or ``"auto"``: the
+    size at the simulator's sweet spot for this model on this machine, chosen once when the engine
+    is built by :func:`zerodp.bench.auto.choose_bucket_mb` from a calibration ``profile`` (a path
+    written by ``zerodp calibrate``, the loaded profile dict, or its ``calibration`` table) and
+    ``tokens_per_rank`` (micro-batch × sequence length on each rank), with the AllReduce of stage
+    0 or the ReduceScatter of stages 1-2, gradient elements of the communication dtype
+    (:attr:`MixedPrecision.comm_dtype`: 4 bytes in fp32, 2 in bf16), and the world size of the
+    process group (which must be the profile's). The engine's ``config.bucket_mb`` then holds the
+    chosen number of MiB and ``engine.bucket_auto`` is True; ``first_bucket_mb`` is capped at it.
+    Stage 3 has no gradient buckets (FSDP units, seed §10): ``"auto"`` is accepted and ignored
+    there (no profile needed; ``config.bucket_mb`` stays ``"auto"``, ``engine.bucket_auto`` False).
+    ``profile`` and ``tokens_per_rank`` are read only for ``bucket_mb="auto"``.
+    """
 
     stage: int = 0
     mixed_precision: MixedPrecision | None = None
-    bucket_mb: float = DEFAULT_BUCKET_MB
+    bucket_mb: float | str = DEFAULT_BUCKET_MB  # MiB, or "auto" (see above)
     first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
     sync: str = "bucketed"
     # Gradient accumulation under stages 2-3: True reduces every micro-batch (memory first, as
@@ -72,6 +91,9 @@ class EngineConfig:
     # Skip steps whose gradients hold inf/NaN on any rank; raise after this many in a row
     # (None: no check, the step is applied as torch's optimizers would). See engine.guard.
     max_nonfinite_skips: int | None = None
+    # bucket_mb="auto" only: the calibration profile and the tokens per rank per micro-batch.
+    profile: "str | os.PathLike | dict | None" = None
+    tokens_per_rank: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -79,8 +101,58 @@ class EngineConfig:
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3 (FSDP)")
         if self.sync not in SYNC_MODES:
             raise ValueError(f"sync={self.sync!r} is unknown; use one of {', '.join(SYNC_MODES)}")
-        if not (self.bucket_mb > 0 and self.first_bucket_mb > 0):
+        if self.bucket_mb == AUTO:
+            if self.stage != 3:
+                self._check_auto_inputs()
+        elif isinstance(self.bucket_mb, str) or not isinstance(self.bucket_mb, (int, float)):
+            raise ValueError(f"bucket_mb={self.bucket_mb!r}: give a positive number of MiB, or 'auto' "
+                             "for the simulator's sweet spot from a calibration profile (seed §4)")
+        if not ((self.bucket_mb == AUTO or self.bucket_mb > 0) and self.first_bucket_mb > 0):
             raise ValueError(
                 f"bucket sizes must be positive MB, got bucket_mb={self.bucket_mb}, "
                 f"first_bucket_mb={self.first_bucket_mb}"
             )
+
+    def _check_auto_inputs(self) -> None:
+        """``bucket_mb="auto"`` needs a profile and the tokens per rank; say how to give them."""
+        if self.profile is None:
+            raise ValueError(
+                "bucket_mb='auto' needs a calibration profile: pass profile='profile.json' written by "
+                "`zerodp calibrate` (or the loaded profile dict), or give bucket_mb a number of MiB")
+        t = self.tokens_per_rank
+        if t is None:
+            raise ValueError(
+                "bucket_mb='auto' needs tokens_per_rank, the tokens each rank runs per micro-batch "
+                "(micro-batch × sequence length): pass e.g. tokens_per_rank=8 * 1024")
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tokens_per_rank must be a positive integer (micro-batch × sequence "
+                             f"length on each rank), got {t!r}")
+
+
+def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_size: int,
+                        param_dtype: torch.dtype, grad_dtype: torch.dtype) -> EngineConfig:
+    """``config`` with ``bucket_mb="auto"`` replaced by the chosen MiB (seed §4) and
+    ``first_bucket_mb`` capped at it; any other config unchanged.
+
+    Called once by the bucket engines (stages 0-2) before they plan their buckets. The simulator
+    sizes buckets in communicated bytes (``grad_dtype``, the dtype gradients travel in), the
+    engine in bytes of ``param_dtype`` (:func:`zerodp.engine.buckets.plan_buckets`); the two
+    differ only when bf16 gradients are reduced in fp32, and the choice is converted then.
+    Imports :mod:`zerodp.bench.auto` only here: the engine stays free of the planner unless
+    "auto" is asked for.
+    """
+    if config.bucket_mb != AUTO or config.stage not in BUCKET_COLLECTIVE:
+        return config
+    from zerodp.bench.auto import choose_bucket_mb
+
+    grad_bytes = _itemsize(grad_dtype)
+    mb = choose_bucket_mb(config.profile, module, config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
+                          collective=BUCKET_COLLECTIVE[config.stage], world_size=world_size)
+    mb = float(mb) * _itemsize(param_dtype) / grad_bytes
+    # The simulator prices equal buckets; a first bucket larger than the rest would defeat its
+    # purpose (small, so that communication starts early), so it is capped at the chosen size.
+    return dataclasses.replace(config, bucket_mb=mb, first_bucket_mb=min(config.first_bucket_mb, mb))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()

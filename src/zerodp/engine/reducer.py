@@ -34,7 +34,7 @@ import torch.nn as nn
 from zerodp.engine.base import StageEngine, split_target
 from zerodp.engine.buckets import build_buckets, cast_floating_buffers, plan_buckets
 from zerodp.engine.comm import Pending
-from zerodp.engine.config import EngineConfig
+from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.master import OptimizerFactory, Target
 
 
@@ -58,6 +58,10 @@ class BucketEngine(StageEngine):
         self.param_dtype = mp.param_dtype if mp else self.named_params[0][1].dtype
         if not self.param_dtype.is_floating_point:
             raise ValueError(f"parameters of dtype {self.param_dtype} cannot be trained")
+        # bucket_mb="auto" (seed §4): chosen once, here, before the buckets are planned.
+        self.bucket_auto = config.bucket_mb == AUTO
+        config = self.config = resolve_auto_bucket(config, module, self.world_size, self.param_dtype,
+                                                   self._grad_comm_dtype())
         # Per parameter: which bucket, and where in it (used by the hooks).
         plan = plan_buckets([p.numel() for _, p in self.named_params], self.param_group_of,
                             torch.empty(0, dtype=self.param_dtype).element_size(), config.sync,
@@ -90,6 +94,11 @@ class BucketEngine(StageEngine):
         self._start_clock()
 
     # ---- what a stage provides ---------------------------------------------------------------
+    def _grad_comm_dtype(self) -> torch.dtype:
+        """The dtype bucket collectives move gradients in (sizes ``bucket_mb="auto"``)."""
+        mp = self.mixed_precision
+        return mp.comm_dtype if mp else self.param_dtype
+
     def _init_grads(self) -> None:
         raise NotImplementedError
 
@@ -238,6 +247,12 @@ class FullGradEngine(BucketEngine):
     also has an fp32 accumulator (+4Ψ, seed §9): every filled bucket is added into it, and the
     collective then runs on the fp32 accumulator.
     """
+
+    def _grad_comm_dtype(self) -> torch.dtype:
+        mp = self.mixed_precision
+        if mp is not None and self.param_dtype != torch.float32 and mp.fp32_grad_accum:
+            return torch.float32  # the collective runs on the fp32 accumulator (_grads_to_reduce)
+        return super()._grad_comm_dtype()
 
     def _init_grads(self) -> None:
         mp = self.mixed_precision

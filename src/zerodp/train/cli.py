@@ -55,7 +55,12 @@ def _add_train(sub) -> None:
                    help="0 DP, 1 ZeRO-1, 2 ZeRO-2, 3 ZeRO-3/FSDP (seed §9)")
     g.add_argument("--mixed-precision", default=None, choices=["bf16"],
                    help="bf16 compute with fp32 master weights (seed §1)")
-    g.add_argument("--bucket-mb", type=float, default=_d("bucket_mb"), help="gradient bucket size (seed §4)")
+    g.add_argument("--bucket-mb", type=_bucket_mb, default=_d("bucket_mb"), metavar="MB|auto",
+                   help="gradient bucket size in MiB (seed §4), or auto: the simulator's sweet spot for "
+                        "this model and machine, from --profile")
+    g.add_argument("--profile", default=None, metavar="FILE",
+                   help="calibration profile written by `zerodp calibrate` on --nproc ranks (for "
+                        "--bucket-mb auto)")
     g.add_argument("--backend", default=_d("backend"), choices=["auto", "gloo", "nccl"])
     g.add_argument("--max-restarts", type=int, default=_d("max_restarts"),
                    help="restart the group this often after a rank fails (resumes from the newest checkpoint)")
@@ -88,6 +93,16 @@ def _add_train(sub) -> None:
     g.add_argument("--trace", action="store_true", help="write the Chrome trace of one step (trace.json)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run_train)
+
+
+def _bucket_mb(text: str) -> float | str:
+    """``--bucket-mb``: ``auto`` or a number (its sign is checked by TrainConfig)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB or 'auto', got {text!r}") from None
 
 
 def config_from_args(args) -> TrainConfig:

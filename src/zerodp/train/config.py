@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the CLI imports this module; keep it free of torch until a 
 PRESET_NAMES = ("nano", "tiny", "small", "medium", "gpt2-small")
 
 STAGES = (0, 1, 2, 3)
+AUTO = "auto"  # --bucket-mb auto
 MIXED_PRECISION = (None, "bf16")
 
 
@@ -95,7 +96,8 @@ class TrainConfig:
     micro_batch: int = 16
     stage: int = 2
     mixed_precision: str | None = None
-    bucket_mb: float = 0.5
+    bucket_mb: float | str = 0.5  # MiB, or "auto": the simulator's sweet spot from --profile (seed §4)
+    profile: str | None = None  # calibration profile (zerodp calibrate) for --bucket-mb auto
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -140,8 +142,23 @@ class TrainConfig:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout-s must be a positive number of seconds, got {self.timeout_s}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        self._check_bucket()
+
+    def _check_bucket(self) -> None:
+        """``--bucket-mb``: a positive number of MiB, or ``auto`` with ``--profile`` (seed §4)."""
+        if self.bucket_mb == AUTO:
+            if self.profile is None and self.stage != 3:
+                raise ValueError("--bucket-mb auto needs a calibration profile: pass --profile FILE "
+                                 "written by `zerodp calibrate --nproc N --out FILE` (N = --nproc), "
+                                 "or give --bucket-mb a number of MiB")
+            return
+        if isinstance(self.bucket_mb, str) or not self.bucket_mb > 0:
+            raise ValueError(f"--bucket-mb must be a positive number of MiB or 'auto', got {self.bucket_mb!r}")
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens each rank runs per micro-batch (what ``--bucket-mb auto`` sizes buckets for)."""
+        return self.micro_batch * self.seq_len
 
     def model_config(self, vocab_size: int) -> "GPTConfig":
         """The preset, at this run's sequence length and large enough for the data's vocabulary."""

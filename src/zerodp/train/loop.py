@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.train import checkpoint as ckpt
-from zerodp.train.config import BatchPlan, TrainConfig, plan_batch
+from zerodp.train.config import AUTO, BatchPlan, TrainConfig, plan_batch
 from zerodp.train.data import Corpus, Sharding, TrainStream, Windows, load_corpus, val_batches
 from zerodp.train.model import GPT, GPTConfig
 from zerodp.train.faults import Faults
@@ -65,9 +65,26 @@ def prepare(cfg: TrainConfig, world: int) -> tuple[Corpus, GPTConfig, BatchPlan,
     corpus = load_corpus(cfg.data)
     mc = cfg.model_config(corpus.vocab_size)
     plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, cfg.micro_batch, world)
+    check_profile(cfg, world)
     train_w = Windows(corpus.train, cfg.seq_len, "training", corpus.name)
     val_w = Windows(corpus.val, cfg.seq_len, "validation", corpus.name)
     return corpus, mc, plan, train_w, val_w
+
+
+def check_profile(cfg: TrainConfig, world: int) -> None:
+    """``--bucket-mb auto``: the profile must load and be calibrated on ``world`` ranks (the engine
+    chooses the size from it on every rank; checked here before any rank starts)."""
+    if cfg.bucket_mb == AUTO and cfg.stage != 3:
+        from zerodp.bench.auto import calibration_for
+
+        calibration_for(cfg.profile, world)
+
+
+def bucket_words(engine, cfg: TrainConfig) -> str:
+    """The run's gradient bucket size in words, e.g. ``bucket 5.36 MiB (auto)`` (seed §4)."""
+    if cfg.stage == 3:
+        return "no gradient buckets (FSDP units)" + (", --bucket-mb auto ignored" if cfg.bucket_mb == AUTO else "")
+    return f"bucket {engine.config.bucket_mb:.3g} MiB" + (" (auto)" if engine.bucket_auto else "")
 
 
 def check_resume(cfg: TrainConfig, mc: GPTConfig, log=print) -> "ckpt.Checkpoint | None":
@@ -116,6 +133,7 @@ def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
     engine = parallelize(model, optimizer=lambda groups: torch.optim.AdamW(
         groups, lr=cfg.lr, weight_decay=wd, betas=betas), stage=cfg.stage,
         mixed_precision=cfg.mixed_precision, bucket_mb=cfg.bucket_mb,
+        **(dict(profile=cfg.profile, tokens_per_rank=cfg.tokens_per_rank) if cfg.bucket_mb == AUTO else {}),
         units=list(model.blocks) if cfg.stage == 3 else None,
         max_nonfinite_skips=cfg.max_skipped_steps)
     return engine, n_params
@@ -206,17 +224,20 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
     stream = TrainStream(train_w, Sharding(plan.micro_batch, plan.grad_acc, ctx.world), cfg.seed)
     fpt = flops_per_token(mc, n_params)
     step_tokens = plan.global_batch * cfg.seq_len
+    bucket = bucket_words(engine, cfg)
+    bucket_mb = engine.config.bucket_mb  # the resolved MiB under --bucket-mb auto (stages 0-2)
 
     log = MetricsLog(out / METRICS_FILE) if lead else None
     if lead:
         log.write("start" if ck is None else "resume", step=start, world=ctx.world, stage=cfg.stage,
                   params=n_params, grad_acc=plan.grad_acc, global_batch=plan.global_batch,
+                  bucket_mb=bucket_mb, bucket_auto=engine.bucket_auto,
                   config=asdict(cfg), model=mc.to_dict(), corpus=corpus.name,
                   train_tokens=int(corpus.train.size), val_tokens=int(corpus.val.size))
         say(f"model {cfg.preset}: {n_params / 1e6:.2f}M parameters | data {corpus.name}: "
             f"{corpus.train.size:,} train / {corpus.val.size:,} val tokens | {ctx.world} ranks, "
             f"stage {cfg.stage}, global batch {plan.global_batch} × {cfg.seq_len} tokens = "
-            f"{plan.micro_batch} micro × {plan.grad_acc} grad_acc × {ctx.world} ranks")
+            f"{plan.micro_batch} micro × {plan.grad_acc} grad_acc × {ctx.world} ranks | {bucket}")
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     bar = ProgressBar(end, start, enabled=lead and cfg.progress)
 
@@ -310,6 +331,7 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
                        step_times=step_times, wall_s=wall, checkpoint=str(last_ckpt) if last_ckpt else None,
                        trace=str(out / TRACE_FILE) if cfg.trace else None, stats=everyone,
                        device=str(ctx.device), mixed_precision=cfg.mixed_precision,
-                       bucket_mb=cfg.bucket_mb, grad_acc=plan.grad_acc, global_batch=plan.global_batch,
+                       bucket_mb=bucket_mb, bucket_auto=engine.bucket_auto, bucket=bucket,
+                       grad_acc=plan.grad_acc, global_batch=plan.global_batch,
                        skipped_steps=skipped_steps)
     return summary
