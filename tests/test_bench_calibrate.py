@@ -34,9 +34,15 @@ def test_fit_refuses_flat_times():
 def test_calibrate_writes_a_profile_plan_and_predict_accept(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["calibrate", "--nproc", "2", "--max-bytes", "4194304", "--iters", "3",
-                 "--model", "nano", "--micro-batch", "2", "--out", str(out)]) == 0
+                 "--model", "nano", "--tokens", "8,64,128", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "algbw (GB/s)" in text and "busbw (GB/s)" in text and "alpha (us/hop)" in text
+    assert "AdamW ms" in text
+    with open(out) as f:
+        compute = json.load(f)["calibration"]["compute"]
+    assert [p["tokens"] for p in compute["points"]] == [8, 64, 128]
+    assert [(p["micro_batch"], p["seq_len"]) for p in compute["points"]][-1] == (2, 64)
+    assert compute["tokens"] == 128 and all(p["forward_s"] > 0 and p["optimizer_s"] > 0 for p in compute["points"])
     hw = load_hardware(str(out))
     assert hw.devices_per_node == 2 and hw.flops > 0 and hw.intra_bw > 0
     assert main(["plan", "roofline", "--hardware", str(out), "--json"]) == 0
@@ -53,3 +59,61 @@ def test_calibrate_writes_a_profile_plan_and_predict_accept(tmp_path, capsys):
 def test_predict_without_profile_says_how_to_make_one(tmp_path, capsys):
     assert main(["predict", "--profile", str(tmp_path / "none.json")]) == 2
     assert "zerodp calibrate" in capsys.readouterr().err
+
+
+# ---- compute between and beyond the calibrated sizes -------------------------------------------
+def _table(points):
+    from zerodp.bench.calibrate import ComputePoint, ComputeProfile
+
+    return ComputeProfile.from_points("small", 1000, [ComputePoint(t, 1, t, f, b, o) for t, f, b, o in points]).to_dict()
+
+
+def test_compute_is_exact_at_measured_sizes_and_linear_between():
+    from zerodp.bench.calibrate import compute_part, compute_times, optimizer_time
+
+    c = _table([(32, 0.03, 0.06, 0.10), (256, 0.14, 0.28, 0.07), (2048, 1.1, 2.2, 0.068)])
+    assert c["tokens"] == 2048 and c["forward_s"] == 1.1  # the main size is the largest
+    assert compute_times(c, 32) == (0.03, 0.06)
+    assert compute_times(c, 2048) == (1.1, 2.2)
+    assert compute_part(c, 144, "forward_s") == pytest.approx((0.03 + 0.14) / 2)
+    assert optimizer_time(c, 256) == pytest.approx(0.07)
+    assert optimizer_time(c, 256, params=500) == pytest.approx(0.035)  # per parameter
+    # beyond the largest: the last segment's slope; below the smallest: never negative
+    assert compute_part(c, 4096, "backward_s") == pytest.approx(2.2 + (2.2 - 0.28) / (2048 - 256) * 2048)
+    assert 0 <= compute_part(c, 1, "forward_s") <= 0.03
+    # a time that falls with tokens is not extrapolated downwards past the last size
+    assert optimizer_time(c, 8192) == pytest.approx(0.068)
+
+
+def test_compute_from_an_older_profile_with_one_small_size():
+    from zerodp.bench.calibrate import compute_times
+
+    old = {"model": "small", "params": 1000, "tokens": 2048, "forward_s": 1.0, "backward_s": 2.0,
+           "optimizer_s": 0.1, "small_tokens": 32, "small_forward_s": 0.03, "small_backward_s": 0.05}
+    assert compute_times(old, 32) == (0.03, 0.05)
+    assert compute_times(old, 2048) == (1.0, 2.0)
+    single = {k: old[k] for k in ("model", "params", "tokens", "forward_s", "backward_s", "optimizer_s")}
+    assert compute_times(single, 1024) == pytest.approx((0.5, 1.0))  # one size: proportional
+
+
+def test_lockstep_takes_the_slowest_rank_per_iteration():
+    from zerodp.bench.calibrate import lockstep_points
+
+    rank0 = {64: [(1.0, 2.0, 0.5), (1.0, 2.0, 0.5), (1.0, 2.0, 0.5)]}
+    rank1 = {64: [(1.5, 2.5, 0.1), (0.5, 1.0, 0.9), (1.5, 2.5, 0.1)]}
+    (p,) = lockstep_points([rank0, rank1], seq_len=64)
+    assert (p.tokens, p.micro_batch, p.seq_len) == (64, 1, 64)
+    assert (p.forward_s, p.backward_s) == (1.5, 2.5)  # rank 1 was slower in 2 of 3 iterations
+    assert p.optimizer_s == 0.5  # medians of [0.5, 0.9, 0.5]
+
+
+def test_calibrate_refuses_bad_token_counts():
+    from zerodp.bench.calibrate import calibrate, iterations_for
+
+    with pytest.raises(ValueError, match="multiple of the model's seq_len"):
+        calibrate(2, model="nano", tokens=(100,))
+    with pytest.raises(ValueError, match="positive"):
+        calibrate(2, model="nano", tokens=(0, 64))
+    with pytest.raises(ValueError, match="unknown model preset"):
+        calibrate(2, model="huge", tokens=(64,))
+    assert iterations_for(32, 2048) == 30 and iterations_for(2048, 2048) == 5

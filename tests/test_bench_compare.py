@@ -185,6 +185,13 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
         ours = {s: cs[f"ours{s}"]["model_state_bytes"][0] for s in range(4)}
         assert ours[3] < ours[2] < ours[1] < ours[0]  # seed §9: each stage shards one more kind
         assert all(c["predicted_s"] > 0 for c in cs.values() if c["role"] == "ours")
+        # the auto row is the engine's bucket_mb="auto": the size it chose is the simulator's spot
+        reg = r["regime"]
+        chosen = cs["ours0_auto"]["options"]
+        assert chosen["bucket_auto"] is True
+        assert chosen["bucket_mb"] == pytest.approx(auto.choose_bucket_mb(
+            profile, PRESETS["nano"], reg["micro_batch"] * reg["seq_len"], reg["seq_len"]))
+        assert d["auto_bucket_mb"][reg["name"]] == chosen["bucket_mb"]
     for row in d["rows"]:
         assert row["ratio"] == pytest.approx(row["ours_ms"] / row["peer_ms"])
         assert math.isfinite(row["ratio"])

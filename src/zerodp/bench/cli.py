@@ -22,7 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size (default 10)")
     p.add_argument("--model", default="small", help="GPT preset whose compute to measure (default small)")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank for the compute run")
+    p.add_argument("--tokens", default="32,256,2048",
+                   help="comma-separated tokens per rank at which to time the model's compute "
+                        "(default 32,256,2048; predictions interpolate between them)")
     p.add_argument("--out", default="profile.json", help="profile to write (default profile.json)")
     p.add_argument("--json", action="store_true", help="print the whole profile as JSON")
     p.set_defaults(func=run_calibrate)
@@ -79,14 +81,14 @@ def _positive(name: str, value: int) -> int:
 
 
 def run_calibrate(args) -> int:
-    from zerodp.bench.calibrate import calibrate, write_profile
+    from zerodp.bench.calibrate import calibrate, compute_table, write_profile
 
     _positive("nproc", args.nproc)
     if args.nproc < 2:
         raise ValueError("--nproc must be >= 2: collectives on one rank move nothing")
     t0 = time.perf_counter()
     cal = calibrate(args.nproc, args.min_bytes, args.max_bytes, _positive("iters", args.iters),
-                    args.model, _positive("micro-batch", args.micro_batch))
+                    args.model, _int_list("tokens", args.tokens))
     write_profile(cal, args.out)
     if args.json:
         print(json.dumps(cal.to_dict(), indent=2))
@@ -94,11 +96,8 @@ def run_calibrate(args) -> int:
     print(sweep.points_table(cal.points, cal.world_size))
     print()
     print(sweep.fits_table(cal.fits))
-    c = cal.compute
     print()
-    print(f"compute ({c.model}, {c.params / 1e6:.2f}M params, {c.tokens} tokens/rank): forward "
-          f"{c.forward_s * 1e3:.1f} ms, backward {c.backward_s * 1e3:.1f} ms, AdamW step "
-          f"{c.optimizer_s * 1e3:.1f} ms -> C = {c.flops / 1e9:.2f} GFLOP/s per rank")
+    print(compute_table(cal.compute.to_dict()))
     hw = cal.hardware()
     print(f"C/W = {hw['flops'] / hw['intra_bw']:.0f} tokens per rank (seed §7: compute-bound above it)")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s); use it with "
@@ -196,12 +195,12 @@ def run_bench_cmd(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     profile = args.profile
     if args.calibrate:
-        from zerodp.bench.calibrate import calibrate, write_profile
+        from zerodp.bench.calibrate import DEFAULT_TOKENS, calibrate, write_profile
 
         profile = profile or os.path.join(args.out, "profile.json")
         quick = dict(max_bytes=1 << 20, iters=3) if args.quick else {}
-        cal = calibrate(args.nproc, model=model, micro_batch=regimes[0].micro_batch,
-                        seq_len=regimes[0].seq_len, **quick)
+        tokens = {r.tokens for r in regimes} | (set() if args.quick else set(DEFAULT_TOKENS))
+        cal = calibrate(args.nproc, model=model, tokens=tuple(sorted(tokens)), **quick)
         write_profile(cal, profile)
         if not args.json:
             print(sweep.points_table(cal.points, cal.world_size))

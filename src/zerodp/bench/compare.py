@@ -22,8 +22,8 @@ Two regimes (seed §7, DESIGN §6): **compute-bound** — many tokens per rank (
 contender should sit near the floor — and **communication-bound** — few (32), where the
 implementation's fixed costs decide. With a calibration profile the planner's prediction
 (:func:`zerodp.bench.predict.predict_step`) is printed next to each measured median, and the
-stage-0 row with ``bucket_mb`` chosen by :func:`zerodp.bench.auto.choose_bucket_mb` is compared
-with the default 25 MB.
+stage-0 row built with ``bucket_mb="auto"`` (the engine chooses from the profile,
+:func:`zerodp.bench.auto.choose_bucket_mb`) is compared with the default 25 MB.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def _prime(make, batch) -> None:
 
 
 def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: list[str],
-                bucket_mb: dict[str, float]) -> dict:
+                bucket_mb: dict[str, "float | str"]) -> dict:
     """Build every contender (memory measured), then time them alternated (module docstring)."""
     import torch.distributed as dist
 
@@ -248,7 +248,7 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
     for name in names:  # one at a time: its RSS peak while built and stepped once
         dist.barrier()
         with probe.PeakMemory() as mem:
-            c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb))
+            c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb), spec.profile, regime.tokens)
             first_loss[name] = float(c.step(*batches[0]))
             _settle(c)
         contenders[name], peak[name] = c, mem.bytes
@@ -298,7 +298,7 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
 
 
 def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
-                bucket_mb: dict[str, dict[str, float]]) -> list[tuple[dict, float]]:
+                bucket_mb: dict[str, dict[str, "float | str"]]) -> list[tuple[dict, float]]:
     """Every regime in one spawned group (a spawn costs seconds): results and wall time each."""
     import gc
 
@@ -354,19 +354,14 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
 
     if spec.model not in PRESETS:
         raise ValueError(f"unknown model preset {spec.model!r}; use one of {', '.join(PRESETS)}")
-    auto: dict[str, float] = {}
     if spec.profile:
-        from zerodp.bench.auto import choose_bucket_mb
-
         _check_profile(spec)
-        if 0 in spec.stages:
-            auto = {r.name: choose_bucket_mb(spec.profile, PRESETS[spec.model], r.tokens, r.seq_len)
-                    for r in spec.regimes}
     machine = probe.machine()
-    names = spec.contenders(with_auto=bool(auto))
-    bucket = {r.name: {"ours0_auto": auto[r.name]} for r in spec.regimes if r.name in auto}
+    names = spec.contenders(with_auto=bool(spec.profile))
+    # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
+    bucket = {r.name: {"ours0_auto": "auto"} for r in spec.regimes} if "ours0_auto" in names else {}
     per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, timeout=timeout)
-    results = []
+    results, auto = [], {}
     for j, regime in enumerate(spec.regimes):
         ranks = [r[j][0] for r in per_rank]
         wall = per_rank[0][j][1]
@@ -380,9 +375,11 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
                                 [r[name]["sent"] for r in ranks], r0["options"], r0["own_comm"],
                                 r0["first_loss"])
             if spec.profile:
-                c.predicted_s = _predict(spec, regime, name, bucket.get(regime.name, {}).get(name, spec.bucket_mb))
+                c.predicted_s = _predict(spec, regime, name, c.options.get("bucket_mb", spec.bucket_mb))
             contenders[name] = c
         results.append(RegimeResult(regime, contenders, wall))
+        if "ours0_auto" in contenders:
+            auto[regime.name] = contenders["ours0_auto"].options["bucket_mb"]
     import torch
 
     torch.manual_seed(0)

@@ -37,16 +37,13 @@ def _machine(m: dict) -> list[str]:
 
 def _calibration(profile: str) -> list[str]:
     from zerodp.bench import sweep
-    from zerodp.bench.calibrate import load_calibration
+    from zerodp.bench.calibrate import compute_table, load_calibration
 
     cal = load_calibration(profile)["calibration"]
     points = [sweep.Point(**p) for p in cal["sweep"]]
     fits = [sweep.Fit(**f) for f in cal["fits"]]
-    c = cal["compute"]
     return ["```", sweep.points_table(points, cal["world_size"]), "", sweep.fits_table(fits), "",
-            f"compute ({c['model']}, {c['tokens']} tokens/rank): forward {c['forward_s'] * 1e3:.1f} ms, "
-            f"backward {c['backward_s'] * 1e3:.1f} ms, AdamW {c['optimizer_s'] * 1e3:.1f} ms, "
-            f"C = {c['flops'] / 1e9:.2f} GFLOP/s per rank", "```"]
+            compute_table(cal["compute"]), "```"]
 
 
 def _misses(result: BenchResult) -> list[str]:

@@ -119,12 +119,14 @@ def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool)
 
 
 def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
-          bucket_mb: float = 25.0) -> Contender:
+          bucket_mb: "float | str" = 25.0, profile=None, tokens_per_rank: int | None = None) -> Contender:
     """Build contender ``name`` (a key of :data:`CONTENDERS`) on a fresh model from ``make_model``.
 
     Call on every rank of an initialized gloo process group; ``make_model`` must seed itself so
     that every contender starts from the same weights. ``bucket_mb`` applies to our stages 0-2
-    and to DDP (``bucket_cap_mb``).
+    and to DDP (``bucket_cap_mb``); ``"auto"`` (ours only) lets the engine choose it from
+    ``profile`` at ``tokens_per_rank`` (``zerodp.parallelize(bucket_mb="auto")``), and the
+    contender's ``options["bucket_mb"]`` is the size the engine chose.
     """
     if name not in CONTENDERS:
         raise ValueError(f"unknown contender {name!r}; use one of {', '.join(CONTENDERS)}")
@@ -135,8 +137,9 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
     if role == "ours":
         import zerodp
 
+        auto = {"profile": profile, "tokens_per_rank": tokens_per_rank} if bucket_mb == "auto" else {}
         engine = zerodp.parallelize(model, optimizer=opt_factory, stage=stage,
-                                    **({} if stage == 3 else {"bucket_mb": bucket_mb}))
+                                    **({} if stage == 3 else {"bucket_mb": bucket_mb, **auto}))
 
         def step(x, y, on_backward=None):
             loss = engine(x, y)
@@ -146,8 +149,9 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
             engine.step()
             engine.zero_grad()
             return loss.detach()
+        options = {} if stage == 3 else {"bucket_mb": engine.config.bucket_mb, "bucket_auto": engine.bucket_auto}
         return Contender(name, stage, role, label, step, lambda: engine.stats().model_state_bytes,
-                         {"bucket_mb": bucket_mb} if stage != 3 else {}, engine)
+                         options, engine)
 
     if name == "floor":
         opt = opt_factory(model.parameters())

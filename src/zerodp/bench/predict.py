@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zerodp.bench.calibrate import compute_times
+from zerodp.bench.calibrate import compute_times, optimizer_time
 from zerodp.plan.collectives import RingCost
 from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
 from zerodp.plan.timeline import Layer, simulate_backward, simulate_fsdp
@@ -107,8 +107,9 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
                  world_size: int | None = None) -> Prediction:
     """Predicted step of the GPT ``cfg`` at ``micro_batch`` × ``seq_len`` tokens per rank.
 
-    ``cal`` is the ``calibration`` table of a profile. Compute at this token count comes from the
-    two calibrated sizes (a fixed part + a part linear in tokens, seed §7.1).
+    ``cal`` is the ``calibration`` table of a profile. Compute and optimizer time at this token
+    count are interpolated between the calibrated sizes (a fixed part + a part linear in tokens,
+    seed §7.1), measured with the ranks in lock-step as in training.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -123,7 +124,7 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     layers = split_compute(shapes, tokens, *compute_times(comp, tokens), grad_bytes_per_param)
     fwd = sum(l.forward_s for l in layers)
     bwd = sum(l.backward_s for l in layers)
-    opt_full = comp["optimizer_s_per_param"] * params
+    opt_full = optimizer_time(comp, tokens, params)
     cost = _PerKindCost(cal)
     bucket_bytes = bucket_mb * 2**20
     if stage == 0:
