@@ -37,11 +37,14 @@ def test_calibrate_writes_a_profile_plan_and_predict_accept(tmp_path, capsys):
                  "--model", "nano", "--tokens", "8,64,128", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "algbw (GB/s)" in text and "busbw (GB/s)" in text and "alpha (us/hop)" in text
-    assert "AdamW ms" in text
+    assert "AdamW ms" in text and "overlap efficiency" in text
     with open(out) as f:
         compute = json.load(f)["calibration"]["compute"]
     assert [p["tokens"] for p in compute["points"]] == [8, 64, 128]
     assert [(p["micro_batch"], p["seq_len"]) for p in compute["points"]][-1] == (2, 64)
+    with open(out) as f:
+        ov = json.load(f)["calibration"]["overlap"]
+    assert ov["tokens"] == 8 and ov["bytes"] > 0 and 0 <= ov["efficiency"] <= 1
     assert compute["tokens"] == 128 and all(p["forward_s"] > 0 and p["optimizer_s"] > 0 for p in compute["points"])
     hw = load_hardware(str(out))
     assert hw.devices_per_node == 2 and hw.flops > 0 and hw.intra_bw > 0
@@ -52,6 +55,7 @@ def test_calibrate_writes_a_profile_plan_and_predict_accept(tmp_path, capsys):
     assert [p["stage"] for p in preds] == [0, 1, 2, 3]
     for p in preds:
         parts = p["forward_s"] + p["backward_s"] + p["exposed_comm_s"] + p["optimizer_s"] + p["param_sync_s"]
+        parts += p["contention_s"]
         assert p["step_s"] == pytest.approx(parts)
         assert p["exposed_comm_s"] >= 0
 
@@ -63,13 +67,13 @@ def test_predict_without_profile_says_how_to_make_one(tmp_path, capsys):
 
 # ---- compute between and beyond the calibrated sizes -------------------------------------------
 def _table(points):
-    from zerodp.bench.calibrate import ComputePoint, ComputeProfile
+    from zerodp.bench.compute import ComputePoint, ComputeProfile
 
     return ComputeProfile.from_points("small", 1000, [ComputePoint(t, 1, t, f, b, o) for t, f, b, o in points]).to_dict()
 
 
 def test_compute_is_exact_at_measured_sizes_and_linear_between():
-    from zerodp.bench.calibrate import compute_part, compute_times, optimizer_time
+    from zerodp.bench.compute import compute_part, compute_times, optimizer_time
 
     c = _table([(32, 0.03, 0.06, 0.10), (256, 0.14, 0.28, 0.07), (2048, 1.1, 2.2, 0.068)])
     assert c["tokens"] == 2048 and c["forward_s"] == 1.1  # the main size is the largest
@@ -86,7 +90,7 @@ def test_compute_is_exact_at_measured_sizes_and_linear_between():
 
 
 def test_compute_from_an_older_profile_with_one_small_size():
-    from zerodp.bench.calibrate import compute_times
+    from zerodp.bench.compute import compute_times
 
     old = {"model": "small", "params": 1000, "tokens": 2048, "forward_s": 1.0, "backward_s": 2.0,
            "optimizer_s": 0.1, "small_tokens": 32, "small_forward_s": 0.03, "small_backward_s": 0.05}
@@ -97,7 +101,7 @@ def test_compute_from_an_older_profile_with_one_small_size():
 
 
 def test_lockstep_takes_the_slowest_rank_per_iteration():
-    from zerodp.bench.calibrate import lockstep_points
+    from zerodp.bench.compute import lockstep_points
 
     rank0 = {64: [(1.0, 2.0, 0.5), (1.0, 2.0, 0.5), (1.0, 2.0, 0.5)]}
     rank1 = {64: [(1.5, 2.5, 0.1), (0.5, 1.0, 0.9), (1.5, 2.5, 0.1)]}
@@ -108,7 +112,8 @@ def test_lockstep_takes_the_slowest_rank_per_iteration():
 
 
 def test_calibrate_refuses_bad_token_counts():
-    from zerodp.bench.calibrate import calibrate, iterations_for
+    from zerodp.bench.calibrate import calibrate
+    from zerodp.bench.compute import iterations_for
 
     with pytest.raises(ValueError, match="multiple of the model's seq_len"):
         calibrate(2, model="nano", tokens=(100,))
@@ -117,3 +122,71 @@ def test_calibrate_refuses_bad_token_counts():
     with pytest.raises(ValueError, match="unknown model preset"):
         calibrate(2, model="huge", tokens=(64,))
     assert iterations_for(32, 2048) == 30 and iterations_for(2048, 2048) == 5
+
+
+# ---- overlap efficiency: what hidden communication still costs ----------------------------------
+def test_overlap_efficiency_from_the_three_times():
+    from zerodp.bench.overlap import Overlap, aggregate, contention_s, efficiency
+
+    assert Overlap(1, 8, 0.100, 0.060, 0.100).efficiency == 1.0  # the AllReduce hid entirely
+    assert Overlap(1, 8, 0.100, 0.060, 0.160).efficiency == 0.0  # one after the other
+    assert Overlap(1, 8, 0.100, 0.060, 0.130).efficiency == pytest.approx(0.5)
+    assert Overlap(1, 8, 0.100, 0.060, 0.200).efficiency == 0.0  # worse than serial: clipped
+    assert contention_s(0.040, 0.25) == pytest.approx(0.030) and contention_s(-1.0, 0.0) == 0.0
+    assert efficiency({}) == 1.0  # no measurement: the simulator's assumption
+    o = aggregate([{"bytes": 64, "tokens": 8, "compute": [1.0, 3.0, 1.0], "comm": [1.0] * 3, "both": [1.5] * 3},
+                   {"bytes": 64, "tokens": 8, "compute": [2.0, 1.0, 2.0], "comm": [1.0] * 3, "both": [2.0] * 3}])
+    assert (o.compute_s, o.comm_s, o.both_s) == (2.0, 1.0, 2.0)  # slowest rank per iteration, median
+    assert efficiency({"overlap": o.to_dict()}) == 1.0
+
+
+def test_prediction_charges_hidden_communication_by_overlap_efficiency():
+    from zerodp.bench.overlap import Overlap
+    from zerodp.bench.predict import predict_step
+    from zerodp.train.model import PRESETS
+
+    cal = _synthetic_calibration()
+    cfg = PRESETS["small"]
+    free = predict_step(cal, cfg, 0, 8)
+    assert free.contention_s == 0.0  # no overlap measured: η = 1
+    assert free.comm_s > free.exposed_comm_s > 0  # most of it hidden under backward
+    serial = predict_step({**cal, "overlap": Overlap(1, 8, 1.0, 1.0, 2.0).to_dict()}, cfg, 0, 8)
+    assert serial.contention_s == pytest.approx(free.comm_s - free.exposed_comm_s)
+    assert serial.step_s == pytest.approx(serial.forward_s + serial.backward_s + serial.optimizer_s + serial.comm_s)
+    for stage in (1, 2, 3):
+        p = predict_step({**cal, "overlap": Overlap(1, 8, 1.0, 1.0, 2.0).to_dict()}, cfg, stage, 8)
+        assert p.step_s == pytest.approx(p.forward_s + p.backward_s + p.optimizer_s + p.comm_s)
+
+
+def test_auto_bucket_with_serialized_communication_takes_the_least_total():
+    from zerodp.bench import auto
+    from zerodp.bench.overlap import Overlap
+    from zerodp.train.model import PRESETS
+
+    cal = _synthetic_calibration()
+    serial = {**cal, "overlap": Overlap(1, 8, 1.0, 1.0, 2.0).to_dict()}
+    cfg = PRESETS["small"]
+    sweep = auto.bucket_sweep(serial, cfg, 2048)
+    least = min(p.comm_s for p in sweep.points)
+    mb = auto.choose_bucket_mb(serial, cfg, 2048)
+    chosen = next(p for p in sweep.points if p.bucket_bytes / auto.MIB == mb)
+    assert chosen.comm_s <= least * (1 + auto.SWEET_SPOT_TOLERANCE) + auto.SWEET_SPOT_SLACK_S
+    assert mb >= auto.choose_bucket_mb(cal, cfg, 2048)  # fewer, larger buckets than with free overlap
+
+
+def _synthetic_calibration(alpha=2e-3, bandwidth=1e9, world=2) -> dict:
+    """A calibration table from a known α, W and compute, the 'small' model (no measurement)."""
+    from zerodp.bench.compute import ComputePoint, ComputeProfile
+    from zerodp.plan.collectives import bus_factor
+
+    cost = RingCost(alpha=alpha, bandwidth=bandwidth, n=world)
+    pts = []
+    for kind in sweep.KINDS:
+        for v in (4096, 65536, 1 << 20, 16 << 20):
+            t = cost.time(kind, v)
+            pts.append(sweep.Point(kind, v, t, v / t, v / t * bus_factor(kind, world)))
+    fits = [sweep.fit_alpha_beta([p for p in pts if p.kind == k], world) for k in sweep.KINDS]
+    comp = ComputeProfile.from_points("small", 10_942_464, [ComputePoint(32, 1, 32, 0.03, 0.06, 0.07),
+                                                           ComputePoint(2048, 8, 256, 1.0, 2.0, 0.07)])
+    return {"world_size": world, "backend": "gloo", "host": "test", "sweep": sweep.to_dicts(pts),
+            "fits": sweep.to_dicts(fits), "compute": comp.to_dict()}

@@ -7,10 +7,14 @@ per collective, measured forward/backward time) the planner's event simulation o
 (:func:`zerodp.plan.timeline.sweep_buckets`) over the model's layers
 (:func:`zerodp.bench.predict.split_compute`) finds that spot.
 
-Which size inside the spot: the simulator prices a collective by α and W only, but every bucket
-also costs host work the model does not see (a hook, a launch, a wait). So among the sizes whose
-simulated exposed communication is within :data:`SWEET_SPOT_TOLERANCE` of the best, take the
-largest — the fewest collectives for (almost) the same exposed tail.
+What a size costs: the exposed communication the simulator finds, plus — where communication
+shares the processor with compute (a CPU, measured as the overlap efficiency η by
+``zerodp calibrate``, :mod:`zerodp.bench.overlap`) — (1 − η) of the communication it hid; with
+η = 0 the cheapest size is the one with the least communication in total. Which size inside the
+spot: the simulator prices a collective by α and W only, but every bucket also costs host work
+the model does not see (a hook, a launch, a wait). So among the sizes whose cost is within
+:data:`SWEET_SPOT_TOLERANCE` of the best, take the largest — the fewest collectives for (almost)
+the same cost.
 
 Which model: a :class:`zerodp.train.model.GPT` (or its config) is cut into embedding, blocks and
 head (:func:`zerodp.bench.predict.gpt_layer_shapes`); any other ``nn.Module`` into one layer per
@@ -26,6 +30,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from zerodp.bench.overlap import contention_s, efficiency
 from zerodp.plan.timeline import sweep_buckets
 
 if TYPE_CHECKING:
@@ -127,7 +132,7 @@ def bucket_sweep(profile, model_cfg, tokens_per_rank: int, seq_len: int | None =
     ``model_cfg``: anything :func:`layer_shapes` accepts. ``world_size``: when given, the size of
     the process group the buckets are for; a profile calibrated on another size is refused.
     """
-    from zerodp.bench.calibrate import compute_times
+    from zerodp.bench.compute import compute_times
     from zerodp.bench.predict import _PerKindCost, split_compute
 
     cal = calibration_for(profile, world_size)
@@ -153,9 +158,15 @@ def choose_bucket_mb(profile, model_cfg, tokens_per_rank: int, seq_len: int | No
     """
     sweep = bucket_sweep(profile, model_cfg, tokens_per_rank, seq_len, grad_bytes_per_param, collective,
                          world_size)
-    limit = sweep.best_exposed_comm_s * (1 + SWEET_SPOT_TOLERANCE) + SWEET_SPOT_SLACK_S
-    spot = [p for p in sweep.points if p.exposed_comm_s <= limit]
-    return max(p.bucket_bytes for p in spot) / MIB
+    cost = step_costs(sweep, efficiency(_calibration_table(profile)))
+    limit = min(cost) * (1 + SWEET_SPOT_TOLERANCE) + SWEET_SPOT_SLACK_S
+    return max(p.bucket_bytes for p, c in zip(sweep.points, cost) if c <= limit) / MIB
+
+
+def step_costs(sweep, eta: float = 1.0) -> list[float]:
+    """What each swept bucket size adds to the step: the exposed communication, plus (1 − η) of
+    the hidden part where communication shares the processor with compute (bench.overlap)."""
+    return [p.exposed_comm_s + contention_s(p.comm_s - p.exposed_comm_s, eta) for p in sweep.points]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,15 +184,18 @@ def main(argv: list[str] | None = None) -> None:
     cfg = PRESETS[args.model]
     sweep = bucket_sweep(args.profile, cfg, args.tokens)
     chosen = choose_bucket_mb(args.profile, cfg, args.tokens)
+    eta = efficiency(_calibration_table(args.profile))
+    cost = step_costs(sweep, eta)
     if args.json:
-        print(json.dumps({"sweep": sweep.to_dict(), "bucket_mb": chosen}, indent=2))
+        print(json.dumps({"sweep": sweep.to_dict(), "overlap_efficiency": eta, "step_cost_s": cost,
+                          "bucket_mb": chosen}, indent=2))
         return
-    print(f"{'bucket (MiB)':>13} {'buckets':>8} {'comm (ms)':>10} {'exposed (ms)':>13}")
-    for p in sweep.points:
+    print(f"overlap efficiency η = {eta:.2f}; cost = exposed + (1 − η) × hidden communication")
+    print(f"{'bucket (MiB)':>13} {'buckets':>8} {'comm (ms)':>10} {'exposed (ms)':>13} {'cost (ms)':>10}")
+    for p, c in zip(sweep.points, cost):
         mark = "  <- auto" if abs(p.bucket_bytes / MIB - chosen) < 1e-12 else ""
         print(f"{p.bucket_bytes / MIB:>13.3f} {p.num_buckets:>8} {p.comm_s * 1e3:>10.2f} "
-              f"{p.exposed_comm_s * 1e3:>13.2f}{mark}")
-
+              f"{p.exposed_comm_s * 1e3:>13.2f} {c * 1e3:>10.2f}{mark}")
 
 if __name__ == "__main__":
     main()

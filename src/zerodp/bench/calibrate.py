@@ -6,11 +6,10 @@ per-rank bandwidth W, and the compute throughput C. Here they are *measured*:
 1. an nccl-tests-style sweep of AllReduce / ReduceScatter / AllGather over message sizes on the
    real process group, fitted to the alpha-beta model (:mod:`zerodp.bench.sweep`);
 2. the forward, backward and optimizer time of the training model at several token counts per
-   rank, on every rank at once and in lock-step (a barrier before each iteration, the slowest rank
-   counted: the same contention and the same waiting as a training step, no communication),
-   giving the achieved FLOP/s C = 6·Ψ·tokens / (forward + backward) at the largest count (2Ψ per
-   token forward, 4Ψ backward; seed §7.4) and, at every count, the times the predictor
-   interpolates between.
+   rank, all ranks in lock-step (:mod:`zerodp.bench.compute`), giving the achieved FLOP/s
+   C = 6·Ψ·tokens / (forward + backward) at the largest count (seed §7.4) and, at every count,
+   the times the predictor interpolates between;
+3. how much of a collective really hides behind compute here (:mod:`zerodp.bench.overlap`).
 
 The result is written as a hardware file that every ``zerodp plan`` command accepts
 (``--hardware FILE``): the ``hardware`` table has the planner's schema
@@ -23,209 +22,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from zerodp.bench import overlap as overlap_mod
 from zerodp.bench import sweep
-from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_PER_TOKEN_PARAM
-
-FLOPS_PER_TOKEN_PARAM = FORWARD_FLOPS_PER_TOKEN_PARAM + BACKWARD_FLOPS_PER_TOKEN_PARAM  # 2 + 4 (seed §7.4)
-
-
-@dataclass(frozen=True)
-class ComputePoint:
-    """Per-rank compute of one step at ``tokens`` per rank (``micro_batch`` × ``seq_len``):
-    medians over lock-step iterations of the slowest rank (module docstring)."""
-
-    tokens: int
-    micro_batch: int
-    seq_len: int
-    forward_s: float
-    backward_s: float
-    optimizer_s: float  # AdamW step + zero_grad over all parameters, fp32
-
-
-@dataclass(frozen=True)
-class ComputeProfile:
-    """Measured compute of the model: the main size (the largest) and every measured size.
-
-    A step has a fixed part (Python, kernel launches, the optimizer's pass over the parameters)
-    and a part linear in tokens (seed §7.1). Measuring at several token counts lets
-    :func:`compute_times` interpolate between them, so that predictions hold at 32 tokens per rank
-    as well as at 2048.
-    """
-
-    model: str
-    params: int
-    tokens: int  # the main measurement: C and the optimizer's cost per parameter come from it
-    forward_s: float
-    backward_s: float
-    optimizer_s: float
-    points: tuple[ComputePoint, ...] = ()  # every measured size, the main one included
-
-    @property
-    def flops(self) -> float:
-        """Achieved FLOP/s at the main size, C = 6·Ψ·tokens / (forward + backward)."""
-        return FLOPS_PER_TOKEN_PARAM * self.params * self.tokens / (self.forward_s + self.backward_s)
-
-    @property
-    def optimizer_s_per_param(self) -> float:
-        return self.optimizer_s / self.params
-
-    @classmethod
-    def from_points(cls, model: str, params: int, points: list[ComputePoint]) -> "ComputeProfile":
-        if not points:
-            raise ValueError("no compute measurement to build a profile from")
-        pts = tuple(sorted(points, key=lambda p: p.tokens))
-        main = pts[-1]
-        return cls(model, params, main.tokens, main.forward_s, main.backward_s, main.optimizer_s, pts)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["points"] = [asdict(p) for p in self.points]
-        d["flops"] = self.flops
-        d["optimizer_s_per_param"] = self.optimizer_s_per_param
-        return d
-
-
-_PARTS = ("forward_s", "backward_s", "optimizer_s")
-
-
-def _measured(compute: dict) -> list[tuple[int, dict]]:
-    """(tokens, times) of every measured size, ascending; older profiles had one main size and an
-    optional ``small_tokens`` one."""
-    pts = {int(p["tokens"]): p for p in compute.get("points") or []}
-    pts.setdefault(int(compute["tokens"]), compute)
-    small = int(compute.get("small_tokens") or 0)
-    if 0 < small < int(compute["tokens"]) and small not in pts:
-        pts[small] = {"forward_s": compute["small_forward_s"], "backward_s": compute["small_backward_s"],
-                      "optimizer_s": compute["optimizer_s"]}
-    return sorted(pts.items())
-
-
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise linear through the measurements; outside them the end segment's line, its slope
-    and its value at 0 kept ≥ 0 (a step never gets cheaper with more tokens, seed §7.1)."""
-    if len(xs) == 1:
-        return ys[0] * x / xs[0]
-    i = 1
-    while i < len(xs) - 1 and x > xs[i]:
-        i += 1
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    slope = max(0.0, (y1 - y0) / (x1 - x0))
-    if x0 <= x <= x1:
-        return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
-    if x > x1:
-        return y1 + slope * (x - x1)
-    return max(0.0, y0 - slope * (x0 - x))
-
-
-def compute_part(compute: dict, tokens: int, part: str) -> float:
-    """``part`` (forward_s, backward_s or optimizer_s) at ``tokens`` per rank from a profile's
-    ``compute`` table."""
-    if part not in _PARTS:
-        raise ValueError(f"part must be one of {_PARTS}, got {part!r}")
-    pts = _measured(compute)
-    return _interpolate([t for t, _ in pts], [float(p[part]) for _, p in pts], tokens)
-
-
-def compute_times(compute: dict, tokens: int) -> tuple[float, float]:
-    """(forward_s, backward_s) at ``tokens`` per rank from a profile's ``compute`` table."""
-    return compute_part(compute, tokens, "forward_s"), compute_part(compute, tokens, "backward_s")
-
-
-def optimizer_time(compute: dict, tokens: int, params: int | None = None) -> float:
-    """The optimizer's step over ``params`` parameters (default: the measured model's) when the
-    step runs at ``tokens`` per rank: its cost per parameter is measured at each size, because
-    ranks in lock-step contend for memory bandwidth differently when the step is short."""
-    t = compute_part(compute, tokens, "optimizer_s")
-    return t if params is None else t * params / compute["params"]
-
-
-def compute_table(compute: dict) -> str:
-    """The compute measurements of a profile, one line per token count (ms, slowest rank)."""
-    lines = [f"# compute of {compute['model']} ({compute['params'] / 1e6:.2f}M params) per rank, "
-             f"ranks in lock-step, medians of the slowest rank",
-             f"{'tokens/rank':>11} {'batch×seq':>9} {'forward ms':>11} {'backward ms':>12} "
-             f"{'AdamW ms':>9} {'GFLOP/s':>8}"]
-    for t, p in _measured(compute):
-        shape = f"{p['micro_batch']}×{p['seq_len']}" if "micro_batch" in p else "-"
-        fb = p["forward_s"] + p["backward_s"]
-        lines.append(f"{t:>11} {shape:>9} {p['forward_s'] * 1e3:>11.1f} {p['backward_s'] * 1e3:>12.1f} "
-                     f"{p['optimizer_s'] * 1e3:>9.1f} {FLOPS_PER_TOKEN_PARAM * compute['params'] * t / fb / 1e9:>8.2f}")
-    lines.append(f"C = {compute['flops'] / 1e9:.2f} GFLOP/s per rank at {compute['tokens']} tokens/rank")
-    return "\n".join(lines)
-
-
-def iterations_for(tokens: int, largest: int, minimum: int = 5, maximum: int = 30) -> int:
-    """Timed iterations at one size: cheap sizes get more (they are noisier); every rank computes
-    the same number, so their barriers pair up."""
-    return max(minimum, min(maximum, minimum * largest // max(1, tokens)))
-
-
-def _split(tokens: int, seq_len: int) -> tuple[int, int]:
-    """(micro_batch, seq) with whole sequences of the model's length when possible."""
-    seq = min(tokens, seq_len)
-    if tokens % seq:
-        raise ValueError(f"{tokens} tokens per rank is not a multiple of the model's seq_len {seq_len}; "
-                         f"give tokens up to {seq_len} or multiples of it")
-    return tokens // seq, seq
-
-
-def measure_compute(model_name: str, tokens: list[int], warmup: int = 2, seed: int = 0) -> dict[int, list]:
-    """Time forward, backward and AdamW step + zero_grad of the GPT preset on this rank (no
-    communication) at each token count; with a process group, every iteration starts at a barrier
-    so that all ranks compute at once, as in training. Returns {tokens: [(fwd, bwd, opt), ...]}."""
-    import torch
-    import torch.distributed as dist
-
-    from zerodp.train.model import GPT, PRESETS
-
-    if model_name not in PRESETS:
-        raise ValueError(f"unknown model preset {model_name!r}; use one of {', '.join(PRESETS)}")
-    cfg = PRESETS[model_name]
-    shapes = {t: _split(t, cfg.seq_len) for t in tokens}
-    torch.manual_seed(seed)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(seed)
-    sync = dist.is_available() and dist.is_initialized()
-    out = {}
-    for t in sorted(tokens, reverse=True):
-        mb, seq = shapes[t]
-        x = torch.randint(0, cfg.vocab_size, (mb, seq), generator=gen)
-        times = []
-        for i in range(warmup + iterations_for(t, max(tokens))):
-            if sync:
-                dist.barrier()
-            t0 = time.perf_counter()
-            loss = model(x, x)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            t3 = time.perf_counter()
-            if i >= warmup:
-                times.append((t1 - t0, t2 - t1, t3 - t2))
-        out[t] = times
-    return out
-
-
-def lockstep_points(per_rank: list[dict[int, list]], seq_len: int) -> list[ComputePoint]:
-    """The step waits for the slowest rank: per iteration, forward and backward of the rank with the
-    longest forward + backward, and the longest optimizer step; then medians over iterations."""
-    points = []
-    for t in sorted(per_rank[0]):
-        rows = list(zip(*(r[t] for r in per_rank)))  # per iteration: one (f, b, o) per rank
-        fb = [max(row, key=lambda v: v[0] + v[1]) for row in rows]
-        mb, seq = _split(t, seq_len)
-        points.append(ComputePoint(t, mb, seq, statistics.median(v[0] for v in fb),
-                                   statistics.median(v[1] for v in fb),
-                                   statistics.median(max(v[2] for v in row) for row in rows)))
-    return points
-
+from zerodp.bench.compute import ComputeProfile, lockstep_points, measure_compute, split_tokens
 
 @dataclass(frozen=True)
 class Calibration:
@@ -235,6 +36,7 @@ class Calibration:
     fits: list  # sweep.Fit
     compute: ComputeProfile
     host: str
+    overlap: overlap_mod.Overlap | None = None  # None: not measured, the simulator's η = 1
 
     def fit(self, kind: str) -> sweep.Fit:
         return next(f for f in self.fits if f.kind == kind)
@@ -264,6 +66,7 @@ class Calibration:
                 "sweep": sweep.to_dicts(self.points),
                 "fits": sweep.to_dicts(self.fits),
                 "compute": self.compute.to_dict(),
+                "overlap": self.overlap.to_dict() if self.overlap else None,
             },
         }
 
@@ -280,7 +83,8 @@ DEFAULT_TOKENS = (32, 256, 2048)  # tokens per rank: the bench's two regimes and
 
 def _rank_calibrate(rank: int, world: int, sizes: list[int], iters: int, model: str, tokens: list[int]):
     points = sweep.measure_collectives(sizes, iters=iters)
-    return points, measure_compute(model, tokens)
+    compute = measure_compute(model, tokens)
+    return points, compute, overlap_mod.measure_overlap(model, min(tokens), max(sizes))
 
 
 def calibrate(world_size: int = 2, min_bytes: int = 4096, max_bytes: int = 64 << 20, iters: int = 10,
@@ -300,14 +104,15 @@ def calibrate(world_size: int = 2, min_bytes: int = 4096, max_bytes: int = 64 <<
         raise ValueError(f"tokens per rank must be positive integers, got {tokens}")
     seq_len = PRESETS[model].seq_len
     for t in tokens:  # refuse before spawning
-        _split(t, seq_len)
+        split_tokens(t, seq_len)
     sizes = sweep.sweep_sizes(min_bytes, max_bytes)
     results = run_local(_rank_calibrate, world_size, sizes, iters, model, tokens, timeout=timeout)
     points = results[0][0]
     compute = ComputeProfile.from_points(model, _num_params(GPT, PRESETS[model]),
                                          lockstep_points([r[1] for r in results], seq_len))
     fits = [sweep.fit_alpha_beta([p for p in points if p.kind == k], world_size) for k in sweep.KINDS]
-    return Calibration(world_size, "gloo", points, fits, compute, platform.node() or "host")
+    return Calibration(world_size, "gloo", points, fits, compute, platform.node() or "host",
+                       overlap_mod.aggregate([r[2] for r in results]))
 
 
 def _num_params(gpt_cls, cfg) -> int:

@@ -56,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--regimes", default="compute,comm",
                    help="comma-separated: compute (8×256 tokens/rank), comm (1×32), or a number of "
                         "tokens per rank (default compute,comm)")
-    b.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 6)")
+    b.add_argument("--steps", type=int, default=None, help="timed steps per contender in the costliest regime; cheaper regimes "
+                        "time proportionally more, up to 5x (default 6)")
     b.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3)")
     b.add_argument("--model", default=None, help="GPT preset (default small)")
     b.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
@@ -81,7 +82,8 @@ def _positive(name: str, value: int) -> int:
 
 
 def run_calibrate(args) -> int:
-    from zerodp.bench.calibrate import calibrate, compute_table, write_profile
+    from zerodp.bench.calibrate import calibrate, write_profile
+    from zerodp.bench.compute import compute_table
 
     _positive("nproc", args.nproc)
     if args.nproc < 2:
@@ -98,6 +100,7 @@ def run_calibrate(args) -> int:
     print(sweep.fits_table(cal.fits))
     print()
     print(compute_table(cal.compute.to_dict()))
+    print(cal.overlap.describe())
     hw = cal.hardware()
     print(f"C/W = {hw['flops'] / hw['intra_bw']:.0f} tokens per rank (seed §7: compute-bound above it)")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s); use it with "

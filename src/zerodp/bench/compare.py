@@ -40,6 +40,7 @@ from zerodp.bench.peers import COMPARISONS, CONTENDERS
 MIB = 2**20
 RATIO_TARGET = 1.05  # issue 7: ours/PyTorch median step time for stages 0 and 3
 PREDICTION_TOLERANCE = 0.25  # issue 7: predicted within ±25 % of measured
+MAX_STEP_SCALE = 5  # a cheap regime times up to 5× the steps of the costliest (BenchSpec.steps_for)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,13 @@ class BenchSpec:
             raise ValueError("give at least one regime")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+
+    def steps_for(self, regime: Regime) -> int:
+        """Timed steps in ``regime``: ``steps`` for the most tokens per rank; a cheaper regime gets
+        more, in proportion to its tokens, up to :data:`MAX_STEP_SCALE` times as many (short steps
+        are the noisiest, and cost little to repeat)."""
+        largest = max(r.tokens for r in self.regimes)
+        return self.steps * max(1, min(MAX_STEP_SCALE, largest // regime.tokens))
 
     def contenders(self, with_auto: bool) -> list[str]:
         names = ["floor"]
@@ -241,7 +249,7 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
     if regime.seq_len > cfg.seq_len:
         raise ValueError(f"regime {regime.name}: seq_len {regime.seq_len} > the model's {cfg.seq_len}")
     make = _make_model_factory(spec.model, spec.seed)
-    total = spec.warmup + spec.steps
+    total = spec.warmup + spec.steps_for(regime)
     batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed)
     _prime(make, batches[0])
     contenders, peak, first_loss, states = {}, {}, {}, {}
@@ -417,7 +425,7 @@ def contenders_table(result: BenchResult) -> str:
     """Every contender of every regime: median, overhead, memory, bytes, prediction."""
     spec = result.spec
     lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} gloo "
-             f"ranks × 1 thread, {spec.steps} timed steps after {spec.warmup} warm-up, alternated; "
+             f"ranks × 1 thread, {spec.warmup} warm-up steps, then timed steps alternated; "
              "times: median of the per-step max over ranks; memory, states, sent: rank 0"]
     head = (f"{'stage':>5}  {'contender':<38}{'median ms':>10}{'/floor':>8}{'peak RSS MiB':>13}"
             f"{'states MiB':>11}{'sent MiB/step':>14}")
@@ -426,7 +434,7 @@ def contenders_table(result: BenchResult) -> str:
     for rr in result.regimes:
         r = rr.regime
         lines += ["", f"[{r.name}] {r.tokens} tokens per rank ({r.micro_batch} × {r.seq_len}), "
-                      f"{rr.wall_s:.0f} s", head]
+                      f"{spec.steps_for(r)} timed steps, {rr.wall_s:.0f} s", head]
         floor = rr.contenders.get("floor")
         for c in rr.contenders.values():
             stage = "-" if c.stage is None else str(c.stage)

@@ -37,13 +37,18 @@ def _machine(m: dict) -> list[str]:
 
 def _calibration(profile: str) -> list[str]:
     from zerodp.bench import sweep
-    from zerodp.bench.calibrate import compute_table, load_calibration
+    from zerodp.bench.calibrate import load_calibration
+    from zerodp.bench.compute import compute_table
+    from zerodp.bench.overlap import Overlap
 
     cal = load_calibration(profile)["calibration"]
     points = [sweep.Point(**p) for p in cal["sweep"]]
     fits = [sweep.Fit(**f) for f in cal["fits"]]
-    return ["```", sweep.points_table(points, cal["world_size"]), "", sweep.fits_table(fits), "",
-            compute_table(cal["compute"]), "```"]
+    lines = ["```", sweep.points_table(points, cal["world_size"]), "", sweep.fits_table(fits), "",
+            compute_table(cal["compute"])]
+    if Overlap.of(cal) is not None:
+        lines.append(Overlap.of(cal).describe())
+    return lines + ["```"]
 
 
 def _misses(result: BenchResult) -> list[str]:

@@ -18,14 +18,19 @@ Per stage (what the engine does, see ``zerodp.engine``):
 - stages 1, 2: the ReduceScatter tail after backward + the optimizer over Ψ/N + the parameter
   AllGather, which runs alongside the next buckets' updates: max(optimizer, AllGather);
 - stage 3: the FSDP simulation (per-unit AllGather with prefetch, ReduceScatter per unit, the
-  kept last unit) + the optimizer over Ψ/N.
+  kept last unit) + the optimizer over Ψ/N;
+
+and, every stage, the contention: the simulator lets hidden communication cost nothing, which
+holds only where it does not share the processor with compute. The profile's measured overlap
+efficiency η (:mod:`zerodp.bench.overlap`) charges (1 − η) of the hidden communication's time.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zerodp.bench.calibrate import compute_times, optimizer_time
+from zerodp.bench.compute import compute_times, optimizer_time
+from zerodp.bench.overlap import contention_s, efficiency
 from zerodp.plan.collectives import RingCost
 from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
 from zerodp.plan.timeline import Layer, simulate_backward, simulate_fsdp
@@ -78,6 +83,7 @@ class Prediction:
     exposed_comm_s: float
     optimizer_s: float
     param_sync_s: float  # stages 1-2: AllGather of updated params not hidden by the update
+    contention_s: float  # (1 − η) of the communication hidden under compute (bench.overlap)
     step_s: float
     comm_s: float  # total time of all collectives of the step
 
@@ -139,15 +145,19 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     else:
         tl = simulate_fsdp(layers, cost, prefetch=True, keep_last=True)
         exposed, opt, sync, comm = tl.exposed_comm_s, opt_full / n, 0.0, tl.comm_s
-    step = fwd + bwd + exposed + opt + sync
-    return Prediction(stage, n, tokens, bucket_bytes, fwd, bwd, exposed, opt, sync, step, comm)
+    # What the simulator hid under compute still costs (1 − η) of its time where communication
+    # and compute share the processor (measured by zerodp calibrate, bench.overlap).
+    contention = contention_s(comm - exposed - sync, efficiency(cal))
+    step = fwd + bwd + exposed + opt + sync + contention
+    return Prediction(stage, n, tokens, bucket_bytes, fwd, bwd, exposed, opt, sync, contention, step, comm)
 
 
 def predictions_table(preds: list[Prediction]) -> str:
     lines = [f"{'stage':>5} {'tokens/rank':>11} {'forward':>9} {'backward':>9} {'exposed':>9} "
-             f"{'optimizer':>9} {'param AG':>9} {'step':>9}   (ms)"]
+             f"{'optimizer':>9} {'param AG':>9} {'contention':>10} {'step':>9}   (ms)"]
     for p in preds:
         lines.append(f"{p.stage:>5} {p.tokens_per_rank:>11} {p.forward_s * 1e3:>9.1f} "
                      f"{p.backward_s * 1e3:>9.1f} {p.exposed_comm_s * 1e3:>9.1f} "
-                     f"{p.optimizer_s * 1e3:>9.1f} {p.param_sync_s * 1e3:>9.1f} {p.step_s * 1e3:>9.1f}")
+                     f"{p.optimizer_s * 1e3:>9.1f} {p.param_sync_s * 1e3:>9.1f} "
+                     f"{p.contention_s * 1e3:>10.1f} {p.step_s * 1e3:>9.1f}")
     return "\n".join(lines)
