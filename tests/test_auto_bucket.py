@@ -30,6 +30,8 @@ from zerodp.plan.collectives import RingCost, bus_factor
 from zerodp.spawn import run_local
 from zerodp.train.config import TrainConfig
 
+from _regret import expected_choice_mib
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 # α small and W low against the compute: overlap pays, so the sweet spot holds several buckets of
 # the test models (a fast network would put the whole model in one bucket).
@@ -117,8 +119,8 @@ def test_choice_for_a_generic_module_is_in_the_simulated_sweet_spot(tmp_path):
     path = _profile(tmp_path / "p.json")
     sweep = auto.bucket_sweep(path, EmbedMLP(), TOKENS)
     mb = auto.choose_bucket_mb(path, EmbedMLP(), TOKENS)
-    limit = sweep.best_exposed_comm_s * (1 + auto.SWEET_SPOT_TOLERANCE) + auto.SWEET_SPOT_SLACK_S
-    assert any(abs(p.bucket_bytes / auto.MIB - mb) < 1e-15 and p.exposed_comm_s <= limit for p in sweep.points)
+    assert mb == expected_choice_mib(sweep.points, 1.0, auto.ETA_UNCERTAINTY, auto.REGRET_TOLERANCE,
+                                     auto.SWEET_SPOT_SLACK_S)
     total = sum(s.params for s in auto.module_layer_shapes(EmbedMLP())) * 4 / auto.MIB
     assert mb < total  # this profile makes overlap pay: more than one bucket
 

@@ -125,6 +125,12 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         lines += ["## Targets missed, and where the time goes", "", *misses, ""]
     if spec.profile:
         lines += ["## Predicted vs measured (planner simulator fed with the calibration)", "",
+                  "Each prediction (`zerodp predict`, `zerodp.bench.predict`) is forward + backward + "
+                  "optimizer interpolated between the calibrated token counts, plus the communication "
+                  "the planner's event simulation leaves exposed (buckets for stages 0-2, per-unit "
+                  "AllGather/ReduceScatter with prefetch for stage 3), plus (1 − η) of the communication it "
+                  "hid under compute, η being the overlap efficiency `zerodp calibrate` measured. Nothing "
+                  "in it is fitted to the bench's own times.", "",
                   *_predictions(result), ""]
         if result.auto_bucket_mb:
             lines += ["`bucket_mb=\"auto\"` chose: " + ", ".join(
