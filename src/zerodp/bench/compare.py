@@ -7,8 +7,9 @@ What is measured (one spawned group of gloo ranks per regime, every contender al
   contender's step) timed on each rank between barriers; a step takes as long as its slowest rank,
   so the figure per step is the max over ranks, and per contender the **median** over the timed
   steps. Contenders run **alternated**: step i of every contender before step i+1 of any, the
-  order rotating each step, so drift of a shared machine hits all alike. The first ``warmup``
-  steps are not timed.
+  order shuffled each step (seeded, the same on every rank), so drift of a shared machine hits all
+  alike and no contender always runs right after the same other one (what ran just before leaves
+  caches and allocator state behind). The first ``warmup`` steps are not timed.
 - **ratio** ours/peer of the medians, and **overhead** = median / the floor's median (the floor
   does the same per-rank work with no collectives; seed §7: ≈ 1 when compute-bound).
 - **peak memory per rank**: the RSS growth while the contender is built and runs its first step,
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -269,8 +271,9 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
         bar = tqdm(total=(total - 1) * len(names), desc=f"bench {regime.name} ({regime.tokens} tok/rank)",
                    unit="step", leave=False)
     for i in range(1, total):  # step 0 was the first warm-up step, above
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
+        order = list(names)
+        random.Random(spec.seed * 1_000_003 + i).shuffle(order)  # same order on every rank
+        for name in order:
             c = contenders[name]
             # Model states are counted once, after backward of the second step, when grads and
             # optimizer states both exist; the count's own time is taken out of the step's.

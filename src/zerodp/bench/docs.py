@@ -104,7 +104,8 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         "```", command, "```", "",
         "How it measures (see `zerodp.bench.compare`): every contender is built on the same GPT, seed and "
         "data, on the same spawned gloo ranks (one intra-op thread each); steps alternate between "
-        "contenders (the order rotating each step), warm-up steps are not timed, each step's time is the "
+        "contenders (a new seeded random order each step, the same on every rank, so that no contender "
+        "always runs right after the same other one), warm-up steps are not timed, each step's time is the "
         "max over ranks, and the figure is the median. The floor is the same per-rank work with no "
         "communication; overhead = step / floor. Peak memory is the rank's RSS growth (Linux `VmHWM` after "
         "a reset) while the contender is built and runs its first step; model states are the tensor "
