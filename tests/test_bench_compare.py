@@ -105,6 +105,15 @@ def test_rows_cover_every_stage_and_regime_and_ratios_come_from_medians():
         assert row.ratio == pytest.approx(cs[row.ours].median_s / cs[row.peer].median_s)
         assert row.ours_overhead == pytest.approx(cs[row.ours].median_s / cs["floor"].median_s)
         assert (row.target is not None) == (row.stage in (0, 3) and row.peer in ("ddp_bucket_view", "fsdp2"))
+        paired = sorted(a / b for a, b in zip(cs[row.ours].times_s, cs[row.peer].times_s))
+        assert row.paired_q1 == pytest.approx((paired[0] + paired[1]) / 2)  # 3 steps: inclusive quartiles
+        assert row.paired_q3 == pytest.approx((paired[1] + paired[2]) / 2)
+    assert "per-step IQR" in compare.summary_table(result)
+
+
+def test_paired_quartiles_need_two_steps():
+    assert compare.paired_quartiles([1.0], [2.0]) == (None, None)
+    assert compare.paired_quartiles([1.0, 3.0, 2.0, 4.0], [1.0] * 4) == pytest.approx((1.75, 3.25))
 
 
 def test_tables_json_png_markdown(tmp_path):
@@ -115,7 +124,7 @@ def test_tables_json_png_markdown(tmp_path):
     for rr in result.regimes:
         for c in rr.contenders.values():
             assert c.label in table
-    assert summary.count("\n") == len(result.rows())
+    assert summary.count("\n") == len(result.rows()) + 1  # header, rows, the note on the IQR
     assert "predicted ms" in table
     d = json.loads(json.dumps(result.to_dict()))
     assert {"spec", "machine", "params", "auto_bucket_mb", "regimes", "rows"} <= set(d)

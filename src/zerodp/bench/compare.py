@@ -145,6 +145,10 @@ class Row:
     peer_overhead: float | None
     predicted_ms: float | None = None
     predicted_error: float | None = None  # (predicted − measured) / measured, ours
+    # Quartiles of the per-step ratios ours_i / peer_i (step i of both ran in the same round): how
+    # far the ratio moves from step to step, i.e. how much of it is noise.
+    paired_q1: float | None = None
+    paired_q3: float | None = None
 
     @property
     def target(self) -> float | None:
@@ -411,12 +415,22 @@ def summary_rows(result: BenchResult) -> list[Row]:
         for stage, ours, peer in pairs:
             o, p = cs[ours], cs[peer]
             pred = o.predicted_s * 1e3 if o.predicted_s is not None else None
+            q1, q3 = paired_quartiles(o.times_s, p.times_s)
             rows.append(Row(
                 rr.regime.name, rr.regime.tokens, stage, ours, peer, o.median_s * 1e3, p.median_s * 1e3,
                 o.median_s / p.median_s, floor_ms,
                 o.median_s / floor.median_s if floor else None, p.median_s / floor.median_s if floor else None,
-                pred, (pred - o.median_s * 1e3) / (o.median_s * 1e3) if pred is not None else None))
+                pred, (pred - o.median_s * 1e3) / (o.median_s * 1e3) if pred is not None else None, q1, q3))
     return rows
+
+
+def paired_quartiles(ours: list[float], peer: list[float]) -> tuple[float | None, float | None]:
+    """First and third quartiles of ours_i / peer_i over the timed steps (None under 2 steps)."""
+    ratios = [a / b for a, b in zip(ours, peer) if b > 0]
+    if len(ratios) < 2:
+        return None, None
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -458,14 +472,17 @@ def contenders_table(result: BenchResult) -> str:
 def summary_table(result: BenchResult) -> str:
     """ours/peer per stage and regime, with the issue's targets where they apply."""
     lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'ours vs peer':<60}{'ours ms':>9}{'peer ms':>9}"
-             f"{'ours/peer':>10}{'target':>8}"]
+             f"{'ours/peer':>10}{'per-step IQR':>14}{'target':>8}"]
     for row in result.rows():
         o, p = CONTENDERS[row.ours][2], CONTENDERS[row.peer][2]
         target = row.target
         verdict = "" if target is None else ("ok" if row.ratio <= target else "MISSED")
+        iqr = "" if row.paired_q1 is None else f"{row.paired_q1:.2f}-{row.paired_q3:.2f}"
         lines.append(f"{row.regime:<8}{row.tokens_per_rank:>9}{row.stage:>6}  {o + ' vs ' + p:<60}"
-                     f"{row.ours_ms:>9.1f}{row.peer_ms:>9.1f}{row.ratio:>10.3f}"
+                     f"{row.ours_ms:>9.1f}{row.peer_ms:>9.1f}{row.ratio:>10.3f}{iqr:>14}"
                      f"{'' if target is None else f'≤{target:.2f}':>8} {verdict}")
+    lines.append("per-step IQR: quartiles of ours/peer taken step by step (both ran in the same round): "
+                 "the spread of the ratio")
     return "\n".join(lines)
 
 
