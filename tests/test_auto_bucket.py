@@ -21,18 +21,15 @@ import torch.nn.functional as F
 import zerodp
 from _engine_common import NANO, PER_RANK, gpt_batch, make_gpt, max_rel, norm_rel, shard, worst
 from zerodp.bench import auto
-from zerodp.bench.calibrate import Calibration, ComputeProfile, write_profile
 from zerodp.bench.predict import LayerShape, gpt_layer_shapes
-from zerodp.bench.sweep import Point, fit_alpha_beta
 from zerodp.cli import main
 from zerodp.engine.config import EngineConfig, resolve_auto_bucket
-from zerodp.plan.collectives import RingCost, bus_factor
 from zerodp.spawn import run_local
 from zerodp.train.config import TrainConfig
 
+from _profiles import synthetic_profile
 from _regret import expected_choice_mib
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 # α small and W low against the compute: overlap pays, so the sweet spot holds several buckets of
 # the test models (a fast network would put the whole model in one bucket).
 ALPHA, BANDWIDTH, FLOPS = 1e-6, 3e7, 2e9
@@ -42,18 +39,7 @@ LR = 0.1
 
 def _profile(path, world: int = 2, alpha: float = ALPHA, bandwidth: float = BANDWIDTH,
              flops: float = FLOPS) -> str:
-    """A profile as ``zerodp calibrate`` writes it, from a known α, W and C (no measurement)."""
-    cost = RingCost(alpha=alpha, bandwidth=bandwidth, n=world)
-    points = []
-    for kind in KINDS:
-        for v in (4096, 65536, 1 << 20, 16 << 20):
-            t = cost.time(kind, v)
-            points.append(Point(kind, v, t, v / t, v / t * bus_factor(kind, world)))
-    fits = [fit_alpha_beta([p for p in points if p.kind == k], world) for k in KINDS]
-    params, tokens = 43_904, 2 * NANO.seq_len
-    fb = 6 * params * tokens / flops
-    comp = ComputeProfile("nano", params, tokens, fb / 3, 2 * fb / 3, 1e-9 * params)
-    return write_profile(Calibration(world, "gloo", points, fits, comp, "test"), str(path))
+    return synthetic_profile(path, alpha, bandwidth, flops, world, model="nano")
 
 
 class EmbedMLP(nn.Module):

@@ -9,6 +9,7 @@ from zerodp.cli import main
 from zerodp.plan import load_hardware
 from zerodp.plan.collectives import RingCost
 
+from _profiles import collective_sweep
 from _regret import expected_choice_mib
 
 
@@ -180,17 +181,10 @@ def test_auto_bucket_with_serialized_communication_takes_few_buckets():
 
 def _synthetic_calibration(alpha=2e-3, bandwidth=1e9, world=2) -> dict:
     """A calibration table from a known α, W and compute, the 'small' model (no measurement)."""
+    from zerodp.bench.calibrate import Calibration
     from zerodp.bench.compute import ComputePoint, ComputeProfile
-    from zerodp.plan.collectives import bus_factor
 
-    cost = RingCost(alpha=alpha, bandwidth=bandwidth, n=world)
-    pts = []
-    for kind in sweep.KINDS:
-        for v in (4096, 65536, 1 << 20, 16 << 20):
-            t = cost.time(kind, v)
-            pts.append(sweep.Point(kind, v, t, v / t, v / t * bus_factor(kind, world)))
-    fits = [sweep.fit_alpha_beta([p for p in pts if p.kind == k], world) for k in sweep.KINDS]
+    pts, fits = collective_sweep(alpha, bandwidth, world)
     comp = ComputeProfile.from_points("small", 10_942_464, [ComputePoint(32, 1, 32, 0.03, 0.06, 0.07),
                                                            ComputePoint(2048, 8, 256, 1.0, 2.0, 0.07)])
-    return {"world_size": world, "backend": "gloo", "host": "test", "sweep": sweep.to_dicts(pts),
-            "fits": sweep.to_dicts(fits), "compute": comp.to_dict()}
+    return Calibration(world, "gloo", pts, fits, comp, "test").to_dict()["calibration"]

@@ -14,32 +14,12 @@ import statistics
 import pytest
 
 from zerodp.bench import auto, compare, roofline
-from zerodp.bench.calibrate import Calibration, ComputeProfile, write_profile
 from zerodp.bench.peers import COMPARISONS, CONTENDERS
-from zerodp.bench.sweep import Point, fit_alpha_beta
 from zerodp.cli import main
-from zerodp.plan.collectives import RingCost, bus_factor
 from zerodp.train.model import PRESETS
 
+from _profiles import synthetic_profile
 from _regret import expected_choice_mib
-
-
-def synthetic_profile(path, alpha=50e-6, bandwidth=1e9, flops=2e9, world=2, model="nano") -> str:
-    """A profile as ``zerodp calibrate`` writes it, from a known α, W and C (no measurement)."""
-    cost = RingCost(alpha=alpha, bandwidth=bandwidth, n=world)
-    points = []
-    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
-        for v in (4096, 65536, 1 << 20, 16 << 20):
-            t = cost.time(kind, v)
-            points.append(Point(kind, v, t, v / t, v / t * bus_factor(kind, world)))
-    fits = [fit_alpha_beta([p for p in points if p.kind == k], world)
-            for k in ("all_reduce", "reduce_scatter", "all_gather")]
-    cfg = PRESETS[model]
-    params = 43_904 if model == "nano" else 11_000_000
-    tokens = 2 * cfg.seq_len
-    fb = 6 * params * tokens / flops
-    comp = ComputeProfile(model, params, tokens, fb / 3, 2 * fb / 3, 1e-9 * params)
-    return write_profile(Calibration(world, "gloo", points, fits, comp, "test"), str(path))
 
 
 # ---- auto bucket -----------------------------------------------------------------------------

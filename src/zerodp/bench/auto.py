@@ -160,9 +160,9 @@ def choose_bucket_mb(profile, model_cfg, tokens_per_rank: int, seq_len: int | No
     ``collective``: ``"all_reduce"`` (stage 0) or ``"reduce_scatter"`` (stages 1-2);
     ``world_size``: when given, must equal the profile's (else ``ValueError``).
     """
-    sweep = bucket_sweep(profile, model_cfg, tokens_per_rank, seq_len, grad_bytes_per_param, collective,
-                         world_size)
-    regret = worst_regrets(sweep, efficiency(_calibration_table(profile)))
+    cal = calibration_for(profile, world_size)  # read once, used twice
+    sweep = bucket_sweep(cal, model_cfg, tokens_per_rank, seq_len, grad_bytes_per_param, collective)
+    regret = worst_regrets(sweep, efficiency(cal))
     limit = min(regret) + REGRET_TOLERANCE
     return max(p.bucket_bytes for p, r in zip(sweep.points, regret) if r <= limit) / MIB
 
@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.model]
-    sweep = bucket_sweep(args.profile, cfg, args.tokens)
-    chosen = choose_bucket_mb(args.profile, cfg, args.tokens)
-    eta = efficiency(_calibration_table(args.profile))
+    cal = _calibration_table(args.profile)
+    sweep = bucket_sweep(cal, cfg, args.tokens)
+    chosen = choose_bucket_mb(cal, cfg, args.tokens)
+    eta = efficiency(cal)
     cost = step_costs(sweep, eta)
     regret = worst_regrets(sweep, eta)
     if args.json:

@@ -83,8 +83,8 @@ DEFAULT_TOKENS = (32, 256, 2048)  # tokens per rank: the bench's two regimes and
 
 def _rank_calibrate(rank: int, world: int, sizes: list[int], iters: int, model: str, tokens: list[int]):
     points = sweep.measure_collectives(sizes, iters=iters)
-    compute = measure_compute(model, tokens)
-    return points, compute, overlap_mod.measure_overlap(model, min(tokens), max(sizes))
+    params, compute = measure_compute(model, tokens)
+    return points, params, compute, overlap_mod.measure_overlap(model, min(tokens), max(sizes))
 
 
 def calibrate(world_size: int = 2, min_bytes: int = 4096, max_bytes: int = 64 << 20, iters: int = 10,
@@ -95,7 +95,7 @@ def calibrate(world_size: int = 2, min_bytes: int = 4096, max_bytes: int = 64 <<
     ``tokens``: tokens per rank at which to time the model's compute (sequences of the model's
     length, or one shorter sequence)."""
     from zerodp.spawn import run_local
-    from zerodp.train.model import GPT, PRESETS
+    from zerodp.train.model import PRESETS
 
     if model not in PRESETS:
         raise ValueError(f"unknown model preset {model!r}; use one of {', '.join(PRESETS)}")
@@ -108,18 +108,10 @@ def calibrate(world_size: int = 2, min_bytes: int = 4096, max_bytes: int = 64 <<
     sizes = sweep.sweep_sizes(min_bytes, max_bytes)
     results = run_local(_rank_calibrate, world_size, sizes, iters, model, tokens, timeout=timeout)
     points = results[0][0]
-    compute = ComputeProfile.from_points(model, _num_params(GPT, PRESETS[model]),
-                                         lockstep_points([r[1] for r in results], seq_len))
+    compute = ComputeProfile.from_points(model, results[0][1], lockstep_points([r[2] for r in results], seq_len))
     fits = [sweep.fit_alpha_beta([p for p in points if p.kind == k], world_size) for k in sweep.KINDS]
     return Calibration(world_size, "gloo", points, fits, compute, platform.node() or "host",
-                       overlap_mod.aggregate([r[2] for r in results]))
-
-
-def _num_params(gpt_cls, cfg) -> int:
-    import torch
-
-    with torch.device("meta"):
-        return gpt_cls(cfg).num_params()
+                       overlap_mod.aggregate([r[3] for r in results]))
 
 
 def write_profile(cal: Calibration, path: str) -> str:

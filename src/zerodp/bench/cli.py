@@ -115,10 +115,7 @@ def run_predict(args) -> int:
 
     if args.model not in PRESETS:
         raise ValueError(f"unknown model {args.model!r}; use one of {', '.join(PRESETS)}")
-    try:
-        stages = [int(s) for s in args.stages.split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--stages must be comma-separated integers, got {args.stages!r}") from None
+    stages = _int_list("stages", args.stages)
     cal = load_calibration(args.profile)["calibration"]
     preds = [predict_step(cal, PRESETS[args.model], s, _positive("micro-batch", args.micro_batch),
                           args.seq_len, args.bucket_mb) for s in stages]

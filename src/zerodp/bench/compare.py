@@ -327,12 +327,10 @@ def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
 
 
 # ---- the driver, in the parent ----------------------------------------------------------------
-def _predict(spec: BenchSpec, regime: Regime, name: str, bucket_mb: float):
-    from zerodp.bench.calibrate import load_calibration
+def _predict(cal: dict, spec: BenchSpec, regime: Regime, name: str, bucket_mb: float):
     from zerodp.bench.predict import predict_step
     from zerodp.train.model import PRESETS
 
-    cal = load_calibration(spec.profile)["calibration"]
     stage, role, _ = CONTENDERS[name]
     cfg = PRESETS[spec.model]
     if role == "floor":
@@ -358,10 +356,6 @@ def check_profile(profile: str, model: str, world_size: int) -> dict:
     return cal
 
 
-def _check_profile(spec: BenchSpec) -> None:
-    check_profile(spec.profile, spec.model, spec.world_size)
-
-
 def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     """Measure every regime of ``spec`` (one spawned group each) and return the results."""
     from zerodp.spawn import run_local
@@ -369,8 +363,7 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
 
     if spec.model not in PRESETS:
         raise ValueError(f"unknown model preset {spec.model!r}; use one of {', '.join(PRESETS)}")
-    if spec.profile:
-        _check_profile(spec)
+    cal = check_profile(spec.profile, spec.model, spec.world_size) if spec.profile else None
     machine = probe.machine()
     names = spec.contenders(with_auto=bool(spec.profile))
     # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
@@ -389,8 +382,8 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
                                 [r[name]["peak"] for r in ranks], [r[name]["states"] for r in ranks],
                                 [r[name]["sent"] for r in ranks], r0["options"], r0["own_comm"],
                                 r0["first_loss"])
-            if spec.profile:
-                c.predicted_s = _predict(spec, regime, name, c.options.get("bucket_mb", spec.bucket_mb))
+            if cal is not None:
+                c.predicted_s = _predict(cal, spec, regime, name, c.options.get("bucket_mb", spec.bucket_mb))
             contenders[name] = c
         results.append(RegimeResult(regime, contenders, wall))
         if "ours0_auto" in contenders:

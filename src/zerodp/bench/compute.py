@@ -161,10 +161,12 @@ def split_tokens(tokens: int, seq_len: int) -> tuple[int, int]:
     return tokens // seq, seq
 
 
-def measure_compute(model_name: str, tokens: list[int], warmup: int = 2, seed: int = 0) -> dict[int, list]:
+def measure_compute(model_name: str, tokens: list[int], warmup: int = 2,
+                    seed: int = 0) -> tuple[int, dict[int, list]]:
     """Time forward, backward and AdamW step + zero_grad of the GPT preset on this rank (no
     communication) at each token count; with a process group, every iteration starts at a barrier
-    so that all ranks compute at once, as in training. Returns {tokens: [(fwd, bwd, opt), ...]}."""
+    so that all ranks compute at once, as in training. Returns the model's parameter count and
+    {tokens: [(fwd, bwd, opt), ...]}."""
     import torch
     import torch.distributed as dist
 
@@ -198,7 +200,7 @@ def measure_compute(model_name: str, tokens: list[int], warmup: int = 2, seed: i
             if i >= warmup:
                 times.append((t1 - t0, t2 - t1, t3 - t2))
         out[t] = times
-    return out
+    return model.num_params(), out
 
 
 def lockstep_points(per_rank: list[dict[int, list]], seq_len: int) -> list[ComputePoint]:

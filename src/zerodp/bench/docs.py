@@ -46,8 +46,9 @@ def _calibration(profile: str) -> list[str]:
     fits = [sweep.Fit(**f) for f in cal["fits"]]
     lines = ["```", sweep.points_table(points, cal["world_size"]), "", sweep.fits_table(fits), "",
             compute_table(cal["compute"])]
-    if Overlap.of(cal) is not None:
-        lines.append(Overlap.of(cal).describe())
+    overlap = Overlap.of(cal)
+    if overlap is not None:
+        lines.append(overlap.describe())
     return lines + ["```"]
 
 

@@ -52,10 +52,10 @@ class RooflineSpec:
 
 def regime_for(tokens: int, model_seq_len: int) -> Regime:
     """Whole sequences of the model's length when possible, else one shorter sequence."""
-    seq = min(tokens, model_seq_len)
-    if tokens % seq:
-        raise ValueError(f"{tokens} tokens per rank is not a multiple of the model's seq_len {model_seq_len}")
-    return Regime(f"{tokens}", tokens // seq, seq)
+    from zerodp.bench.compute import split_tokens
+
+    micro_batch, seq = split_tokens(tokens, model_seq_len)
+    return Regime(f"{tokens}", micro_batch, seq)
 
 
 @dataclass

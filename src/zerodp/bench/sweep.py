@@ -106,7 +106,7 @@ def measure_collectives(sizes: list[int], kinds=KINDS, iters: int = 10, warmup: 
 
     dtype = getattr(torch, dtype_name)
     n = dist.get_world_size()
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = dtype.itemsize
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def sync():

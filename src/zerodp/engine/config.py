@@ -145,14 +145,10 @@ def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_siz
         return config
     from zerodp.bench.auto import choose_bucket_mb
 
-    grad_bytes = _itemsize(grad_dtype)
+    grad_bytes = grad_dtype.itemsize
     mb = choose_bucket_mb(config.profile, module, config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
                           collective=BUCKET_COLLECTIVE[config.stage], world_size=world_size)
-    mb = float(mb) * _itemsize(param_dtype) / grad_bytes
+    mb = float(mb) * param_dtype.itemsize / grad_bytes
     # The simulator prices equal buckets; a first bucket larger than the rest would defeat its
     # purpose (small, so that communication starts early), so it is capped at the chosen size.
     return dataclasses.replace(config, bucket_mb=mb, first_bucket_mb=min(config.first_bucket_mb, mb))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()

@@ -64,7 +64,7 @@ class BucketEngine(StageEngine):
                                                    self._grad_comm_dtype())
         # Per parameter: which bucket, and where in it (used by the hooks).
         plan = plan_buckets([p.numel() for _, p in self.named_params], self.param_group_of,
-                            torch.empty(0, dtype=self.param_dtype).element_size(), config.sync,
+                            self.param_dtype.itemsize, config.sync,
                             config.bucket_mb, config.first_bucket_mb)
         self.buckets, fp32 = build_buckets(self.named_params, self.param_group_of, plan,
                                            self.world_size, self.param_dtype, self.device)
