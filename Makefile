@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # torch first and pinned: pip then takes the CPU wheel on disk instead of a CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast browser clean
+.PHONY: setup demo test test-fast fuzz browser clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: setup browser
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not dist and not browser"
+
+# Property-based tests with many more generated cases than make test runs (profile "fuzz").
+fuzz: setup
+	$(BIN)/python -m pytest -q -m fuzz --hypothesis-profile=fuzz 
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

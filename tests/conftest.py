@@ -1,0 +1,22 @@
+"""Test-suite settings shared by every test file.
+
+Hypothesis profiles: ``ci`` (the default, used by ``make test``) runs a bounded number of
+examples from a fixed seed, so that the suite is repeatable and stays within its time budget;
+``fuzz`` (``make fuzz``) runs many more. A failing example is printed by hypothesis with the
+``@reproduce_failure`` line needed to rerun it alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
+settings.register_profile("fuzz", derandomize=False, max_examples=2000, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
