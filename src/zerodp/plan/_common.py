@@ -22,15 +22,19 @@ _SUFFIX = {
 _QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]{0,3})\s*$")
 
 
-def parse_quantity(text: str | float | int, what: str = "value") -> float:
+def parse_quantity(text: str | float | int, what: str = "value", count: bool = False) -> float:
     """Parse ``"16e9"``, ``"25MB"``, ``"4M"``, ``"16GiB"`` or a number into a float.
 
-    Suffixes k/M/G/T/P are decimal (1e3...), Ki/Mi/Gi/Ti binary; a trailing ``B`` is allowed.
+    Suffixes k/M/G/T/P are decimal (1e3...), Ki/Mi/Gi/Ti binary; a trailing ``B`` is allowed and
+    means bytes. With ``count=True`` (parameters, tokens) a lone ``B`` means billion (``8B`` =
+    8e9), as model names use it.
     """
     if isinstance(text, (int, float)):
         return float(text)
     m = _QUANTITY.match(str(text))
     suffix = m.group(2).lower() if m else ""
+    if count and suffix == "b":
+        suffix = "g"
     if suffix not in _SUFFIX and suffix.endswith("b"):
         suffix = suffix[:-1]
     if not m or suffix not in _SUFFIX:
@@ -98,12 +102,23 @@ def fmt_time(s: float) -> str:
 
 
 def fmt_count(n: float) -> str:
-    """Human count: 8.8M, 40.5M, 2,475."""
-    if abs(n) >= 1e9:
-        return f"{n / 1e9:.3g}B"
-    if abs(n) >= 1e6:
-        return f"{n / 1e6:.3g}M"
+    """Human count: 8.8M, 40.5M, 1.0T, 2,475 (three significant digits, at least one decimal
+    below 100, never an exponent)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if abs(n) >= scale:
+            v = n / scale
+            if abs(v) >= 1000:
+                return f"{v:,.0f}{unit}"
+            text = f"{v:.3g}"
+            if "." not in text and abs(v) < 100:
+                text = f"{v:.1f}"
+            return text + unit
     return f"{n:,.0f}"
+
+
+def plural(n: float, word: str, words: str | None = None) -> str:
+    """``1 rank``, ``8 ranks``, ``1,024 GPUs``."""
+    return f"{n:,.0f} {word if n == 1 else (words or word + 's')}"
 
 
 def table(headers: list[str], rows: list[list], title: str | None = None, align: str | None = None) -> str:

@@ -9,63 +9,130 @@ from __future__ import annotations
 import argparse
 import json
 
-from zerodp.plan._common import (GB, MB, fmt_bytes, fmt_count, fmt_time, parse_quantity, table)
+from zerodp.plan._common import (GB, MB, fmt_bytes, fmt_count, fmt_time, parse_quantity, plural,
+                                 table)
 from zerodp.plan.batch import plan_batch
 from zerodp.plan.collectives import KINDS, RingCost, collective_time, network_cost
 from zerodp.plan.hardware import get_hardware, hardware_names
-from zerodp.plan.memory import ADAM_K, RECOMPUTE, activations, all_stages, max_params, model_states
+from zerodp.plan.hf import load_config
+from zerodp.plan.memory import (MAX_GPUS, MAX_K, MAX_MICRO_BATCH, MAX_PARAMS, MAX_SEQ, PRECISIONS,
+                                RECOMPUTE, max_params, memory_plan)
 from zerodp.plan.models import custom_model, get_model, model_names
 from zerodp.plan.report import build_report
 from zerodp.plan.roofline import max_devices, threshold
-from zerodp.plan.timeline import model_layers, simulate_backward, simulate_fsdp, sweep_buckets
+from zerodp.plan.timeline import (DDP_DEFAULT_BUCKET_BYTES, MAX_BUCKETS, model_layers,
+                                  simulate_backward, simulate_fsdp, sweep_buckets)
 
 DEFAULT_HARDWARE = "H100"
+#: a step of more micro-steps than this is not a plan anyone runs
+MAX_GRAD_ACC = 1_000_000
 
 
-def _qty(what):
+def _qty(what, low=None, high=None, why="", count=False, integer=False, allow_zero=False):
+    """An argparse type: a number with optional suffixes (16e9, 25MB, 4M, 8B for counts) within
+    [low, high]; out of range, one sentence with the range and why."""
     def parse(text):
         try:
-            return parse_quantity(text, what)
+            v = parse_quantity(text, what, count=count)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    parse.__name__ = what
-    return parse
-
-
-def _int_qty(what):
-    def parse(text):
-        v = _qty(what)(text)
-        if not float(v).is_integer():
+        if v != v or v in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number, got {text!r}")
+        if integer and not float(v).is_integer():
             raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}")
-        return int(v)
+        lo = low if low is not None else 0
+        if v < lo or (v == 0 and not allow_zero and lo == 0) or (high is not None and v > high):
+            bound = (f"between {_num(lo)} and {_num(high)}" if high is not None
+                     else (f">= {_num(lo)}" if allow_zero or lo > 0 else "> 0"))
+            raise argparse.ArgumentTypeError(
+                f"{what} must be {bound}{f' ({why})' if why else ''}, got {text!r}")
+        return int(v) if integer else v
     parse.__name__ = what
     return parse
 
 
-def _common(p, model=False):
-    p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="NAME_OR_FILE",
-                   help=f"preset ({', '.join(hardware_names())}) or a .toml/.json hardware file "
-                        f"(default {DEFAULT_HARDWARE})")
+def _int_qty(what, low=1, high=None, why="", count=True):
+    return _qty(what, low, high, why, count=count, integer=True, allow_zero=low == 0)
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if float(x).is_integer() and abs(x) < 1e7 else fmt_count(x) if x >= 1e6 else f"{x:g}"
+
+
+_GPUS = dict(high=MAX_GPUS, why="no cluster holds more than a million")
+_SHAPE = (("layers", 100_000), ("hidden", 1_000_000), ("heads", 100_000), ("kv-heads", 100_000),
+          ("ffn", 10_000_000), ("vocab", 100_000_000), ("shared-experts", 100_000))
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except for switches and options whose help says what an
+    absent value means."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) or action.help is None \
+                or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _common(p, model=False, hardware=True):
+    if hardware:
+        p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="NAME_OR_FILE",
+                       help=f"preset ({', '.join(hardware_names())}) or a .toml/.json hardware file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     if model:
-        g = p.add_argument_group("model (a preset, or --params and/or a shape)")
-        g.add_argument("--model", metavar="NAME", help=f"one of {', '.join(model_names())}")
-        g.add_argument("--params", type=_qty("params"), help="parameter count, e.g. 8e9 or 70G")
-        for name in ("layers", "hidden", "heads", "ffn", "vocab"):
-            g.add_argument(f"--{name}", type=_int_qty(name))
+        g = p.add_argument_group("model: a preset, a config.json, or a parameter count and/or shape")
+        g.add_argument("--model", metavar="NAME", help=f"a preset: {', '.join(model_names())}")
+        g.add_argument("--config", metavar="PATH",
+                       help="a Hugging Face config.json (or a model directory holding one): "
+                            "Llama/Mistral/Qwen, Mixtral, DeepSeek, GPT-2")
+        g.add_argument("--params", type=_qty("params", 1, MAX_PARAMS, "a thousand trillion at most",
+                                             count=True),
+                       help="parameter count, e.g. 8e9, 70B or 1T (default: from the model)")
+        helps = {"layers": "transformer blocks L", "hidden": "hidden size h",
+                 "heads": "attention heads a", "kv-heads": "key/value heads (grouped-query "
+                 "attention; default: heads)", "ffn": "MLP width; given: a SwiGLU MLP (default: "
+                 "a 4h GELU MLP)", "vocab": "vocabulary size", "shared-experts":
+                 "MoE: experts every token runs (default 0)"}
+        for name, high in _SHAPE:
+            g.add_argument(f"--{name}", type=_int_qty(name, 0 if name == "shared-experts" else 1,
+                                                      high), help=helps[name])
+        g.add_argument("--experts", type=_int_qty("experts", 1, 100_000),
+                       help="MoE: routed experts E (default 1: dense)")
+        g.add_argument("--top-k", type=_int_qty("top-k", 1, 100_000),
+                       help="MoE: experts per token k (default 1)")
+        g.add_argument("--tied-embeddings", action="store_true",
+                       help="input embedding and output head share one matrix")
+
+
+_SHAPE_ARGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "shared_experts",
+               "experts", "top_k")
 
 
 def _model(args, default=None):
-    shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "ffn", "vocab")}
-    if args.params is not None or (args.model is None and any(v is not None for v in shape.values())):
-        if args.model is not None:
-            raise ValueError("give either --model or --params/shape, not both")
-        return custom_model(params=args.params, **shape)
-    if args.model is not None and any(v is not None for v in shape.values()):
-        raise ValueError("--model fixes the shape; drop --layers/--hidden/... or use --params instead")
+    shape = {k: getattr(args, k, None) for k in _SHAPE_ARGS}
+    given = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
+    if getattr(args, "tied_embeddings", False):
+        given.append("--tied-embeddings")
+    sources = [f for f, v in (("--model", args.model), ("--config", getattr(args, "config", None)))
+               if v is not None]
+    if len(sources) > 1:
+        raise ValueError("give --model or --config, not both")
+    if sources and (given or args.params is not None):
+        extra = given[0] if given else "--params"
+        raise ValueError(f"{sources[0]} fixes the model's shape and size; drop {extra}, or drop "
+                         f"{sources[0]} and describe the model with --params/--layers/--hidden/...")
+    if getattr(args, "config", None) is not None:
+        return load_config(args.config)
+    if args.params is not None or given:
+        return custom_model(params=args.params, layers=shape["layers"], hidden=shape["hidden"],
+                            heads=shape["heads"], ffn=shape["ffn"], vocab=shape["vocab"],
+                            experts=shape["experts"] or 1, experts_per_token=shape["top_k"] or 1,
+                            kv_heads=shape["kv_heads"], shared_experts=shape["shared_experts"] or 0,
+                            tied_embeddings=args.tied_embeddings)
     name = args.model or default
     if name is None:
-        raise ValueError(f"give --model ({', '.join(model_names())}) or --params")
+        raise ValueError(f"give --model ({', '.join(model_names())}), --config or --params")
     return get_model(name)
 
 
@@ -88,35 +155,31 @@ def _emit(args, result: dict, text: str) -> int:
 def cmd_memory(args) -> int:
     hw = get_hardware(args.hardware)
     model = _model(args, default="zero-7.5b")
-    unit = model.block_params or 0.0
-    stages = all_stages(model.params, args.gpus, args.k, args.fp32_grad_acc, unit, model.layers)
-    if args.stage is not None:
-        stages = [s for s in stages if s.stage == args.stage]
-    act = None
-    if args.seq:
-        model.require_shape("layers", "hidden", "heads")
-        act = activations(model.layers, model.hidden, model.heads, args.seq, args.mbs, model.ffn,
-                          model.vocab or 0, args.recompute)
+    mp = memory_plan(model, args.gpus, hw, args.precision, args.k, args.fp32_grad_acc, args.seq,
+                     args.mbs, args.recompute)
+    stages = [s for s in mp.stages if args.stage is None or s["stage"] == args.stage]
     limit = max_params(hw.hbm_bytes, args.bytes_per_param) if args.bytes_per_param else None
-    extra = act.total_bytes if act else 0.0
-    result = {"model": model.to_dict(), "hardware": hw.to_dict(), "n": args.gpus,
-              "stages": [s.to_dict() for s in stages],
-              "activations": act.to_dict() if act else None,
-              "fits": {s.stage_name: s.total_bytes + extra <= hw.hbm_bytes for s in stages},
-              "max_params": limit.to_dict() if limit else None}
-    rows = [[s.stage_name, _gb(s.param_bytes), _gb(s.grad_bytes), _gb(s.optimizer_bytes),
-             _gb(s.grad_acc_bytes), _gb(s.gathered_unit_bytes), _gb(s.model_state_bytes),
-             _gb(s.total_bytes + extra),
-             "yes" if s.total_bytes + extra <= hw.hbm_bytes else "no"] for s in stages]
+    result = dict(mp.to_dict(), stages=stages, hardware=hw.to_dict(),
+                  fits={s["stage_name"]: s["fits"] for s in stages},
+                  max_params=limit.to_dict() if limit else None)
+    rows = [[s["stage_name"], _gb(s["param_bytes"]), _gb(s["grad_bytes"]), _gb(s["optimizer_bytes"]),
+             _gb(s["grad_acc_bytes"]), _gb(s["gathered_unit_bytes"]), _gb(s["activation_bytes"]),
+             _gb(s["model_state_bytes"]), _gb(s["total_bytes"]), "yes" if s["fits"] else "no"]
+            for s in stages]
+    act = mp.activations
     lines = [table(["stage", "params GB", "grads GB", "optim GB", "fp32 acc GB", "gathered GB",
-                    "states GB", "total GB", f"fits {hw.hbm_bytes / GB:.3g} GB"], rows,
-                   title=f"Memory per GPU: {model.name}, Ψ = {fmt_count(model.params)}, N = {args.gpus}, "
-                         f"k = {args.k:g}, fp32 grad accumulation: {'yes' if args.fp32_grad_acc else 'no'}"
-                         f" ({hw.name})")]
+                    "activ. GB", "states GB", "total GB", f"fits {hw.hbm_bytes / GB:.3g} GB"], rows,
+                   title=f"Memory per GPU: {model.name}, Ψ = {fmt_count(model.params)}, "
+                         f"N = {plural(args.gpus, 'GPU')}, {args.precision} "
+                         f"(k = {mp.k:g}), fp32 grad accumulation: "
+                         f"{'yes' if args.fp32_grad_acc else 'no'} ({hw.name})")]
+    lines.append("total = " + " + ".join(mp.includes) + "; fits: total <= HBM")
     if act:
-        lines.append(f"activations (Korthikanti et al. 2022, recompute={act.recompute}, seq {act.seq}, "
-                     f"micro-batch {act.micro_batch}): {fmt_bytes(act.per_layer_bytes)} per layer, "
-                     f"{fmt_bytes(act.total_bytes)} in all (included in 'total GB')")
+        lines.append(f"activations (Korthikanti et al. 2022, recompute={act['recompute']}, seq "
+                     f"{act['seq']:,}, micro-batch {act['micro_batch']}): "
+                     f"{fmt_bytes(act['per_layer_bytes'])} per layer, "
+                     f"{fmt_bytes(act['total_bytes'])} in all")
+    lines += [f"note: {w}" for w in mp.warnings]
     if limit:
         lines.append(f"largest model at {args.bytes_per_param:g} bytes/param in {fmt_bytes(hw.hbm_bytes)}: "
                      f"{fmt_count(limit.max_params)} parameters")
@@ -148,14 +211,20 @@ def cmd_comm(args) -> int:
                          "*" if leg["leg"] == r.bottleneck or len(r.legs) <= 1 else ""])
     text = table(["collective", "leg", "ranks", "time", "latency", "bandwidth", "V*=NαW", "α′·W",
                   "busbw GB/s", "slower"], rows,
-                 title=f"{fmt_bytes(args.bytes)} on {args.gpus} ranks ({where}); a collective takes "
+                 title=f"{fmt_bytes(args.bytes)} on {plural(args.gpus, 'rank')} ({where}); a collective takes "
                        "as long as its slower leg (*)")
     return _emit(args, {"results": [r.to_dict() for r in results]}, text)
 
 
 def cmd_roofline(args) -> int:
-    moe = dict(model=args.model, experts=args.experts, experts_per_token=args.top_k)
-    if args.model is None:
+    if args.model is not None and args.config is not None:
+        raise ValueError("give --model or --config, not both")
+    named = args.model if args.config is None else load_config(args.config)
+    if named is not None and (args.experts is not None or args.top_k is not None):
+        raise ValueError(f"{'--model' if args.config is None else '--config'} sets E and k; drop "
+                         "--experts/--top-k, or drop it and give --experts/--top-k alone")
+    moe = dict(model=named, experts=args.experts or 1, experts_per_token=args.top_k or 1)
+    if named is None:
         moe.pop("model")
     r = threshold(args.hardware, args.gpus, args.axes, **moe)
     result = {"threshold": r.to_dict(), "max_devices": None}
@@ -182,6 +251,10 @@ def cmd_roofline(args) -> int:
 
 def cmd_batch(args) -> int:
     b = plan_batch(args.tokens, args.seq, args.mbs, args.gpus, not args.no_round)
+    if b.grad_acc > MAX_GRAD_ACC:
+        raise ValueError(f"--tokens {fmt_count(args.tokens)} needs grad_acc {fmt_count(b.grad_acc)} "
+                         f"(over {MAX_GRAD_ACC:,}): no run takes that many micro-steps per step; "
+                         "lower --tokens or raise --mbs/--gpus")
     rows = [["global batch", f"{b.samples:,}", "samples"],
             ["global batch", fmt_count(b.global_batch_tokens), "tokens"],
             ["micro-batch", b.micro_batch, "samples/GPU"], ["dp", b.dp, "GPUs"],
@@ -195,8 +268,20 @@ def cmd_batch(args) -> int:
 
 
 def cmd_simulate(args) -> int:
+    ignored = ([f for f, v in (("--bucket", args.bucket), ("--whole-layers", args.whole_layers),
+                               ("--sweep", args.sweep)) if v] if args.fsdp
+               else (["--no-prefetch"] if args.no_prefetch else []))
+    if ignored:
+        raise ValueError(f"{ignored[0]} " + ("does not apply to --fsdp (FSDP has no gradient "
+                                             "buckets): drop it" if args.fsdp else
+                                             "only applies with --fsdp: add --fsdp or drop it"))
+    if args.alpha is not None and args.latency is not None:
+        raise ValueError("give --alpha or --latency, not both")
+    args.bucket = float(DDP_DEFAULT_BUCKET_BYTES) if args.bucket is None else args.bucket
     hw = get_hardware(args.hardware)
     model = _model(args, default="llama3-8b")
+    if args.efficiency <= 0:
+        raise ValueError("--efficiency must be > 0 (a fraction of peak FLOP/s, e.g. 0.5)")
     layers = model_layers(model, hw, args.tokens_per_gpu, args.efficiency)
     if args.bandwidth is not None:
         cost = (RingCost.from_latency(args.latency, args.bandwidth, args.gpus) if args.latency is not None
@@ -205,7 +290,7 @@ def cmd_simulate(args) -> int:
         if args.alpha is not None or args.latency is not None:
             raise ValueError("--alpha/--latency need --bandwidth (a flat ring); or change --hardware")
         cost = network_cost(hw, args.gpus)
-    head = (f"{model.name} on {args.gpus}x{hw.name}, {args.tokens_per_gpu:g} tokens/GPU, "
+    head = (f"{model.name} on {args.gpus}x{hw.name}, {fmt_count(args.tokens_per_gpu)} tokens/GPU, "
             f"{len(layers)} layers, {fmt_bytes(sum(l.param_bytes for l in layers))} of gradients")
     if args.fsdp:
         f = simulate_fsdp(layers, cost, prefetch=not args.no_prefetch)
@@ -259,63 +344,106 @@ def add_parser(subparsers) -> None:
     sub = plan.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
     plan.set_defaults(func=lambda a: (plan.print_help(), 2)[1])
 
-    p = sub.add_parser("memory", help="model states (and activations) per GPU for stages 0-3")
+    p = sub.add_parser("memory", help="the bill per GPU for stages 0-3 and whether it fits",
+                       description="Parameters, gradients, optimizer states, fp32 accumulation, "
+                                   "ZeRO-3's gathered units and activations per GPU (guide §8-§9); "
+                                   "'fits' compares their sum with the hardware's HBM.",
+                       formatter_class=_Help)
     _common(p, model=True)
-    p.add_argument("--gpus", type=_int_qty("gpus"), default=64, help="data-parallel GPUs N (default 64)")
+    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=64,
+                   help="data-parallel GPUs N")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one stage (default: all)")
-    p.add_argument("--k", type=float, default=ADAM_K, help="optimizer bytes per parameter (Adam: 12)")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
+                   help="; ".join(f"{k}: {v['about']}" for k, v in PRECISIONS.items()))
+    p.add_argument("--k", type=_qty("k", 0, MAX_K, "Adam with fp64 states needs 24",
+                                    allow_zero=True),
+                   help="optimizer bytes per parameter (default: the precision's, 12 for bf16)")
     p.add_argument("--fp32-grad-acc", action="store_true", help="add the fp32 gradient accumulation buffer")
-    p.add_argument("--seq", type=_int_qty("seq"), help="add activations for this sequence length")
-    p.add_argument("--mbs", type=_int_qty("mbs"), default=1, help="micro-batch size (default 1)")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
-    p.add_argument("--bytes-per-param", type=float, help="also print the largest model at this many bytes/param")
+    p.add_argument("--seq", type=_int_qty("seq", 1, MAX_SEQ, "ten million tokens at most"),
+                   help="sequence length: adds activations (default: none counted)")
+    p.add_argument("--mbs", type=_int_qty("mbs", 1, MAX_MICRO_BATCH), default=1,
+                   help="micro-batch size (with --seq)")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation (with --seq)")
+    p.add_argument("--bytes-per-param", type=_qty("bytes-per-param", 0, MAX_K),
+                   help="also print the largest model at this many bytes/param (default: not shown)")
     p.set_defaults(func=cmd_memory)
 
-    p = sub.add_parser("comm", help="AllReduce/ReduceScatter/AllGather time (alpha-beta, ring, two legs)")
+    flat = dict(alpha=("--alpha", "flat ring: seconds per ring step (with --bandwidth)"),
+                latency=("--latency", "flat ring: small-message AllReduce latency α′ in seconds "
+                                      "(with --bandwidth)"))
+
+    def ring_options(q):
+        for _, (flag, text) in flat.items():
+            q.add_argument(flag, type=_qty(flag[2:], 0, 1, "a second per step at most",
+                                           allow_zero=True), help=text)
+        q.add_argument("--bandwidth", type=_qty("bandwidth", 1e3, 1e15, "1 kB/s to 1 PB/s"),
+                       help="flat ring: bytes/s per rank, one way (default: from --hardware)")
+
+    p = sub.add_parser("comm", help="AllReduce/ReduceScatter/AllGather time (alpha-beta, ring, two legs)",
+                       formatter_class=_Help)
     _common(p)
-    p.add_argument("--bytes", type=_qty("bytes"), required=True, help="V, e.g. 16e9 or 25MB")
-    p.add_argument("--gpus", type=_int_qty("gpus"), default=8, help="ranks N (default 8)")
-    p.add_argument("--collective", default="all", choices=["all", *KINDS])
-    p.add_argument("--alpha", type=float, help="flat ring: seconds per ring step (with --bandwidth)")
-    p.add_argument("--latency", type=float, help="flat ring: small-message AllReduce latency α′, s")
-    p.add_argument("--bandwidth", type=_qty("bandwidth"), help="flat ring: bytes/s per rank, one way")
+    p.add_argument("--bytes", type=_qty("bytes", 0, 1e15, "1 PB at most", allow_zero=True), required=True,
+                   help="V, e.g. 16e9 or 25MB")
+    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=8, help="ranks N")
+    p.add_argument("--collective", default="all", choices=["all", *KINDS], help="which collective")
+    ring_options(p)
     p.set_defaults(func=cmd_comm)
 
-    p = sub.add_parser("roofline", help="tokens per GPU to stay compute-bound; min batch; max GPUs")
+    p = sub.add_parser("roofline", help="tokens per GPU to stay compute-bound; min batch; max GPUs",
+                       formatter_class=_Help)
     _common(p)
-    p.add_argument("--gpus", type=_int_qty("gpus"), help="devices (default: at scale, many nodes)")
-    p.add_argument("--axes", type=int, default=1, help="mesh axes doing DP (TPU v5p: up to 3)")
-    p.add_argument("--model", help=f"MoE factor from a preset ({', '.join(model_names())})")
-    p.add_argument("--experts", type=int, default=1, help="MoE: experts E")
-    p.add_argument("--top-k", type=int, default=1, help="MoE: experts per token k")
-    p.add_argument("--batch-tokens", type=_qty("batch tokens"), help="also: most devices for this batch")
+    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS),
+                   help="devices (default: at scale, many nodes)")
+    p.add_argument("--axes", type=_int_qty("axes", 1, 3, "a mesh has at most 3 axes"), default=1,
+                   help="mesh axes doing DP (TPU v5p: up to 3)")
+    p.add_argument("--model", metavar="NAME",
+                   help=f"MoE factor E/k from a preset ({', '.join(model_names())}; default: dense)")
+    p.add_argument("--config", metavar="PATH",
+                   help="MoE factor E/k from a Hugging Face config.json (default: dense)")
+    p.add_argument("--experts", type=_int_qty("experts", 1, 100_000),
+                   help="MoE: experts E (default 1: dense)")
+    p.add_argument("--top-k", type=_int_qty("top-k", 1, 100_000),
+                   help="MoE: experts per token k (default 1)")
+    p.add_argument("--batch-tokens", type=_qty("batch-tokens", 1, 1e15, "a quadrillion at most",
+                                               count=True),
+                   help="also: most devices for this global batch (default: not shown)")
     p.set_defaults(func=cmd_roofline)
 
-    p = sub.add_parser("batch", help="samples and grad_acc from a global batch in tokens (seed §6.1)")
-    _common(p)
-    p.add_argument("--tokens", type=_qty("tokens"), required=True, help="target global batch, e.g. 4Mi")
-    p.add_argument("--seq", type=_int_qty("seq"), required=True)
-    p.add_argument("--mbs", type=_int_qty("mbs"), required=True, help="largest micro-batch that fits")
-    p.add_argument("--gpus", type=_int_qty("gpus"), required=True, help="dp")
+    p = sub.add_parser("batch", help="samples and grad_acc from a global batch in tokens (guide §6.1)",
+                       formatter_class=_Help)
+    _common(p, hardware=False)
+    p.add_argument("--tokens", type=_qty("tokens", 1, 1e15, "a quadrillion at most", count=True),
+                   required=True, help="target global batch, e.g. 4Mi")
+    p.add_argument("--seq", type=_int_qty("seq", 1, MAX_SEQ, "ten million tokens at most"),
+                   required=True, help="sequence length")
+    p.add_argument("--mbs", type=_int_qty("mbs", 1, MAX_MICRO_BATCH), required=True,
+                   help="largest micro-batch that fits")
+    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), required=True, help="dp")
     p.add_argument("--no-round", action="store_true", help="do not round samples to a power of two")
     p.set_defaults(func=cmd_batch)
 
-    p = sub.add_parser("simulate", help="event simulation of bucketed overlap or FSDP prefetch")
+    p = sub.add_parser("simulate", help="event simulation of bucketed overlap or FSDP prefetch",
+                       formatter_class=_Help)
     _common(p, model=True)
-    p.add_argument("--gpus", type=_int_qty("gpus"), default=8, help="data-parallel GPUs (default 8)")
-    p.add_argument("--tokens-per-gpu", type=_qty("tokens per GPU"), default=4096.0)
-    p.add_argument("--bucket", type=_qty("bucket"), default=25e6, help="bucket size in bytes (default 25MB)")
-    p.add_argument("--efficiency", type=float, default=1.0, help="fraction of peak FLOP/s reached")
+    p.add_argument("--gpus", type=_int_qty("gpus", 2, **_GPUS), default=8,
+                   help="data-parallel GPUs")
+    p.add_argument("--tokens-per-gpu", type=_qty("tokens-per-gpu", 1, 1e9, "a billion at most",
+                                                 count=True),
+                   default=4096.0, help="tokens each GPU runs per step")
+    p.add_argument("--bucket", type=_qty("bucket", 1, 1e13, "10 TB at most"),
+                   help=f"bucket size in bytes (default 25 MiB = {DDP_DEFAULT_BUCKET_BYTES:,} B, as "
+                        f"PyTorch DDP; at most {MAX_BUCKETS:,} buckets per simulation)")
+    p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
+                   default=1.0, help="fraction of peak FLOP/s reached")
     p.add_argument("--whole-layers", action="store_true", help="close buckets only at layer boundaries")
     p.add_argument("--sweep", action="store_true", help="also sweep bucket sizes")
     p.add_argument("--fsdp", action="store_true", help="ZeRO-3/FSDP: per-unit AllGather + ReduceScatter")
-    p.add_argument("--no-prefetch", action="store_true", help="FSDP without prefetch")
-    p.add_argument("--alpha", type=float, help="flat ring: seconds per ring step (with --bandwidth)")
-    p.add_argument("--latency", type=float, help="flat ring: small-message AllReduce latency α′, s")
-    p.add_argument("--bandwidth", type=_qty("bandwidth"), help="flat ring: bytes/s per rank, one way")
+    p.add_argument("--no-prefetch", action="store_true", help="FSDP without prefetch (with --fsdp)")
+    ring_options(p)
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (and sweep) to a PNG")
     p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("report", help="the seed's worked examples, recomputed")
-    _common(p)
+    p = sub.add_parser("report", help="the guide's worked examples, recomputed", formatter_class=_Help)
+    _common(p, hardware=False)
     p.set_defaults(func=cmd_report)

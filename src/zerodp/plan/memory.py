@@ -76,11 +76,14 @@ class ModelStates(ToDict):
 
 
 def model_states(params: float, n: int, stage: int, k: float = ADAM_K, fp32_grad_acc: bool = False,
-                 unit_params: float = 0.0, layers: int | None = None) -> ModelStates:
+                 unit_params: float = 0.0, layers: int | None = None, param_bytes: float = BF16,
+                 grad_bytes: float = BF16) -> ModelStates:
     """Model-state bytes per GPU for ``stage`` (seed §9; table in the module docstring).
 
     ``unit_params``: parameters of one ZeRO-3 unit (two gathered units are added for stage 3);
-    ``layers``: number of units L, for the 2L−1 AllGathers of stage 3.
+    ``layers``: number of units L, for the 2L−1 AllGathers of stage 3; ``param_bytes`` and
+    ``grad_bytes``: bytes of one working parameter and one gradient (bf16: 2, see
+    :data:`PRECISIONS`).
     """
     check_positive("params", params)
     n = check_count("n (data-parallel GPUs)", n)
@@ -90,12 +93,14 @@ def model_states(params: float, n: int, stage: int, k: float = ADAM_K, fp32_grad
         raise ValueError(f"stage must be one of 0 (DP), 1, 2, 3 (ZeRO-1/2/3); got {stage!r}")
     if layers is not None:
         layers = check_count("layers", layers)
+    check_positive("param_bytes", param_bytes)
+    check_positive("grad_bytes", grad_bytes)
     shard = 1.0 / n
-    p = BF16 * params * (shard if stage == 3 else 1.0)
-    g = BF16 * params * (shard if stage >= 2 else 1.0)
+    p = param_bytes * params * (shard if stage == 3 else 1.0)
+    g = grad_bytes * params * (shard if stage >= 2 else 1.0)
     o = k * params * (shard if stage >= 1 else 1.0)
     acc = (FP32 * params * (shard if stage >= 2 else 1.0)) if fp32_grad_acc else 0.0
-    gathered = GATHERED_UNITS * BF16 * unit_params if stage == 3 else 0.0
+    gathered = GATHERED_UNITS * param_bytes * unit_params if stage == 3 else 0.0
     states = p + g + o + acc
     return ModelStates(
         stage=stage, stage_name=STAGE_NAMES[stage], params=params, n=n, k=k,
@@ -107,9 +112,11 @@ def model_states(params: float, n: int, stage: int, k: float = ADAM_K, fp32_grad
 
 
 def all_stages(params: float, n: int, k: float = ADAM_K, fp32_grad_acc: bool = False,
-               unit_params: float = 0.0, layers: int | None = None) -> list[ModelStates]:
+               unit_params: float = 0.0, layers: int | None = None, param_bytes: float = BF16,
+               grad_bytes: float = BF16) -> list[ModelStates]:
     """:func:`model_states` for stages 0, 1, 2, 3."""
-    return [model_states(params, n, s, k, fp32_grad_acc, unit_params, layers) for s in STAGES]
+    return [model_states(params, n, s, k, fp32_grad_acc, unit_params, layers, param_bytes,
+                         grad_bytes) for s in STAGES]
 
 
 @dataclass(frozen=True)
@@ -156,8 +163,15 @@ class Activations(ToDict):
 
 
 def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int = 1,
-                ffn: int | None = None, vocab: int = 0, recompute: str = "none") -> Activations:
-    """Activation memory of one micro-batch, 16-bit, no tensor parallelism (Korthikanti et al. 2022)."""
+                ffn: int | None = None, vocab: int = 0, recompute: str = "none",
+                q_dim: int | None = None, kv_dim: int | None = None,
+                gated_mlp: bool = False) -> Activations:
+    """Activation memory of one micro-batch, 16-bit, no tensor parallelism (Korthikanti et al. 2022).
+
+    ``q_dim``/``kv_dim``: widths of the queries and of the keys (= values) when they differ from
+    ``hidden`` (grouped-query attention stores smaller K and V); ``gated_mlp``: a SwiGLU MLP
+    stores its gate, up, activated gate and product (8·sb·ffn) where a GELU MLP stores 4·sb·ffn.
+    """
     layers, hidden, heads = (check_count(n, v) for n, v in
                              (("layers", layers), ("hidden", hidden), ("heads", heads)))
     seq, micro_batch = check_count("seq", seq), check_count("micro_batch", micro_batch)
@@ -166,9 +180,13 @@ def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
     s, b, h, a = seq, micro_batch, hidden, heads
+    qd = h if q_dim is None else check_count("q_dim", q_dim)
+    kvd = h if kv_dim is None else check_count("kv_dim", kv_dim)
     sbh = s * b * h
-    attention = 11 * sbh + 5 * a * s * s * b
-    mlp = 3 * sbh + 4 * s * b * ffn  # 19·sbh when ffn = 4h
+    # input 2sbh, Q 2·sb·q, K and V 2·sb·kv each, attention output 2·sb·q, dropout mask sbh: 11sbh
+    # for plain multi-head attention; the a·s²·b scores, softmax and its dropout: 5as²b
+    attention = 3 * sbh + 4 * s * b * qd + 4 * s * b * kvd + 5 * a * s * s * b
+    mlp = 3 * sbh + (8 if gated_mlp else 4) * s * b * ffn  # 19·sbh when ffn = 4h, not gated
     norms = 4 * sbh
     if recompute == "none":
         per_layer = attention + mlp + norms
@@ -179,3 +197,142 @@ def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int
     head = 5 * sbh + FP32 * s * b * vocab
     return Activations(layers, h, a, ffn, vocab, s, b, recompute, float(per_layer),
                        float(per_layer * layers), float(head), float(per_layer * layers + head))
+
+
+#: working-parameter bytes, gradient bytes and default optimizer bytes k per precision (guide §1):
+#: bf16 mixed precision keeps an fp32 master copy and fp32 Adam moments (4 + 4 + 4); fp32 training
+#: needs no master copy (k = 8); fp8 parameters keep a bf16 master copy (2) and fp32 moments (8)
+PRECISIONS = {
+    "bf16": {"param_bytes": 2, "grad_bytes": 2, "k": 12,
+             "about": "bf16 parameters and gradients, fp32 master weights and Adam moments"},
+    "fp32": {"param_bytes": 4, "grad_bytes": 4, "k": 8,
+             "about": "fp32 parameters and gradients, fp32 Adam moments"},
+    "fp8": {"param_bytes": 1, "grad_bytes": 2, "k": 10,
+            "about": "fp8 parameters, bf16 gradients and master weights, fp32 Adam moments"},
+}
+#: bounds that keep every answer meaningful and quick; each says why in :func:`check_bounds`
+MAX_GPUS = 1_000_000        # more accelerators than any cluster holds
+MAX_PARAMS = 1e15           # a thousand trillion parameters
+MAX_SEQ = 10_000_000        # ten million tokens per sequence
+MAX_MICRO_BATCH = 1_000_000
+MAX_K = 64                  # optimizer bytes per parameter: Adam with fp64 states is 24
+
+
+def check_range(name: str, value: float, low: float, high: float, why: str = "",
+                integer: bool = False) -> float:
+    """``value`` if ``low <= value <= high`` (and whole when ``integer``), else ValueError with
+    one sentence that names ``name``, the range and why."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if integer and not float(value).is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value:g}")
+    if not low <= value <= high:
+        from zerodp.plan._common import fmt_count
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{name} must be between {fmt_count(low)} and {fmt_count(high)}{reason}, "
+                         f"got {fmt_count(value)}")
+    return int(value) if integer else value
+
+
+@dataclass(frozen=True)
+class MemoryPlan(ToDict):
+    """The whole bill per GPU for stages 0–3 and whether it fits: ``to_dict()`` keys ``model``,
+    ``n``, ``hardware``, ``hbm_bytes``, ``precision``, ``param_bytes``, ``grad_bytes``, ``k``,
+    ``fp32_grad_acc``, ``seq``, ``micro_batch``, ``recompute``, ``stages`` (each a
+    :class:`ModelStates` dict whose ``total_bytes`` here is states + gathered units +
+    activations, with ``activation_bytes`` and ``fits``: total ≤ HBM), ``activations`` (or null),
+    ``includes`` (what the total counts, in words), ``warnings`` (figures that rest on an
+    assumption) and ``assumed_shape`` ([layers, hidden] guessed from Ψ, or null).
+
+    Every "fits" the CLI, ``/api/memory`` and the page show is ``stages[i]["fits"]``."""
+
+    model: dict
+    n: int
+    hardware: str
+    hbm_bytes: float
+    precision: str
+    param_bytes: float
+    grad_bytes: float
+    k: float
+    fp32_grad_acc: bool
+    seq: int | None
+    micro_batch: int
+    recompute: str
+    stages: list
+    activations: dict | None
+    includes: list
+    warnings: list
+    assumed_shape: list | None
+
+
+def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | None = None,
+                fp32_grad_acc: bool = False, seq: int | None = None, micro_batch: int = 1,
+                recompute: str = "none") -> MemoryPlan:
+    """Model states, ZeRO-3's two gathered units (from the model's largest block) and the
+    activations of one micro-batch (when ``seq`` is given), per GPU, for stages 0–3, against the
+    HBM of ``hardware`` (a :class:`~zerodp.plan.Hardware` or preset name)."""
+    from zerodp.plan.hardware import get_hardware
+    from zerodp.plan.models import assumed_shape, get_model
+
+    m = get_model(model)
+    hw = get_hardware(hardware)
+    n = int(check_range("n (data-parallel GPUs)", n, 1, MAX_GPUS,
+                        "more than any cluster holds", integer=True))
+    check_range("params", m.params, 1, MAX_PARAMS, "a thousand trillion at most")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    prec = PRECISIONS[precision]
+    k = float(prec["k"] if k is None else check_range("k (optimizer bytes per parameter)", k, 0,
+                                                      MAX_K, "Adam with fp64 states needs 24"))
+    if fp32_grad_acc and prec["grad_bytes"] >= FP32:
+        raise ValueError("fp32 gradients already accumulate in fp32: drop fp32_grad_acc "
+                         "(--fp32-grad-acc) or choose precision bf16/fp8")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
+    micro_batch = int(check_range("micro_batch", micro_batch, 1, MAX_MICRO_BATCH, integer=True))
+    warnings = []
+    shape = None
+    layers, unit = m.layers, m.unit_params
+    if not m.layers:
+        layers, hidden = assumed_shape(m.params)
+        shape = [layers, hidden]
+        unit = m.params / layers
+        warnings.append(f"{m.name} has no shape: ZeRO-3's gathered units assume {layers} layers "
+                        f"of hidden size {hidden:,} (12·L·h² = Ψ); give a config.json or "
+                        "layers/hidden for the real ones")
+    act = None
+    if seq is None:
+        if micro_batch != 1 or recompute != "none":
+            raise ValueError("micro_batch (--mbs) and recompute only change activations: give "
+                             "seq (--seq) too, or leave them at 1 and none")
+        warnings.append("activations are not counted: give seq (--seq) to add them")
+    else:
+        seq = int(check_range("seq", seq, 1, MAX_SEQ, "ten million tokens at most", integer=True))
+        if not (m.layers and m.hidden and m.heads):
+            raise ValueError(f"activations need the model's shape and {m.name} has none: give a "
+                             "config.json (--config) or layers, hidden and heads, or drop seq")
+        act = activations(m.layers, m.hidden, m.heads, seq, micro_batch, m.ffn or 4 * m.hidden,
+                          m.vocab or 0, recompute, q_dim=m.q_dim, kv_dim=m.kv_dim,
+                          gated_mlp=m.gated_mlp)
+    act_bytes = act.total_bytes if act else 0.0
+    rows = []
+    for s in all_stages(m.params, n, k, fp32_grad_acc, unit or 0.0, layers,
+                        prec["param_bytes"], prec["grad_bytes"]):
+        d = s.to_dict()
+        total = s.total_bytes + act_bytes
+        d.update(activation_bytes=act_bytes, total_bytes=total, fits=bool(total <= hw.hbm_bytes))
+        rows.append(d)
+    includes = [f"parameters ({prec['param_bytes']:g} B)", f"gradients ({prec['grad_bytes']:g} B)",
+                f"optimizer states (k = {k:g} B)"]
+    if fp32_grad_acc:
+        includes.append("fp32 gradient accumulation (4 B)")
+    includes.append("2 gathered units at ZeRO-3")
+    includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute})"
+                    if act else "no activations")
+    return MemoryPlan(model=m.to_dict(), n=n, hardware=hw.name, hbm_bytes=hw.hbm_bytes,
+                      precision=precision, param_bytes=prec["param_bytes"],
+                      grad_bytes=prec["grad_bytes"], k=k, fp32_grad_acc=fp32_grad_acc, seq=seq,
+                      micro_batch=micro_batch, recompute=recompute, stages=rows,
+                      activations=act.to_dict() if act else None, includes=includes,
+                      warnings=warnings, assumed_shape=shape)

@@ -1,24 +1,39 @@
-"""Model presets and custom shapes (seed §2.4, §7.2, §7.3, §9.4).
+"""Models as the planner sees them: presets shipped as ``config.json`` files, a user's own
+``config.json``, or a shape typed by hand (guide §2.4, §7.2, §7.3, §9.4).
 
-A :class:`Model` has a total parameter count Ψ, an active count per token (MoE: only k of E
-experts run), and optionally a transformer shape (layers, hidden, heads, ffn, vocab) for the
-activation ledger and the per-layer timeline. Presets use the published totals; per-block sizes
-are derived as (Ψ − embedding parameters)/layers, so the blocks add up to the published Ψ.
+A :class:`Model` has a total parameter count Ψ, the count active per token (MoE: k of E routed
+experts, plus shared experts), and when known its transformer shape: layers, hidden size, heads,
+key/value heads (grouped-query attention), FFN width, vocabulary, experts. Parameter counts come
+from the shape (:mod:`zerodp.plan.hf`); the presets are Hugging Face-style configs in
+``zerodp/plan/configs/`` and their counts match the published ones within 0.5 %.
+
+One list serves both the planner and ``zerodp train``: presets marked ``trainable`` are the GPTs
+the trainer builds (nano ... gpt2-small); the others are planner-only.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
 from dataclasses import dataclass
 
 from zerodp.plan._common import ToDict, check_count, check_positive
 
 BF16 = 2
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+#: the aspect ratio assumed when only a parameter count is given: hidden = 128 × layers
+#: (Llama 3 8B: 4096 = 128 × 32), and 12·h² parameters per layer (guide §10.2 rounds to 16h²)
+ASSUMED_HIDDEN_PER_LAYER = 128
+ASSUMED_PARAMS_PER_LAYER_PER_H2 = 12
 
 
 @dataclass(frozen=True)
 class Model(ToDict):
-    """A model as the planner sees it. ``to_dict()`` adds ``embedding_params``, ``block_params``,
-    ``active_block_params`` and ``moe_factor`` (E/k) when a shape is known."""
+    """A model as the planner sees it. ``to_dict()`` adds ``active``, ``embedding_params``,
+    ``block_params``, ``unit_params`` (the largest block: one ZeRO-3 unit), ``moe_factor`` (E/k)
+    and ``assumed_shape`` (true when layers/hidden were guessed from Ψ)."""
 
     name: str
     params: float
@@ -32,20 +47,31 @@ class Model(ToDict):
     experts_per_token: int = 1
     tied_embeddings: bool = False
     source: str = ""
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    shared_experts: int = 0
+    gated_mlp: bool = True
+    largest_block: float | None = None
+    embedding: float | None = None
+    trainable: bool = False
+    published_params: float | None = None
 
     def __post_init__(self):
         check_positive("params", self.params)
         if self.active_params is not None:
             check_positive("active_params", self.active_params)
-            if self.active_params > self.params:
+            if self.active_params > self.params * (1 + 1e-12):
                 raise ValueError(f"active_params ({self.active_params:g}) > params ({self.params:g})")
-        for name in ("layers", "hidden", "heads", "ffn", "vocab"):
+        for name in ("layers", "hidden", "heads", "ffn", "vocab", "kv_heads", "head_dim"):
             if getattr(self, name) is not None:
                 check_count(name, getattr(self, name))
         check_count("experts", self.experts)
         check_count("experts_per_token", self.experts_per_token)
+        check_count("shared_experts", self.shared_experts, minimum=0)
         if self.experts_per_token > self.experts:
             raise ValueError(f"experts_per_token ({self.experts_per_token}) > experts ({self.experts})")
+        if self.heads and self.kv_heads and self.kv_heads > self.heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) > heads ({self.heads})")
         if self.layers and self.embedding_params >= self.params:
             raise ValueError(f"embedding parameters ({self.embedding_params:g}) exceed params "
                              f"({self.params:g}): check hidden/vocab")
@@ -57,20 +83,27 @@ class Model(ToDict):
 
     @property
     def moe_factor(self) -> float:
-        """E/k: the roofline threshold grows by this factor for MoE (seed §7.3)."""
+        """E/k: the roofline threshold grows by this factor for MoE (guide §7.3)."""
         return self.experts / self.experts_per_token
 
     @property
     def embedding_params(self) -> float:
         """Input embedding plus (unless tied) output head: vocab·hidden each; 0 without a shape."""
+        if self.embedding is not None:
+            return self.embedding
         if not (self.vocab and self.hidden):
             return 0.0
         return float(self.vocab * self.hidden * (1 if self.tied_embeddings else 2))
 
     @property
     def block_params(self) -> float | None:
-        """(Ψ − embeddings)/L, parameters of one transformer block; None without ``layers``."""
+        """(Ψ − embeddings)/L, parameters of an average transformer block; None without layers."""
         return None if not self.layers else (self.params - self.embedding_params) / self.layers
+
+    @property
+    def unit_params(self) -> float | None:
+        """Parameters of the largest block: what one gathered ZeRO-3 unit holds (guide §9.3)."""
+        return self.largest_block if self.largest_block is not None else self.block_params
 
     @property
     def active_block_params(self) -> float | None:
@@ -78,41 +111,107 @@ class Model(ToDict):
             return None
         return max(self.active - self.embedding_params, 0.0) / self.layers
 
+    @property
+    def q_dim(self) -> int | None:
+        return self.heads * self.head_dim if self.heads and self.head_dim else self.hidden
+
+    @property
+    def kv_dim(self) -> int | None:
+        if not self.heads:
+            return self.hidden
+        hd = self.head_dim or (self.hidden // self.heads if self.hidden else None)
+        return (self.kv_heads or self.heads) * hd if hd else self.hidden
+
     def require_shape(self, *names: str) -> None:
         missing = [n for n in names if getattr(self, n) is None]
         if missing:
-            raise ValueError(f"model {self.name!r} has no {', '.join(missing)}: give them "
-                             f"(e.g. --layers/--hidden/--heads) or pick a preset with a shape: "
-                             f"{', '.join(n for n, m in PRESETS.items() if m.layers)}")
+            raise ValueError(f"model {self.name!r} has no {', '.join(missing)}: give --config "
+                             f"config.json, a shape (--layers/--hidden/--heads) or a preset with "
+                             f"one: {', '.join(n for n, m in presets().items() if m.layers)}")
 
     def to_dict(self) -> dict:
         d = super().to_dict()
         d.update(active=self.active, moe_factor=self.moe_factor,
                  embedding_params=self.embedding_params, block_params=self.block_params,
-                 active_block_params=self.active_block_params)
+                 unit_params=self.unit_params, active_block_params=self.active_block_params)
         return d
 
 
-PRESETS: dict[str, Model] = {m.name: m for m in [
-    Model("zero-7.5b", params=7.5e9,
-          source="ZeRO paper (Rajbhandari et al. 2020) memory example: Ψ = 7.5B, k = 12 (seed §9.4)"),
-    Model("llama3-8b", params=8.03e9, layers=32, hidden=4096, heads=32, ffn=14336, vocab=128256,
-          source="The Llama 3 Herd of Models, Table 3"),
-    Model("llama3-70b", params=70.6e9, layers=80, hidden=8192, heads=64, ffn=28672, vocab=128256,
-          source="The Llama 3 Herd of Models, Table 3"),
-    Model("llama3-405b", params=405.9e9, layers=126, hidden=16384, heads=128, ffn=53248,
-          vocab=128256, source="The Llama 3 Herd of Models, Table 3"),
-    Model("gpt-oss-120b", params=116.8e9, active_params=5.13e9, layers=36, hidden=2880, heads=64,
-          ffn=2880, vocab=201088, experts=128, experts_per_token=4,
-          source="gpt-oss model card: 128 experts, top-4 (seed §7.3)"),
-    Model("deepseek-v3", params=671e9, active_params=37e9, layers=61, hidden=7168, heads=128,
-          ffn=2048, vocab=129280, experts=256, experts_per_token=8,
-          source="DeepSeek-V3 Technical Report: 256 routed experts, top-8 (seed §7.2, §7.3)"),
-]}
+def assumed_shape(params: float) -> tuple[int, int]:
+    """(layers, hidden) of a dense transformer of ``params`` parameters when none is given:
+    12·L·h² = Ψ with h = 128·L, rounded to whole layers and a multiple of 128."""
+    check_positive("params", params)
+    layers = max(1, round((params / (ASSUMED_PARAMS_PER_LAYER_PER_H2 *
+                                     ASSUMED_HIDDEN_PER_LAYER ** 2)) ** (1 / 3)))
+    hidden = max(128, 128 * round(math.sqrt(params / (ASSUMED_PARAMS_PER_LAYER_PER_H2 * layers)) / 128))
+    return layers, hidden
 
 
-def model_names() -> list[str]:
-    return list(PRESETS)
+@functools.lru_cache(maxsize=1)
+def presets() -> dict[str, Model]:
+    """Every preset, read once from the configs shipped in ``zerodp/plan/configs``, in the order
+    ``model_names()`` lists them."""
+    from zerodp.plan.hf import model_from_config
+
+    out = {}
+    for name in _ORDER:
+        with open(os.path.join(CONFIG_DIR, f"{name}.json"), encoding="utf-8") as f:
+            out[name] = model_from_config(json.load(f), name=name)
+    return out
+
+
+# the order of ``zerodp plan --help`` and the page's menu: trainer GPTs, then by size
+_ORDER = ["nano", "tiny", "small", "medium", "gpt2-small", "zero-7.5b", "qwen2-7b", "llama3-8b",
+          "mixtral-8x7b", "llama3-70b", "gpt-oss-120b", "llama3-405b", "deepseek-v3"]
+
+
+class _Presets(dict):
+    """``PRESETS``: the preset dict, read lazily on first use."""
+
+    def _load(self):
+        if not dict.__len__(self):
+            dict.update(self, presets())
+
+    def __getitem__(self, k):
+        self._load()
+        return dict.__getitem__(self, k)
+
+    def __iter__(self):
+        self._load()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._load()
+        return dict.__len__(self)
+
+    def __contains__(self, k):
+        self._load()
+        return dict.__contains__(self, k)
+
+    def items(self):
+        self._load()
+        return dict.items(self)
+
+    def values(self):
+        self._load()
+        return dict.values(self)
+
+    def keys(self):
+        self._load()
+        return dict.keys(self)
+
+    def get(self, k, default=None):
+        self._load()
+        return dict.get(self, k, default)
+
+
+PRESETS: dict[str, Model] = _Presets()
+
+
+def model_names(trainable: bool | None = None) -> list[str]:
+    """Preset names; ``trainable=True``: only those ``zerodp train`` can build, ``False``: only
+    the planner-only ones."""
+    return [n for n, m in presets().items() if trainable is None or m.trainable == trainable]
 
 
 def _normalize(name: str) -> str:
@@ -124,25 +223,51 @@ def get_model(name: str | Model) -> Model:
     if isinstance(name, Model):
         return name
     key = _normalize(str(name))
-    for preset_name, model in PRESETS.items():
+    for preset_name, model in presets().items():
         if _normalize(preset_name) == key:
             return model
-    raise ValueError(f"unknown model {name!r}: use one of {', '.join(PRESETS)} "
-                     "or give --params (and optionally a shape)")
+    raise ValueError(f"unknown model {name!r}: use one of {', '.join(presets())}, "
+                     "or give --config config.json or --params")
 
 
 def custom_model(params: float | None = None, layers: int | None = None, hidden: int | None = None,
                  heads: int | None = None, ffn: int | None = None, vocab: int | None = None,
-                 experts: int = 1, experts_per_token: int = 1, name: str = "custom") -> Model:
+                 experts: int = 1, experts_per_token: int = 1, name: str = "custom",
+                 kv_heads: int | None = None, shared_experts: int = 0,
+                 tied_embeddings: bool = False, gated_mlp: bool | None = None) -> Model:
     """A model from a parameter count and/or a transformer shape.
 
-    Without ``params`` the shape must be complete and Ψ = L·(4h² + 2h·ffn) + embeddings
-    (a GPT block with a 2-matrix MLP), the 12h²-per-layer count for ffn = 4h.
+    With ``layers`` and ``hidden`` the count comes from the shape (:func:`zerodp.plan.hf.count`):
+    grouped-query attention with ``kv_heads``, a SwiGLU MLP of width ``ffn`` (default: a 2-matrix
+    4h MLP, the 12h²-per-layer GPT), ``experts`` routed experts of which ``experts_per_token`` run,
+    ``shared_experts`` that always run. ``params`` alone keeps that count and assumes a shape
+    (:func:`assumed_shape`; ``to_dict()["assumed_shape"]`` says so). Both: the shape is used for
+    activations and units, ``params`` for the states.
     """
-    if params is None:
-        if layers is None or hidden is None:
+    from zerodp.plan.hf import shape_model
+
+    if layers is None and hidden is None and heads is None and ffn is None and vocab is None:
+        if params is None:
             raise ValueError("give params, or a shape with at least layers and hidden")
-        f = ffn or 4 * hidden
-        params = layers * (4 * hidden * hidden + 2 * hidden * f) + 2 * (vocab or 0) * hidden
-    return Model(name=name, params=params, layers=layers, hidden=hidden, heads=heads, ffn=ffn,
-                 vocab=vocab, experts=experts, experts_per_token=experts_per_token)
+        if experts != 1 or experts_per_token != 1 or kv_heads is not None or shared_experts:
+            raise ValueError("experts, kv_heads and shared experts need a shape: give layers and "
+                             "hidden too")
+        return Model(name=name, params=params, source="parameter count only; shape assumed")
+    if hidden is None and params is not None and layers is not None and vocab is None \
+            and heads is None and ffn is None and experts == 1:
+        return Model(name=name, params=params, layers=layers,
+                     source="parameter count and layers; block sizes Ψ/L")
+    if layers is None or hidden is None:
+        raise ValueError("a shape needs at least layers and hidden (and heads for activations)")
+    gated = ffn is not None if gated_mlp is None else gated_mlp
+    m = shape_model(name=name, layers=layers, hidden=hidden, heads=heads or max(1, hidden // 128),
+                    heads_given=heads is not None, kv_heads=kv_heads,
+                    ffn=ffn or 4 * hidden, vocab=vocab or 0, experts=experts,
+                    experts_per_token=experts_per_token, shared_experts=shared_experts,
+                    tied=tied_embeddings, gated=gated)
+    if params is not None:
+        from dataclasses import replace
+        return replace(m, params=params, active_params=None if experts == 1 else m.active_params,
+                       largest_block=None, embedding=None,
+                       source=m.source + "; parameter count given")
+    return m

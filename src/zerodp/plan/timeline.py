@@ -39,6 +39,8 @@ BF16 = 2
 DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20
 #: buckets listed one by one in ``to_dict()``; the runs always describe all of them
 MAX_LISTED_BUCKETS = 2000
+#: buckets one simulation may make: keeps any request under a second (2M buckets take ~0.2 s)
+MAX_BUCKETS = 2_000_000
 _EPS = 1e-9
 
 
@@ -182,6 +184,13 @@ def simulate_backward(layers: Sequence[Layer], cost: CollectiveCost, bucket_byte
     layers = _check_layers(layers)
     _check_cost(cost)
     check_positive("bucket_bytes", bucket_bytes)
+    total = sum(layer.param_bytes for layer in layers)
+    if total / bucket_bytes > MAX_BUCKETS:
+        from zerodp.plan._common import fmt_bytes
+        raise ValueError(
+            f"bucket size (bucket_bytes, --bucket) {fmt_bytes(bucket_bytes)} cuts {fmt_bytes(total)} of gradients into "
+            f"{math.ceil(total / bucket_bytes):,} buckets, over the {MAX_BUCKETS:,} one simulation "
+            f"makes: use a bucket of at least {fmt_bytes(math.ceil(total / MAX_BUCKETS))}")
     kind = normalize_kind(collective)
     runs: list[BucketRun] = []
     compute: list[LayerSpan] = []
@@ -284,7 +293,8 @@ def sweep_buckets(layers: Sequence[Layer], cost: CollectiveCost,
     """:func:`simulate_backward` over bucket sizes (default: :func:`default_bucket_sizes`)."""
     layers = _check_layers(layers)
     total = sum(layer.param_bytes for layer in layers)
-    sizes = sorted(default_bucket_sizes(total) if sizes is None else
+    sizes = sorted(default_bucket_sizes(total, smallest=max(1e4, total / MAX_BUCKETS))
+                   if sizes is None else
                    [check_positive("bucket size", float(s)) for s in sizes])
     if not sizes:
         raise ValueError("need at least one bucket size")
