@@ -3,7 +3,8 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-# torch first and pinned: pip then takes the CPU wheel on disk instead of a CUDA build.
+# torch first and pinned: pip then takes the CPU wheel on disk instead of a CUDA build. The
+# planner alone needs no torch (pip install .); training, tests and the demo use the train extra.
 TORCH   ?= torch==2.13.0
 
 .PHONY: setup demo test test-fast fuzz browser clean
@@ -13,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,train]'
 	touch $(STAMP)
 
 # Debian's Chromium for the browser tests (never a browser that a tool downloads itself).

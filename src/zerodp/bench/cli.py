@@ -35,9 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="The planner's simulator fed with a calibration profile: predicted forward, "
                     "backward, exposed communication, optimizer and step time for each stage.",
     )
-    q.add_argument("--profile", default="profile.json", help="written by zerodp calibrate")
+    q.add_argument("--profile", default="profile.json",
+                   help="written by zerodp calibrate (default profile.json)")
     q.add_argument("--model", default="small", help="GPT preset (default small)")
-    q.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    q.add_argument("--micro-batch", type=int, default=8,
+                   help="sequences per rank per step (default 8)")
     q.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     q.add_argument("--stages", default="0,1,2,3", help="comma-separated stages (default 0,1,2,3)")
     q.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MiB (default 25)")
@@ -62,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--model", default=None, help="GPT preset (default small)")
     b.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     b.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for ours and DDP (default 25)")
-    b.add_argument("--out", default="bench-out", help="folder for bench.json/png, roofline.json/png")
+    b.add_argument("--out", default="bench-out",
+                   help="folder for bench.json/png, roofline.json/png (default bench-out)")
     b.add_argument("--profile", default=None, help="calibration profile: predictions and the auto-bucket row")
     b.add_argument("--calibrate", action="store_true",
                    help="run zerodp calibrate first (writes --profile, default OUT/profile.json)")
@@ -73,6 +76,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--quick", action="store_true", help="nano model, tiny regimes, 1+2 steps: for tests")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
     b.set_defaults(func=run_bench_cmd)
+
+
+def trainer_model(name: str, trainer_presets) -> str:
+    """``name`` if the trainer can build it; otherwise one sentence: a planner-only model (from
+    the one model list, ``zerodp.plan.model_names()``) is named as such."""
+    if name in trainer_presets:
+        return name
+    from zerodp.plan.models import model_names
+
+    runnable = ", ".join(trainer_presets)
+    if name in model_names(trainable=False):
+        raise ValueError(f"{name} is a planner-only model (zerodp plan memory/simulate --model "
+                         f"{name}): this command runs the model on this machine, so use one "
+                         f"zerodp train builds: {runnable}")
+    raise ValueError(f"unknown model {name!r}; use one of {runnable}")
 
 
 def _positive(name: str, value: int) -> int:
@@ -113,8 +131,7 @@ def run_predict(args) -> int:
     from zerodp.bench.predict import predict_step, predictions_table
     from zerodp.train.model import PRESETS
 
-    if args.model not in PRESETS:
-        raise ValueError(f"unknown model {args.model!r}; use one of {', '.join(PRESETS)}")
+    trainer_model(args.model, PRESETS)
     stages = _int_list("stages", args.stages)
     cal = load_calibration(args.profile)["calibration"]
     preds = [predict_step(cal, PRESETS[args.model], s, _positive("micro-batch", args.micro_batch),
@@ -186,8 +203,7 @@ def run_bench_cmd(args) -> int:
     from zerodp.train.model import PRESETS
 
     model = args.model or ("nano" if args.quick else "small")
-    if model not in PRESETS:
-        raise ValueError(f"unknown model {model!r}; use one of {', '.join(PRESETS)}")
+    trainer_model(model, PRESETS)
     stages = tuple(_int_list("stages", args.stages))
     regimes = _regimes(args.regimes, args.quick, PRESETS[model].seq_len)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)

@@ -15,7 +15,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except the ones that are None (their help says what None means)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        if action.default is None or isinstance(action.default, bool):
             return action.help
         return super()._get_help_string(action)
 
@@ -61,12 +61,20 @@ def _add_train(sub) -> None:
     g.add_argument("--profile", default=None, metavar="FILE",
                    help="calibration profile written by `zerodp calibrate` on --nproc ranks (for "
                         "--bucket-mb auto)")
-    g.add_argument("--backend", default=_d("backend"), choices=["auto", "gloo", "nccl"])
+    g.add_argument("--backend", default=_d("backend"), choices=["auto", "gloo", "nccl"],
+                   help="torch.distributed backend (auto: nccl with CUDA, else gloo)")
     g.add_argument("--max-restarts", type=int, default=_d("max_restarts"),
                    help="restart the group this often after a rank fails (resumes from the newest checkpoint)")
     g.add_argument("--timeout-s", type=float, default=_d("timeout_s"),
                    help="how long a rank waits for the others in a collective before it gives up; a "
                         "rank that makes no progress for 1.5x this (+2 s) is ended by its watchdog")
+    g.add_argument("--grace-s", type=float, default=_d("grace_s"),
+                   help="on SIGTERM or a first Ctrl-C every rank finishes its step, saves a checkpoint "
+                        "and stops within this many seconds (exit status 143 or 130; a second Ctrl-C "
+                        "aborts at once); under torchrun give it --shutdown-timeout at least this")
+    g.add_argument("--on-save-error", default=_d("on_save_error"), choices=["stop", "continue"],
+                   help="when the filesystem refuses a checkpoint (full disk, no permission, I/O "
+                        "error): stop (exit status 74) or continue and retry at the next --ckpt-every")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=_d("steps"), help="optimizer steps in all")
     g.add_argument("--stop-after", type=int, default=None, metavar="N",
@@ -74,8 +82,10 @@ def _add_train(sub) -> None:
     g.add_argument("--lr", type=float, default=_d("lr"), help="peak learning rate (AdamW)")
     g.add_argument("--min-lr-ratio", type=float, default=_d("min_lr_ratio"),
                    help="final learning rate of the cosine decay, as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=_d("warmup_steps"))
-    g.add_argument("--weight-decay", type=float, default=_d("weight_decay"))
+    g.add_argument("--warmup-steps", type=int, default=_d("warmup_steps"),
+                   help="steps of linear learning-rate warm-up before the cosine decay")
+    g.add_argument("--weight-decay", type=float, default=_d("weight_decay"),
+                   help="AdamW weight decay")
     g.add_argument("--clip", type=float, default=_d("clip"), help="gradient-norm clipping threshold")
     g.add_argument("--seed", type=int, default=_d("seed"), help="initial weights and data order")
     g.add_argument("--max-skipped-steps", type=int, default=_d("max_skipped_steps"), metavar="N",
@@ -86,12 +96,14 @@ def _add_train(sub) -> None:
     g.add_argument("--eval-every", type=int, default=_d("eval_every"), help="steps between validation losses (0: end only)")
     g.add_argument("--eval-batches", type=int, default=_d("eval_batches"), help="validation micro-batches per rank")
     g.add_argument("--ckpt-every", type=int, default=_d("ckpt_every"), help="steps between checkpoints (0: end only)")
-    g.add_argument("--keep-checkpoints", type=int, default=_d("keep_checkpoints"))
+    g.add_argument("--keep-checkpoints", type=int, default=_d("keep_checkpoints"),
+                   help="newest complete checkpoints kept on disk; older ones are deleted")
     g.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
                    help="continue from a checkpoint directory or a run directory's newest checkpoint "
                         "(no value: the one in --out)")
     g.add_argument("--trace", action="store_true", help="write the Chrome trace of one step (trace.json)")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (default: a progress bar on a terminal)")
     p.set_defaults(func=run_train)
 
 
@@ -121,13 +133,17 @@ def run_train(args) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from zerodp.train.launch import default_out, launch, launched_by_torchrun
+    from zerodp.train.launch import Stopped, default_out, launch, launched_by_torchrun
 
     cfg = config_from_args(args)
     if cfg.out is None and not launched_by_torchrun():
         cfg = replace(cfg, out=default_out())
     try:
         out = launch(cfg)
+    except Stopped as e:  # SIGTERM / Ctrl-C, or a checkpoint the filesystem refused
+        if str(e):
+            print(f"\n{e}", file=sys.stderr)
+        return e.code
     except (KeyboardInterrupt, SignalException):
         print(f"\nzerodp train: interrupted. {_resumable(cfg.out)}", file=sys.stderr)
         return 130
@@ -146,7 +162,7 @@ def run_train(args) -> int:
 
 # Failures whose message says everything: no traceback from inside the engine or the backend.
 EXPLAINED_ERRORS = ("CollectiveFailure", "NonFiniteGradients", "CheckpointError", "ValueError",
-                    "FileNotFoundError")
+                    "FileNotFoundError", "CheckpointWriteError")
 
 
 def describe_failure(failure) -> tuple[str, str]:
@@ -187,13 +203,34 @@ def _add_sample(sub) -> None:
                                    "directory = its newest checkpoint, or a file from zerodp export). "
                                    "Runs in one process; no engine needed.",
                        formatter_class=_Help)
-    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="checkpoint directory, run directory or exported .safetensors file")
     p.add_argument("--prompt", default="The ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=300, help="tokens (bytes) to generate")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=_bounded(int, "tokens", 1, 1_000_000), default=300,
+                   help="tokens (bytes) to generate")
+    p.add_argument("--temperature", type=_bounded(float, "temperature", 0, 100, low_open=True),
+                   default=0.8, help="sampling temperature, > 0 (lower: more predictable)")
+    p.add_argument("--top-k", type=_bounded(int, "top-k", 1, 1_000_000), default=40,
+                   help="sample among the k likeliest next tokens, >= 1")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     p.set_defaults(func=run_sample)
+
+
+def _bounded(kind, name: str, low: float, high: float, low_open: bool = False):
+    """An argparse type: a ``kind`` number in [low, high] ((low, high] with ``low_open``), or one
+    sentence that names the option and the range."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+        if v != v or v > high or v < low or (low_open and v == low):
+            lo = f"> {low:g}" if low_open else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"{name} must be {lo} and <= {high:,}, got {text!r}")
+        return v
+    parse.__name__ = name
+    return parse
 
 
 def run_sample(args) -> int:
@@ -212,7 +249,7 @@ def _add_export(sub) -> None:
                                    "world size, any stage) into one safetensors state_dict that "
                                    "GPT(cfg).load_state_dict(safetensors.torch.load_file(OUT)) loads.")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or run directory")
-    p.add_argument("output", metavar="OUT.safetensors")
+    p.add_argument("output", metavar="OUT.safetensors", help="the safetensors file to write")
     p.set_defaults(func=run_export)
 
 

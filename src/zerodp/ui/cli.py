@@ -33,6 +33,8 @@ def run(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     try:
         server = make_server(args.host, args.port, args.profile, args.trace, quiet=not args.verbose)
+    except FileNotFoundError:  # a missing --profile/--trace or plotly: its own message
+        raise
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
                          "try another --port, or --port 0 for a free one") from None
