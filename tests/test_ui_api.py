@@ -125,7 +125,8 @@ def test_schema_presets_and_static_files(server):
     _, schema = fetch(server, "/api/schema")
     assert set(schema) >= {"memory", "overlap", "roofline", "batch"}
     defaults = {p["name"]: p["default"] for p in schema["memory"]["params"]}
-    assert (defaults["k"], defaults["n"], defaults["model"]) == (12, 64, "zero-7.5b")
+    assert (defaults["k"], defaults["precision"], defaults["n"], defaults["model"]) == \
+        (None, "bf16", 64, "zero-7.5b")  # k empty: the precision's own (12 for bf16)
     assert all(p["label"] and p["expected"] for e in schema.values() for p in e["params"])
     _, presets = fetch(server, "/api/presets")
     assert {"H100", "TPU v5p"} <= {h["name"] for h in presets["hardware"]}
@@ -146,6 +147,20 @@ def test_schema_presets_and_static_files(server):
     ("memory", {"n": -4}, "n"),
     ("memory", {"model": "custom", "params": -7.5e9}, "params"),
     ("memory", {"k": "twelve"}, "k"),
+    ("memory", {"n": "1e30"}, "n"),
+    ("memory", {"seq": 0}, "seq"),
+    ("memory", {"micro_batch": 4}, "seq"),  # would change nothing without seq
+    ("memory", {"recompute": "full"}, "seq"),
+    ("memory", {"model": "zero-7.5b", "seq": 4096}, "seq"),  # no shape for activations
+    ("memory", {"model": "llama3-8b", "layers": 4}, "layers"),  # a preset fixes the shape
+    ("memory", {"model": "custom", "config": "{not json"}, "config"),
+    ("memory", {"model": "custom", "config": "{}"}, "config"),
+    ("memory", {"model": "custom"}, "params"),
+    ("memory", {"precision": "fp32", "fp32_grad_acc": "true"}, "fp32_grad_acc"),
+    ("memory", {"precision": "int4"}, "precision"),
+    ("memory", {"k": 1000}, "k"),
+    ("overlap", {"bucket_bytes": 1000}, "bucket_bytes"),  # 16 million buckets: over the cap
+    ("overlap", {"bucket_bytes": "1B"}, "bucket_bytes"),
     ("memory", {"model": "gpt-9"}, "model"),
     ("memory", {"hardware": "Z100"}, "hardware"),
     ("memory", {"fp32_grad_acc": "maybe"}, "fp32_grad_acc"),

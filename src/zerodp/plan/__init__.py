@@ -5,11 +5,13 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
 
 - hardware:    :class:`Hardware`, presets (H100, H800, H200, A100, B200, TPU v5p), :func:`load_hardware`
 - collectives: alpha-beta ring times, algbw/busbw, V* = NαW, two-leg (intra/inter node) times
-- memory:      model states per GPU for stages 0–3, activations (Korthikanti et al. 2022)
+- memory:      model states per GPU for stages 0–3, activations (Korthikanti et al. 2022), and
+               :func:`memory_plan`, the whole bill and the one "fits" every front end shows
+- hf:          parameter counts and shapes from a Hugging Face config.json
 - roofline:    tokens-per-device threshold, MoE, whole-model and per-layer (FSDP) forms
 - batch:       gbs = mbs × grad_acc × dp
 - timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
-- models:      model presets and custom shapes
+- models:      model presets (shipped as config.json files) and custom shapes
 - report:      the seed's worked examples, recomputed
 - plot:        timeline lanes and sweep curve (matplotlib imported only when called)
 """
@@ -20,8 +22,10 @@ from zerodp.plan.collectives import (KINDS, CollectiveTime, HierarchicalCost, Ri
 from zerodp.plan.hardware import (PRESETS as HARDWARE_PRESETS, Hardware, get_hardware,
                                   hardware_from_dict, hardware_names, load_hardware,
                                   save_hardware)
-from zerodp.plan.memory import (ADAM_K, Activations, MaxParams, ModelStates, activations,
-                                all_stages, max_params, model_states)
+from zerodp.plan.hf import load_config, model_from_config, parse_config
+from zerodp.plan.memory import (ADAM_K, PRECISIONS, Activations, MaxParams, MemoryPlan,
+                                ModelStates, activations, all_stages, max_params, memory_plan,
+                                model_states)
 from zerodp.plan.models import PRESETS as MODEL_PRESETS, Model, custom_model, get_model, model_names
 from zerodp.plan.plot import plot_timeline
 from zerodp.plan.report import Report, ReportRow, build_report
@@ -33,7 +37,8 @@ from zerodp.plan.timeline import (DDP_DEFAULT_BUCKET_BYTES, BackwardTimeline, Bu
                                   simulate_fsdp, sweep_buckets, uniform_layers)
 
 __all__ = [
-    "ADAM_K", "Activations", "BackwardTimeline", "BatchPlan", "Bucket", "BucketRun", "BucketSweep",
+    "ADAM_K", "PRECISIONS", "MemoryPlan", "memory_plan", "load_config", "model_from_config",
+    "parse_config", "Activations", "BackwardTimeline", "BatchPlan", "Bucket", "BucketRun", "BucketSweep",
     "CollectiveTime", "CommOp", "DDP_DEFAULT_BUCKET_BYTES", "FsdpTimeline", "HARDWARE_PRESETS",
     "Hardware", "HierarchicalCost", "KINDS", "Layer", "LayerPrefetch", "LayerSpan", "MODEL_PRESETS",
     "MaxDevices", "MaxParams", "Model", "ModelStates", "Report", "ReportRow", "RingCost", "Roofline",

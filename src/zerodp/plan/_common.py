@@ -44,6 +44,15 @@ def parse_quantity(text: str | float | int, what: str = "value", count: bool = F
     return float(m.group(1)) * _SUFFIX[suffix]
 
 
+class InputError(ValueError):
+    """A ValueError about one input: ``field`` names it (the API's parameter name), so the page
+    can show the sentence next to that field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 def check_positive(name: str, value: float, allow_zero: bool = False) -> float:
     """Raise ValueError unless ``value`` is a finite number > 0 (or >= 0 with ``allow_zero``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

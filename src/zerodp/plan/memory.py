@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerodp.plan._common import ToDict, check_count, check_positive
+from zerodp.plan._common import InputError, ToDict, check_count, check_positive
 
 BF16 = 2
 FP32 = 4
@@ -219,19 +219,19 @@ MAX_K = 64                  # optimizer bytes per parameter: Adam with fp64 stat
 
 
 def check_range(name: str, value: float, low: float, high: float, why: str = "",
-                integer: bool = False) -> float:
+                integer: bool = False, field: str | None = None) -> float:
     """``value`` if ``low <= value <= high`` (and whole when ``integer``), else ValueError with
     one sentence that names ``name``, the range and why."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
             or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InputError(f"{name} must be a number, got {value!r}", field)
     if integer and not float(value).is_integer():
-        raise ValueError(f"{name} must be a whole number, got {value:g}")
+        raise InputError(f"{name} must be a whole number, got {value:g}", field)
     if not low <= value <= high:
         from zerodp.plan._common import fmt_count
         reason = f" ({why})" if why else ""
-        raise ValueError(f"{name} must be between {fmt_count(low)} and {fmt_count(high)}{reason}, "
-                         f"got {fmt_count(value)}")
+        raise InputError(f"{name} must be between {fmt_count(low)} and {fmt_count(high)}{reason}, "
+                         f"got {fmt_count(value)}", field)
     return int(value) if integer else value
 
 
@@ -278,19 +278,23 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     m = get_model(model)
     hw = get_hardware(hardware)
     n = int(check_range("n (data-parallel GPUs)", n, 1, MAX_GPUS,
-                        "more than any cluster holds", integer=True))
-    check_range("params", m.params, 1, MAX_PARAMS, "a thousand trillion at most")
+                        "no cluster holds more than a million", integer=True, field="n"))
+    check_range("params", m.params, 1, MAX_PARAMS, "a thousand trillion at most", field="params")
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}",
+                         "precision")
     prec = PRECISIONS[precision]
     k = float(prec["k"] if k is None else check_range("k (optimizer bytes per parameter)", k, 0,
-                                                      MAX_K, "Adam with fp64 states needs 24"))
+                                                      MAX_K, "Adam with fp64 states needs 24",
+                                                      field="k"))
     if fp32_grad_acc and prec["grad_bytes"] >= FP32:
-        raise ValueError("fp32 gradients already accumulate in fp32: drop fp32_grad_acc "
-                         "(--fp32-grad-acc) or choose precision bf16/fp8")
+        raise InputError("fp32 gradients already accumulate in fp32: drop fp32_grad_acc "
+                         "(--fp32-grad-acc) or choose precision bf16/fp8", "fp32_grad_acc")
     if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
-    micro_batch = int(check_range("micro_batch", micro_batch, 1, MAX_MICRO_BATCH, integer=True))
+        raise InputError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}",
+                         "recompute")
+    micro_batch = int(check_range("micro_batch", micro_batch, 1, MAX_MICRO_BATCH, integer=True,
+                                  field="micro_batch"))
     warnings = []
     shape = None
     layers, unit = m.layers, m.unit_params
@@ -304,14 +308,16 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     act = None
     if seq is None:
         if micro_batch != 1 or recompute != "none":
-            raise ValueError("micro_batch (--mbs) and recompute only change activations: give "
-                             "seq (--seq) too, or leave them at 1 and none")
+            raise InputError("micro_batch (--mbs) and recompute only change activations: give "
+                             "seq (--seq) too, or leave them at 1 and none", "seq")
         warnings.append("activations are not counted: give seq (--seq) to add them")
     else:
-        seq = int(check_range("seq", seq, 1, MAX_SEQ, "ten million tokens at most", integer=True))
+        seq = int(check_range("seq", seq, 1, MAX_SEQ, "ten million tokens at most", integer=True,
+                              field="seq"))
         if not (m.layers and m.hidden and m.heads):
-            raise ValueError(f"activations need the model's shape and {m.name} has none: give a "
-                             "config.json (--config) or layers, hidden and heads, or drop seq")
+            raise InputError(f"activations need the model's shape and {m.name} has none: give a "
+                             "config.json (--config) or layers, hidden and heads, or drop seq",
+                             "seq")
         act = activations(m.layers, m.hidden, m.heads, seq, micro_batch, m.ffn or 4 * m.hidden,
                           m.vocab or 0, recompute, q_dim=m.q_dim, kv_dim=m.kv_dim,
                           gated_mlp=m.gated_mlp)

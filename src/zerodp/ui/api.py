@@ -24,7 +24,8 @@ from typing import Callable
 
 from zerodp import plan
 from zerodp.plan import report as plan_report
-from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time
+from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time, plural
+from zerodp.plan.hf import parse_config
 from zerodp.plan.memory import RECOMPUTE, STAGE_NAMES
 from zerodp.ui.measured import Measured
 from zerodp.ui.params import ApiError, Param, field_of, parse
@@ -41,6 +42,15 @@ CUSTOM = "custom"
 LOG2_MAX_GPUS = 16
 #: buckets drawn one by one in the timeline; beyond this the page draws runs of equal buckets
 MAX_DRAWN_BUCKETS = 1000
+MAX_PARAMS = 1e15
+#: the shape a user can type on the page: name, label, largest value
+SHAPE_PARAMS = [("layers", "layers L", 100_000), ("hidden", "hidden size h", 1_000_000),
+                ("heads", "attention heads", 100_000), ("kv_heads", "key/value heads", 100_000),
+                ("ffn", "MLP width (SwiGLU)", 10_000_000), ("vocab", "vocabulary", 100_000_000),
+                ("experts", "routed experts E", 100_000),
+                ("experts_per_token", "experts per token k", 100_000),
+                ("shared_experts", "shared experts", 100_000)]
+SHAPE_NAMES = [name for name, _, _ in SHAPE_PARAMS]
 
 
 @functools.lru_cache(maxsize=64)
@@ -105,19 +115,37 @@ class Api:
             Endpoint("schema", [], self.schema, "parameters of every endpoint, with defaults"),
             Endpoint("presets", [], self.presets, "hardware and model presets"),
             Endpoint("measured", [], self.measured.to_dict, "profile and trace given at start"),
+            Endpoint("model", [
+                self._model_param(ZERO_PAPER_MODEL, with_custom=False),
+                Param("config", "text", None, "config.json text", optional=True),
+            ], self.model, "a preset or a pasted config.json: parameter count and shape"),
             Endpoint("memory", [
                 self._model_param(ZERO_PAPER_MODEL, with_custom=True),
-                Param("params", "quantity", zero_paper.params, "parameters Ψ (model custom)"),
-                Param("k", "quantity", plan.ADAM_K, "optimizer bytes per parameter k",
-                      allow_zero=True),
-                Param("n", "count", ZERO_PAPER_GPUS, "data-parallel GPUs N"),
+                Param("config", "text", None, "config.json (model custom)", optional=True),
+                Param("params", "quantity", None, "parameters Ψ (model custom)", optional=True,
+                      minimum=1, maximum=MAX_PARAMS, why="a thousand trillion at most",
+                      count_units=True),
+                *[Param(name, "count", None, label, optional=True, maximum=high,
+                        minimum=0 if name == "shared_experts" else None)
+                  for name, label, high in SHAPE_PARAMS],
+                Param("tied", "flag", False, "tied input and output embeddings"),
+                Param("precision", "choice", "bf16", "precision",
+                      choices=lambda: list(plan.memory.PRECISIONS)),
+                Param("k", "quantity", None, "optimizer bytes per parameter k", allow_zero=True,
+                      optional=True, maximum=plan.memory.MAX_K,
+                      why="Adam with fp64 states needs 24"),
+                Param("n", "count", ZERO_PAPER_GPUS, "data-parallel GPUs N",
+                      maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
                 Param("fp32_grad_acc", "flag", False, "fp32 gradient accumulation"),
                 self._hardware_param(preset, "HBM of"),
-                Param("seq", "count", plan_report.BATCH_EXAMPLE["seq"], "sequence length"),
-                Param("micro_batch", "count", 1, "micro-batch"),
+                Param("seq", "count", None, "sequence length (empty: no activations)",
+                      optional=True, maximum=plan.memory.MAX_SEQ,
+                      why="ten million tokens at most"),
+                Param("micro_batch", "count", 1, "micro-batch",
+                      maximum=plan.memory.MAX_MICRO_BATCH),
                 Param("recompute", "choice", RECOMPUTE[0], "activation recomputation",
                       choices=lambda: list(RECOMPUTE)),
-            ], self.memory, "bytes per GPU for stages 0-3 (seed §8, §9)"),
+            ], self.memory, "the bill per GPU for stages 0-3 and whether it fits (guide §8, §9)"),
             Endpoint("overlap", [
                 self._model_param(OVERLAP_MODEL, with_custom=False),
                 self._hardware_param(hw.name, "compute of"),
@@ -162,7 +190,8 @@ class Api:
         except ValueError as exc:  # the planner's own checks, e.g. k experts > E
             if isinstance(exc, ApiError):
                 raise
-            raise ApiError(field_of(str(exc), endpoint.params), str(exc)) from None
+            field = getattr(exc, "field", None) or field_of(str(exc), endpoint.params)
+            raise ApiError(field, str(exc), "", f"输入无法计算：{exc}") from None
 
     # ---- handlers ------------------------------------------------------------------------------
     def schema(self) -> dict:
@@ -177,36 +206,77 @@ class Api:
             "recompute": list(RECOMPUTE),
         }
 
-    def memory(self, model, params, k, n, fp32_grad_acc, hardware, seq, micro_batch, recompute):
-        m = plan.custom_model(params=params) if model == CUSTOM else plan.get_model(model)
+    def model(self, model, config):
+        m = self._config_model(config) if config else plan.get_model(model)
+        return {"model": m.to_dict(), "labels": {"params": fmt_count(m.params),
+                                                 "active": fmt_count(m.active)}}
+
+    @staticmethod
+    def _config_model(text):
+        try:
+            return parse_config(text, name="config.json", source="config.json pasted on the page")
+        except ValueError as exc:
+            raise ApiError("config", str(exc), "a Hugging Face config.json",
+                           f"config.json 无法读取：{exc}") from None
+
+    def _memory_model(self, model, config, params, shape, tied):
+        given = [n for n in SHAPE_NAMES if shape[n] is not None]
+        if model != CUSTOM:
+            extra = ([n for n, v in (("config", config), ("params", params)) if v] + given
+                     + (["tied"] if tied else []))
+            if extra:
+                raise ApiError(extra[0], f"model {model} fixes the shape and size, so {extra[0]} "
+                               f"would be ignored: choose model custom to give your own",
+                               "empty with a preset",
+                               f"模型 {model} 已确定结构和规模，{extra[0]} 会被忽略：请先选择 custom")
+            return plan.get_model(model)
+        if config:
+            extra = (["params"] if params else []) + given
+            if extra:
+                raise ApiError(extra[0], f"config fixes the shape and size, so {extra[0]} would "
+                               "be ignored: clear it, or clear config", "empty with config",
+                               f"config.json 已确定结构和规模，{extra[0]} 会被忽略：请清空其一")
+            return self._config_model(config)
+        if params is None and not given:
+            raise ApiError("params", "model custom needs params, a shape (layers, hidden, ...) "
+                           "or a config.json", "a number",
+                           "custom 模型需要参数量、结构（层数、隐藏维度……）或 config.json")
+        try:
+            return plan.custom_model(
+                params=params, layers=shape["layers"], hidden=shape["hidden"],
+                heads=shape["heads"], ffn=shape["ffn"], vocab=shape["vocab"],
+                experts=shape["experts"] or 1, experts_per_token=shape["experts_per_token"] or 1,
+                kv_heads=shape["kv_heads"], shared_experts=shape["shared_experts"] or 0,
+                tied_embeddings=tied)
+        except ValueError as exc:
+            field = getattr(exc, "field", None) or field_of(str(exc), self.endpoints()["memory"].params)
+            raise ApiError(field or "layers", str(exc)) from None
+
+    def memory(self, model, config, params, tied, precision, k, n, fp32_grad_acc, hardware, seq,
+               micro_batch, recompute, **shape):
+        m = self._memory_model(model, config, params, shape, tied)
         hw = self.get_hardware(hardware)
-        unit = m.block_params or 0.0
 
-        def stages(gpus):
-            return plan.all_stages(m.params, gpus, k, fp32_grad_acc, unit_params=unit,
-                                   layers=m.layers)
+        def bill(gpus):
+            return plan.memory_plan(m, gpus, hw, precision, k, fp32_grad_acc, seq, micro_batch,
+                                    recompute)
 
+        mp = bill(n)
         rows = []
-        for s in stages(n):
-            d = s.to_dict()
-            d.update(label=fmt_bytes(s.model_state_bytes), total_label=fmt_bytes(s.total_bytes),
-                     fits=s.total_bytes <= hw.hbm_bytes)
-            rows.append(d)
-        act = None
-        if m.layers and m.hidden and m.heads:
-            a = plan.activations(m.layers, m.hidden, m.heads, seq, micro_batch, m.ffn,
-                                 m.vocab or 0, recompute)
-            act = dict(a.to_dict(), label=fmt_bytes(a.total_bytes))
+        for s in mp.stages:
+            rows.append(dict(s, label=fmt_bytes(s["model_state_bytes"]),
+                             total_label=fmt_bytes(s["total_bytes"])))
+        act = None if mp.activations is None else dict(
+            mp.activations, label=fmt_bytes(mp.activations["total_bytes"]))
         curve_n = sorted({2**i for i in range(LOG2_MAX_GPUS + 1)} | {n})
         curve = {STAGE_NAMES[s]: [] for s in plan.memory.STAGES}
         for gpus in curve_n:
-            for s in stages(gpus):
-                curve[s.stage_name].append(s.model_state_bytes)
-        return {
-            "model": m.to_dict(), "hardware": hw.name, "hbm_bytes": hw.hbm_bytes,
-            "hbm_label": fmt_bytes(hw.hbm_bytes), "stages": rows, "activations": act,
-            "curve": {"n": curve_n, "bytes": curve},
-        }
+            for s in bill(gpus).stages:
+                curve[s["stage_name"]].append(s["total_bytes"])
+        return dict(mp.to_dict(), model=m.to_dict(), stages=rows, activations=act,
+                    hbm_label=fmt_bytes(hw.hbm_bytes), curve={"n": curve_n, "bytes": curve},
+                    labels={"params": fmt_count(m.params), "n": plural(n, "GPU"),
+                            "active": fmt_count(m.active)})
 
     def overlap(self, model, hardware, bucket_bytes, tokens_per_gpu, latency, bandwidth, n,
                 collective):

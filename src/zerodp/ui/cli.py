@@ -6,7 +6,7 @@ import argparse
 import sys
 import webbrowser
 
-from zerodp.ui.server import make_server
+from zerodp.ui.server import is_loopback, make_server
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,6 +39,11 @@ def run(args) -> int:
         raise ValueError(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
                          "try another --port, or --port 0 for a free one") from None
     print(f"zerodp ui: serving on {server.url}  (Ctrl-C to stop)", flush=True)
+    if not is_loopback(args.host):
+        print(f"zerodp ui: warning: listening on {args.host}, not only on this machine: anyone "
+              "who can reach it can use the page (it only reads; requests must name an IP "
+              "address or this machine's name). Use --host 127.0.0.1 to keep it local.",
+              file=sys.stderr, flush=True)
     if args.open_browser:
         webbrowser.open(server.url)
     try:

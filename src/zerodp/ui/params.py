@@ -12,23 +12,29 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zerodp.plan._common import parse_quantity
+from zerodp.plan._common import fmt_count, parse_quantity
 
+#: longest text parameter (a pasted config.json); a URL of this size still fits a GET
+MAX_TEXT = 20_000
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
 class ApiError(ValueError):
-    """A request the planner cannot answer: which field, what was wrong, what is expected."""
+    """A request the planner cannot answer: which field, what was wrong, what is expected; with
+    ``message_zh`` the same sentence in Chinese (the page shows the one of its language)."""
 
-    def __init__(self, field_name: str | None, message: str, expected: str = ""):
+    def __init__(self, field_name: str | None, message: str, expected: str = "",
+                 message_zh: str | None = None):
         super().__init__(message)
         self.field = field_name
         self.message = message
         self.expected = expected
+        self.message_zh = message_zh
 
     def to_dict(self) -> dict:
-        return {"error": self.message, "field": self.field, "expected": self.expected}
+        return {"error": self.message, "field": self.field, "expected": self.expected,
+                "error_zh": self.message_zh}
 
 
 @dataclass(frozen=True)
@@ -48,22 +54,55 @@ class Param:
     minimum: float | None = None
     allow_zero: bool = False
     optional: bool = False
+    maximum: float | None = None
+    why: str = ""
+    count_units: bool = False  # a lone "B" means billion (8B parameters), not bytes
     choices: Callable[[], list[str]] | None = None
     resolve: Callable[[str], object] | None = field(default=None, compare=False)
+
+    def low(self) -> float:
+        return self.minimum if self.minimum is not None else (1 if self.kind == "count" else 0)
 
     def expected(self) -> str:
         if self.kind == "flag":
             text = "true or false"
         elif self.kind == "choice":
             text = "one of " + ", ".join(self.choices())
+        elif self.kind == "text":
+            text = "text"
+        elif self.maximum is not None:
+            whole = "a whole number" if self.kind == "count" else "a number"
+            low = "> 0" if self.kind == "quantity" and self.low() == 0 and not self.allow_zero \
+                else f">= {_num(self.low())}"
+            text = f"{whole} {low} and <= {_num(self.maximum)}"
+            if self.why:
+                text += f" ({self.why})"
         elif self.kind == "count":
-            text = f"an integer >= {self.minimum if self.minimum is not None else 1:g}"
+            text = f"an integer >= {self.low():g}"
         else:
             text = "a number >= 0" if self.allow_zero else "a number > 0"
             if self.minimum is not None:
                 text = f"a number >= {self.minimum:g}"
-            text += " (suffixes k, M, G, T allowed, e.g. 25MB)"
-        return text + (" or empty for none" if self.optional else "")
+        if self.kind == "quantity":
+            text += "; suffixes k, M, G, T allowed, e.g. 25MB"
+        return text + (", or empty for none" if self.optional else "")
+
+    def expected_zh(self) -> str:
+        if self.kind == "flag":
+            return "true 或 false"
+        if self.kind == "choice":
+            return "以下之一：" + "、".join(self.choices())
+        if self.kind == "text":
+            return "文本"
+        whole = "整数" if self.kind == "count" else "数"
+        low = "大于 0" if self.kind == "quantity" and self.low() == 0 and not self.allow_zero \
+            else f"不小于 {_num(self.low())}"
+        text = f"{low}的{whole}"
+        if self.maximum is not None:
+            text = f"{low}且不大于 {_num(self.maximum)} 的{whole}"
+        if self.kind == "quantity":
+            text += "（可带 k、M、G、T 后缀，如 25MB）"
+        return text + ("，或留空" if self.optional else "")
 
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind, "default": self.default, "label": self.label,
@@ -73,8 +112,8 @@ class Param:
         return d
 
     def _fail(self, got: str) -> ApiError:
-        return ApiError(self.name, f"{self.name}: got {got!r}, expected {self.expected()}",
-                        self.expected())
+        return ApiError(self.name, f"{self.name} must be {self.expected()}, got {got!r}",
+                        self.expected(), f"{self.name} 应为{self.expected_zh()}，收到的是 {got!r}")
 
     def parse(self, raw: str | None):
         """The typed value of ``raw`` (``None``: the default)."""
@@ -83,6 +122,12 @@ class Param:
         text = raw.strip()
         if self.optional and text.lower() in ("", "none", "null"):
             return None
+        if self.kind == "text":
+            if len(raw) > MAX_TEXT:
+                raise ApiError(self.name, f"{self.name} is {len(raw):,} characters; at most "
+                               f"{MAX_TEXT:,} (a config.json is a few kB)", "text",
+                               f"{self.name} 有 {len(raw):,} 个字符，最多 {MAX_TEXT:,}")
+            return raw
         if self.kind == "flag":
             if text.lower() in _TRUE:
                 return True
@@ -100,7 +145,7 @@ class Param:
                 raise self._fail(raw)
             return text
         try:
-            value = parse_quantity(text, self.name)
+            value = parse_quantity(text, self.name, count=self.count_units or self.kind == "count")
         except ValueError:
             raise self._fail(raw) from None
         if not math.isfinite(value):
@@ -109,10 +154,18 @@ class Param:
             if not value.is_integer():
                 raise self._fail(raw)
             value = int(value)
-        low = self.minimum if self.minimum is not None else (1 if self.kind == "count" else 0)
+        low = self.low()
         if value < low or (value == 0 and self.kind == "quantity" and not self.allow_zero):
             raise self._fail(raw)
+        if self.maximum is not None and value > self.maximum:
+            raise self._fail(raw)
         return value
+
+
+def _num(x: float) -> str:
+    if float(x).is_integer() and abs(x) < 1e7:
+        return f"{x:,.0f}"
+    return fmt_count(x) if abs(x) >= 1e6 else f"{x:g}"
 
 
 def parse(params: list[Param], query: dict[str, str]) -> dict:
@@ -120,8 +173,9 @@ def parse(params: list[Param], query: dict[str, str]) -> dict:
     known = {p.name for p in params}
     unknown = sorted(set(query) - known)
     if unknown:
-        raise ApiError(unknown[0], f"unknown parameter {unknown[0]!r}",
-                       "one of " + ", ".join(sorted(known)))
+        raise ApiError(unknown[0], f"unknown parameter {unknown[0]!r}: use "
+                       + ", ".join(sorted(known)), "one of " + ", ".join(sorted(known)),
+                       f"未知参数 {unknown[0]!r}")
     return {p.name: p.parse(query.get(p.name)) for p in params}
 
 

@@ -6,15 +6,23 @@ Routes (GET only):
 * ``/plotly.min.js`` — the chart library, served from the installed ``plotly`` Python package,
   so the page loads nothing from the internet;
 * ``/api/<endpoint>?name=value&...`` — :mod:`zerodp.ui.api`; 200 with JSON, 422 with
-  ``{"error", "field", "expected"}`` for bad input, 404 for an unknown endpoint.
+  ``{"error", "error_zh", "field", "expected"}`` for bad input, 404 for an unknown endpoint. The
+  page sends ``X-Zerodp-Page: 1`` and then gets the same error object with status 200 and
+  ``"status": 422`` inside: for the page a refused value is an answer to show next to its field,
+  and a browser logs every 4xx response as a console error.
 
-A Content-Security-Policy of ``'self'`` tells the browser to refuse anything from elsewhere.
+A Content-Security-Policy of ``'self'`` tells the browser to refuse anything from elsewhere. A
+request whose ``Host`` header names another machine is refused (403): a web page elsewhere cannot
+reach this server through a name it points at 127.0.0.1 (DNS rebinding). Accepted: IP addresses,
+``localhost``, the name given to ``--host`` and, when bound beyond loopback, this machine's name.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,6 +59,11 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
+        host = self.headers.get("Host")
+        if not self.server.host_allowed(host):
+            return self._json(HTTPStatus.FORBIDDEN, {
+                "error": f"Host {host!r} is not this server's address: open {self.server.url} "
+                         "(requests through other names are refused, against DNS rebinding)"})
         url = urlsplit(self.path)
         if url.path.startswith("/api/"):
             return self._api(url.path[len("/api/"):], url.query)
@@ -69,17 +82,28 @@ class Handler(BaseHTTPRequestHandler):
             raw = parse_qs(query, keep_blank_values=True, strict_parsing=False)
         except ValueError as exc:
             return self._json(HTTPStatus.BAD_REQUEST, {"error": f"bad query string: {exc}"})
+        page = self.headers.get("X-Zerodp-Page") == "1"
+
+        def refuse(err: ApiError):
+            if page:  # the same object; the status inside, so the browser logs no error
+                return self._json(HTTPStatus.OK, dict(err.to_dict(), status=422))
+            return self._json(HTTPStatus.UNPROCESSABLE_ENTITY, err.to_dict())
+
         repeated = sorted(k for k, v in raw.items() if len(v) > 1)
         if repeated:
-            err = ApiError(repeated[0], f"{repeated[0]} given {len(raw[repeated[0]])} times", "one value")
-            return self._json(HTTPStatus.UNPROCESSABLE_ENTITY, err.to_dict())
+            return refuse(ApiError(repeated[0], f"{repeated[0]} given {len(raw[repeated[0]])} "
+                                   "times: give it once", "one value",
+                                   f"{repeated[0]} 出现了 {len(raw[repeated[0]])} 次：只给一次"))
         try:
             body = self.server.api.handle(name, {k: v[0] for k, v in raw.items()})
         except KeyError:
             names = ", ".join(self.server.api.endpoints())
             return self._json(HTTPStatus.NOT_FOUND, {"error": f"no endpoint {name!r}; endpoints: {names}"})
         except ApiError as exc:
-            return self._json(HTTPStatus.UNPROCESSABLE_ENTITY, exc.to_dict())
+            return refuse(exc)
+        except Exception as exc:  # a bug: say so in JSON rather than drop the connection
+            return self._json(HTTPStatus.INTERNAL_SERVER_ERROR,
+                              {"error": f"internal error: {type(exc).__name__}: {exc}"})
         self._json(HTTPStatus.OK, body)
 
     def _send(self, status: int, body: bytes, content_type: str, cache: bool = False):
@@ -113,6 +137,9 @@ class UiServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], api: Api, quiet: bool = True):
+        self.bound_host = address[0]
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
         self.api = api
         self.quiet = quiet
         self.plotly_path = plotly_js_path()
@@ -122,7 +149,42 @@ class UiServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
+        if ":" in host:
+            host = f"[{host}]"
         return f"http://{host}:{port}/"
+
+    def host_allowed(self, header: str | None) -> bool:
+        """Whether a request's ``Host`` header addresses this server (module docstring)."""
+        if not header:
+            return False
+        name = header.strip().lower()
+        if name.startswith("["):  # [::1]:8765
+            name = name[1:].split("]", 1)[0]
+        elif name.count(":") == 1:
+            name = name.rsplit(":", 1)[0]
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            pass
+        return name in self.allowed_names
+
+    @property
+    def allowed_names(self) -> set[str]:
+        names = {"localhost", str(self.bound_host).lower()}
+        if not is_loopback(self.bound_host):
+            names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        return names
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.1, ::1 or localhost: only this machine can connect."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def make_server(host: str = "127.0.0.1", port: int = 0, profile: str | None = None,
