@@ -80,3 +80,20 @@ def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def worst(errors: dict[str, float]) -> tuple[str, float]:
     name = max(errors, key=errors.get)
     return name, errors[name]
+
+
+# ---- tolerances from the dtype and the magnitude ------------------------------------------------
+# Two correct implementations of data parallelism compute the same per-rank values and differ in
+# the order in which they sum the n terms of a gradient (ranks, micro-batches, batch rows): a sum
+# of n terms in another order differs by at most about n·ε of the terms' magnitude, ε being the
+# dtype's machine epsilon. Errors are measured relative to the reference's largest element
+# (max_rel) or its norm (norm_rel), i.e. atol = rtol × magnitude in assert_close's terms.
+def sum_tolerance(n_terms: int, dtype: torch.dtype = torch.float32) -> float:
+    """Relative bound 2·n·ε on a sum of ``n_terms`` values taken in another order."""
+    return 2 * n_terms * torch.finfo(dtype).eps
+
+
+def trajectory_tolerance(n_terms: int, steps: int, dtype: torch.dtype = torch.float32) -> float:
+    """Relative bound after ``steps`` optimizer steps, each of whose gradients carries
+    ``sum_tolerance(n_terms)``: the per-step errors add up (at most) linearly."""
+    return steps * sum_tolerance(n_terms, dtype)

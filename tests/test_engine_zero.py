@@ -14,7 +14,7 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import zerodp
-from _engine_common import (FEW_BUCKETS, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt, max_rel,
+from _engine_common import (FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt, max_rel,
                             norm_rel, shard, worst)
 from zerodp.engine.config import MixedPrecision
 from zerodp.engine.stats import compare_table, formula_by_kind
@@ -22,6 +22,19 @@ from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
 WORLDS = (2, 3, 4)
+BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2^-7
+
+
+def _traj_tol(world: int, steps: int = 20) -> float:
+    from _engine_common import trajectory_tolerance
+
+    return trajectory_tolerance(world, steps)  # N ranks' gradients summed in another order
+
+
+def _batch_tol(world: int, micro: int = 1) -> float:
+    from _engine_common import sum_tolerance
+
+    return sum_tolerance(world * PER_RANK * NANO.seq_len * micro)  # every token of the batch
 STEPS = 20
 BF16_STEPS = 10  # bf16 matmuls are slow on CPU
 LR, WD = 1e-3, 0.1
@@ -241,18 +254,18 @@ def results(world: int) -> list[dict]:
 @pytest.mark.parametrize("stage", (1, 2))
 def test_fp32_trajectory_equals_ddp_with_param_groups(world, stage):
     for r in results(world):
-        assert r[f"traj{stage}/loss_err"] <= 1e-5
+        assert r[f"traj{stage}/loss_err"] <= _traj_tol(world)
         name, err = r[f"traj{stage}/param_err"]
-        assert err <= 1e-5, f"{name}: ‖stage {stage} − DDP‖/‖DDP‖ = {err:.2e}"
+        assert err <= _traj_tol(world), f"{name}: ‖stage {stage} − DDP‖/‖DDP‖ = {err:.2e}"
         assert r[f"traj{stage}/module_err"][1] == 0.0  # the AllGathered params are the master's
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_stage1_equals_torch_zero_redundancy_optimizer(world):
     for r in results(world):
-        assert r["zro/loss_err"] <= 1e-5
+        assert r["zro/loss_err"] <= _traj_tol(world)
         name, err = r["zro/param_err"]
-        assert err <= 1e-5, f"{name}: {err:.2e}"
+        assert err <= _traj_tol(world), f"{name}: {err:.2e}"
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -260,23 +273,24 @@ def test_stage1_equals_torch_zero_redundancy_optimizer(world):
 def test_bf16_follows_stage0_bf16(world, stage):
     # Stages 0-2 compute the same bf16 forward and backward and the same elementwise fp32 update;
     # they differ only in how the bf16 gradient sum is ordered (AllReduce vs ReduceScatter), i.e.
-    # bf16 round-off (2^-9 ≈ 2e-3 relative) in individual elements. Over 20 steps the losses
-    # agree to 1e-3 and the parameters to 1e-2 of their norm over 10 steps; bf16 vs fp32 itself
-    # differs by ~1e-2.
+    # bf16 round-off (ε = 2^-7) in individual elements of an N-term sum, and Adam turns small
+    # gradient differences into update differences of the same relative size. Over the steps the
+    # losses agree within ε/8 and the parameters within 2ε of their norm; bf16 vs fp32 itself
+    # differs by up to ~3ε.
     for r in results(world):
-        assert r[f"bf16_{stage}/loss_err"] <= 1e-3
+        assert r[f"bf16_{stage}/loss_err"] <= BF16_EPS / 8
         name, err = r[f"bf16_{stage}/param_err"]
-        assert err <= 1e-2, f"{name}: {err:.2e}"
-        assert r["bf16_0/vs_fp32_ddp"] <= 2e-2
+        assert err <= 2 * BF16_EPS, f"{name}: {err:.2e}"
+        assert r["bf16_0/vs_fp32_ddp"] <= 3 * BF16_EPS
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("key", ("1", "2", "2_once"))
 def test_global_norm_clipping_and_accumulation_equal_single_process(world, key):
     for r in results(world):
-        assert r[f"acc{key}/norm_err"] <= 1e-6
+        assert r[f"acc{key}/norm_err"] <= _batch_tol(world, 4)
         name, err = r[f"acc{key}/grad_err"]
-        assert err <= 1e-5, f"{name}: applied gradient off by {err:.2e} of its norm"
+        assert err <= _batch_tol(world, 4), f"{name}: applied gradient off by {err:.2e} of its norm"
         # 4 micro-batches: stage 2 reduces each one by default, once with reduce_every_microbatch=False
         per_step = 4 if key == "2" else 1
         assert r[f"acc{key}/reduce_scatters"] == per_step * r[f"acc{key}/buckets"]
@@ -331,8 +345,8 @@ def test_checkpoint_pieces_from_stage1_resume_exactly_in_stage2(world):
         assert r["ckpt/coverage"] == [1]  # every element of every kind saved by exactly one rank
         assert r["ckpt/kinds"] == ["exp_avg", "exp_avg_sq", "param"]
         assert r["ckpt/loaded_err"][1] == 0.0
-        assert r["ckpt/continued_loss_err"] <= 1e-6
-        assert r["ckpt/continued_param_err"][1] <= 1e-6
+        assert r["ckpt/continued_loss_err"] <= _traj_tol(world, 1)
+        assert r["ckpt/continued_param_err"][1] <= _traj_tol(world, 1)
 
 
 @pytest.mark.parametrize("stage", (1, 2))

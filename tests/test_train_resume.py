@@ -24,17 +24,7 @@ from zerodp.train.config import TrainConfig
 pytestmark = pytest.mark.dist
 
 
-def supported_stages() -> list[int]:
-    from zerodp.engine import engine_class
-
-    out = []
-    for s in (0, 1, 2, 3):
-        try:
-            engine_class(s)
-        except ImportError:
-            continue
-        out.append(s)
-    return out
+STAGES = [0, 1, 2, 3]
 
 
 BASE = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=1024, micro_batch=4, steps=20,
@@ -68,8 +58,7 @@ def _losses(run: Path) -> dict:
 
 
 def test_resume_is_bitwise_for_every_supported_stage(tmp_path):
-    stages = supported_stages()
-    assert stages, "the engine supports no stage"
+    stages = STAGES
     run_local(_resume_all_stages, 2, stages, str(tmp_path), timeout=400)
     for s in stages:
         a = ckpt.Checkpoint.open(ckpt.find(tmp_path / f"straight{s}"))
@@ -116,9 +105,6 @@ def _world2(rank, world, root, x):
 
 
 def test_reshard_world4_stage3_to_world2_stage1_and_export(tmp_path):
-    stages = supported_stages()
-    if not {1, 3} <= set(stages):
-        pytest.skip(f"needs engine stages 1 and 3; the engine supports {stages}")
     from zerodp.train.export import export, load_exported
     from zerodp.train.model import GPT, GPTConfig
 
@@ -133,12 +119,17 @@ def test_reshard_world4_stage3_to_world2_stage1_and_export(tmp_path):
 
     # the next step's loss matches the uninterrupted world-4 run (same samples, other reduction order)
     ref, got = _losses(tmp_path / "w4")[RESHARD_STEPS], _losses(tmp_path / "w2")[RESHARD_STEPS]
-    assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    # one step whose gradient sums 4 vs 2 ranks' terms in another order (2·n·ε, n = 4)
+    eps = torch.finfo(torch.float32).eps
+    assert got == pytest.approx(ref, rel=2 * 4 * eps, abs=0)
     # and the step taken from the resharded optimizer state lands where the world-4 run's did
     a, b = ckpt.Checkpoint.open(ckpt.find(tmp_path / "w4")), ckpt.Checkpoint.open(ckpt.find(tmp_path / "w2"))
     assert a.step == b.step == RESHARD_STEPS
     for name in a.names():
-        torch.testing.assert_close(b.full(name), a.full(name), rtol=1e-4, atol=1e-5)
+        # Adam's first moments carry that one step's gradient difference; its update normalises
+        # by √v, so a relative gradient error δ moves a parameter by ≤ lr·δ-ish: rtol 2·n·ε·steps
+        torch.testing.assert_close(b.full(name), a.full(name), rtol=2 * 4 * eps * RESHARD_STEPS,
+                                   atol=2 * 4 * eps * RESHARD_STEPS * a.full(name).abs().max().item())
 
     # export -> a plain single-process GPT gives the engine's logits
     out = export(tmp_path / "w4split", tmp_path / "model.safetensors")
@@ -147,7 +138,9 @@ def test_reshard_world4_stage3_to_world2_stage1_and_export(tmp_path):
     plain = GPT(GPTConfig(**saved.model_config))
     plain.load_state_dict(load_file(str(out)))  # strict: every key, nothing extra
     with torch.no_grad():
-        torch.testing.assert_close(plain(x), torch.from_numpy(logits), rtol=1e-5, atol=1e-6)
+        # the same weights, the same ops; the engine ran one rank's forward (bitwise in principle,
+        # the default assert_close fp32 tolerances leave room for another kernel choice)
+        torch.testing.assert_close(plain(x), torch.from_numpy(logits))
     model, kind = load_exported(out)
     assert kind == "bytes" and model.cfg == plain.cfg
 

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
@@ -71,9 +72,10 @@ from zerodp.engine.comm import Collectives
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target
+from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target, param_targets
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
+BUFFER = "buffer"  # checkpoint piece kind of a module buffer (saved whole, by rank 0)
 #: seed §1: what each kind of tensor is, for ``stats()``; the first four are the "model states".
 MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "gathered", "comm_buffers")
 MODEL_STATE_KINDS = MEMORY_KINDS[:4]
@@ -89,12 +91,48 @@ def module_device(module: nn.Module) -> torch.device:
     devices = {p.device for p in module.parameters()}
     if not devices:
         raise ValueError("the model has no parameters: there is nothing to train data-parallel")
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "the model's parameters are on the meta device (built under torch.device('meta')): "
+            "parallelize needs real values to shard and broadcast; build the model on a real "
+            "device (e.g. the CPU, or torch.device('cuda', local_rank)) before parallelize()"
+        )
     if len(devices) > 1:
         raise ValueError(
             f"the model's parameters are spread over {sorted(map(str, devices))}; data parallelism "
             "keeps one full replica per rank on one device: move the model with model.to(device)"
         )
     return devices.pop()
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(fqn, owning module, local name)`` of every buffer that ``module.state_dict()`` holds
+    (non-persistent buffers such as masks and caches are derived, not state)."""
+    out, seen = [], set()
+    for prefix, sub in module.named_modules():
+        for name, buf in sub._buffers.items():
+            if buf is None or name in sub._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((f"{prefix}.{name}" if prefix else name, sub, name))
+    return out
+
+
+def check_device(device: torch.device, group: dist.ProcessGroup | None) -> None:
+    """NCCL runs on the current CUDA device: a model elsewhere would hang in the first
+    ``all_gather_object``. Say what to call instead."""
+    backend = dist.get_backend(group)
+    if "nccl" not in str(backend).lower():
+        return
+    if device.type != "cuda":
+        raise ValueError(f"the process group uses NCCL but the model is on {device}: move it to "
+                         "torch.device('cuda', local_rank), or use the gloo backend for CPU training")
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise ValueError(
+            f"the model is on {device} but this rank's current CUDA device is cuda:{current}; NCCL "
+            f"collectives run on the current device: call torch.cuda.set_device({device.index}) "
+            "(usually the LOCAL_RANK) before init_process_group() and parallelize()")
 
 
 def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
@@ -120,14 +158,6 @@ def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
             options.append(dict(opts))
         index.append(options.index(opts))
     return options, index
-
-
-def split_target(tensor: torch.Tensor, layout: FlatLayout, flat_start: int, group: int,
-                 chunk: int | None) -> list[Target]:
-    """One master tensor as optimizer targets of at most ``chunk`` elements (views, no copies)."""
-    n = tensor.numel()
-    step = n if not chunk else chunk
-    return [Target(tensor[a:min(a + step, n)], layout, flat_start + a, group) for a in range(0, max(n, 1), step)]
 
 
 def describe_difference(mine: Any, other: Any, path: str = "") -> str | None:
@@ -178,11 +208,18 @@ class StageEngine:
             )
         if config.stage != self.stage:
             raise ValueError(f"{type(self).__name__} runs stage {self.stage}, config asks for {config.stage}")
+        if module.__dict__.get("_zerodp_parallelized"):
+            raise RuntimeError(
+                "this model was already passed to zerodp.parallelize: its parameters are views into "
+                "that engine's buffers and its hooks are still attached. Build a fresh model (or "
+                "keep using the first engine) instead of parallelizing the same model twice")
         self.config = config
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = module_device(module)
+        check_device(self.device, group)
+        module.__dict__["_zerodp_parallelized"] = True
         self.units = units
         self.recorder = Recorder(self.rank)
         self.comm = Collectives(self.recorder, group)
@@ -193,6 +230,9 @@ class StageEngine:
         if not self.named_params:
             raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
         self.group_options, self.param_group_of = resolve_param_groups(self.named_params, config.param_groups)
+        self._group_by_name = {n: g for (n, _), g in zip(self.named_params, self.param_group_of)}
+        self.buffers = persistent_buffers(module)
+        self._unused: set[str] = set()  # parameters no rank used in the last step (None grads)
         self.master: MasterOptimizer | None = None
         self._sync = True  # False inside no_sync(): gradients accumulate locally (seed §5)
         self._sync_at_forward = True
@@ -223,6 +263,8 @@ class StageEngine:
 
     def forward(self, *args, **kwargs):
         self._sync_at_forward = self._sync  # as DDP: no_sync applies to the forward it wraps
+        if self.config.broadcast_buffers and self.buffers and self.world_size > 1:
+            self._broadcast_buffers()
         self._before_forward()
         with self.recorder.span("forward", COMPUTE):
             out = self._module(*args, **kwargs)
@@ -300,13 +342,26 @@ class StageEngine:
         return norm
 
     def step(self) -> None:
-        """Finish gradient sync, update the fp32 master values, publish the new parameters."""
+        """Finish gradient sync, update the fp32 master values, publish the new parameters.
+
+        When ``step()`` returns, the model's parameters hold the new values on every rank (stages
+        0-2; at stage 3 the shards do, and each unit is gathered when it next runs), so EMA,
+        ``model.state_dict()`` or a forward outside the engine see them. With
+        ``overlap_param_gather=True`` (stages 1-2) the parameter AllGathers launched by the step
+        are waited for only at the next engine forward (or ``engine.module``), overlapping them
+        with what happens in between; reading ``model``'s parameters directly before that sees
+        the old values. A parameter that no rank used in any micro-batch of the step is not
+        touched by the optimizer (its gradient is None, as with DDP; guide §12)."""
         with self.recorder.span("step", COMPUTE):
             self._finish_grad_sync()
+            self._unused = self._step_unused()  # collective where parameters may go unused
             if self.guard is not None and self.guard.should_skip(self):  # collective
                 self._zero_grad()  # inf/NaN somewhere: apply nothing, on every rank
             else:
                 self._optimizer_step()
+            if not self.config.overlap_param_gather:
+                self._wait_params()  # step() returns with the model's parameters up to date
+            self._reset_used()
         self._tokens = 0.0
         self._token_factor_value = None
         now = self.recorder.clock()
@@ -340,7 +395,12 @@ class StageEngine:
         """The master values and optimizer states this rank saves: disjoint across ranks, and
         together they cover every element of every parameter (padding excluded)."""
         self._finish_grad_sync()
-        return self.master.pieces(ranges=self._owned_range)
+        pieces = self.master.pieces(ranges=self._owned_range)
+        if self.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
+            for name, sub, local in self.buffers:
+                buf = getattr(sub, local)
+                pieces.append(Piece(name, BUFFER, 0, buf.numel(), tuple(buf.shape), buf.detach().reshape(-1)))
+        return pieces
 
     def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill master values and optimizer states from ``read(name, kind, start, stop)``, then
@@ -350,18 +410,54 @@ class StageEngine:
         self.master.load_pieces(read)
         self._publish_params()
         self._wait_params()
+        self._load_buffers(read)
+
+    @torch.no_grad()
+    def _load_buffers(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
+        """Every rank reads every buffer (checkpoints written before buffers were saved hold
+        none: the model's buffers are then left as they are, with a warning)."""
+        missing = []
+        for name, sub, local in self.buffers:
+            buf = getattr(sub, local)
+            try:
+                src = read(name, BUFFER, 0, buf.numel())
+            except Exception:  # noqa: BLE001 - absent from this checkpoint
+                missing.append(name)
+                continue
+            buf.copy_(src.reshape(buf.shape))
+        if missing:
+            warnings.warn(f"the checkpoint holds no values for the buffers {missing}; they keep "
+                          "their current values", stacklevel=3)
 
     def scalar_state(self) -> dict:
-        return {"stage": self.stage, **self.master.scalar_state()}
+        """Collective: the optimizer's scalars (per parameter and per group) from every rank."""
+        mine = self.master.scalar_state()
+        if self.world_size > 1 and self.stage > 0:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, mine, group=self.group)
+            for other in gathered:
+                for name, scalars in other["params"].items():
+                    mine["params"].setdefault(name, scalars)
+                for g, scalars in enumerate(other["groups"]):
+                    if scalars and not mine["groups"][g]:
+                        mine["groups"][g] = scalars
+                mine["kinds"] = sorted(set(mine["kinds"]) | set(other["kinds"]))
+        return {"stage": self.stage, **mine}
 
     def load_scalar_state(self, scalars: dict) -> None:
         self.master.load_scalar_state(scalars)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every rank gets every parameter as an fp32 tensor (from the master)."""
+        """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
+        every persistent buffer (rank 0's values; floating-point ones as fp32)."""
         self._finish_grad_sync()
-        return self._gather_full([t.tensor for t in self.master.targets])
+        out = self._gather_full([t.tensor for t in self.master.targets], frozen_from_params=True)
+        for name, p in self._module.named_parameters():  # frozen parameters outside the buffers
+            if name not in out and p.numel() > 0:
+                out[name] = p.detach().float().clone()
+        out.update(self._buffer_dict())
+        return out
 
     @torch.no_grad()
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
@@ -372,52 +468,111 @@ class StageEngine:
         return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
                                   for t, g in zip(self.master.targets, grads)])
 
-    def _gather_full(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-target values (aligned with ``master.targets``) → full tensors by parameter name."""
+    @torch.no_grad()
+    def _buffer_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, sub, local in self.buffers:
+            buf = getattr(sub, local).detach().clone()
+            if self.world_size > 1:
+                self._broadcast_from_rank0([buf])
+            out[name] = buf.float() if buf.is_floating_point() else buf
+        return out
+
+    def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
+        """Per-target values (aligned with ``master.targets``) → full tensors by parameter name.
+
+        Each flat buffer is rebuilt from what this rank holds — the whole buffer (stage 0) or its
+        shard (stages 1-3), gathered — iterating every buffer in the same order on every rank,
+        whether or not this rank's part holds a target."""
         out: dict[str, torch.Tensor] = {}
-        position = {id(t): i for i, t in enumerate(self.master.targets)}
-        for layout, _, targets in self._layouts():
-            lo = min(t.flat_start for t in targets)
-            hi = max(t.flat_start + t.tensor.numel() for t in targets)
+        by_layout: dict[int, list[int]] = {}
+        for i, t in enumerate(self.master.targets):
+            by_layout.setdefault(id(t.layout), []).append(i)
+        sharded = self.stage > 0
+        for layout in self._flat_layouts():
+            lo, hi = layout.shard_range(self.rank) if sharded else (0, layout.padded_numel)
             local = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-            for t in targets:
-                local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[position[id(t)]])
-            if hi - lo == layout.padded_numel:
-                flat = local
-            else:  # this rank holds shard r: gather the others' (ranks hold equal shards)
+            for i in by_layout.get(id(layout), []):
+                t = self.master.targets[i]
+                local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i])
+            if frozen_from_params:
+                self._fill_frozen(layout, local, lo)
+            if sharded and self.world_size > 1:
                 flat = torch.empty(layout.padded_numel, dtype=torch.float32, device=self.device)
                 self.comm.all_gather(flat, local, "gather_full", async_op=False)
+            else:
+                flat = local
             for slot in layout.slots:
                 out[slot.name] = flat[slot.offset:slot.stop].view(slot.shape).clone()
         return out
 
+    def _fill_frozen(self, layout: FlatLayout, local: torch.Tensor, lo: int) -> None:
+        """Write the values of parameters without targets (frozen ones) into ``local``, this
+        rank's part ``[lo, lo + len)`` of ``layout`` (stage 3 keeps them in its master shard)."""
+
     def layout(self) -> list[dict]:
         """The flat buffers as data: which parameter sits at which offset, padding, owners."""
         out = []
-        for i, (layout, group, targets) in enumerate(self._layouts()):
-            held = sum(t.tensor.numel() for t in targets)
+        groups = {id(t.layout): t.group for t in self.master.targets}
+        for i, layout in enumerate(self._flat_layouts()):
             d = layout.to_dict()
+            group = groups.get(id(layout), self._group_by_name.get(layout.slots[0].name, 0))
             d.update(index=i, group=group, options=self.group_options[group],
-                     sharded=held != layout.padded_numel,
+                     sharded=self.stage > 0,
                      owners=[list(layout.shard_range(r)) for r in range(self.world_size)])
-            d.update(self._layout_extra(i, targets[0]))
+            d.update(self._layout_extra(i))
             out.append(d)
         return out
 
-    def _layouts(self) -> list[tuple[FlatLayout, int, list[Target]]]:
-        """Distinct flat layouts in target order, each with its group and this rank's targets."""
-        by_id: dict[int, tuple[FlatLayout, int, list[Target]]] = {}
-        for t in self.master.targets:
-            by_id.setdefault(id(t.layout), (t.layout, t.group, []))[2].append(t)
-        return list(by_id.values())
+    def _flat_layouts(self) -> list[FlatLayout]:
+        """Every flat buffer's layout, in the same order on every rank (buckets or units)."""
+        raise NotImplementedError
 
     # ---- helpers for subclasses ---------------------------------------------------------
     def _build_master(self, targets: list[Target]) -> MasterOptimizer:
         return MasterOptimizer(self._factory, targets, self.group_options)
 
-    def _optimizer_chunk(self) -> int | None:
-        """Chunk size for :func:`split_target`: cache-sized on CPU, whole tensors elsewhere."""
-        return CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
+    def _targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
+        """Optimizer targets over a held range of a flat buffer: per parameter, in cache-sized
+        chunks on CPU (see :func:`zerodp.engine.master.param_targets`)."""
+        chunk = CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
+        return param_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1), chunk)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """DDP's ``broadcast_buffers=True``: at each forward every rank takes rank 0's buffers
+        (e.g. BatchNorm's running statistics), one flat broadcast per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for _, sub, local in self.buffers:
+            buf = getattr(sub, local)
+            by_dtype.setdefault(buf.dtype, []).append(buf)
+        for bufs in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in bufs]) if len(bufs) > 1 else bufs[0].reshape(-1).clone()
+            self._broadcast_from_rank0([flat])
+            offset = 0
+            for b in bufs:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    # ---- parameters no rank used (DDP's find_unused_parameters semantics) --------------------
+    def _local_used(self) -> list[bool] | None:
+        """Per trainable parameter (``named_params`` order): did this rank compute a gradient
+        for it in any backward of this step? None when every parameter must be used (an unused
+        one is an error raised at backward), so no exchange is needed."""
+        return None
+
+    def _reset_used(self) -> None:
+        """Start a new step's record of used parameters."""
+
+    def _step_unused(self) -> set[str]:
+        """Names of the parameters no rank used this step (one small AllReduce, MAX = OR)."""
+        used = self._local_used()
+        if used is None:
+            return set()
+        flags = torch.tensor([1.0 if u else 0.0 for u in used], device=self.device)
+        if self.world_size > 1:
+            self.comm.all_reduce_max(flags, "used_params")
+        return {n for (n, _), f in zip(self.named_params, flags.tolist()) if f == 0.0}
 
     def _check_consistency(self, description: dict) -> None:
         """Start-up check: every rank must describe the same model and the same flat layout.
@@ -489,19 +644,16 @@ class StageEngine:
     def _optimizer_step(self) -> None:
         """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
         ``_publish_params``. Override to interleave them (ZeRO: bucket by bucket, seed §9.1)."""
-        targets = self.master.targets
-        for target, grad in zip(targets, self._master_grads()):
-            target.tensor.grad = None if grad is None else _as_fp32(grad)
+        self.master.attach_grads(self._master_grads(), self._unused)
         self.master.step()
-        for target in targets:
-            target.tensor.grad = None
+        self.master.zero_grad()
         self._publish_params()
 
     def _owned_range(self, target: Target) -> tuple[int, int]:
         """Flat range of ``target.layout`` whose state this rank saves (default: all it holds)."""
         return target.flat_start, target.flat_start + target.tensor.numel()
 
-    def _layout_extra(self, index: int, target: Target) -> dict:
+    def _layout_extra(self, index: int) -> dict:
         return {}
 
     # ---- defaults for optional hooks ----------------------------------------------------------

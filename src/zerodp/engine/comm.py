@@ -111,6 +111,14 @@ class Collectives:
             None, async_op,
         )
 
+    def all_reduce_max(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """Blocking MAX AllReduce for small control values (flags: MAX is a logical OR)."""
+        self._issue(
+            ALL_REDUCE, label, tensor.numel() * tensor.element_size(),
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True), None, False,
+        )
+        return tensor
+
     def all_reduce_sum(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
         """Blocking SUM AllReduce for small control values (norms, flags); recorded too."""
         self._issue(

@@ -57,6 +57,12 @@ class MixedPrecision:
         dtype = parse_dtype(value, "mixed_precision")
         return None if dtype == torch.float32 else cls(param_dtype=dtype)
 
+    def __post_init__(self):
+        if torch.float16 in (self.param_dtype, self.reduce_dtype):
+            raise ValueError(
+                "mixed_precision with float16 needs dynamic loss scaling (fp16 gradients underflow), "
+                "which zerodp does not implement: use 'bf16' (same memory, fp32's exponent range)")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -87,6 +93,12 @@ class EngineConfig:
     find_unused_parameters: bool = False
     average_by_tokens: bool = False  # seed §2.2: weight each rank by its token count
     prefetch: bool = True  # stage 3: AllGather unit i±1 while unit i computes (seed §9.3)
+    # DDP's default: every forward starts from rank 0's buffers (BatchNorm statistics, ...).
+    broadcast_buffers: bool = True
+    # Stages 1-2: False (default) waits for the parameter AllGathers inside step(), so the model
+    # holds the new parameters when step() returns; True leaves them in flight until the next
+    # engine forward (or engine.module), overlapping them with whatever runs in between.
+    overlap_param_gather: bool = False
     param_groups: Callable[[str, torch.nn.Parameter], dict[str, Any]] | None = None
     # Skip steps whose gradients hold inf/NaN on any rank; raise after this many in a row
     # (None: no check, the step is applied as torch's optimizers would). See engine.guard.

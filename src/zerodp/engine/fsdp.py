@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerodp.engine.base import StageEngine
+from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.comm import Pending
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.master import OptimizerFactory, Target
@@ -132,14 +133,25 @@ class FSDPEngine(StageEngine):
                  mp.comm_dtype if mp else None, bool(mp and mp.fp32_grad_accum), group)
             for i, spec in enumerate(specs)
         ]
+        if mp is not None:  # floating-point buffers compute in the param dtype, as at stages 0-2
+            cast_floating_buffers(module, mp.param_dtype)
         targets: list[Target] = []
         self._target_grads: list[torch.Tensor] = []
         for u in self.fsdp_units:
             lo = u.layout.shard_range(self.rank)[0]
-            for t in u.targets():
+            for t in self._targets(u.master, u.layout, lo):
                 targets.append(t)
                 self._target_grads.append(u.grad_shard[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()])
         self.master = self._build_master(targets)
+        position = {n: i for i, (n, _) in enumerate(self.named_params)}
+        # Per unit, per trainable parameter: its index in named_params (used-flags at step()).
+        self._used_index = [[position[u.fqns[i]] for i in u.trainable] for u in self.fsdp_units]
+        self._step_used = [False] * len(self.named_params)
+        # The sequence of unit collectives this rank issued since the last step, as a running
+        # hash (compared across ranks at step(): a unit skipped on some ranks shows up there) and
+        # a bounded log (to name the first unit where the ranks went different ways).
+        self._schedule_hash = 0
+        self._schedule_log: list[str] = []
 
         # Prefetch order: registration order until a forward has been seen, then the recorded one.
         order = list(self.fsdp_units)
@@ -194,7 +206,8 @@ class FSDPEngine(StageEngine):
         self._kept = None
         self._fwd_order = []
         self._post_order = []
-        self._inputs_expected = [0] * len(self.fsdp_units)  # a forward without backward left some
+        # _inputs_expected is NOT reset here: a graph of an earlier forward of this step (two
+        # forwards, one backward; or a no_grad forward in between) still counts on its units.
         self._reduce_this_pass = self._sync or self.config.reduce_every_microbatch
         return None
 
@@ -316,7 +329,9 @@ class FSDPEngine(StageEngine):
             self.recorder.end(ev)
             self._bwd_events[i] = None
         if u.has_trainable:
-            u.collect_grads()
+            for got, j in zip(u.collect_grads(), self._used_index[i]):
+                if got:
+                    self._step_used[j] = True
         if u.has_trainable and self._reduce_this_pass:
             self._reduce(u)
         if self._kept is u:
@@ -339,7 +354,14 @@ class FSDPEngine(StageEngine):
         self._inputs_expected, self._inputs_fired = [0] * n, [0] * n
 
     # ---- gather / free / reduce ---------------------------------------------------------------
+    def _log_collective(self, kind: str, u: Unit) -> None:
+        """Add one unit collective to this step's schedule (see ``_check_schedule``)."""
+        self._schedule_hash = (self._schedule_hash * 1_000_003 + (u.index + 1) * 4 + (kind == "RS")) % (1 << 50)
+        if len(self._schedule_log) < 4096:
+            self._schedule_log.append(f"{'ReduceScatter' if kind == 'RS' else 'AllGather'} of unit {u.name!r}")
+
     def _gather(self, u: Unit, async_op: bool) -> None:
+        self._log_collective("AG", u)
         u.gather(self.comm, async_op=async_op)
         self._n_gathered += 1
         self._gathered_bytes += u.gathered_nbytes()  # measured: the storage just allocated
@@ -368,6 +390,7 @@ class FSDPEngine(StageEngine):
             pending, finish = self._reduces.pop(0)
             pending.wait()
             finish()
+        self._log_collective("RS", u)
         self._reduces.append(u.reduce(self.comm))
 
     def _finish_reduces(self) -> None:
@@ -393,6 +416,55 @@ class FSDPEngine(StageEngine):
                 self._reduce(u)
             self._finish_reduces()
 
+    def _flat_layouts(self):
+        return [u.layout for u in self.fsdp_units]
+
+    def _fill_frozen(self, layout, local: torch.Tensor, lo: int) -> None:
+        u = next(u for u in self.fsdp_units if u.layout is layout)
+        hi = lo + local.numel()
+        for slot, g in zip(u.layout.slots, u.groups):
+            a, b = max(slot.offset, lo), min(slot.stop, hi)
+            if g == FROZEN and a < b:
+                local[a - lo:b - lo].copy_(u.master[a - lo:b - lo])
+
+    def _local_used(self) -> list[bool]:
+        return list(self._step_used)
+
+    def _reset_used(self) -> None:
+        self._step_used = [False] * len(self.named_params)
+        self._schedule_hash, self._schedule_log = 0, []
+        n = len(self.fsdp_units)
+        self._inputs_expected, self._inputs_fired = [0] * n, [0] * n
+
+    def _step_unused(self) -> set[str]:
+        """One small AllReduce at each step serves two checks: which parameters no rank used
+        (MAX of used-flags = OR), and whether every rank issued the same unit collectives
+        (MAX of hash and of −hash: equal iff every rank's hash is the same)."""
+        used = self._local_used()
+        h = float(self._schedule_hash)
+        flags = torch.tensor([h, -h] + [1.0 if x else 0.0 for x in used], dtype=torch.float64,
+                             device=self.device)
+        if self.world_size > 1:
+            self.comm.all_reduce_max(flags, "used_params")
+            if flags[0].item() != -flags[1].item():
+                self._schedule_mismatch()
+        return {n for (n, _), f in zip(self.named_params, flags[2:].tolist()) if f == 0.0}
+
+    def _schedule_mismatch(self) -> None:
+        logs: list = [None] * self.world_size
+        dist.all_gather_object(logs, self._schedule_log, group=self.group)
+        where = next((i for i in range(max(map(len, logs)))
+                      if len({log[i] if i < len(log) else "nothing" for log in logs}) > 1), 0)
+        seen = "; ".join(f"rank {r}: {log[where] if where < len(log) else 'nothing'}"
+                         for r, log in enumerate(logs))
+        raise RuntimeError(
+            f"stage 3: the ranks issued different unit collectives this step (collective #{where + 1}: "
+            f"{seen}). A unit was skipped or run in another order on some ranks (data-dependent "
+            "control flow such as layer-drop or routing), so gathered parameters or reduced "
+            "gradients were mixed between units; nothing of this step was applied. Every rank must "
+            "run every unit in the same order in every forward (multiply a dropped unit's output by "
+            "zero instead of skipping it), or use stage 0-2 with find_unused_parameters=True")
+
     def _master_grads(self) -> list[torch.Tensor | None]:
         for u in self.fsdp_units:
             if u.grad_shard_fresh:  # no gradient was reduced since zero_grad
@@ -417,6 +489,8 @@ class FSDPEngine(StageEngine):
         for u in self.fsdp_units:
             u.grad_shard_fresh = True
             u.free_grads()
+        n = len(self.fsdp_units)
+        self._inputs_expected, self._inputs_fired = [0] * n, [0] * n
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [], "comm_buffers": []}
@@ -450,18 +524,6 @@ class FSDPEngine(StageEngine):
             units=[UnitInfo(u.name, u.numel, u.layout.padded_numel, u.layout.shard_numel,
                             u.gathered_bytes_when_full()) for u in self.fsdp_units],
         )
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every parameter (frozen ones too) as a full tensor from the fp32 master."""
-        self._finish_grad_sync()
-        out: dict[str, torch.Tensor] = {}
-        for u in self.fsdp_units:
-            flat = torch.empty(u.layout.padded_numel, dtype=u.master.dtype, device=u.master.device)
-            self.comm.all_gather(flat, u.master, "full_state_dict", async_op=False)
-            for slot in u.layout.slots:
-                out[slot.name] = flat[slot.offset:slot.stop].view(slot.shape).clone()
-        return out
 
     def layout(self) -> list[dict]:
         """One entry per unit: its flat layout, parameter groups, and who owns which slice."""

@@ -41,10 +41,37 @@ OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 @dataclass(frozen=True)
 class Target:
+    """One 1-D fp32 tensor the optimizer updates: elements ``[flat_start, flat_start + numel)``
+    of ``layout``, all of one parameter ``name`` (so that a parameter no rank used this step can
+    be skipped as a whole, as torch's optimizers skip a parameter whose ``.grad`` is None)."""
+
     tensor: torch.Tensor  # 1-D fp32, the values the optimizer updates
     layout: FlatLayout
     flat_start: int
     group: int
+    name: str | None = None  # the parameter these elements belong to
+
+
+def param_targets(tensor: torch.Tensor, layout: FlatLayout, flat_start: int, group_of: Callable[[str], int],
+                  chunk: int | None) -> list[Target]:
+    """The parameter runs of a held range of a flat buffer as optimizer targets (views, no copies).
+
+    ``tensor`` holds elements ``[flat_start, flat_start + numel)`` of ``layout``. Each parameter's
+    run inside that range becomes its own targets, cut into pieces of at most ``chunk`` elements
+    (cache-sized on CPU); padding gets no target. ``group_of(name)`` gives the parameter's
+    optimizer group index (a negative index: the parameter is frozen and gets no target).
+    """
+    out = []
+    for span in layout.spans(flat_start, flat_start + tensor.numel()):
+        g = group_of(span.slot.name)
+        if g < 0:
+            continue
+        lo = span.flat_start - flat_start
+        step = span.numel if not chunk else chunk
+        for a in range(0, span.numel, step):
+            b = min(a + step, span.numel)
+            out.append(Target(tensor[lo + a:lo + b], layout, span.flat_start + a, g, span.slot.name))
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,15 +103,17 @@ def _scalar_dtype() -> torch.dtype:
 
 
 class MasterOptimizer:
-    """The stock optimizer over fp32 targets, with state exposed as pieces and scalars."""
+    """The stock optimizer over fp32 targets, with state exposed as pieces and scalars.
+
+    Every rank's optimizer has every param group, in the user's order, even a group none of
+    whose elements fall in this rank's shard (its ``params`` list is then empty): schedulers,
+    index-based LR changes and checkpoints see the same groups on every rank.
+    """
 
     def __init__(self, factory: OptimizerFactory, targets: list[Target], group_options: list[dict]):
         self.targets = targets
-        param_groups = []
-        for g, opts in enumerate(group_options):
-            params = [t.tensor for t in targets if t.group == g]
-            if params:
-                param_groups.append({"params": params, **opts})
+        param_groups = [{"params": [t.tensor for t in targets if t.group == g], **opts}
+                        for g, opts in enumerate(group_options)]
         self.optimizer = factory(param_groups)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ValueError(
@@ -102,6 +131,18 @@ class MasterOptimizer:
 
     def step(self) -> None:
         self.optimizer.step()
+
+    def attach_grads(self, grads: list[torch.Tensor | None], unused: set[str] = frozenset()) -> None:
+        """``target.tensor.grad`` ← the fp32 gradient of each target (None skips it this step).
+
+        Targets of a parameter in ``unused`` (no rank computed a gradient for it this step) get
+        None, so the stock optimizer leaves it untouched: no weight decay, no moment update, no
+        step count, exactly as with DDP, where such a parameter's ``.grad`` stays None."""
+        for t, g in zip(self.targets, grads):
+            if g is None or (t.name in unused):
+                t.tensor.grad = None
+            else:
+                t.tensor.grad = g if g.dtype == torch.float32 else g.float()
 
     def zero_grad(self) -> None:
         for t in self.targets:
@@ -138,30 +179,52 @@ class MasterOptimizer:
         return out
 
     def scalar_state(self) -> dict:
-        """Scalars per param group (e.g. Adam's step) and the per-element state kinds."""
-        groups = []
-        for grp in self.optimizer.param_groups:
-            state = self.optimizer.state.get(grp["params"][0], {})
-            groups.append({k: float(v) for k, v in state.items()
-                           if not torch.is_tensor(v) or v.dim() == 0})
-        return {"kinds": self.state_kinds(), "groups": groups}
+        """Scalars (e.g. Adam's ``step``) per parameter name and per param group, and the
+        per-element state kinds. Parameters skipped in some steps (unused by every rank) have
+        their own step count, so the scalars are kept by parameter; ``groups`` holds, for each
+        param group, the scalars of its first parameter held here (for older readers)."""
+        params: dict[str, dict] = {}
+        groups: list[dict] = [{} for _ in self.optimizer.param_groups]
+        for t in self.targets:
+            state = self.optimizer.state.get(t.tensor, {})
+            scalars = {k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0}
+            if state and t.name is not None:  # {} for a stepped parameter whose state has no scalars
+                params.setdefault(t.name, scalars)
+            if scalars and not groups[t.group]:
+                groups[t.group] = scalars
+        return {"kinds": self.state_kinds(), "groups": groups, "params": params}
 
     def load_scalar_state(self, scalars: dict) -> None:
-        """Create the optimizer state (zeros + scalars) so that pieces can be loaded into it."""
+        """Create the optimizer state (zeros + scalars) so that pieces can be loaded into it.
+
+        Scalars go where ``torch.optim.Optimizer.load_state_dict`` puts them: on the parameter's
+        device when the group is ``fused`` or ``capturable`` (CUDA kernels read ``step`` there),
+        on the CPU otherwise."""
         groups = scalars.get("groups", [])
         if len(groups) != len(self.optimizer.param_groups):
             raise ValueError(
                 f"checkpoint has optimizer state for {len(groups)} param groups, this engine has "
                 f"{len(self.optimizer.param_groups)}: build the engine with the same param groups"
             )
-        for grp, saved in zip(self.optimizer.param_groups, groups):
+        by_param = scalars.get("params", {})
+        group_of = {id(p): g for g, grp in enumerate(self.optimizer.param_groups) for p in grp["params"]}
+        name_of = {id(t.tensor): t.name for t in self.targets}
+        for grp in self.optimizer.param_groups:
+            on_device = bool(grp.get("fused") or grp.get("capturable"))
             for p in grp["params"]:
+                # New checkpoints list scalars per parameter (one never stepped has none);
+                # older ones per group.
+                saved = (by_param.get(name_of.get(id(p))) if "params" in scalars
+                         else groups[group_of[id(p)]])
                 state = self.optimizer.state[p]
                 state.clear()
+                if saved is None:
+                    continue
                 for kind in scalars.get("kinds", []):
                     state[kind] = torch.zeros_like(p)
                 for k, v in saved.items():
-                    state[k] = torch.tensor(v, dtype=_scalar_dtype())
+                    state[k] = torch.tensor(v, dtype=_scalar_dtype(),
+                                            device=p.device if on_device else "cpu")
 
     def load_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill every piece this rank holds from ``read(name, kind, start, stop)``."""

@@ -16,9 +16,10 @@ Rules that keep every rank in step (a mismatch would hang, DESIGN §2):
   are final when ``loss.backward()`` returns, as with DDP;
 - a parameter that got no gradient in a synchronizing backward is an error naming it, raised
   after its bucket was still launched on this rank so the other ranks do not hang; with
-  ``find_unused_parameters=True`` it simply contributes zeros (its bucket is launched at the end
-  of backward). A parameter unused on every rank therefore has a zero gradient: a stateful
-  optimizer still applies weight decay and momentum to it (DDP would leave ``.grad`` as it was).
+  ``find_unused_parameters=True`` it contributes zeros on this rank (its bucket is launched at
+  the end of backward). A parameter that *no* rank used in any backward of the step is skipped
+  by the optimizer — no weight decay, no moment update, no step count — as with DDP, where its
+  ``.grad`` stays None (one small AllReduce of a used-flag per parameter at ``step()``).
 
 Inside ``no_sync()`` (seed §5) the hooks launch nothing and gradients accumulate locally.
 """
@@ -31,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from zerodp.engine.base import StageEngine, split_target
+from zerodp.engine.base import StageEngine
 from zerodp.engine.buckets import build_buckets, cast_floating_buffers, plan_buckets
 from zerodp.engine.comm import Pending
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
@@ -68,11 +69,17 @@ class BucketEngine(StageEngine):
                             config.bucket_mb, config.first_bucket_mb)
         self.buckets, fp32 = build_buckets(self.named_params, self.param_group_of, plan,
                                            self.world_size, self.param_dtype, self.device)
-        if mp is not None:
+        if mp is not None:  # buffers and frozen parameters compute in the param dtype too
             cast_floating_buffers(module, self.param_dtype)
+            with torch.no_grad():
+                for p in module.parameters():
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(self.param_dtype)
         self._check_consistency(self._description())
         with torch.no_grad():
-            self._broadcast_from_rank0(fp32 + [b for b in module.buffers() if b.is_floating_point()])
+            # Rank 0's values everywhere, as DDP does: trainable parameters, frozen ones, buffers.
+            frozen = [p for p in module.parameters() if not p.requires_grad]
+            self._broadcast_from_rank0(fp32 + frozen + [b for b in module.buffers()])
             for bucket, full in zip(self.buckets, fp32):
                 if bucket.param_buf is not full:
                     bucket.param_buf.copy_(full)
@@ -89,6 +96,9 @@ class BucketEngine(StageEngine):
                 bucket.extra["param_ids"].append(i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._grad_ready, b, i)))
         self._full_count = [len(b.params) for b in self.buckets]
+        position = {n: i for i, (n, _) in enumerate(self.named_params)}
+        self._named_index = [position[n] for n in self._names]  # bucket order → named_params order
+        self._step_used = [False] * len(self._names)
         self._reset_backward()
         self._launched: list[tuple[int, Pending, Callable[[], None] | None]] = []
         self._start_clock()
@@ -113,19 +123,31 @@ class BucketEngine(StageEngine):
 
     # ---- master targets: each bucket's master, in cache-sized chunks -----------------------------
     def _chunked_targets(self, masters: list[tuple[torch.Tensor, int]]) -> list[Target]:
+        """Each bucket's master tensor as optimizer targets (per parameter, cache-sized chunks),
+        remembering which range of the bucket's gradient each target reads."""
         self._bucket_master = [m for m, _ in masters]
-        self._targets_of: list[range] = []
         self._target_range: list[tuple[int, int, int]] = []  # (bucket, start, stop) in its master
         targets: list[Target] = []
         for b, (master, start) in enumerate(masters):
-            bucket = self.buckets[b]
-            pieces = split_target(master, bucket.layout, start, bucket.group, self._optimizer_chunk())
-            self._targets_of.append(range(len(targets), len(targets) + len(pieces)))
-            for t in pieces:
+            for t in self._targets(master, self.buckets[b].layout, start):
                 lo = t.flat_start - start
                 self._target_range.append((b, lo, lo + t.tensor.numel()))
-            targets += pieces
+                targets.append(t)
         return targets
+
+    def _flat_layouts(self):
+        return [b.layout for b in self.buckets]
+
+    def _local_used(self) -> list[bool] | None:
+        if not self.config.find_unused_parameters:
+            return None
+        used = [False] * len(self.named_params)
+        for i, u in enumerate(self._step_used):
+            used[self._named_index[i]] = u
+        return used
+
+    def _reset_used(self) -> None:
+        self._step_used = [False] * len(self._names)
 
     def _master_grads(self) -> list[torch.Tensor | None]:
         grads = self._bucket_grads()
@@ -172,6 +194,7 @@ class BucketEngine(StageEngine):
             self._launched.append((b, pending, finish))
 
     def _on_backward_end(self) -> None:
+        self._step_used = [a or b for a, b in zip(self._step_used, self._fired)]
         try:
             if self._reducing:
                 missing = [i for i, fired in enumerate(self._fired) if not fired]
@@ -230,7 +253,7 @@ class BucketEngine(StageEngine):
             "buckets": [b.describe() for b in self.buckets],
         }
 
-    def _layout_extra(self, index: int, target: Target) -> dict:
+    def _layout_extra(self, index: int) -> dict:
         bucket = self.buckets[index]  # layouts come in bucket order
         return {"label": bucket.label, "dtype": str(bucket.param_buf.dtype)}
 

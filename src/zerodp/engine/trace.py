@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -44,15 +45,19 @@ class Event:
 class Recorder:
     """Collects :class:`Event` s for one rank. Cheap enough to stay on during training.
 
-    ``keep_steps`` bounds memory on long runs: events of older steps are dropped.
+    Memory stays bounded however the engine is used: events of steps older than ``keep_steps``
+    are dropped at each step, and at most ``max_events`` events are held at any time (the oldest
+    go first), so that loops that never call ``step()`` — evaluation, generation — do not grow.
     """
 
-    def __init__(self, rank: int = 0, keep_steps: int = 50, enabled: bool = True):
+    def __init__(self, rank: int = 0, keep_steps: int = 50, enabled: bool = True,
+                 max_events: int = 1 << 14):
         self.rank = rank
         self.keep_steps = keep_steps
         self.enabled = enabled
         self.step = 0
-        self.events: list[Event] = []
+        self.max_events = max_events
+        self.events: deque[Event] = deque(maxlen=max_events)
         self.t0 = time.perf_counter()
 
     def clock(self) -> float:
@@ -83,7 +88,7 @@ class Recorder:
         self.step += 1
         if self.keep_steps and self.events and self.events[0].step <= self.step - self.keep_steps:
             cutoff = self.step - self.keep_steps
-            self.events = [e for e in self.events if e.step > cutoff]
+            self.events = deque((e for e in self.events if e.step > cutoff), maxlen=self.max_events)
 
     def step_events(self, step: int | None = None) -> list[Event]:
         """Events of one step (default: the last completed step)."""

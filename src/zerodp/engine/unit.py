@@ -39,7 +39,6 @@ import torch.nn as nn
 
 from zerodp.engine.comm import Collectives, Pending
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.master import Target
 
 FROZEN = -1  # group index of parameters with requires_grad=False: gathered, never updated
 
@@ -251,24 +250,6 @@ class Unit:
     def has_trainable(self) -> bool:
         return bool(self.trainable)
 
-    def targets(self) -> list[Target]:
-        """This rank's master shard cut into one :class:`Target` per parameter group range.
-
-        Parameters are ordered by group, so group g covers one contiguous flat range; its
-        intersection with the shard range is a view of ``master``. Frozen ranges get no target.
-        """
-        lo, hi = self.layout.shard_range(self.rank)
-        out = []
-        ranges: dict[int, list[int]] = {}
-        for slot, g in zip(self.layout.slots, self.groups):
-            r = ranges.setdefault(g, [slot.offset, slot.stop])
-            r[0], r[1] = min(r[0], slot.offset), max(r[1], slot.stop)
-        for g, (a, b) in ranges.items():
-            a, b = max(a, lo), min(b, hi)
-            if g != FROZEN and a < b:
-                out.append(Target(self.master[a - lo:b - lo], self.layout, a, g))
-        return out
-
     # ---- parameters ---------------------------------------------------------------------
     def gather(self, comm: Collectives, async_op: bool) -> Pending:
         """Allocate ``full`` and AllGather every rank's ``param_shard`` into it (seed §9.3)."""
@@ -300,7 +281,7 @@ class Unit:
             self.param_shard.copy_(self.master)
 
     # ---- gradients ----------------------------------------------------------------------
-    def collect_grads(self) -> None:
+    def collect_grads(self) -> list[bool]:
         """After the unit's backward: move each parameter's ``.grad`` into ``grad_full``.
 
         Autograd leaves each gradient in a tensor of its own (``.grad`` is unset during backward,
@@ -308,7 +289,7 @@ class Unit:
         them into the flat buffer the ReduceScatter reads — the copy-in every FSDP does. A
         ``grad_full`` still allocated holds the local sum of earlier ``no_sync`` micro-batches
         (``reduce_every_microbatch=False``) and is added to instead. Parameters that got no
-        gradient count as zero.
+        gradient count as zero. Returns, per trainable parameter, whether it got a gradient.
         """
         fresh = not self.grad_allocated
         if fresh:
@@ -316,9 +297,10 @@ class Unit:
             self.grad_allocated = True
             for hole in self._grad_holes:
                 hole.zero_()
-        dst, src = [], []
+        dst, src, got = [], [], []
         for p, view in zip(self._trainable_params, self._grad_views):
             g = p.grad
+            got.append(g is not None)
             if g is None:
                 if fresh:
                     view.zero_()
@@ -331,6 +313,7 @@ class Unit:
                 torch._foreach_copy_(dst, src)
             else:
                 torch._foreach_add_(dst, src)
+        return got
 
     def reduce(self, comm: Collectives) -> tuple[Pending, "callable"]:
         """Issue the ReduceScatter of ``grad_full``; return it and the finisher to run after wait.
@@ -367,13 +350,6 @@ class Unit:
         if self.grad_allocated:
             self._grad_storage.resize_(0)
             self.grad_allocated = False
-
-    def master_grad(self) -> torch.Tensor:
-        """The reduced gradient shard as the master's dtype (zeros if nothing was reduced)."""
-        if self.grad_shard_fresh:
-            self.grad_shard.zero_()
-        g = self.grad_shard
-        return g if g.dtype == self.master.dtype else g.to(self.master.dtype)
 
     # ---- memory -------------------------------------------------------------------------
     def gathered_bytes_when_full(self) -> int:

@@ -14,18 +14,21 @@ unchanged: ReduceScatter + AllGather = one AllReduce (seed §9.1), only the AllG
 the gradients to the updated parameters.
 
 Here the ReduceScatter of a bucket is launched as soon as the bucket is full (as stage 0's
-AllReduce is; the reduction runs in place, rank r's slice of the bucket's gradient buffer
-receives the result), and waited for at the end of backward.
+AllReduce is) and waited for at the end of backward. It writes into a separate gradient shard
+(Ψ/N elements per rank), not into rank r's slice of the full buffer: the full buffer keeps this
+rank's *local* gradient sum, so a second synchronizing backward in the same step (gradient
+accumulation without ``no_sync``, two losses backwarded one after the other) adds onto local
+values again and its ReduceScatter returns the average of the whole sum. An in-place
+ReduceScatter would leave slice r averaged and the other slices local, and the next backward
+would add onto that mixture.
 
-Hiding the AllGather — which of §9.1's two options, and why: **in the optimizer step, bucket by
-bucket**. Buckets are updated in the order the next forward needs them (the last bucket holds
-the first layers), and each bucket's AllGather is launched as soon as its slice is updated, so it
-runs while the next buckets are updated, during ``zero_grad``, data loading and the start of the
-next step; it is waited for only at the next forward (or when ``engine.module`` is accessed). The
-other option — waiting for each bucket right before its first use in forward — needs forward
-hooks that know every place a parameter is read; a parameter read directly by a parent module
-(tied embeddings, raw ``nn.Parameter`` s) would silently see stale values. The chosen option is
-exact for every model and leaves exposed only what the step itself cannot cover.
+The AllGather of §9.1 step 5: after the one optimizer step, each bucket's updated slice is cast
+and its AllGather launched, in the order the next forward needs them (the last bucket holds the
+first layers), so that they overlap one another. ``step()`` waits for them before it returns, so
+the model's parameters are the new ones afterwards (EMA, ``state_dict()``, evaluation outside
+the engine). ``overlap_param_gather=True`` leaves them in flight until the next engine forward
+instead, hiding them behind ``zero_grad``, data loading and whatever else runs between steps;
+reading the parameters directly in that window sees the old values.
 """
 
 from __future__ import annotations
@@ -51,23 +54,6 @@ class ShardedMaster(BucketEngine):
 
     def _shard(self, b: int) -> tuple[int, int]:
         return self.buckets[b].layout.shard_range(self.rank)
-
-    def _optimizer_step(self) -> None:
-        """§9.1 steps 3-4, bucket by bucket in forward order; each AllGather overlaps the next update."""
-        grads = self._bucket_grads()
-        targets = self.master.targets
-        for b in reversed(range(len(self.buckets))):
-            if grads[b] is None:
-                continue
-            grad = grads[b] if grads[b].dtype == torch.float32 else grads[b].float()
-            mine = [targets[i] for i in self._targets_of[b]]
-            for t in mine:
-                lo = t.flat_start - self._shard(b)[0]
-                t.tensor.grad = grad[lo:lo + t.tensor.numel()]
-            self.master.step()  # the stock optimizer skips targets whose .grad is None
-            for t in mine:
-                t.tensor.grad = None
-            self._publish_bucket(b)
 
     @torch.no_grad()
     def _publish_bucket(self, b: int) -> None:
@@ -95,14 +81,40 @@ class ZeRO1Engine(ShardedMaster, FullGradEngine):
 
     stage = 1
 
+    def _init_grads(self) -> None:
+        super()._init_grads()
+        dtype = torch.float32 if self.fp32_grads else self.param_dtype
+        # The ReduceScatter's output: the average of slice r of every rank's local sum.
+        self._grad_shards = [torch.zeros(b.layout.shard_numel, dtype=dtype, device=self.device)
+                             for b in self.buckets]
+        self._pending_local = False  # local gradients not yet reduced (no_sync, then step)
+
     def _launch(self, b: int) -> tuple[Pending, None]:
         buf = self._grads_to_reduce(b)
-        lo, hi = self._shard(b)
-        # In place: slice r of the bucket's gradient buffer receives the average of slice r.
-        return self.comm.reduce_scatter_mean(buf[lo:hi], buf, self.buckets[b].label), None
+        return self.comm.reduce_scatter_mean(self._grad_shards[b], buf, self.buckets[b].label), None
+
+    def _on_backward_end(self) -> None:
+        self._pending_local = not self._reducing
+        super()._on_backward_end()
+
+    def _finish_grad_sync(self) -> None:
+        super()._finish_grad_sync()
+        if self._pending_local and self._fresh:
+            # The step's last backward ran inside no_sync: reduce what accumulated, on every rank.
+            self._pending_local = False
+            for b in range(len(self.buckets)):
+                pending, _ = self._launch(b)
+                pending.wait()
 
     def _bucket_grads(self) -> list[torch.Tensor | None]:
-        return [None if g is None else g[slice(*self._shard(b))] for b, g in enumerate(self._full_grads())]
+        if not self._fresh:
+            return [None] * len(self.buckets)
+        return list(self._grad_shards)
+
+    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out = super()._memory_tensors()
+        out["comm_buffers"] = list(self._grad_shards)
+        return out
 
 
 class ZeRO2ReduceOnceEngine(ZeRO1Engine):

@@ -1,0 +1,60 @@
+"""The differential matrix (tests/_matrix.py): every stage 0-3 × world sizes 1-4 × model
+features × usage, against a single-process reference with dtype-derived tolerances.
+
+``make test`` runs a pairwise covering table (every value of every dimension meets every value
+of every other dimension at least once), seeded so that it is the same list on every machine;
+``make fuzz`` (``ZERODP_MATRIX_RANDOM=N``, default 520 there) adds N uniformly random cases. A
+failure names each failing case as one line, which ``python tests/_matrix.py "<line>"`` reruns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from _matrix import Case, pairwise_cases, random_cases, run_cases
+from zerodp.spawn import run_local
+
+pytestmark = pytest.mark.dist
+
+
+def _run(cases: list[Case]) -> tuple[list[str], int]:
+    failures, ran = [], 0
+    by_world: dict[int, list[Case]] = {}
+    for c in cases:
+        by_world.setdefault(c.ranks_needed, []).append(c)
+    for world, group in sorted(by_world.items()):
+        results = run_local(run_cases, world, group, timeout=120 + 20 * len(group))
+        for i, case in enumerate(group):
+            errors = {rank_results[i][1] for rank_results in results if rank_results[i][1]}
+            ran += 1
+            if errors:
+                failures.append(f"{case}\n    rerun: python tests/_matrix.py \"{case}\"\n    "
+                                + "\n    ".join(sorted(errors)))
+    return failures, ran
+
+
+def test_pairwise_table_covers_every_pair():
+    cases = pairwise_cases()
+    assert {c.stage for c in cases} == {0, 1, 2, 3} and {c.world for c in cases} == {1, 2, 3, 4}
+    assert all(any(c.usage == u and c.stage == s for c in cases) for u in {c.usage for c in cases} for s in range(4))
+    assert len(cases) <= 60, len(cases)
+    assert Case.parse(str(cases[0])) == cases[0]
+
+
+def test_matrix_pairwise():
+    failures, ran = _run(pairwise_cases())
+    assert not failures, f"{len(failures)} of {ran} matrix cases failed:\n" + "\n".join(failures)
+
+
+@pytest.mark.fuzz
+def test_matrix_random():
+    """A few random cases in make test; ZERODP_MATRIX_RANDOM=N (make fuzz) runs N."""
+    n = int(os.environ.get("ZERODP_MATRIX_RANDOM", "8"))
+    seed = int(os.environ.get("ZERODP_MATRIX_SEED", "0"))
+    t = time.perf_counter()
+    failures, ran = _run(random_cases(n, seed))
+    print(f"matrix: {ran} random cases (seed {seed}) in {time.perf_counter() - t:.0f} s")
+    assert not failures, f"{len(failures)} of {ran} matrix cases failed:\n" + "\n".join(failures)
