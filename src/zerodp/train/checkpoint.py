@@ -20,13 +20,16 @@ On disk, one directory per checkpoint::
 A save writes into ``.tmp-step_…``, fsyncs every file and the directory, renames it to its final
 name (atomic on POSIX), then writes ``COMPLETE``. Older checkpoints are deleted only after that, so
 a process killed at any moment leaves the previous checkpoint whole; a directory without
-``COMPLETE`` is skipped with a message. Loading validates everything (model config, every file's
+``COMPLETE`` is skipped with a message. A save that meets a filesystem error (a full disk, no
+permission, an I/O error, a directory removed meanwhile) ends on every rank with one
+:class:`CheckpointWriteError` naming the rank, the path and the error, and removes what it wrote. Loading validates everything (model config, every file's
 presence, size and checksum, piece coverage) before anything is applied: a bad checkpoint is
 refused with the file and the problem named, never half-loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -97,11 +100,6 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _gather(obj) -> list:
     if dist.is_available() and dist.is_initialized():
         out = [None] * dist.get_world_size()
@@ -118,6 +116,54 @@ def rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written: the filesystem returned an error on some rank. Raised on
+    every rank with the same sentence; the checkpoints saved before are untouched."""
+
+
+# TEST HOOK, not a user setting: when set, ``fault_hook(point, step, path)`` is called right before
+# each filesystem operation of a save — ``point`` is "mkdir" (rank 0 creates the temporary
+# directory), "shard" (a rank writes its file), "fsync" (a rank flushes it), "manifest", "rename"
+# and "complete" (rank 0) — and may raise ``OSError`` (or change the filesystem) to make the writer
+# meet ENOSPC, EACCES, EIO or a vanished directory. zerodp.train.faults sets it from
+# ``ZERODP_TEST_FAULT``; nothing else does.
+fault_hook: Callable[[str, int, Path], None] | None = None
+
+
+def _fs(point: str, step: int, path: Path) -> None:
+    if fault_hook is not None:
+        fault_hook(point, step, path)
+
+
+def _problem(rank: int, exc: BaseException, path: Path) -> dict:
+    """What went wrong on this rank, picklable, for the other ranks to report."""
+    if isinstance(exc, OSError):
+        name = errno.errorcode.get(exc.errno or 0, "")
+        what = f"{exc.strerror or exc}" + (f" ({name})" if name else "")
+        path = Path(exc.filename) if exc.filename else path
+    else:
+        what = f"{type(exc).__name__}: {exc}"
+    return dict(rank=rank, path=str(path), error=what)
+
+
+def _previous(root: Path, step: int) -> str:
+    try:
+        older = [d for d in complete_checkpoints(root) if _step_of(d) != step]
+    except OSError:
+        older = []
+    return (f"the previous checkpoint {older[-1]} is intact" if older else
+            "no earlier checkpoint exists")
+
+
+def _agree(problem: dict | None, step: int, root: Path) -> None:
+    """Every rank learns whether any rank failed; if one did, every rank raises the same sentence."""
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        met = "; ".join(f"rank {p['rank']} met \"{p['error']}\" at {p['path']}" for p in problems)
+        raise CheckpointWriteError(f"the checkpoint of step {step} was not saved: {met}; "
+                                   f"{_previous(root, step)}")
+
+
 def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 2,
          on_phase: Callable[[str], None] | None = None) -> Path:
     """Write this rank's ``pieces`` into checkpoint ``root/step_…``; collective on every rank.
@@ -126,18 +172,29 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
     the manifest. ``keep`` complete checkpoints are kept, counting the new one. ``on_phase(name)``
     is called at each phase of the protocol ("files", "manifest", "renamed", "complete") — tests
     use it to kill the writer at chosen points.
+
+    A filesystem error on any rank (a full disk, no permission, an I/O error, a directory removed
+    meanwhile) ends the save on every rank with the same :class:`CheckpointWriteError`, which
+    names the rank, the path and the error: the ranks exchange their outcome after writing their
+    files and again after rank 0 completes the checkpoint, so none is left waiting in a collective.
+    What the failed save wrote is removed (best effort); older checkpoints are never touched.
     """
     phase = on_phase or (lambda name: None)
     rank, world = _rank_world()
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / (TMP_PREFIX + final.name)
+    problem = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a save that was killed
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
+        try:
+            _fs("mkdir", step, tmp)
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a save that was killed
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            problem = _problem(rank, e, tmp)
+    _agree(problem, step, root)  # also the barrier: the directory exists before anyone writes
 
     tensors: dict[str, torch.Tensor] = {}
     records = []
@@ -152,39 +209,81 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
                             shape=[int(s) for s in p.shape], dtype=str(t.dtype).replace("torch.", "")))
     for k, v in rng_state().items():
         tensors[k] = v.clone()
-    from safetensors.torch import save_file
+    from safetensors.torch import save as to_bytes
 
     path = tmp / rank_file(rank)
-    save_file(tensors, str(path), metadata={"format": FORMAT, "rank": str(rank)})
-    _fsync_file(path)
-    info = dict(rank=rank, file=path.name, bytes=path.stat().st_size, sha256=_sha256(path),
-                pieces=records)
+    info, problem = None, None
+    try:
+        # serialised in memory and written with plain file calls, so that a filesystem error
+        # arrives as an OSError with its errno and path
+        data = to_bytes(tensors, metadata={"format": FORMAT, "rank": str(rank)})
+        _fs("shard", step, path)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            _fs("fsync", step, path)
+            os.fsync(f.fileno())
+        info = dict(rank=rank, file=path.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                    pieces=records)
+        del data
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, never left unmatched
+        problem = _problem(rank, e, path)
+    del tensors
     phase("files")
-    everyone = _gather(info)
+    everyone = _gather((info, problem))
+    problems = [p for _, p in everyone if p]
+    if problems:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _agree(problem, step, root)  # raises the same sentence on every rank
 
+    problem = None
     if rank == 0:
         manifest = dict(format=FORMAT, version=VERSION, step=int(step), world_size=world, **meta,
-                        files=[{k: r[k] for k in ("rank", "file", "bytes", "sha256")} for r in everyone],
-                        pieces=[dict(file=r["file"], **rec) for r in everyone for rec in r["pieces"]])
-        _write_json(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
-        phase("manifest")
+                        files=[{k: r[k] for k in ("rank", "file", "bytes", "sha256")} for r, _ in everyone],
+                        pieces=[dict(file=r["file"], **rec) for r, _ in everyone for rec in r["pieces"]])
         aside = root / (TMP_PREFIX + "replaced-" + final.name)
-        if final.exists():  # the same step saved before (a resumed run redid these steps)
-            if aside.exists():
-                shutil.rmtree(aside)
-            os.rename(final, aside)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        phase("renamed")
-        (final / COMPLETE).write_text(f"step {step}\n")
-        _fsync_file(final / COMPLETE)
-        _fsync_dir(final)
-        phase("complete")
-        if aside.exists():
-            shutil.rmtree(aside)
-        _prune(root, keep)
-    _barrier()
+        moved = renamed = False
+        where = tmp / MANIFEST
+        try:
+            _fs("manifest", step, where)
+            _write_json(where, manifest)
+            _fsync_dir(tmp)
+            phase("manifest")
+            if final.exists():  # the same step saved before (a resumed run redid these steps)
+                if aside.exists():
+                    shutil.rmtree(aside)
+                where = final
+                os.rename(final, aside)
+                moved = True
+            where = final
+            _fs("rename", step, final)
+            os.rename(tmp, final)
+            renamed = True
+            _fsync_dir(root)
+            phase("renamed")
+            where = final / COMPLETE
+            _fs("complete", step, where)
+            where.write_text(f"step {step}\n")
+            _fsync_file(where)
+            _fsync_dir(final)
+            phase("complete")
+        except OSError as e:
+            problem = _problem(rank, e, where)
+            shutil.rmtree(final if renamed else tmp, ignore_errors=True)
+            if moved:  # put back the complete checkpoint of the same step that was moved aside
+                try:
+                    os.rename(aside, final)
+                except OSError:
+                    pass
+        else:
+            try:
+                if aside.exists():
+                    shutil.rmtree(aside)
+                _prune(root, keep)
+            except OSError:  # the new checkpoint is complete; old ones go at the next save
+                pass
+    _agree(problem, step, root)
     return final
 
 

@@ -24,6 +24,7 @@ PRESET_NAMES = ("nano", "tiny", "small", "medium", "gpt2-small")
 STAGES = (0, 1, 2, 3)
 AUTO = "auto"  # --bucket-mb auto
 MIXED_PRECISION = (None, "bf16")
+ON_SAVE_ERROR = ("stop", "continue")
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class TrainConfig:
     max_restarts: int = 0
     timeout_s: float = 600.0  # collective timeout; the watchdog allows 1.5x this + 2 s (issue 9)
     max_skipped_steps: int = 3  # stop after this many consecutive steps with inf/NaN gradients
+    grace_s: float = 30.0  # SIGTERM / first SIGINT: stop with a checkpoint within this (zerodp.train.stop)
+    on_save_error: str = "stop"  # a checkpoint the filesystem refuses: "stop" or "continue" (retry later)
     progress: bool = True
 
     def __post_init__(self):
@@ -142,6 +145,11 @@ class TrainConfig:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout-s must be a positive number of seconds, got {self.timeout_s}")
+        if not 1 <= self.grace_s <= 86400:
+            raise ValueError(f"--grace-s must be a number of seconds from 1 to 86400, got {self.grace_s}")
+        if self.on_save_error not in ON_SAVE_ERROR:
+            raise ValueError(f"--on-save-error must be one of {', '.join(ON_SAVE_ERROR)}, got "
+                             f"{self.on_save_error!r}")
         self._check_bucket()
 
     def _check_bucket(self) -> None:

@@ -12,15 +12,24 @@ runs as one worker directly, so multi-node runs work unchanged::
 
 Everything that can be checked in one process (data, batch arithmetic, a checkpoint to resume) is
 checked before any rank starts, so bad input ends with one clear line instead of N tracebacks.
+
+SIGTERM and a first SIGINT stop the run gracefully (:mod:`zerodp.train.stop`): the launcher
+forwards the signal to the ranks, which finish the step, save a checkpoint and return; the launcher
+then raises :class:`Stopped` with the documented exit status. It waits ``--grace-s`` for them and
+kills what is left after that; a second SIGINT kills the ranks at once.
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import json
 import logging
+import math
+import multiprocessing
 import os
 import signal
+import sys
 import time
 import uuid
 from dataclasses import asdict, replace
@@ -29,9 +38,19 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from zerodp.train import stop as stopping
 from zerodp.train.config import TrainConfig
 
 DEFAULT_RUNS_DIR = "runs"
+
+
+class Stopped(Exception):
+    """The run ended before its last step; ``code`` is the exit status (zerodp.train.stop), the
+    message says why and how to continue (empty on ranks other than 0 under torchrun)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 def launched_by_torchrun() -> bool:
@@ -86,8 +105,14 @@ def attempt_store(rank: int, world: int, attempt: int, timeout: datetime.timedel
 
 
 @record  # a failing worker's traceback goes where the elastic agent reports it
-def worker(cfg_dict: dict) -> dict:
-    """Entry point of one rank: set up the process group and device, train, report (rank 0)."""
+def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
+    """Entry point of one rank: set up the process group and device, train, report (rank 0).
+
+    ``under_agent``: started by our elastic agent (not torchrun). After a graceful stop the process
+    then ends at once with the stop's exit status, instead of returning: the agent is shutting the
+    ranks down and does not collect return values any more (a returned value would keep the
+    process waiting for it until the agent's timeout).
+    """
     import warnings
 
     import torch.distributed as dist
@@ -103,6 +128,7 @@ def worker(cfg_dict: dict) -> dict:
 
     cfg = TrainConfig.from_dict(cfg_dict)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    stopper = stopping.install(rank, cfg.grace_s)  # first, so that no SIGTERM finds the default action
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where every thread of this rank is
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -134,13 +160,119 @@ def worker(cfg_dict: dict) -> dict:
             name = [default_out() if rank == 0 else None]
             dist.broadcast_object_list(name, src=0)
             cfg = replace(cfg, out=name[0])
-        summary = train(cfg, RankContext(rank, world, local_rank, device))
+        try:
+            summary = train(cfg, RankContext(rank, world, local_rank, device))
+        except Exception as e:
+            if cfg.max_restarts > 0:  # the agent restarts the group and reports nothing: say it here
+                print(f"zerodp: rank {rank} (attempt {restart}): {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr, flush=True)
+            raise
+        if summary.get("stopped"):
+            if under_agent:
+                dist.destroy_process_group()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                stopped = summary["stopped"]
+                os._exit(stopping.exit_code(signal.Signals[stopped["signal"]]) if stopped["reason"] == "signal"
+                         else stopping.EXIT_SAVE_FAILED)
+            return {"out": cfg.out, "stopped": summary["stopped"]}
         if rank == 0:
             write_report(summary)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+        stopper.done()
     return {"out": cfg.out} if rank == 0 else {}
+
+
+def stopped_outcome(out: str | None, stopped: dict | None, sig: int | None, grace_s: float,
+                    since: float = 0.0) -> Stopped | None:
+    """What an early end means, as a :class:`Stopped` (None: the run had in fact finished).
+
+    ``stopped`` is what the ranks returned (None when they did not return: the launcher only knows
+    it got ``sig`` at wall-clock time ``since``); then the metrics log tells whether they stopped
+    cleanly after the signal.
+    """
+    from zerodp.train.cli import _resumable
+
+    if stopped is None and out:
+        last = _last_record(Path(out) / "metrics.jsonl")
+        if last and last.get("time", 0) < since - 1:  # written before the signal: not its answer
+            last = None
+        if last and last.get("event") == "end":
+            return None
+        if last and last.get("event") == "stop":
+            stopped = last
+    if stopped and stopped.get("reason") == "signal":
+        name = stopped["signal"]
+        return Stopped(f"zerodp train: stopped on {name} after step {stopped['step']}, with a "
+                       f"checkpoint of that step: {stopped['checkpoint']}. Continue with: zerodp train "
+                       f"--out {out} --resume (with the same options)", stopping.exit_code(signal.Signals[name]))
+    if stopped and stopped.get("reason") == "save-error":
+        return Stopped(f"zerodp train: stopped after step {stopped['step']} because its checkpoint could "
+                       f"not be written: {stopped['error']}. {_resumable(out)}", stopping.EXIT_SAVE_FAILED)
+    what = signal.Signals(sig).name if sig else "a stop signal"
+    return Stopped(f"zerodp train: {what} received, but the ranks did not stop cleanly within --grace-s "
+                   f"{grace_s:g} s (or one of them failed); nothing of the step in flight was saved. "
+                   f"{_resumable(out)}", stopping.EXIT_FAILED)
+
+
+def _last_record(path: Path) -> dict | None:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+    return None
+
+
+class _LauncherSignals:
+    """The launcher's SIGTERM/SIGINT handler while the elastic agent runs the ranks.
+
+    The first stop signal raises the agent's ``SignalException``: the agent forwards the signal to
+    the ranks and waits up to its shutdown timeout (``--grace-s``) for them to stop. Repeats of
+    SIGTERM are ignored (the stop is under way); a second SIGINT kills the ranks at once and ends
+    the launcher (a checkpoint save is atomic: the newest complete one is untouched).
+    """
+
+    def __init__(self, out: str):
+        self.out = out
+        self.first: signal.Signals | None = None
+        self.at = 0.0  # wall-clock time of the first signal
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_LauncherSignals":
+        for sig in stopping.STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        sig = signal.Signals(signum)
+        if self.first is None:
+            self.first, self.at = sig, time.time()
+            raise SignalException(f"zerodp train got {sig.name}", sigval=sig)
+        if sig != signal.SIGINT:
+            return
+        from zerodp.train.cli import _resumable
+
+        for child in multiprocessing.active_children():  # the ranks (spawned by the agent)
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print(f"\nzerodp train: second interrupt: the ranks were ended at once. {_resumable(self.out)}",
+              file=sys.stderr, flush=True)
+        os._exit(stopping.EXIT_FAILED)
 
 
 def launch(cfg: TrainConfig) -> str:
@@ -148,8 +280,13 @@ def launch(cfg: TrainConfig) -> str:
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         validate(cfg, world)
-        return worker(asdict(cfg)).get("out", cfg.out or "")
+        result = worker(asdict(cfg))
+        if result.get("stopped"):
+            stop = stopped_outcome(cfg.out, result["stopped"], None, cfg.grace_s)
+            raise Stopped(str(stop) if int(os.environ["RANK"]) == 0 else "", stop.code)
+        return result.get("out", cfg.out or "")
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from zerodp.spawn import free_port
@@ -163,7 +300,20 @@ def launch(cfg: TrainConfig) -> str:
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"zerodp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.max_restarts,
-        monitor_interval=0.2, start_method="spawn")
-    elastic_launch(config, worker)(asdict(cfg))
+        monitor_interval=0.2, start_method="spawn",
+        # SIGTERM and SIGINT are ours (_LauncherSignals); the agent waits for the ranks until shortly
+        # before --grace-s ends and then kills them, leaving the launcher time to exit within it
+        signals_to_handle="SIGHUP,SIGQUIT",
+        shutdown_timeout=max(1, math.ceil(cfg.grace_s - stopping.margin_s(cfg.grace_s))))
+    with _LauncherSignals(cfg.out) as signals:
+        try:
+            results = elastic_launch(config, worker)(asdict(cfg), True)
+        except SignalException as e:
+            if signals.first is None:  # SIGHUP / SIGQUIT: the agent's own handling
+                raise
+            stop = stopped_outcome(cfg.out, None, e.sigval, cfg.grace_s, since=signals.at)
+            if stop is None:
+                return cfg.out
+            raise stop from None
     return cfg.out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.train import checkpoint as ckpt
+from zerodp.train import stop as stopping
 from zerodp.train.config import AUTO, BatchPlan, TrainConfig, plan_batch
 from zerodp.train.data import Corpus, Sharding, TrainStream, Windows, load_corpus, val_batches
 from zerodp.train.model import GPT, GPTConfig
@@ -211,7 +213,9 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
     say = print if lead else (lambda *a, **k: None)
     if faults:
         say(f"warning: {faults.describe()}")
+        faults.install_storage_hook()
     ck = check_resume(cfg, mc, log=say)
+    faults.at_start(ck.step if ck is not None else 0)
     dog.slow("building the engine")
     engine, n_params = build_engine(cfg, mc, ctx)
     start = 0
@@ -241,13 +245,26 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     bar = ProgressBar(end, start, enabled=lead and cfg.progress)
 
-    def checkpoint(step: int) -> Path:
+    def checkpoint(step: int) -> Path | None:
+        """Save the checkpoint of ``step`` on every rank; None when the filesystem refused it (every
+        rank then prints the same sentence, and the checkpoints saved before are intact)."""
         dog.pet(f"saving the checkpoint of step {step}")
         meta = dict(stage=cfg.stage, mixed_precision=cfg.mixed_precision, model=mc.to_dict(),
                     train=asdict(cfg), scalars=engine.scalar_state(),
                     data=dict(step=step, samples_consumed=step * plan.global_batch, seed=cfg.seed,
                               corpus=corpus.name, kind=corpus.kind, epoch=stream.epoch_at(step)))
-        return ckpt.save(engine.state_pieces(), out / CHECKPOINTS, step, meta, keep=cfg.keep_checkpoints)
+        try:
+            path = ckpt.save(engine.state_pieces(), out / CHECKPOINTS, step, meta,
+                             keep=cfg.keep_checkpoints, on_phase=faults.save_phase(step))
+        except ckpt.CheckpointWriteError as e:
+            save_errors.append(str(e))
+            print(f"zerodp: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
+            if lead:
+                log.write("save_error", step=step, error=str(e))
+            return None
+        if lead:
+            log.write("checkpoint", step=step, path=str(path))
+        return path
 
     val_loss = None
     if cfg.eval_every and start % cfg.eval_every == 0 or start == 0:
@@ -259,6 +276,9 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
     step_times, last_ckpt, train_loss = [], None, float("nan")
     t_run = time.perf_counter()
     skipped_steps = 0
+    stopper = stopping.current()  # SIGTERM / first SIGINT: stop after this step (zerodp.train.stop)
+    save_errors: list[str] = []
+    stopped = None  # why this invocation ends before ``end``, if it does
     for step in range(start, end):
         dog.pet(f"step {step}")
         faults.at_step_start(step)
@@ -287,15 +307,20 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
                 (bar.write if cfg.progress else say)(f"step {step + 1}: inf/NaN gradients on rank(s) "
                           f"{', '.join(map(str, guard.last_ranks))}; the step was skipped on every rank "
                           f"({guard.consecutive} in a row, at most {cfg.max_skipped_steps})")
-        dist.all_reduce(loss_sum)
-        train_loss = loss_sum.item() / ctx.world
+        # The loss and every rank's stop votes in one AllReduce: all ranks learn after the same
+        # step whether any of them was asked to stop.
+        reduced = torch.cat([loss_sum.view(1), torch.tensor(stopper.votes(), device=ctx.device)])
+        dist.all_reduce(reduced)
+        train_loss = reduced[0].item() / ctx.world
+        done = step + 1
+        # a request that arrives during the last step changes nothing: the run is then complete
+        stop_sig = stopping.decided(reduced[1].item(), reduced[2].item()) if done < end else None
         step_s = time.perf_counter() - t0
         step_times.append(step_s)
-        done = step + 1
         if cfg.trace and step == trace_step:  # the engine counts its steps from 0 in this process
             engine.export_chrome_trace(out / TRACE_FILE, step=step - start)
         val_loss = None
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == end:
+        if stop_sig is None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == end):
             dog.pet(f"validation at step {done}")
             val_loss = evaluate(engine, val_w, cfg, ctx)
         if lead:
@@ -306,11 +331,29 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
             if val_loss is not None:
                 log.write("eval", step=done, val_loss=val_loss)
         bar.update(train_loss, step_tokens / step_s, step_s, val_loss, guard.skipped_steps)
-        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end:
-            last_ckpt = checkpoint(done)
-            if lead:
-                log.write("checkpoint", step=done, path=str(last_ckpt))
+        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end or stop_sig is not None:
+            saved = checkpoint(done)
+            last_ckpt = saved or last_ckpt
+            if saved is None and (cfg.on_save_error == "stop" or done == end or stop_sig is not None):
+                stopped = dict(reason="save-error", step=done, error=save_errors[-1],
+                               signal=stop_sig.name if stop_sig is not None else None)
+                break
+            if saved is None and lead:
+                say(f"training continues (--on-save-error continue); the next save is at step "
+                    f"{done + cfg.ckpt_every if cfg.ckpt_every else end}")
+        if stop_sig is not None:
+            stopped = dict(reason="signal", signal=stop_sig.name, step=done, checkpoint=str(last_ckpt))
+            break
     bar.close()
+    if stopped is not None:
+        # Stopped early: a preemption or a checkpoint that could not be written. No report (the run
+        # is not over); the metrics log says where it stopped, and the launcher says the rest.
+        stopper.done()
+        if lead:
+            log.write("stop", **stopped)
+            log.close()
+            say(_stopped_words(stopped, last_ckpt))
+        return dict(stopped=stopped, out=str(out), checkpoint=str(last_ckpt) if last_ckpt else None)
     wall = time.perf_counter() - t_run
     dog.pet("the end-of-run report")
 
@@ -333,5 +376,12 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
                        device=str(ctx.device), mixed_precision=cfg.mixed_precision,
                        bucket_mb=bucket_mb, bucket_auto=engine.bucket_auto, bucket=bucket,
                        grad_acc=plan.grad_acc, global_batch=plan.global_batch,
-                       skipped_steps=skipped_steps)
+                       skipped_steps=skipped_steps, save_errors=save_errors)
     return summary
+
+
+def _stopped_words(stopped: dict, last_ckpt) -> str:
+    if stopped["reason"] == "signal":
+        return (f"stopped on {stopped['signal']} after step {stopped['step']}: every rank saved the "
+                f"checkpoint {last_ckpt}")
+    return f"stopped after step {stopped['step']}: its checkpoint could not be written (see above)"
