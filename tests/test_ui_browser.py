@@ -19,6 +19,7 @@ pytestmark = pytest.mark.browser
 
 # Screenshots go to out/screenshots (ignored by git); ZERODP_SCREENSHOTS=docs/img refreshes the README's.
 IMG_DIR = Path(os.environ.get("ZERODP_SCREENSHOTS", Path(__file__).resolve().parents[1] / "out" / "screenshots"))
+DATA = Path(__file__).resolve().parent / "data"
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -140,10 +141,34 @@ def test_every_control_is_labelled_and_sliders_are_native(desktop):
     assert len(sliders) >= 5 and all(text for _, text in sliders), sliders
 
 
-def test_memory_panel_shows_the_zero_paper_table(desktop):
-    shown = [desktop.page.inner_text(f"#memory dd[data-stage='{s}']")
-             for s in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
-    assert shown == ["120 GB", "31.4 GB", "16.6 GB", "1.88 GB"]
+def test_memory_panel_shows_the_zero_paper_table_and_the_whole_bill(desktop):
+    page = desktop.page
+    states = [page.inner_text(f"#memory small.states[data-stage='{s}']")
+              for s in ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")]
+    assert states == ["model states 120 GB", "model states 31.4 GB", "model states 16.6 GB",
+                      "model states 1.88 GB"]  # guide §9.4
+    # the headline figure is the total "fits" compares: ZeRO-3 adds its two gathered units
+    status, api = _api(desktop, "memory")
+    for s in api["stages"]:
+        dd = f"#memory dd[data-stage='{s['stage_name']}']"
+        assert page.inner_text(dd) == s["total_label"]
+        assert page.get_attribute(dd, "data-fits") == str(s["fits"]).lower()
+        assert ("over" in (page.get_attribute(dd, "class") or "")) == (not s["fits"])
+    assert "gathered units" in page.inner_text("#memory-includes")
+    assert "no shape" in page.inner_text("#memory-warnings")  # the units rest on an assumed shape
+    # the HBM label sits right of the plot, on no bar
+    x = page.evaluate("document.getElementById('memory-bars').layout.annotations[0].x")
+    assert x > 1
+
+
+def _api(visit, endpoint, **params):
+    import urllib.request
+    from urllib.parse import urlencode
+    try:
+        with urllib.request.urlopen(visit.url + f"api/{endpoint}?{urlencode(params)}", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def test_bucket_slider_goes_high_low_high_and_few_tokens_stay_high(desktop):
@@ -174,29 +199,137 @@ def test_bucket_slider_goes_high_low_high_and_few_tokens_stay_high(desktop):
         desktop.press("#tokens", "ArrowRight")
 
 
-def test_bad_input_shows_the_servers_message(desktop):
+def test_bad_input_shows_the_servers_sentence_next_to_the_field(desktop):
     page = desktop.page
+    before = list(desktop.errors)
     page.fill("#memory input[name=params]", "-5")
     desktop.settle("memory")
-    assert "params" in page.inner_text("#memory .error")
+    _, api = _api(desktop, "memory", model="custom", params="-5")
+    note = page.locator("#memory .field-error")
+    assert note.count() == 1 and note.inner_text() == api["error"]  # the API's very sentence
     assert page.get_attribute("#memory input[name=params]", "aria-invalid") == "true"
+    field = page.locator("#memory input[name=params]").bounding_box()
+    box = note.bounding_box()
+    assert 0 <= box["y"] - (field["y"] + field["height"]) < 40, (field, box)  # right under it
+    assert page.inner_text("#memory p.error") == ""
+    assert desktop.errors == before  # a refused value is an answer, not a console error
     page.select_option("#memory select[name=model]", "zero-7.5b")
     desktop.settle("memory")
-    assert page.inner_text("#memory .error") == ""
-    assert page.inner_text("#memory dd[data-stage='ZeRO-3']") == "1.88 GB"
+    assert page.locator("#memory .field-error").count() == 0
+    assert page.inner_text("#memory small.states[data-stage='ZeRO-3']").endswith("1.88 GB")
 
 
+def test_seq_without_a_shape_and_mbs_without_seq_are_refused_at_their_field(desktop):
+    page = desktop.page
+    page.select_option("#memory select[name=model]", "zero-7.5b")
+    page.fill("#memory input[name=micro_batch]", "4")
+    desktop.settle("memory")
+    assert "seq" in page.inner_text("#memory .field-error")
+    assert page.get_attribute("#memory input[name=seq]", "aria-invalid") == "true"
+    page.fill("#memory input[name=micro_batch]", "1")
+    desktop.settle("memory")
+    assert page.locator("#memory .field-error").count() == 0
+
+
+def test_a_config_json_from_the_file_picker_and_the_paste_box(desktop):
+    page = desktop.page
+    page.set_input_files("#config-file", str(DATA / "mixtral-8x7b" / "config.json"))
+    desktop.settle("memory")
+    page.wait_for_function("() => document.getElementById('memory-model').textContent.includes('46.7B')")
+    assert page.input_value("#memory select[name=model]") == "custom"
+    assert page.get_attribute("#memory input[name=experts]", "placeholder") == "8"
+    assert float(page.get_attribute("#memory-model", "data-params")) == pytest.approx(46.7e9, rel=0.005)
+    page.fill("#memory textarea[name=config]", (DATA / "deepseek-v3" / "config.json").read_text())
+    desktop.settle("memory")
+    page.wait_for_function("() => document.getElementById('memory-model').textContent.includes('671B')")
+    assert "37.6B active" in page.inner_text("#memory-model")
+    page.fill("#memory textarea[name=config]", "{ not json")
+    desktop.settle("memory")
+    assert "not valid JSON" in page.inner_text("#memory .field-error")
+    page.select_option("#memory select[name=model]", "zero-7.5b")
+    desktop.settle("memory")
+
+
+def test_editing_a_presets_shape_makes_it_custom(desktop):
+    page = desktop.page
+    page.select_option("#memory select[name=model]", "llama3-8b")
+    desktop.settle("memory")
+    assert page.get_attribute("#memory input[name=layers]", "placeholder") == "32"
+    eight = float(page.get_attribute("#memory-model", "data-params"))
+    page.fill("#memory input[name=layers]", "64")
+    desktop.settle("memory")
+    assert page.input_value("#memory select[name=model]") == "custom"
+    assert page.input_value("#memory input[name=hidden]") == "4096"  # the rest of the shape kept
+    sixty_four = float(page.get_attribute("#memory-model", "data-params"))
+    emb = 2 * 128256 * 4096
+    assert sixty_four - emb == pytest.approx(2 * (eight - emb), rel=1e-6)
+    page.select_option("#memory select[name=model]", "zero-7.5b")
+    desktop.settle("memory")
+
+
+def test_default_bucket_is_the_clis(plain_server, browser):
+    import contextlib
+    import io
+
+    from zerodp.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "simulate", "--json"]) == 0
+    cli = json.loads(out.getvalue())["timeline"]
+    visit = Visit(browser, plain_server.url, DESKTOP)
+    try:
+        assert visit.number("#overlap output[data-field='labels.buckets']") == cli["num_buckets"] == 643
+        assert visit.page.inner_text("#overlap output[for=bucket]") == "25 MB"
+    finally:
+        visit.close()
+
+
+def test_language_switch_chinese_and_back(browser, server):
+    visit = Visit(browser, server.url, DESKTOP)
+    try:
+        page = visit.page
+        page.click("nav.lang a[data-lang=zh]")
+        for panel in PANELS:
+            visit.settle(panel)
+        assert "lang=zh" in page.url
+        assert page.get_attribute("html", "lang") == "zh-CN"
+        text = page.inner_text("body")
+        for term in ("数据并行", "分桶", "梯度累积", "通信屋顶线", "显存", "优化器状态"):
+            assert term in text, term
+        page.fill("#batch input[name=dp]", "0")
+        visit.settle("batch")
+        _, api = _api(visit, "batch", dp="0")
+        assert page.inner_text("#batch .field-error") == api["error_zh"] and "应为" in api["error_zh"]
+        page.fill("#batch input[name=dp]", "128")
+        visit.settle("batch")
+        # a reload keeps the language: it is in the URL
+        page.reload()
+        page.wait_for_function(ALL_READY, timeout=30_000)
+        assert page.inner_text("#memory-title span") == "每卡显存"
+        page.click("nav.lang a[data-lang=en]")
+        visit.settle("memory")
+        assert page.inner_text("#memory-title span") == "Memory per GPU" and "lang=en" in page.url
+        assert visit.errors == []
+    finally:
+        visit.close()
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
 @pytest.mark.parametrize("name, viewport", [("desktop", DESKTOP), ("phone", PHONE)])
-def test_screenshots_at_default_values(plain_server, browser, name, viewport):
-    """A fresh page at each width: no horizontal scrolling, no errors; images for the docs."""
+def test_screenshots_at_default_values(plain_server, browser, name, viewport, lang):
+    """A fresh page at each width and language: no horizontal scrolling, no console errors;
+    images for the docs."""
     IMG_DIR.mkdir(parents=True, exist_ok=True)
-    visit = Visit(browser, plain_server.url, viewport)
+    suffix = "" if lang == "en" else "-zh"
+    visit = Visit(browser, plain_server.url + f"?lang={lang}", viewport)
     try:
         assert visit.errors == []
         width = visit.page.evaluate("document.documentElement.scrollWidth")
         assert width <= viewport["width"], f"page is {width}px wide in a {viewport['width']}px window"
-        visit.page.screenshot(path=IMG_DIR / f"ui-{name}.png", full_page=True)
-        visit.page.locator("#overlap").screenshot(path=IMG_DIR / f"ui-overlap-{name}.png")
+        assert visit.page.inner_text("#memory-title span") == ("每卡显存" if lang == "zh" else "Memory per GPU")
+        visit.page.screenshot(path=IMG_DIR / f"ui-{name}{suffix}.png", full_page=True)
+        if lang == "en":
+            visit.page.locator("#overlap").screenshot(path=IMG_DIR / f"ui-overlap-{name}.png")
     finally:
         visit.close()
-    assert (IMG_DIR / f"ui-{name}.png").stat().st_size > 10_000
+    assert (IMG_DIR / f"ui-{name}{suffix}.png").stat().st_size > 10_000

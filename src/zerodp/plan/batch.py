@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from zerodp.plan._common import ToDict, check_count, check_positive
+from zerodp.plan._common import InputError, ToDict, check_count, check_positive
+
+#: a step of more micro-steps than this is not a plan anyone runs
+MAX_GRAD_ACC = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ def plan_batch(target_tokens: float, seq: int, micro_batch: int, dp: int,
             warnings.append(
                 f"not divisible: gbs {samples} / (mbs {mbs} x dp {dp}) = {exact:.3g}; "
                 f"grad_acc {grad_acc} gives {mbs * grad_acc * dp} samples per step")
+    if grad_acc > MAX_GRAD_ACC:
+        raise InputError(f"target_tokens {target_tokens:,.0f} needs grad_acc {grad_acc:,} (over "
+                         f"{MAX_GRAD_ACC:,}): no run takes that many micro-steps per step; lower "
+                         "the target or raise the micro-batch or dp", "target_tokens")
     effective = mbs * grad_acc * dp
     return BatchPlan(target_tokens, seq, mbs, dp, samples, grad_acc, exact, samples * seq,
                      effective, mbs * seq, gpu_rich, warnings)

@@ -243,7 +243,8 @@ class MemoryPlan(ToDict):
     :class:`ModelStates` dict whose ``total_bytes`` here is states + gathered units +
     activations, with ``activation_bytes`` and ``fits``: total ≤ HBM), ``activations`` (or null),
     ``includes`` (what the total counts, in words), ``warnings`` (figures that rest on an
-    assumption) and ``assumed_shape`` ([layers, hidden] guessed from Ψ, or null).
+    assumption), ``assumed_shape`` ([layers, hidden] guessed from Ψ, or null), and
+    ``includes_zh``/``warnings_zh``, the same in Chinese.
 
     Every "fits" the CLI, ``/api/memory`` and the page show is ``stages[i]["fits"]``."""
 
@@ -264,6 +265,8 @@ class MemoryPlan(ToDict):
     includes: list
     warnings: list
     assumed_shape: list | None
+    includes_zh: list
+    warnings_zh: list
 
 
 def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | None = None,
@@ -295,7 +298,7 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                          "recompute")
     micro_batch = int(check_range("micro_batch", micro_batch, 1, MAX_MICRO_BATCH, integer=True,
                                   field="micro_batch"))
-    warnings = []
+    warnings, warnings_zh = [], []
     shape = None
     layers, unit = m.layers, m.unit_params
     if not m.layers:
@@ -305,12 +308,15 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
         warnings.append(f"{m.name} has no shape: ZeRO-3's gathered units assume {layers} layers "
                         f"of hidden size {hidden:,} (12·L·h² = Ψ); give a config.json or "
                         "layers/hidden for the real ones")
+        warnings_zh.append(f"{m.name} 没有结构信息：ZeRO-3 的两个聚合单元按 {layers} 层、隐藏维度 "
+                           f"{hidden:,} 估算（12·L·h² = Ψ）；给出 config.json 或层数/隐藏维度可得实际值")
     act = None
     if seq is None:
         if micro_batch != 1 or recompute != "none":
             raise InputError("micro_batch (--mbs) and recompute only change activations: give "
                              "seq (--seq) too, or leave them at 1 and none", "seq")
         warnings.append("activations are not counted: give seq (--seq) to add them")
+        warnings_zh.append("未计入激活值：给出序列长度 seq 即可加入")
     else:
         seq = int(check_range("seq", seq, 1, MAX_SEQ, "ten million tokens at most", integer=True,
                               field="seq"))
@@ -336,9 +342,18 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     includes.append("2 gathered units at ZeRO-3")
     includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute})"
                     if act else "no activations")
+    zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算"}
+    includes_zh = [f"参数（{prec['param_bytes']:g} B）", f"梯度（{prec['grad_bytes']:g} B）",
+                   f"优化器状态（k = {k:g} B）"]
+    if fp32_grad_acc:
+        includes_zh.append("fp32 梯度累积缓冲（4 B）")
+    includes_zh.append("ZeRO-3 的 2 个聚合单元")
+    includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}）"
+                       if act else "不含激活值")
     return MemoryPlan(model=m.to_dict(), n=n, hardware=hw.name, hbm_bytes=hw.hbm_bytes,
                       precision=precision, param_bytes=prec["param_bytes"],
                       grad_bytes=prec["grad_bytes"], k=k, fp32_grad_acc=fp32_grad_acc, seq=seq,
                       micro_batch=micro_batch, recompute=recompute, stages=rows,
                       activations=act.to_dict() if act else None, includes=includes,
-                      warnings=warnings, assumed_shape=shape)
+                      warnings=warnings, assumed_shape=shape, includes_zh=includes_zh,
+                      warnings_zh=warnings_zh)

@@ -32,8 +32,9 @@ ASSUMED_PARAMS_PER_LAYER_PER_H2 = 12
 @dataclass(frozen=True)
 class Model(ToDict):
     """A model as the planner sees it. ``to_dict()`` adds ``active``, ``embedding_params``,
-    ``block_params``, ``unit_params`` (the largest block: one ZeRO-3 unit), ``moe_factor`` (E/k)
-    and ``assumed_shape`` (true when layers/hidden were guessed from Ψ)."""
+    ``block_params``, ``unit_params`` (the largest block: one ZeRO-3 unit) and ``moe_factor``
+    (E/k). For MoE, ``ffn`` is the MLP width a token passes through (k routed + shared experts,
+    what activations scale with) and ``expert_ffn`` the width of one expert."""
 
     name: str
     params: float
@@ -55,6 +56,7 @@ class Model(ToDict):
     embedding: float | None = None
     trainable: bool = False
     published_params: float | None = None
+    expert_ffn: int | None = None
 
     def __post_init__(self):
         check_positive("params", self.params)

@@ -27,6 +27,7 @@ from zerodp.plan import report as plan_report
 from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time, plural
 from zerodp.plan.hf import parse_config
 from zerodp.plan.memory import RECOMPUTE, STAGE_NAMES
+from zerodp.plan.timeline import DEFAULT_BUCKET_BYTES
 from zerodp.ui.measured import Measured
 from zerodp.ui.params import ApiError, Param, field_of, parse
 
@@ -149,34 +150,43 @@ class Api:
             Endpoint("overlap", [
                 self._model_param(OVERLAP_MODEL, with_custom=False),
                 self._hardware_param(hw.name, "compute of"),
-                Param("bucket_bytes", "quantity", float(plan.DDP_DEFAULT_BUCKET_BYTES),
-                      "bucket size"),
+                Param("bucket_bytes", "quantity", DEFAULT_BUCKET_BYTES, "bucket size",
+                      maximum=1e13, why="10 TB at most; and at most 2,000,000 buckets"),
                 Param("tokens_per_gpu", "quantity", float(plan_report.DEMO_TOKENS),
-                      "tokens per GPU"),
+                      "tokens per GPU", maximum=1e9, why="a billion at most", count_units=True),
                 Param("latency", "quantity", hw.small_message_latency,
-                      "small-message latency α′ (s)", allow_zero=True),
-                Param("bandwidth", "quantity", hw.intra_bw, "bandwidth per GPU (B/s)"),
-                Param("n", "count", hw.devices_per_node, "GPUs in the ring", minimum=2),
+                      "small-message latency α′ (s)", allow_zero=True, maximum=1,
+                      why="a second at most"),
+                Param("bandwidth", "quantity", hw.intra_bw, "bandwidth per GPU (B/s)",
+                      minimum=1e3, maximum=1e15, why="1 kB/s to 1 PB/s"),
+                Param("n", "count", hw.devices_per_node, "GPUs in the ring", minimum=2,
+                      maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
                 Param("collective", "choice", "all_reduce", "gradient collective",
                       choices=lambda: ["all_reduce", "reduce_scatter"]),
             ], self.overlap, "one backward with bucketed gradient communication (seed §4)"),
             Endpoint("roofline", [
                 self._hardware_param(preset),
                 Param("n", "count", plan_report.LLAMA3_405B_GPUS, "data-parallel GPUs",
-                      optional=True),
-                Param("axes", "count", 1, "mesh axes doing DP"),
-                Param("experts", "count", 1, "experts E"),
-                Param("experts_per_token", "count", 1, "experts per token k"),
+                      optional=True, maximum=plan.memory.MAX_GPUS,
+                      why="no cluster holds more than a million"),
+                Param("axes", "count", 1, "mesh axes doing DP", maximum=3,
+                      why="a mesh has at most 3 axes"),
+                Param("experts", "count", 1, "experts E", maximum=100_000),
+                Param("experts_per_token", "count", 1, "experts per token k", maximum=100_000),
                 Param("batch_tokens", "quantity", plan_report.LLAMA3_FINAL_BATCH_TOKENS,
-                      "global batch (tokens)"),
+                      "global batch (tokens)", minimum=1, maximum=1e15,
+                      why="a quadrillion at most", count_units=True),
             ], self.roofline, "tokens-per-GPU threshold, minimum batch, maximum GPUs (seed §7)"),
             Endpoint("batch", [
                 Param("target_tokens", "quantity", float(plan_report.BATCH_EXAMPLE["target_tokens"]),
-                      "target global batch (tokens)"),
-                Param("seq", "count", plan_report.BATCH_EXAMPLE["seq"], "sequence length"),
+                      "target global batch (tokens)", minimum=1, maximum=1e15,
+                      why="a quadrillion at most", count_units=True),
+                Param("seq", "count", plan_report.BATCH_EXAMPLE["seq"], "sequence length",
+                      maximum=plan.memory.MAX_SEQ, why="ten million tokens at most"),
                 Param("micro_batch", "count", plan_report.BATCH_EXAMPLE["micro_batch"],
-                      "micro-batch mbs"),
-                Param("dp", "count", BATCH_EXAMPLE_GPUS, "data-parallel GPUs dp"),
+                      "micro-batch mbs", maximum=plan.memory.MAX_MICRO_BATCH),
+                Param("dp", "count", BATCH_EXAMPLE_GPUS, "data-parallel GPUs dp",
+                      maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
             ], self.batch, "gbs = mbs × grad_acc × dp (seed §6.1)"),
         ]
         return {e.name: e for e in eps}
@@ -337,14 +347,33 @@ class Api:
     def batch(self, target_tokens, seq, micro_batch, dp):
         p = plan.plan_batch(target_tokens, seq, micro_batch, dp)
         sizes = sorted({2**i for i in range(LOG2_MAX_GPUS + 1)} | {dp})
-        sweep = [plan.plan_batch(target_tokens, seq, micro_batch, size) for size in sizes]
+        sweep = []
+        for size in sizes:
+            try:
+                sweep.append(plan.plan_batch(target_tokens, seq, micro_batch, size))
+            except ValueError:  # too many micro-steps at this dp: not drawn
+                pass
         return {
             "plan": p.to_dict(),
-            "sweep": {"dp": sizes, "exact_grad_acc": [s.exact_grad_acc for s in sweep],
+            "sweep": {"dp": [s.dp for s in sweep], "exact_grad_acc": [s.exact_grad_acc for s in sweep],
                       "grad_acc": [s.grad_acc for s in sweep],
                       "gpu_rich": [s.gpu_rich for s in sweep]},
+            "warnings_zh": _batch_warnings_zh(p),
             "labels": {"target": fmt_count(target_tokens),
                        "global_batch_tokens": fmt_count(p.global_batch_tokens)},
         }
 
 
+
+
+def _batch_warnings_zh(p) -> list[str]:
+    """The batch plan's warnings in Chinese, from the plan's own fields."""
+    out = []
+    if p.gpu_rich:
+        out.append(f"GPU 过多：全局批次 {p.samples} 个样本 < mbs×dp = {p.micro_batch * p.dp}；"
+                   f"最多用 {max(p.samples // p.micro_batch, 1)} 张卡，或加大全局批次、减小微批次")
+    elif p.exact_grad_acc != p.grad_acc:
+        out.append(f"不能整除：全局批次 {p.samples} / (mbs {p.micro_batch} × dp {p.dp}) = "
+                   f"{p.exact_grad_acc:.3g}；梯度累积取 {p.grad_acc}，每步处理 "
+                   f"{p.effective_samples} 个样本")
+    return out

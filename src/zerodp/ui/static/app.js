@@ -12,6 +12,7 @@ const COLORS = {
 };
 const PHASE_COLORS = { forward: COLORS.optimizer, backward: COLORS.params };
 const PLOT_CONFIG = { displayModeBar: false, responsive: true };
+const tr = (key, vars) => window.t(key, vars);  // where a local "t" (a timeline) hides i18n's t
 
 let schema = null;   // /api/schema: parameters and defaults of every endpoint
 let presets = null;  // /api/presets: hardware and model presets
@@ -22,10 +23,16 @@ function path(obj, dotted) {
   return dotted.split(".").reduce((o, k) => (o == null ? undefined : o[k]), obj);
 }
 
+// The page asks the server for refusals as answers (200 with {"status": 422, "error": ...}):
+// a refused value is shown next to its field, not logged by the browser as a failed request.
 function getJSON(url, signal) {
-  return fetch(url, { signal }).then(async (r) => {
+  return fetch(url, { signal, headers: { "X-Zerodp-Page": "1" } }).then(async (r) => {
     const body = await r.json();
-    if (!r.ok) { const e = new Error(body.error || r.statusText); e.body = body; throw e; }
+    if (!r.ok || body.status === 422) {
+      const e = new Error((pageLang() === "zh" && body.error_zh) || body.error || r.statusText);
+      e.body = body;
+      throw e;
+    }
     return body;
   });
 }
@@ -59,11 +66,15 @@ function baseLayout(extra) {
 }
 
 // A dashed horizontal line with a label; on a log axis plotly places annotations in log10 units.
-function hline(y, text, { color = "#333", log = false } = {}) {
+// ``side``: "left" puts the label under the line at the left edge, "outside" right of the plot
+// (keep a right margin for it); neither sits on a bar or a marker label.
+function hline(y, text, { color = "#333", log = false, side = "left" } = {}) {
+  const outside = side === "outside";
   return {
     shape: { type: "line", xref: "paper", x0: 0, x1: 1, y0: y, y1: y,
              line: { color, dash: "dash", width: 1 } },
-    annotation: { xref: "paper", x: 1, y: log ? Math.log10(y) : y, yanchor: "bottom", xanchor: "right",
+    annotation: { xref: "paper", x: outside ? 1.01 : 0.01, y: log ? Math.log10(y) : y,
+                  yanchor: outside ? "middle" : "top", xanchor: "left", align: "left",
                   text, showarrow: false, font: { size: 11, color } },
   };
 }
@@ -169,94 +180,169 @@ class Panel {
 
   fill(data) {
     for (const out of this.section.querySelectorAll("[data-field]")) {
-      const text = path(data, out.dataset.field);
+      let text = path(data, out.dataset.field);
+      if (typeof text === "string" && I18N.en["value." + text]) text = t("value." + text);
       out.textContent = text == null ? "—" : typeof text === "number" ? text.toLocaleString("en") : text;
       if (out.dataset.valueField) out.dataset.value = path(data, out.dataset.valueField);
     }
   }
 
+  // The server's sentence next to the field it names (the panel's foot when it names none).
   showError(e) {
     for (const el of this.form.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
+    for (const el of this.form.querySelectorAll(".field-error")) el.remove();
     this.section.classList.toggle("failed", Boolean(e));
-    this.error.textContent = e ? e.message : "";
     const field = e && e.body && e.body.field;
-    if (field && this.control(field)) this.control(field).setAttribute("aria-invalid", "true");
+    const el = field && this.control(field);
+    if (el && el.type !== "hidden") {
+      el.setAttribute("aria-invalid", "true");
+      const note = Object.assign(document.createElement("small"),
+                                 { className: "field-error", role: "alert", textContent: e.message });
+      note.id = `${this.endpoint}-${field}-error`;
+      el.setAttribute("aria-describedby", note.id);
+      const holder = el.closest("label, .slider") || el;
+      holder.after(note);
+      this.error.textContent = "";
+    } else {
+      this.error.textContent = e ? e.message : "";
+    }
   }
 }
 
 // ---------------------------------------------------------------- 1. memory
 
 function renderMemory(d, panel) {
+  const zh = pageLang() === "zh";
   const names = d.stages.map((s) => s.stage_name);
-  const readout = (term, text, value, over) => {
-    const div = document.createElement("div");
-    const dt = document.createElement("dt");
-    const dd = document.createElement("dd");
-    dt.textContent = term;
-    dd.textContent = text;
-    dd.dataset.value = value;
-    dd.classList.toggle("over", Boolean(over));
-    div.append(dt, dd);
-    return div;
-  };
-  // the seed's column: model states per GPU; red when the stage's total exceeds the HBM line
+  // per stage: the total (what "fits" compares with the HBM), red when it does not fit, and the
+  // model states alone (the guide's column) under it
   const items = d.stages.map((s) => {
-    const item = readout(s.stage_name, s.label, s.model_state_bytes, !s.fits);
-    item.querySelector("dd").dataset.stage = s.stage_name;
-    return item;
+    const div = document.createElement("div");
+    const dt = Object.assign(document.createElement("dt"), { textContent: s.stage_name });
+    const dd = Object.assign(document.createElement("dd"), { textContent: s.total_label });
+    dd.dataset.stage = s.stage_name;
+    dd.dataset.value = s.total_bytes;
+    dd.dataset.fits = s.fits;
+    dd.classList.toggle("over", !s.fits);
+    const fit = Object.assign(document.createElement("span"), {
+      className: "fit", textContent: s.fits ? t("memory.fits") : t("memory.nofit") });
+    const states = Object.assign(document.createElement("small"), {
+      className: "states", textContent: `${t("memory.states")} ${s.label}` });
+    states.dataset.stage = s.stage_name;
+    div.append(dt, dd, fit, states);
+    return div;
   });
-  if (d.activations) items.push(readout("+ activations", d.activations.label, d.activations.total_bytes));
   document.getElementById("memory-readouts").replaceChildren(...items);
+  const m = d.model;
+  const line = document.getElementById("memory-model");
+  line.dataset.params = m.params;
+  line.textContent = t("memory.line", {
+    name: m.name, params: d.labels.params,
+    active: m.active_params ? t("memory.active", { n: d.labels.active }) : "",
+    layers: m.layers ? t("memory.layers.n", { n: m.layers }) : "" });
+  document.getElementById("memory-includes").textContent =
+    t("memory.includes") + (zh ? d.includes_zh.join(" + ") : d.includes.join(" + "));
+  const warnings = zh ? d.warnings_zh : d.warnings;
+  document.getElementById("memory-warnings").replaceChildren(
+    ...warnings.map((w) => Object.assign(document.createElement("li"), { textContent: w })));
   const bar = (key, name, color) => ({
     type: "bar", name, x: names, y: d.stages.map((s) => s[key]), marker: { color },
     hovertemplate: "%{x}: %{y:.3s}B<extra>" + name + "</extra>",
   });
   const traces = [
-    bar("param_bytes", "bf16 params", COLORS.params),
-    bar("grad_bytes", "bf16 grads", COLORS.grads),
-    bar("optimizer_bytes", "optimizer states", COLORS.optimizer),
+    bar("param_bytes", `${t("bar.params")} (${d.precision})`, COLORS.params),
+    bar("grad_bytes", t("bar.grads"), COLORS.grads),
+    bar("optimizer_bytes", t("bar.optimizer"), COLORS.optimizer),
   ];
-  if (d.stages.some((s) => s.grad_acc_bytes > 0)) traces.push(bar("grad_acc_bytes", "fp32 grad acc", COLORS.gradAcc));
-  if (d.stages.some((s) => s.gathered_unit_bytes > 0)) traces.push(bar("gathered_unit_bytes", "2 gathered units", COLORS.gathered));
-  if (d.activations) {
-    traces.push({ type: "bar", name: `activations (${d.activations.recompute} recompute)`, x: names,
-                  y: names.map(() => d.activations.total_bytes), marker: { color: COLORS.activations } });
-  }
-  const hbm = hline(d.hbm_bytes, `HBM ${d.hardware} ${d.hbm_label}`, { color: COLORS.mark });
+  if (d.stages.some((s) => s.grad_acc_bytes > 0)) traces.push(bar("grad_acc_bytes", t("bar.acc"), COLORS.gradAcc));
+  if (d.stages.some((s) => s.gathered_unit_bytes > 0)) traces.push(bar("gathered_unit_bytes", t("bar.gathered"), COLORS.gathered));
+  if (d.activations) traces.push(bar("activation_bytes", t("bar.activations"), COLORS.activations));
+  const hbm = hline(d.hbm_bytes, `HBM<br>${d.hbm_label}`, { color: COLORS.mark, side: "outside" });
+  const top = Math.max(d.hbm_bytes, ...d.stages.map((s) => s.total_bytes)) * 1.08;
   draw("memory-bars", traces, baseLayout({
-    barmode: "stack", height: 300, shapes: [hbm.shape], annotations: [hbm.annotation],
-    title: { text: `${d.model.name}: bytes per GPU`, font: { size: 13 } }, showlegend: true,
-    yaxis: { tickformat: "~s", ticksuffix: "B", rangemode: "tozero" },
+    barmode: "stack", height: 320, shapes: [hbm.shape], annotations: [hbm.annotation],
+    margin: { l: 56, r: 64, t: 28, b: 96 },
+    title: { text: `${d.model.name}, N = ${d.n.toLocaleString("en")}: ${t("memory.chart")}`, font: { size: 13 } },
+    showlegend: true, yaxis: { tickformat: "~s", ticksuffix: "B", range: [0, top] },
   }));
-  const n = Number(panel.control("n").dataset.value);
+  const n = d.n;
   const curve = Object.entries(d.curve.bytes).map(([name, ys], i) => ({
     type: "scatter", mode: "lines", name, x: d.curve.n, y: ys, line: { color: COLORS.stages[i] },
+    hovertemplate: `${name}: N = %{x}, %{y:.3s}B<extra></extra>`,
   }));
   curve.push({ type: "scatter", mode: "markers", name: `N = ${n}`, showlegend: false,
-               x: names.map(() => n), y: d.stages.map((s) => s.model_state_bytes),
+               x: names.map(() => n), y: d.stages.map((s) => s.total_bytes),
                marker: { color: COLORS.mark, size: 8 } });
-  const hbmLog = hline(d.hbm_bytes, `HBM ${d.hbm_label}`, { color: COLORS.mark, log: true });
+  const hbmLog = hline(d.hbm_bytes, `HBM<br>${d.hbm_label}`, { color: COLORS.mark, log: true, side: "outside" });
   draw("memory-curve", curve, baseLayout({
-    height: 240, shapes: [hbmLog.shape], annotations: [hbmLog.annotation],
-    title: { text: "per GPU as the number of GPUs N grows", font: { size: 13 } },
-    xaxis: { type: "log" },
+    height: 250, shapes: [hbmLog.shape], annotations: [hbmLog.annotation],
+    margin: { l: 56, r: 64, t: 28, b: 84 },
+    title: { text: t("memory.curve"), font: { size: 13 } },
+    xaxis: { type: "log", title: { text: "N" } },
     yaxis: { type: "log", tickformat: "~s", ticksuffix: "B" },
   }));
-  // the activation controls only matter for presets with a transformer shape
-  const shaped = Boolean(d.model.layers);
-  const fieldset = panel.form.querySelector("[data-needs-shape]");
-  fieldset.disabled = !shaped;
-  fieldset.title = shaped ? "" : "this model has no transformer shape";
+  panel.modelShown = d.model;
+}
+
+const SHAPE_FIELDS = ["layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "experts",
+                      "experts_per_token", "shared_experts"];
+
+// A model's shape as the editor's placeholders: what the empty fields stand for.
+function shapeOf(m) {
+  return {
+    params: m.params, layers: m.layers, hidden: m.hidden, heads: m.heads, kv_heads: m.kv_heads,
+    ffn: m.expert_ffn || m.ffn, vocab: m.vocab, experts: m.experts,
+    experts_per_token: m.experts_per_token, shared_experts: m.shared_experts,
+    tied: m.tied_embeddings,
+  };
 }
 
 function wireMemory(panel) {
   const model = panel.control("model");
-  const params = panel.control("params");
+  const config = panel.control("config");
+  const fields = [...panel.form.querySelectorAll("[data-model-field]")];
+  const showShape = (m) => {
+    const shape = m ? shapeOf(m) : {};
+    for (const el of fields) {
+      if (el.type === "checkbox") el.checked = Boolean(shape[el.name]);
+      else { el.value = ""; el.placeholder = shape[el.name] == null ? "" : String(shape[el.name]); }
+    }
+  };
+  const preset = () => presets.models.find((x) => x.name === model.value);
   model.addEventListener("change", () => {
-    const m = presets.models.find((x) => x.name === model.value);
-    if (m) params.value = m.params;
+    config.value = "";
+    showShape(preset());
   });
-  params.addEventListener("input", () => { model.value = "custom"; });
+  // editing the shape of a preset or a config makes the model custom, starting from that shape
+  for (const el of fields) {
+    el.addEventListener("input", () => {
+      if (model.value === "custom" && !config.value.trim()) return;
+      for (const other of fields) {
+        if (other === el || other.type === "checkbox" || other.name === "params") continue;
+        if (!other.value && other.placeholder) other.value = other.placeholder;
+      }
+      config.value = "";
+      model.value = "custom";
+    });
+  }
+  const useConfig = async () => {
+    model.value = "custom";
+    showShape(null);
+    if (!config.value.trim()) return;
+    try {
+      const d = await getJSON(`/api/model?${new URLSearchParams({ config: config.value })}`);
+      showShape(d.model);
+    } catch (e) { /* the memory answer shows the error next to the box */ }
+  };
+  config.addEventListener("input", useConfig);
+  document.getElementById("config-file").addEventListener("change", async (ev) => {
+    const file = ev.target.files[0];
+    if (!file) return;
+    config.value = await file.text();
+    await useConfig();
+    panel.schedule();
+  });
+  showShape(preset());
 }
 
 // ---------------------------------------------------------------- 2. bucket overlap
@@ -271,10 +357,10 @@ function lanes(spansByLane, tail, title) {
     hovertemplate: "%{text}<br>%{base:.3s}s → %{x:.3s}s long<extra></extra>",
   }));
   const layout = baseLayout({
-    margin: { l: 84, r: 12, t: 28, b: 44 },
-    height: 110 + 38 * spansByLane.length, barmode: "overlay", bargap: 0.25, showlegend: false,
+    margin: { l: 84, r: 12, t: 56, b: 44 },  // the title above, the exposed tail's label under it
+    height: 138 + 38 * spansByLane.length, barmode: "overlay", bargap: 0.25, showlegend: false,
     title: { text: title, font: { size: 13 } },
-    xaxis: { tickformat: "~s", ticksuffix: "s", title: { text: "time from the start of backward" }, rangemode: "tozero" },
+    xaxis: { tickformat: "~s", ticksuffix: "s", title: { text: t("overlap.time") }, rangemode: "tozero" },
     yaxis: { autorange: "reversed", automargin: true },
     shapes: [], annotations: [],
   });
@@ -289,20 +375,24 @@ function lanes(spansByLane, tail, title) {
 
 function renderOverlap(d) {
   const t = d.timeline;
-  const compute = t.compute.map((s) => ({ start: s.start_s, end: s.end_s, name: `${s.name} backward` }));
+  const compute = t.compute.map((s) => ({ start: s.start_s, end: s.end_s, name: `${s.name} ${tr("overlap.backward")}` }));
   const comm = t.buckets.length
     ? t.buckets.map((b) => ({ start: b.start_s, end: b.end_s, name: `bucket ${b.index} (${si(b.nbytes, "B")})` }))
     : t.runs.map((r) => ({ start: r.start_s, end: r.end_s,
                            name: `${r.count} buckets of ${si(r.nbytes, "B")} after ${r.layer}` }));
   const [traces, layout] = lanes(
-    [{ lane: "compute", spans: compute, colors: COLORS.compute },
+    [{ lane: tr("overlap.compute"), spans: compute, colors: COLORS.compute },
      { lane: t.collective.replace("_", " "), spans: comm, colors: COLORS.comm }],
-    t.exposed_comm_s > 0 ? { from: t.backward_s, to: t.comm_end_s, text: `exposed ${d.labels.exposed}` } : null,
-    `${d.model} on ${d.hardware} compute: ${d.labels.buckets} buckets of ${d.labels.bucket}`);
+    t.exposed_comm_s > 0 ? { from: t.backward_s, to: t.comm_end_s, text: `${tr("overlap.exposed")} ${d.labels.exposed}` } : null,
+    tr("overlap.lanes", { model: d.model, hw: d.hardware, n: d.labels.buckets, size: d.labels.bucket }));
   draw("overlap-lanes", traces, layout);
 
   const pts = d.sweep.points;
-  const bwd = hline(d.sweep.backward_s, `backward ${d.labels.backward}`, { log: true });
+  const bwd = hline(d.sweep.backward_s, `${tr("overlap.backward")} ${d.labels.backward}`, { log: true });
+  // the marker's label goes on the side with room: right of a marker in the left half
+  const xs = pts.map((p) => Math.log10(p.bucket_bytes));
+  const mid = (Math.min(...xs) + Math.max(...xs)) / 2;
+  const side = Math.log10(t.bucket_bytes) < mid ? "top right" : "top left";
   draw("overlap-sweep", [
     { type: "scatter", mode: "lines+markers", name: "exposed communication",
       x: pts.map((p) => p.bucket_bytes), y: pts.map((p) => p.exposed_comm_s),
@@ -310,13 +400,14 @@ function renderOverlap(d) {
       hovertemplate: "bucket %{x:.3s}B → exposed %{y:.3s}s<extra></extra>" },
     { type: "scatter", mode: "markers+text", name: "this bucket size", x: [t.bucket_bytes], y: [t.exposed_comm_s],
       marker: { size: 11, color: COLORS.mark, symbol: "diamond" },
-      text: [`${d.labels.bucket}: ${d.labels.exposed}`], textposition: "top center",
+      text: [`${d.labels.bucket}: ${d.labels.exposed}`], textposition: side, cliponaxis: false,
       textfont: { color: COLORS.mark },
       hovertemplate: "bucket %{x:.3s}B → exposed %{y:.3s}s<extra></extra>" },
   ], baseLayout({
     height: 250, shapes: [bwd.shape], annotations: [bwd.annotation],
-    title: { text: "exposed communication vs bucket size", font: { size: 13 } }, showlegend: false,
-    xaxis: { type: "log", tickformat: "~s", ticksuffix: "B", title: { text: "bucket size" } },
+    title: { text: tr("overlap.sweep"), font: { size: 13 } }, showlegend: false,
+    margin: { l: 56, r: 24, t: 40, b: 48 },
+    xaxis: { type: "log", tickformat: "~s", ticksuffix: "B", title: { text: tr("overlap.bucketsize") } },
     yaxis: { type: "log", tickformat: "~s", ticksuffix: "s" },
   }));
 }
@@ -354,8 +445,8 @@ async function renderMeasured() {
   const [traces, layout] = lanes(
     [...groups].map(([lane, spans]) => ({ lane, spans,
       colors: lane.endsWith("comm") ? COLORS.comm : COLORS.compute })),
-    null, "recorded: forward (green), backward (blue), optimizer (grey), collectives (orange)");
-  layout.xaxis.title.text = "time from each rank's first recorded event";
+    null, t("overlap.measured.title"));
+  layout.xaxis.title.text = t("overlap.measured.time");
   draw("measured-lanes", traces, layout);
 }
 
@@ -372,14 +463,15 @@ function renderRoofline(d) {
   if (here.n != null) {
     traces.push({ type: "scatter", mode: "markers+text", name: "this DP size", x: [here.n], y: [here.threshold_tokens],
                   marker: { size: 11, color: COLORS.mark, symbol: "diamond" },
-                  text: [`${d.labels.threshold} on ${here.n.toLocaleString("en")}`], textposition: "bottom left",
+                  text: [`${d.labels.threshold} (${t("roofline.on")} ${here.n.toLocaleString("en")})`],
+                  textposition: "bottom left", cliponaxis: false,
                   textfont: { color: COLORS.mark } });
   }
-  const scale = hline(d.at_scale.threshold_tokens, `at scale ${d.labels.at_scale}`);
+  const scale = hline(d.at_scale.threshold_tokens, `${t("roofline.at_scale")} ${d.labels.at_scale}`);
   draw("roofline-curve", traces, baseLayout({
     height: 260, shapes: [scale.shape], annotations: [scale.annotation],
-    title: { text: `${here.hardware}: tokens/GPU to be compute-bound`, font: { size: 13 } }, showlegend: false,
-    xaxis: { type: "log", title: { text: "data-parallel GPUs" } },
+    title: { text: t("roofline.chart", { hw: here.hardware }), font: { size: 13 } }, showlegend: false,
+    xaxis: { type: "log", title: { text: t("roofline.gpus") } },
     yaxis: { rangemode: "tozero", tickformat: "~s" },
   }));
 }
@@ -402,18 +494,23 @@ function wireRoofline(panel) {
 function renderBatch(d, panel) {
   const s = d.sweep;
   const ul = panel.section.querySelector(".warnings");
-  ul.replaceChildren(...d.plan.warnings.map((w) => Object.assign(document.createElement("li"), { textContent: w })));
+  const warnings = pageLang() === "zh" ? d.warnings_zh : d.plan.warnings;
+  ul.replaceChildren(...warnings.map((w) => Object.assign(document.createElement("li"), { textContent: w })));
+  const exact = d.plan.exact_grad_acc;
+  const here = exact === d.plan.grad_acc ? `grad_acc ${d.plan.grad_acc}`
+    : `grad_acc ${d.plan.grad_acc} (${t("batch.exact")} ${+exact.toPrecision(3)})`;
   draw("batch-sweep", [
     { type: "scatter", mode: "lines+markers", name: "grad_acc", x: s.dp, y: s.exact_grad_acc,
       marker: { size: 7, color: s.gpu_rich.map((r) => (r ? COLORS.mark : COLORS.params)) },
-      line: { color: "#999", width: 1 }, text: s.gpu_rich.map((r) => (r ? "GPU-rich" : "")),
+      line: { color: "#999", width: 1 }, text: s.gpu_rich.map((r) => (r ? t("batch.rich") : "")),
       hovertemplate: "dp %{x}: grad_acc %{y:.3g} %{text}<extra></extra>" },
     { type: "scatter", mode: "markers+text", name: "this dp", x: [d.plan.dp], y: [d.plan.exact_grad_acc],
       marker: { size: 12, color: "rgba(0,0,0,0)", line: { color: "#111", width: 2 } },
-      text: [`dp ${d.plan.dp}: grad_acc ${d.plan.grad_acc}`], textposition: "middle right" },
+      text: [`dp ${d.plan.dp}: ${here}`], cliponaxis: false,
+      textposition: d.plan.dp > Math.sqrt(s.dp[0] * s.dp[s.dp.length - 1]) ? "middle left" : "middle right" },
   ], baseLayout({
     height: 250, showlegend: false,
-    title: { text: `grad_acc for ${d.plan.samples} samples (red: GPU-rich)`, font: { size: 13 } },
+    title: { text: t("batch.chart", { samples: d.plan.samples }), font: { size: 13 } },
     xaxis: { type: "log", title: { text: "dp (GPUs)" } },
     yaxis: { type: "log", title: { text: "grad_acc" } },
   }));
@@ -421,7 +518,26 @@ function renderBatch(d, panel) {
 
 // ---------------------------------------------------------------- start
 
+const panels = [];
+
+// The language switch: the choice goes into the URL (?lang=zh), the words and charts follow.
+function wireLanguage() {
+  for (const a of document.querySelectorAll("[data-lang]")) {
+    a.addEventListener("click", (ev) => {
+      ev.preventDefault();
+      const url = new URL(location.href);
+      url.searchParams.set("lang", a.dataset.lang);
+      history.replaceState(null, "", url);
+      applyLang();
+      for (const panel of panels) panel.schedule();
+      renderMeasured().catch(() => {});
+    });
+  }
+}
+
 async function main() {
+  applyLang();
+  wireLanguage();
   [schema, presets] = await Promise.all([getJSON("/api/schema"), getJSON("/api/presets")]);
   const specs = {
     memory: [renderMemory, wireMemory],
@@ -433,6 +549,7 @@ async function main() {
     const panel = new Panel(document.getElementById(id), render);
     panel.init();
     if (wire) wire(panel);
+    panels.push(panel);
     panel.fetch();
   }
   renderMeasured().catch((e) => console.warn("measured timeline:", e.message));
@@ -440,5 +557,5 @@ async function main() {
 
 main().catch((e) => {
   document.querySelector("main").prepend(Object.assign(document.createElement("p"),
-    { className: "error", role: "alert", textContent: `cannot reach the zerodp server: ${e.message}` }));
+    { className: "error", role: "alert", textContent: `${t("error.server")}: ${e.message}` }));
 });
