@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # planner alone needs no torch (pip install .); training, tests and the demo use the train extra.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast fuzz browser clean
+.PHONY: setup demo test test-fast fuzz chaos browser clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ test-fast: setup
 # Property-based tests with many more generated cases than make test runs (profile "fuzz").
 fuzz: setup
 	$(BIN)/python -m pytest -q -m fuzz --hypothesis-profile=fuzz 
+
+# The chaos run: a seeded schedule of 6 faults over a 200-step run under --max-restarts, a report
+# of each, and the final state compared bitwise with an uninterrupted run (SEED=N draws another).
+chaos: setup
+	$(BIN)/python -m zerodp.train.chaos --seed $(or $(SEED),0) --steps 200
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

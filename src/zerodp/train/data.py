@@ -106,7 +106,7 @@ def _read_bin(p: Path) -> np.ndarray:
         raise ValueError(f"{p} has {size} bytes, an odd number: a .bin token file holds uint16 ids "
                          "(2 bytes each); for text, give the file another suffix")
     if size == 0:
-        raise ValueError(f"{p} is empty")
+        raise ValueError(f"{p} is empty: a .bin token file holds uint16 token ids (2 bytes each)")
     return np.memmap(p, dtype=np.uint16, mode="r")
 
 

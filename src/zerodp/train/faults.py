@@ -157,10 +157,12 @@ class Faults:
         return on_phase
 
     def install_storage_hook(self) -> None:
-        """Make the checkpoint writer meet this rank's storage faults (a no-op without any)."""
+        """Make the checkpoint writer meet this rank's storage faults (and none when it has none)."""
+        from zerodp.train import checkpoint
+
+        checkpoint.fault_hook = None
         if not any(f.kind in STORAGE for f in self.faults):
             return
-        from zerodp.train import checkpoint
 
         def hook(point: str, step: int, path: Path) -> None:
             for kind, (where, code) in STORAGE.items():

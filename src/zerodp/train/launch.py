@@ -108,10 +108,11 @@ def attempt_store(rank: int, world: int, attempt: int, timeout: datetime.timedel
 def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
     """Entry point of one rank: set up the process group and device, train, report (rank 0).
 
-    ``under_agent``: started by our elastic agent (not torchrun). After a graceful stop the process
-    then ends at once with the stop's exit status, instead of returning: the agent is shutting the
-    ranks down and does not collect return values any more (a returned value would keep the
-    process waiting for it until the agent's timeout).
+    ``under_agent``: started by our elastic agent (not torchrun). After a stop on a signal the
+    process then ends at once with the stop's exit status, instead of returning: the agent is
+    shutting the ranks down and does not collect return values any more (a returned value would
+    keep the process waiting for it until the agent's timeout). A stop without a signal (a
+    checkpoint the filesystem refused) returns, and the launcher raises :class:`Stopped`.
     """
     import warnings
 
@@ -167,15 +168,15 @@ def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
                 print(f"zerodp: rank {rank} (attempt {restart}): {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr, flush=True)
             raise
-        if summary.get("stopped"):
-            if under_agent:
-                dist.destroy_process_group()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                stopped = summary["stopped"]
-                os._exit(stopping.exit_code(signal.Signals[stopped["signal"]]) if stopped["reason"] == "signal"
-                         else stopping.EXIT_SAVE_FAILED)
-            return {"out": cfg.out, "stopped": summary["stopped"]}
+        stopped = summary.get("stopped")
+        if stopped and stopped.get("signal") and under_agent:  # the agent is shutting down
+            dist.destroy_process_group()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(stopping.exit_code(signal.Signals[stopped["signal"]]) if stopped["reason"] == "signal"
+                     else stopping.EXIT_SAVE_FAILED)
+        if stopped:
+            return {"out": cfg.out, "stopped": stopped}
         if rank == 0:
             write_report(summary)
         dist.barrier()
@@ -315,5 +316,8 @@ def launch(cfg: TrainConfig) -> str:
             if stop is None:
                 return cfg.out
             raise stop from None
+    stopped = ((results or {}).get(0) or {}).get("stopped")
+    if stopped:
+        raise stopped_outcome(cfg.out, stopped, None, cfg.grace_s)
     return cfg.out
 

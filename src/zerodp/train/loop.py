@@ -94,6 +94,7 @@ def check_resume(cfg: TrainConfig, mc: GPTConfig, log=print) -> "ckpt.Checkpoint
     if not cfg.resume:
         return None
     ck = ckpt.Checkpoint.open(ckpt.find(cfg.resume, log=log))
+    check_vocabulary(cfg, mc, ck)
     ck.check_model(mc.to_dict())
     if ck.step >= cfg.steps:
         raise ValueError(f"{ck.path} is at step {ck.step} and --steps is {cfg.steps}: nothing left to "
@@ -110,6 +111,23 @@ def check_resume(cfg: TrainConfig, mc: GPTConfig, log=print) -> "ckpt.Checkpoint
         if missing:
             raise ckpt.CheckpointError(f"{ck.path / ckpt.MANIFEST} lacks {sorted(missing)} of {name}")
     return ck
+
+
+def check_vocabulary(cfg: TrainConfig, mc: GPTConfig, ck: "ckpt.Checkpoint") -> None:
+    """Tokens the saved model has no embedding for: one sentence naming the data and the id.
+
+    A new run sizes its vocabulary from the data, so every token is in it; a resumed run must fit
+    the saved model's vocabulary. (The generic check that follows would call this "another model".)
+    """
+    from zerodp.train.model import PRESETS
+
+    saved = ck.model_config.get("vocab_size")
+    if (isinstance(saved, int) and mc.vocab_size > saved
+            and PRESETS[cfg.preset].vocab_size <= saved):  # so the data made it larger
+        raise ckpt.CheckpointError(
+            f"--data {cfg.data or 'bundled'} holds token id {mc.vocab_size - 1}, outside the vocabulary of "
+            f"the model in {ck.path} (ids 0-{saved - 1}): resume with data of the tokenizer that "
+            "model was trained with")
 
 
 def _torch_optimizer(engine) -> torch.optim.Optimizer:
@@ -213,7 +231,7 @@ def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) ->
     say = print if lead else (lambda *a, **k: None)
     if faults:
         say(f"warning: {faults.describe()}")
-        faults.install_storage_hook()
+    faults.install_storage_hook()
     ck = check_resume(cfg, mc, log=say)
     faults.at_start(ck.step if ck is not None else 0)
     dog.slow("building the engine")
