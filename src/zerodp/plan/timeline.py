@@ -188,12 +188,14 @@ def simulate_backward(layers: Sequence[Layer], cost: CollectiveCost, bucket_byte
     _check_cost(cost)
     check_positive("bucket_bytes", bucket_bytes)
     total = sum(layer.param_bytes for layer in layers)
-    if total / bucket_bytes > MAX_BUCKETS:
-        from zerodp.plan._common import fmt_bytes
+    ratio = total / bucket_bytes
+    if ratio > MAX_BUCKETS:
+        from zerodp.plan._common import fmt_bytes, fmt_count
+        count = f"{math.ceil(ratio):,}" if ratio < 1e15 else fmt_count(ratio)
         raise ValueError(
-            f"bucket size (bucket_bytes, --bucket) {fmt_bytes(bucket_bytes)} cuts {fmt_bytes(total)} of gradients into "
-            f"{math.ceil(total / bucket_bytes):,} buckets, over the {MAX_BUCKETS:,} one simulation "
-            f"makes: use a bucket of at least {fmt_bytes(math.ceil(total / MAX_BUCKETS))}")
+            f"bucket size (bucket_bytes, --bucket) {fmt_bytes(bucket_bytes)} cuts "
+            f"{fmt_bytes(total)} of gradients into {count} buckets, over the {MAX_BUCKETS:,} one "
+            f"simulation makes: use a bucket of at least {fmt_bytes(math.ceil(total / MAX_BUCKETS))}")
     kind = normalize_kind(collective)
     runs: list[BucketRun] = []
     compute: list[LayerSpan] = []

@@ -151,7 +151,7 @@ class Api:
                 self._model_param(OVERLAP_MODEL, with_custom=False),
                 self._hardware_param(hw.name, "compute of"),
                 Param("bucket_bytes", "quantity", DEFAULT_BUCKET_BYTES, "bucket size",
-                      maximum=1e13, why="10 TB at most; and at most 2,000,000 buckets"),
+                      minimum=1, maximum=1e13, why="10 TB at most; and at most 2,000,000 buckets"),
                 Param("tokens_per_gpu", "quantity", float(plan_report.DEMO_TOKENS),
                       "tokens per GPU", maximum=1e9, why="a billion at most", count_units=True),
                 Param("latency", "quantity", hw.small_message_latency,

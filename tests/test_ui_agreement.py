@@ -1,0 +1,148 @@
+"""Ten questions asked of the CLI, the API and the page (through the browser): same totals, same
+"fits", stage by stage. The first is the one where they used to disagree: Llama 3 70B on 512
+GPUs, 8192 tokens, selective recomputation."""
+
+import contextlib
+import io
+import json
+import math
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+
+from test_ui_browser import ALL_READY, DESKTOP, browser, plain_server  # noqa: F401 (fixtures)
+from zerodp.cli import main
+
+pytestmark = pytest.mark.browser
+DATA = Path(__file__).resolve().parent / "data"
+
+QUESTIONS = [
+    dict(model="llama3-70b", n=512, seq=8192, recompute="selective"),
+    dict(model="zero-7.5b", n=64),
+    dict(model="llama3-8b", n=8, seq=4096, mbs=2),
+    dict(model="mixtral-8x7b", n=64, seq=4096, recompute="full", acc=True),
+    dict(model="deepseek-v3", n=1024, hardware="H800", seq=4096, recompute="selective"),
+    dict(config="qwen2-7b", n=8, seq=2048),
+    dict(params="1T", n=4096),
+    dict(model="llama3-405b", n=16384, seq=8192, recompute="selective", precision="fp8"),
+    dict(shape=dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256), n=16,
+         precision="fp32", k=8),
+    dict(model="gpt-oss-120b", n=128, hardware="B200", seq=8192, recompute="selective", k=16),
+]
+
+
+def _ids(q):
+    return q.get("model") or q.get("config") or ("params " + q["params"] if "params" in q else "shape")
+
+
+def cli_answer(q) -> list[dict]:
+    argv = ["plan", "memory", "--json", "--gpus", str(q["n"]), "--hardware", q.get("hardware", "H100")]
+    if "model" in q:
+        argv += ["--model", q["model"]]
+    if "config" in q:
+        argv += ["--config", str(DATA / q["config"] / "config.json")]
+    if "params" in q:
+        argv += ["--params", q["params"]]
+    for name, v in q.get("shape", {}).items():
+        argv += [f"--{name.replace('_', '-')}", str(v)]
+    for key, flag in (("seq", "--seq"), ("mbs", "--mbs"), ("recompute", "--recompute"),
+                      ("precision", "--precision"), ("k", "--k")):
+        if key in q:
+            argv += [flag, str(q[key])]
+    if q.get("acc"):
+        argv.append("--fp32-grad-acc")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue())["stages"]
+
+
+def api_params(q) -> dict:
+    p = {"model": q.get("model", "custom"), "n": q["n"], "hardware": q.get("hardware", "H100")}
+    if "config" in q:
+        p["config"] = (DATA / q["config"] / "config.json").read_text()
+    if "params" in q:
+        p["params"] = q["params"]
+    p.update(q.get("shape", {}))
+    for key, name in (("seq", "seq"), ("mbs", "micro_batch"), ("recompute", "recompute"),
+                      ("precision", "precision"), ("k", "k")):
+        if key in q:
+            p[name] = q[key]
+    if q.get("acc"):
+        p["fp32_grad_acc"] = "true"
+    return p
+
+
+def api_answer(url, q) -> list[dict]:
+    with urllib.request.urlopen(url + "api/memory?" + urlencode(api_params(q)), timeout=10) as r:
+        return json.loads(r.read())["stages"]
+
+
+def page_answer(page, url, q) -> list[dict]:
+    page.goto(url)
+    page.wait_for_function(ALL_READY, timeout=30_000)
+    form = "#memory form"
+    page.select_option(f"{form} select[name=model]", q.get("model", "custom"))
+    if "config" in q:
+        page.fill(f"{form} textarea[name=config]", (DATA / q["config"] / "config.json").read_text())
+    if "params" in q:
+        page.fill(f"{form} input[name=params]", q["params"])
+    for name, v in q.get("shape", {}).items():
+        page.fill(f"{form} input[name={name}]", str(v))
+    page.eval_on_selector("#memory-n", "(el, n) => { el.value = Math.log2(n); "
+                          "el.dispatchEvent(new Event('input', {bubbles: true})); }", q["n"])
+    page.select_option(f"{form} select[name=hardware]", q.get("hardware", "H100"))
+    page.select_option(f"{form} select[name=precision]", q.get("precision", "bf16"))
+    if "k" in q:
+        page.fill(f"{form} input[name=k]", str(q["k"]))
+    if q.get("acc"):
+        page.check(f"{form} input[name=fp32_grad_acc]")
+    if "seq" in q:
+        page.fill(f"{form} input[name=seq]", str(q["seq"]))
+    if "mbs" in q:
+        page.fill(f"{form} input[name=micro_batch]", str(q["mbs"]))
+    if "recompute" in q:
+        page.select_option(f"{form} select[name=recompute]", q["recompute"])
+    page.wait_for_selector("#memory[aria-busy='false']", timeout=15_000)
+    assert page.inner_text("#memory .error") == "" and page.locator("#memory .field-error").count() == 0
+    return page.eval_on_selector_all("#memory dd[data-stage]", "els => els.map(e => ({"
+                                     "stage_name: e.dataset.stage, total_bytes: Number(e.dataset.value),"
+                                     "fits: e.dataset.fits === 'true', total_label: e.textContent}))")
+
+
+@pytest.fixture(scope="module")
+def page(browser, plain_server):  # noqa: F811 (fixtures from test_ui_browser)
+    context = browser.new_context(viewport=DESKTOP)
+    p = context.new_page()
+    errors = []
+    p.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    p.errors = errors
+    yield p
+    context.close()
+
+
+@pytest.mark.parametrize("q", QUESTIONS, ids=[_ids(q) for q in QUESTIONS])
+def test_cli_api_and_page_agree(q, page, plain_server):  # noqa: F811
+    cli = cli_answer(q)
+    api = api_answer(plain_server.url, q)
+    shown = page_answer(page, plain_server.url, q)
+    rows = []
+    for c, a, s in zip(cli, api, shown, strict=True):
+        assert c["stage_name"] == a["stage_name"] == s["stage_name"]
+        assert c["fits"] == a["fits"] == s["fits"], (c["stage_name"], c["fits"], a["fits"], s["fits"])
+        assert c["total_bytes"] == a["total_bytes"]
+        assert math.isclose(s["total_bytes"], a["total_bytes"], rel_tol=1e-12)
+        assert s["total_label"] == a["total_label"]
+        rows.append(f"{c['stage_name']} {a['total_label']} {'fits' if c['fits'] else 'no'}")
+    print(_ids(q), "|", ", ".join(rows))
+    assert page.errors == []
+
+
+def test_the_70b_case_does_not_fit_anywhere(plain_server):  # noqa: F811
+    """The case that used to disagree: all three now say ZeRO-3 does not fit 80 GB."""
+    q = QUESTIONS[0]
+    zero3 = [s for s in cli_answer(q) if s["stage_name"] == "ZeRO-3"][0]
+    assert not zero3["fits"] and zero3["total_bytes"] > 80e9
+    assert zero3["model_state_bytes"] < 3e9  # the states alone (2.2 GB) would have "fit"
