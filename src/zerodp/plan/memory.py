@@ -340,16 +340,16 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     if fp32_grad_acc:
         includes.append("fp32 gradient accumulation (4 B)")
     includes.append("2 gathered units at ZeRO-3")
-    includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute})"
-                    if act else "no activations")
+    if act:
+        includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute})")
     zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算"}
     includes_zh = [f"参数（{prec['param_bytes']:g} B）", f"梯度（{prec['grad_bytes']:g} B）",
                    f"优化器状态（k = {k:g} B）"]
     if fp32_grad_acc:
         includes_zh.append("fp32 梯度累积缓冲（4 B）")
     includes_zh.append("ZeRO-3 的 2 个聚合单元")
-    includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}）"
-                       if act else "不含激活值")
+    if act:
+        includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}）")
     return MemoryPlan(model=m.to_dict(), n=n, hardware=hw.name, hbm_bytes=hw.hbm_bytes,
                       precision=precision, param_bytes=prec["param_bytes"],
                       grad_bytes=prec["grad_bytes"], k=k, fp32_grad_acc=fp32_grad_acc, seq=seq,

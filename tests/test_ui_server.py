@@ -1,0 +1,91 @@
+"""The server: requests through other host names are refused (DNS rebinding), a bind beyond this
+machine is announced, refusals reach the page as answers, and start-up errors say what is wrong."""
+
+import http.client
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zerodp.cli import main
+from zerodp.ui.server import is_loopback, make_server, serve_in_thread
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = make_server(port=0)
+    serve_in_thread(srv)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def request(srv, path, host=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=10)
+    conn.putrequest("GET", path, skip_host=True)
+    if host is not None:
+        conn.putheader("Host", host)
+    for k, v in (headers or {}).items():
+        conn.putheader(k, v)
+    conn.endheaders()
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    return r.status, json.loads(body) if r.getheader("Content-Type") == "application/json" else body
+
+
+def test_other_host_names_are_refused(server):
+    port = server.server_address[1]
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", None):
+        status, body = request(server, "/api/batch", host)
+        assert status == 403, (host, status)
+        if host:
+            assert "DNS rebinding" in body["error"] and server.url in body["error"]
+    status, _ = request(server, "/", "evil.example")
+    assert status == 403  # the page too, not only the API
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}"):
+        assert request(server, "/api/batch", host)[0] == 200, host
+
+
+def test_refusals_are_422_and_answers_for_the_page(server):
+    host = f"127.0.0.1:{server.server_address[1]}"
+    status, body = request(server, "/api/memory?n=0", host)
+    assert status == 422 and body["field"] == "n" and "status" not in body
+    status, page = request(server, "/api/memory?n=0", host, {"X-Zerodp-Page": "1"})
+    assert status == 200 and page == dict(body, status=422)  # the same object, status inside
+    assert body["error_zh"] and "n" in body["error_zh"]
+
+
+def test_loopback_detection():
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.4", "example.org"))
+
+
+def test_a_non_loopback_bind_warns():
+    proc = subprocess.Popen([sys.executable, "-m", "zerodp.ui", "--host", "0.0.0.0", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "serving on http://0.0.0.0:" in proc.stdout.readline()
+        warning = proc.stderr.readline()
+        assert "warning: listening on 0.0.0.0" in warning and "--host 127.0.0.1" in warning
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    quiet = subprocess.Popen([sys.executable, "-m", "zerodp.ui", "--port", "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "serving on http://127.0.0.1:" in quiet.stdout.readline()
+        time.sleep(0.3)
+    finally:
+        quiet.terminate()
+        _, err = quiet.communicate(timeout=10)
+    assert "warning" not in err
+
+
+def test_a_missing_profile_is_named_not_a_port_problem(capsys):
+    assert main(["ui", "--port", "0", "--profile", "/nonexistent.json"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent.json" in err and "not found" in err and "--port" not in err
+    assert err.count("\n") == 1
