@@ -166,10 +166,16 @@ class Launch:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.lines = lines
+        self.ended: float | None = None  # time.monotonic() when the process ended
         self._readers = [threading.Thread(target=self._read, args=(s, n), daemon=True)
                          for s, n in ((self.proc.stdout, "out"), (self.proc.stderr, "err"))]
+        self._readers.append(threading.Thread(target=self._wait_end, daemon=True))
         for t in self._readers:
             t.start()
+
+    def _wait_end(self) -> None:
+        self.proc.wait()
+        self.ended = time.monotonic()
 
     def _read(self, stream, name: str) -> None:
         for text in stream:
@@ -184,6 +190,8 @@ class Launch:
             rc = None
         for t in self._readers:
             t.join(timeout=10)
+        if self.ended is None:
+            self.ended = time.monotonic()
         return rc
 
 

@@ -22,9 +22,10 @@ name (atomic on POSIX), then writes ``COMPLETE``. Older checkpoints are deleted 
 a process killed at any moment leaves the previous checkpoint whole; a directory without
 ``COMPLETE`` is skipped with a message. A save that meets a filesystem error (a full disk, no
 permission, an I/O error, a directory removed meanwhile) ends on every rank with one
-:class:`CheckpointWriteError` naming the rank, the path and the error, and removes what it wrote. Loading validates everything (model config, every file's
-presence, size and checksum, piece coverage) before anything is applied: a bad checkpoint is
-refused with the file and the problem named, never half-loaded.
+:class:`CheckpointWriteError` naming the rank, the path and the error, and removes what it wrote.
+Loading validates everything (model config, every file's presence, size and checksum, piece
+coverage) before anything is applied: a bad checkpoint is refused with the file and the problem
+named, never half-loaded.
 """
 
 from __future__ import annotations
