@@ -284,6 +284,22 @@ def test_default_bucket_is_the_clis(plain_server, browser):
         visit.close()
 
 
+def test_chart_labels_say_what_the_marker_shows(desktop):
+    page = desktop.page
+    page.fill("#batch input[name=dp]", "4096")  # GPU-rich: the exact grad_acc is 0.125
+    desktop.settle("batch")
+    marker = page.evaluate("document.getElementById('batch-sweep').data[1]")
+    assert marker["y"] == [pytest.approx(0.125)] and "exact 0.125" in marker["text"][0]
+    assert marker["textposition"] == "middle left"  # the right half: the label goes left
+    page.fill("#batch input[name=dp]", "128")
+    desktop.settle("batch")
+    sweep = page.evaluate("document.getElementById('overlap-sweep')")
+    label = page.evaluate("document.getElementById('overlap-sweep').layout.annotations[0]")
+    assert label["x"] < 0.1 and label["yanchor"] == "top"  # backward's label: left, under its line
+    assert page.evaluate("document.getElementById('overlap-sweep').data[1].cliponaxis") is False
+    assert sweep is not None
+
+
 def test_language_switch_chinese_and_back(browser, server):
     visit = Visit(browser, server.url, DESKTOP)
     try:

@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # user errors: one clear line, no traceback
         print(f"{command_name(args)}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `zerodp plan ... | head`: the reader left; not an error
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "torch":
             print(f"{command_name(args)}: error: this command needs PyTorch, which this install "

@@ -3,15 +3,15 @@ subcommands (some of which import torch, which takes seconds)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from zerodp.cli import Parser
 from zerodp.ui.cli import add_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerodp")
-    add_parser(parser.add_subparsers(dest="command"))
+    parser = Parser(prog="python -m zerodp")
+    add_parser(parser.add_subparsers(dest="command", parser_class=Parser))
     args = parser.parse_args(["ui", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)

@@ -99,7 +99,7 @@ class Param:
             else f"不小于 {_num(self.low())}"
         text = f"{low}的{whole}"
         if self.maximum is not None:
-            text = f"{low}且不大于 {_num(self.maximum)} 的{whole}"
+            text = f"{low} 且不大于 {_num(self.maximum)} 的{whole}"
         if self.kind == "quantity":
             text += "（可带 k、M、G、T 后缀，如 25MB）"
         return text + ("，或留空" if self.optional else "")
