@@ -148,8 +148,10 @@ def _problem(rank: int, exc: BaseException, path: Path) -> dict:
 
 
 def _previous(root: Path, step: int) -> str:
+    """The newest complete checkpoint after a failed save, in words. (One of ``step`` itself can
+    only be the checkpoint the failed save was to replace, put back.)"""
     try:
-        older = [d for d in complete_checkpoints(root) if _step_of(d) != step]
+        older = complete_checkpoints(root)
     except OSError:
         older = []
     return (f"the previous checkpoint {older[-1]} is intact" if older else

@@ -1,0 +1,68 @@
+"""The checkpoint writer's error paths in one process, at every point a filesystem error can hit
+rank 0's part of a save (the manifest, the rename, the COMPLETE marker) and when a save replaces a
+checkpoint of the same step: the error names the path, nothing of the failed save is left, and
+the checkpoints from before are intact. (Multi-rank faults through training: test_storage_faults.py.)
+"""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from zerodp.train import checkpoint as ckpt
+
+from test_train_checkpoint import MODEL, pieces_for, reference_state
+
+
+@pytest.fixture
+def fault():
+    """Set the writer's test hook to raise ``code`` at ``point``; reset afterwards."""
+    def arm(point, code):
+        def hook(p, step, path):
+            if p == point:
+                raise OSError(code, os.strerror(code), str(path))
+        ckpt.fault_hook = hook
+    yield arm
+    ckpt.fault_hook = None
+
+
+def _same(path, seed):
+    ck = ckpt.Checkpoint.open(path)  # every file's size and SHA-256
+    return all(torch.equal(ck.full(n, k), t) for (n, k), t in reference_state(seed=seed).items())
+
+
+@pytest.mark.parametrize("point,code", [("mkdir", errno.EACCES), ("shard", errno.ENOSPC),
+                                        ("fsync", errno.EIO), ("manifest", errno.ENOSPC),
+                                        ("rename", errno.EACCES), ("complete", errno.EIO)])
+def test_an_error_at_any_point_of_a_save_leaves_the_previous_checkpoint(tmp_path, fault, point, code):
+    root = tmp_path / "checkpoints"
+    ckpt.save(pieces_for(reference_state(seed=1), 0, 1), root, 1, {"model": MODEL}, keep=1)
+    fault(point, code)
+    with pytest.raises(ckpt.CheckpointWriteError) as info:
+        ckpt.save(pieces_for(reference_state(seed=2), 0, 1), root, 2, {"model": MODEL}, keep=1)
+    text = str(info.value)
+    assert text.startswith("the checkpoint of step 2 was not saved: rank 0 met ")
+    assert f"({errno.errorcode[code]})" in text and str(root) in text
+    assert text.endswith(f"the previous checkpoint {root / 'step_00000001'} is intact")
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001"]  # nothing left behind
+    assert _same(root / "step_00000001", seed=1)
+
+
+def test_a_failed_save_of_the_same_step_puts_the_old_one_back(tmp_path, fault):
+    """A resumed run that redoes a step saves it again: if that fails after the old checkpoint of
+    the step was moved aside, the old one is put back."""
+    root = tmp_path / "checkpoints"
+    ckpt.save(pieces_for(reference_state(seed=1), 0, 1), root, 3, {"model": MODEL}, keep=2)
+    fault("complete", errno.EIO)
+    with pytest.raises(ckpt.CheckpointWriteError, match="Input/output error") as info:
+        ckpt.save(pieces_for(reference_state(seed=2), 0, 1), root, 3, {"model": MODEL}, keep=2)
+    assert str(info.value).endswith(f"the previous checkpoint {root / 'step_00000003'} is intact")
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
+    assert _same(root / "step_00000003", seed=1)
+
+
+def test_without_faults_the_hook_changes_nothing(tmp_path):
+    assert ckpt.fault_hook is None
+    path = ckpt.save(pieces_for(reference_state(seed=4), 0, 1), tmp_path, 7, {"model": MODEL})
+    assert _same(path, seed=4)
