@@ -206,8 +206,7 @@ def _add_sample(sub) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
                    help="checkpoint directory, run directory or exported .safetensors file")
     p.add_argument("--prompt", default="The ", help="text to continue")
-    p.add_argument("--tokens", type=_bounded(int, "tokens", 1, 1_000_000), default=300,
-                   help="tokens (bytes) to generate")
+    p.add_argument("--tokens", type=int, default=300, help="tokens (bytes) to generate, >= 1")
     p.add_argument("--temperature", type=_bounded(float, "temperature", 0, 100, low_open=True),
                    default=0.8, help="sampling temperature, > 0 (lower: more predictable)")
     p.add_argument("--top-k", type=_bounded(int, "top-k", 1, 1_000_000), default=40,
