@@ -23,7 +23,10 @@ PUBLISHED = {"llama-3-8b": (8.03e9, None), "qwen2-7b": (7.62e9, None),
 
 
 def run(capsys, *argv):
-    code = main(list(argv))
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's errors and -h exit as argparse does
+        code = exc.code or 0
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -57,15 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    try:
-        args, extra = parser.parse_known_args(argv)
-    except SystemExit as exc:  # -h (0) or an argparse error, already printed as one line (2)
-        return int(exc.code or 0)
+    # -h and argparse's errors (one line, see Parser.error) end in SystemExit, as argparse does
+    args, extra = parser.parse_known_args(argv)
     if extra:
         name = command_name(args)
         print(f"{name}: error: unrecognized arguments: {' '.join(extra)}: {name} takes no such "
               f"option (see {name} -h)", file=sys.stderr)
-        return 2
+        raise SystemExit(2)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
