@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from zerodp.train import checkpoint as ckpt
@@ -46,6 +46,7 @@ def _check(cfg: TrainConfig, names: str) -> str:
         assert text and "\n" not in text, f"not one line: {text!r}"
         assert names in text, f"the error does not name {names}: {text}"
         assert len(text) < 600, text
+        event("refused with one line")
         return text
     corpus, mc, plan, train_w, val_w = prepare(cfg, WORLD)
     assert corpus.train.size >= 1 and corpus.val.size >= 1
@@ -59,11 +60,15 @@ def _check(cfg: TrainConfig, names: str) -> str:
     x, y = val_w.batch([val_w.count - 1])
     assert x.shape == (1, cfg.seq_len)
     corpus.decode(corpus.train[:50])  # never raises, whatever the bytes
+    event("trains")
     return "ok"
 
 
-@given(content=st.binary(max_size=700), suffix=st.sampled_from([".txt", "", ".dat", ".bin"]),
-       seq_len=st.integers(1, 48))
+# small files (mostly refused: too short) and files long enough to train
+CONTENT = st.one_of(st.binary(max_size=64), st.binary(min_size=300, max_size=3000))
+
+
+@given(content=CONTENT, suffix=st.sampled_from([".txt", "", ".dat", ".bin"]), seq_len=st.integers(1, 24))
 def test_any_file_starts_or_fails_with_one_clear_line(content, suffix, seq_len):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"data{suffix}"
@@ -75,8 +80,9 @@ def test_any_file_starts_or_fails_with_one_clear_line(content, suffix, seq_len):
             assert "an odd number" in outcome  # a truncated token file is named as such
 
 
-@given(ids=st.lists(st.integers(0, 65535), max_size=300), cut=st.integers(0, 3),
-       seq_len=st.integers(1, 32))
+@given(ids=st.one_of(st.lists(st.integers(0, 65535), max_size=40),
+                     st.lists(st.integers(0, 65535), min_size=200, max_size=800)), cut=st.integers(0, 3),
+       seq_len=st.integers(1, 24))
 def test_a_token_file_cut_short_is_refused_as_such(ids, cut, seq_len):
     """A valid uint16 file with its last ``cut`` bytes lost: odd sizes are named as truncated."""
     with tempfile.TemporaryDirectory() as d:
@@ -88,7 +94,7 @@ def test_a_token_file_cut_short_is_refused_as_such(ids, cut, seq_len):
             assert "an odd number" in outcome
 
 
-@given(train=st.binary(max_size=300), val=st.binary(max_size=120), seq_len=st.integers(1, 16))
+@given(train=CONTENT, val=CONTENT, seq_len=st.integers(1, 16))
 def test_a_train_and_val_pair_names_the_file_at_fault(train, val, seq_len):
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "train.bin").write_bytes(train)
@@ -122,9 +128,11 @@ def _saved_model(vocab: int) -> Path:
     return _SAVED[vocab]
 
 
-@given(ids=st.lists(st.integers(0, 600), min_size=100, max_size=200), vocab=st.sampled_from([256, 300, 512]))
-def test_tokens_out_of_the_saved_models_vocabulary_are_one_clear_error(ids, vocab):
+@given(data=st.data(), vocab=st.sampled_from([256, 300, 512]))
+def test_tokens_out_of_the_saved_models_vocabulary_are_one_clear_error(data, vocab):
     """A new run sizes its vocabulary from the data; a resumed one must fit the saved model's."""
+    top = data.draw(st.integers(2, 700), label="ids below")
+    ids = data.draw(st.lists(st.integers(0, top - 1), min_size=100, max_size=200), label="ids")
     saved = _saved_model(vocab)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "tokens.bin"

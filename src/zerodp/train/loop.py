@@ -10,6 +10,8 @@ business (stage 0–3, seed §9).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 import sys
 import time
@@ -66,11 +68,27 @@ def prepare(cfg: TrainConfig, world: int) -> tuple[Corpus, GPTConfig, BatchPlan,
     """Everything that can be checked before any rank starts: data, model config, batch plan."""
     corpus = load_corpus(cfg.data)
     mc = cfg.model_config(corpus.vocab_size)
+    saved = _saved_vocabulary(cfg)
+    if saved is not None and saved > mc.vocab_size:  # the data fits the saved model's vocabulary
+        mc = dataclasses.replace(mc, vocab_size=saved)
     plan = plan_batch(cfg.global_batch_tokens, cfg.seq_len, cfg.micro_batch, world)
     check_profile(cfg, world)
     train_w = Windows(corpus.train, cfg.seq_len, "training", corpus.name)
     val_w = Windows(corpus.val, cfg.seq_len, "validation", corpus.name)
     return corpus, mc, plan, train_w, val_w
+
+
+def _saved_vocabulary(cfg: TrainConfig) -> int | None:
+    """The vocabulary size of the model ``cfg.resume`` points at (None when not resuming or when it
+    cannot be read: check_resume then says why)."""
+    if not cfg.resume:
+        return None
+    try:
+        manifest = json.loads((ckpt.find(cfg.resume, log=lambda m: None) / ckpt.MANIFEST).read_text())
+        vocab = manifest["model"]["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return vocab if isinstance(vocab, int) else None
 
 
 def check_profile(cfg: TrainConfig, world: int) -> None:
