@@ -251,3 +251,21 @@ def test_zerodp_ui_subcommand(tmp_path, capsys):
     assert "zerodp train --trace" in capsys.readouterr().err
     assert main(["ui", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("endpoint, params", [
+    ("memory", {"micro_batch": 4}),
+    ("memory", {"model": "zero-7.5b", "seq": 4096}),
+    ("memory", {"precision": "fp32", "fp32_grad_acc": "true"}),
+    ("memory", {"n": "1e30"}),
+    ("overlap", {"bucket_bytes": 1000}),
+    ("roofline", {"experts": 4, "experts_per_token": 8}),
+    ("roofline", {"hardware": "TPU v5p", "n": 20000}),
+    ("batch", {"target_tokens": 100, "seq": 4096}),
+    ("batch", {"target_tokens": "1e15", "seq": 1, "micro_batch": 1, "dp": 1}),
+])
+def test_refusals_come_in_chinese_too(server, endpoint, params):
+    status, d = fetch(server, f"/api/{endpoint}", **params)
+    assert status == 422
+    zh = d["error_zh"]
+    assert re.search(r"[\u4e00-\u9fff]", zh) and "输入无法计算" not in zh, zh  # a real sentence

@@ -48,9 +48,10 @@ class InputError(ValueError):
     """A ValueError about one input: ``field`` names it (the API's parameter name), so the page
     can show the sentence next to that field."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, message_zh: str | None = None):
         super().__init__(message)
         self.field = field
+        self.message_zh = message_zh
 
 
 def check_positive(name: str, value: float, allow_zero: bool = False) -> float:

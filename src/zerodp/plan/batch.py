@@ -54,7 +54,9 @@ def plan_batch(target_tokens: float, seq: int, micro_batch: int, dp: int,
     dp = check_count("dp (GPUs)", dp)
     raw = target_tokens / seq
     if raw < 1:
-        raise ValueError(f"target_tokens ({target_tokens:g}) is less than one sequence of {seq}")
+        raise InputError(f"target_tokens ({target_tokens:g}) is less than one sequence of {seq}",
+                         "target_tokens", f"目标批次（{target_tokens:g} 个 token）不足一条长度为 "
+                         f"{seq} 的序列")
     samples = nearest_power_of_two(raw) if round_to_power_of_two else int(round(raw))
     exact = samples / (mbs * dp)
     warnings = []
@@ -73,7 +75,9 @@ def plan_batch(target_tokens: float, seq: int, micro_batch: int, dp: int,
     if grad_acc > MAX_GRAD_ACC:
         raise InputError(f"target_tokens {target_tokens:,.0f} needs grad_acc {grad_acc:,} (over "
                          f"{MAX_GRAD_ACC:,}): no run takes that many micro-steps per step; lower "
-                         "the target or raise the micro-batch or dp", "target_tokens")
+                         "the target or raise the micro-batch or dp", "target_tokens",
+                         f"目标批次需要梯度累积 {grad_acc:,} 步（超过 {MAX_GRAD_ACC:,}）：请减小目标"
+                         "批次，或加大微批次或卡数")
     effective = mbs * grad_acc * dp
     return BatchPlan(target_tokens, seq, mbs, dp, samples, grad_acc, exact, samples * seq,
                      effective, mbs * seq, gpu_rich, warnings)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from zerodp.plan._common import ToDict, check_count, check_positive
+from zerodp.plan._common import InputError, ToDict, check_count, check_positive
 from zerodp.plan.hardware import Hardware, get_hardware
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -187,8 +187,9 @@ def network_cost(hardware: Hardware | str, n: int, axes: int = 1) -> Hierarchica
     if nodes == 1:
         return HierarchicalCost(intra=intra)
     if hw.inter_bw <= 0:
-        raise ValueError(f"{hw.name} has no inter-node network (inter_bw = 0): at most "
-                         f"{hw.devices_per_node} devices, got {n}")
+        raise InputError(f"{hw.name} has no inter-node network (inter_bw = 0): at most "
+                         f"{hw.devices_per_node} devices, got {n}", "n",
+                         f"{hw.name} 没有节点间网络：最多 {hw.devices_per_node} 个设备，收到 {n}")
     return HierarchicalCost(intra=intra, inter=RingCost(alpha=hw.node_alpha, bandwidth=hw.inter_bw, n=nodes))
 
 

@@ -224,14 +224,18 @@ def check_range(name: str, value: float, low: float, high: float, why: str = "",
     one sentence that names ``name``, the range and why."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
             or value in (float("inf"), float("-inf")):
-        raise InputError(f"{name} must be a number, got {value!r}", field)
+        raise InputError(f"{name} must be a number, got {value!r}", field,
+                         f"{name} 必须是数，收到的是 {value!r}")
     if integer and not float(value).is_integer():
-        raise InputError(f"{name} must be a whole number, got {value:g}", field)
+        raise InputError(f"{name} must be a whole number, got {value:g}", field,
+                         f"{name} 必须是整数，收到的是 {value:g}")
     if not low <= value <= high:
         from zerodp.plan._common import fmt_count
         reason = f" ({why})" if why else ""
         raise InputError(f"{name} must be between {fmt_count(low)} and {fmt_count(high)}{reason}, "
-                         f"got {fmt_count(value)}", field)
+                         f"got {fmt_count(value)}", field,
+                         f"{name} 必须在 {fmt_count(low)} 到 {fmt_count(high)} 之间，收到的是 "
+                         f"{fmt_count(value)}")
     return int(value) if integer else value
 
 
@@ -285,14 +289,15 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     check_range("params", m.params, 1, MAX_PARAMS, "a thousand trillion at most", field="params")
     if precision not in PRECISIONS:
         raise InputError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}",
-                         "precision")
+                         "precision", f"精度必须是 {'、'.join(PRECISIONS)} 之一，收到的是 {precision!r}")
     prec = PRECISIONS[precision]
     k = float(prec["k"] if k is None else check_range("k (optimizer bytes per parameter)", k, 0,
                                                       MAX_K, "Adam with fp64 states needs 24",
                                                       field="k"))
     if fp32_grad_acc and prec["grad_bytes"] >= FP32:
         raise InputError("fp32 gradients already accumulate in fp32: drop fp32_grad_acc "
-                         "(--fp32-grad-acc) or choose precision bf16/fp8", "fp32_grad_acc")
+                         "(--fp32-grad-acc) or choose precision bf16/fp8", "fp32_grad_acc",
+                         "fp32 梯度本身就以 fp32 累积：去掉 fp32 梯度累积，或选择 bf16/fp8 精度")
     if recompute not in RECOMPUTE:
         raise InputError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}",
                          "recompute")
@@ -314,7 +319,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     if seq is None:
         if micro_batch != 1 or recompute != "none":
             raise InputError("micro_batch (--mbs) and recompute only change activations: give "
-                             "seq (--seq) too, or leave them at 1 and none", "seq")
+                             "seq (--seq) too, or leave them at 1 and none", "seq",
+                             "微批次和重计算只影响激活值：请同时给出序列长度，或保持 1 和 none")
         warnings.append("activations are not counted: give seq (--seq) to add them")
         warnings_zh.append("未计入激活值：给出序列长度 seq 即可加入")
     else:
@@ -323,7 +329,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
         if not (m.layers and m.hidden and m.heads):
             raise InputError(f"activations need the model's shape and {m.name} has none: give a "
                              "config.json (--config) or layers, hidden and heads, or drop seq",
-                             "seq")
+                             "seq", f"计算激活值需要模型结构，而 {m.name} 没有：请给出 config.json "
+                             "或层数、隐藏维度和头数，或清空序列长度")
         act = activations(m.layers, m.hidden, m.heads, seq, micro_batch, m.ffn or 4 * m.hidden,
                           m.vocab or 0, recompute, q_dim=m.q_dim, kv_dim=m.kv_dim,
                           gated_mlp=m.gated_mlp)

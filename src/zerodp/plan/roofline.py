@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerodp.plan._common import ToDict, check_count, check_positive
+from zerodp.plan._common import InputError, ToDict, check_count, check_positive
 from zerodp.plan.collectives import network_cost
 from zerodp.plan.hardware import Hardware, get_hardware
 from zerodp.plan.models import Model, get_model
@@ -67,7 +67,8 @@ def _moe(model, experts, experts_per_token) -> float:
     e = check_count("experts", experts)
     k = check_count("experts_per_token", experts_per_token)
     if k > e:
-        raise ValueError(f"experts_per_token ({k}) must be <= experts ({e})")
+        raise InputError(f"experts_per_token ({k}) must be <= experts ({e})", "experts_per_token",
+                         f"每个 token 的专家数（{k}）不能超过专家数（{e}）")
     return e / k
 
 
@@ -81,7 +82,8 @@ def threshold(hardware: Hardware | str, n: int | None = None, axes: int = 1,
     hw = get_hardware(hardware)
     axes = check_count("axes", axes)
     if axes > hw.axes:
-        raise ValueError(f"{hw.name} has {hw.axes} DP axis(es); got axes={axes}")
+        raise InputError(f"{hw.name} has {hw.axes} DP axis(es); got axes={axes}", "axes",
+                         f"{hw.name} 只有 {hw.axes} 个可做数据并行的轴，收到 axes={axes}")
     moe = _moe(model, experts, experts_per_token)
     w_intra = hw.intra_bw * axes
     has_inter = hw.inter_bw > 0

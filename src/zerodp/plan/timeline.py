@@ -192,10 +192,14 @@ def simulate_backward(layers: Sequence[Layer], cost: CollectiveCost, bucket_byte
     if ratio > MAX_BUCKETS:
         from zerodp.plan._common import fmt_bytes, fmt_count
         count = f"{math.ceil(ratio):,}" if ratio < 1e15 else fmt_count(ratio)
-        raise ValueError(
+        from zerodp.plan._common import InputError
+        raise InputError(
             f"bucket size (bucket_bytes, --bucket) {fmt_bytes(bucket_bytes)} cuts "
             f"{fmt_bytes(total)} of gradients into {count} buckets, over the {MAX_BUCKETS:,} one "
-            f"simulation makes: use a bucket of at least {fmt_bytes(math.ceil(total / MAX_BUCKETS))}")
+            f"simulation makes: use a bucket of at least {fmt_bytes(math.ceil(total / MAX_BUCKETS))}",
+            "bucket_bytes",
+            f"桶大小 {fmt_bytes(bucket_bytes)} 会把 {fmt_bytes(total)} 的梯度分成 {count} 个桶，超过单次模拟"
+            f"上限 {MAX_BUCKETS:,}：请用至少 {fmt_bytes(math.ceil(total / MAX_BUCKETS))} 的桶")
     kind = normalize_kind(collective)
     runs: list[BucketRun] = []
     compute: list[LayerSpan] = []

@@ -201,7 +201,8 @@ class Api:
             if isinstance(exc, ApiError):
                 raise
             field = getattr(exc, "field", None) or field_of(str(exc), endpoint.params)
-            raise ApiError(field, str(exc), "", f"输入无法计算：{exc}") from None
+            zh = getattr(exc, "message_zh", None) or f"输入无法计算：{exc}"
+            raise ApiError(field, str(exc), "", zh) from None
 
     # ---- handlers ------------------------------------------------------------------------------
     def schema(self) -> dict:
