@@ -25,7 +25,9 @@ from zerodp.train.chaos import RUN, Launch, compare, env_with
 
 pytestmark = pytest.mark.dist
 
-STEPS = ["--steps", "100", "--ckpt-every", "10"]
+from _straight import CKPT_EVERY, STEPS as N_STEPS, straight as shared_straight
+
+STEPS = ["--steps", str(N_STEPS), "--ckpt-every", str(CKPT_EVERY)]
 STARTUP_S = 120  # starting Python, torch and two ranks on a loaded 2-core machine
 GRACE_S = 30.0  # the default --grace-s
 TORCHRUN = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
@@ -96,24 +98,15 @@ def _digest(path: Path) -> dict:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def straight(tmp_path_factory):
-    """The uninterrupted run every resumed run must end bitwise equal to (started once, in the
-    background; ``straight()`` waits for it)."""
-    out = tmp_path_factory.mktemp("straight") / "run"
-    launch = _launch(out)
-
-    def wait():
-        if launch.proc.returncode is None:
-            rc = launch.wait(3 * STARTUP_S)
-            assert rc == 0, _text(launch)[-3000:]
-        return out
-    return wait
+    """The uninterrupted run every resumed run must end bitwise equal to (tests/_straight.py)."""
+    return shared_straight(tmp_path_factory)
 
 
 def test_sigterm_stops_with_a_checkpoint_within_the_grace_period_and_resume_is_bitwise(tmp_path, straight):
     rng = random.Random(18)
-    at_l, at_t = rng.randint(8, 60), rng.randint(8, 60)
+    at_l, at_t = rng.randint(8, 40), rng.randint(8, 40)
     ours, tr = tmp_path / "launcher", tmp_path / "torchrun"
     a = _launch(ours)
     b = _launch(tr, torchrun=True)
@@ -129,7 +122,7 @@ def test_sigterm_stops_with_a_checkpoint_within_the_grace_period_and_resume_is_b
     stop = _last_record(ours)
     assert stop["event"] == "stop" and stop["signal"] == "SIGTERM" and stop["step"] >= at_l
     assert f"zerodp train: stopped on SIGTERM after step {stop['step']}, with a checkpoint" in _text(a)
-    assert ckpt.Checkpoint.open(ckpt.find(ours)).step == stop["step"] < 100
+    assert ckpt.Checkpoint.open(ckpt.find(ours)).step == stop["step"] < N_STEPS
 
     # torchrun forwards SIGTERM to its workers; they stop the same way (each exits 143, rank 0
     # says so); torchrun itself then exits 1 after its SignalException (its own behaviour)
@@ -138,7 +131,7 @@ def test_sigterm_stops_with_a_checkpoint_within_the_grace_period_and_resume_is_b
     stop_b = _last_record(tr)
     assert stop_b["event"] == "stop" and stop_b["step"] >= at_t
     assert f"zerodp train: stopped on SIGTERM after step {stop_b['step']}, with a checkpoint" in _text(b)
-    assert ckpt.Checkpoint.open(ckpt.find(tr)).step == stop_b["step"] < 100
+    assert ckpt.Checkpoint.open(ckpt.find(tr)).step == stop_b["step"] < N_STEPS
 
     ra = _launch(ours, "--resume")
     rb = _launch(tr, "--resume", torchrun=True)
@@ -147,12 +140,12 @@ def test_sigterm_stops_with_a_checkpoint_within_the_grace_period_and_resume_is_b
     ref = straight()
     for run in (ours, tr):
         step, diff = compare(ref, run)
-        assert step == 100 and not diff, (run, step, diff)
+        assert step == N_STEPS and not diff, (run, step, diff)
 
 
 def test_ctrl_c_stops_gracefully_a_second_one_aborts_and_the_grace_period_bounds_a_stuck_stop(tmp_path):
     rng = random.Random(1818)
-    at = rng.randint(8, 60)
+    at = rng.randint(8, 40)
     stuck = 23  # rank 1 sleeps at the start of this step, so a graceful stop cannot finish
     ctrl_c, twice, late = tmp_path / "ctrl_c", tmp_path / "twice", tmp_path / "late"
     c = _launch(ctrl_c)

@@ -303,8 +303,11 @@ def analyse(plan: list[Planned], lines: list[Line], out: Path) -> list[Outcome]:
 
 
 def run_chaos(work: Path, seed: int = 0, steps: int = 200, ckpt_every: int = 10, short: bool = False,
-              timeout_s: float = 8.0, limit_s: float = 900.0, log=print) -> Report:
-    """Run the schedule in ``work/chaos`` and the same run without faults in ``work/straight``."""
+              timeout_s: float = 8.0, limit_s: float = 900.0, log=print, reference=None) -> Report:
+    """Run the schedule in ``work/chaos`` and the same run without faults in ``work/straight``.
+
+    ``reference``: instead of that run, a function that returns the directory of an uninterrupted
+    run of the same configuration (``RUN``, ``steps``, ``ckpt_every``) made elsewhere."""
     t0 = time.monotonic()
     plan = schedule(seed, steps, ckpt_every, short)
     args = [*RUN, "--steps", str(steps), "--ckpt-every", str(ckpt_every), "--keep-checkpoints", "3",
@@ -312,7 +315,7 @@ def run_chaos(work: Path, seed: int = 0, steps: int = 200, ckpt_every: int = 10,
     chaos, straight = work / "chaos", work / "straight"
     log(f"chaos: seed {seed}, {len(plan)} faults over {steps} steps: " + ", ".join(p.spec for p in plan))
     lines: list[Line] = []
-    ref = Launch([*args, "--out", str(straight)], env_with(None), [])  # side by side with the chaos
+    ref = None if reference else Launch([*args, "--out", str(straight)], env_with(None), [])  # side by side
     report = Report([])
     launches = sorted({p.launch for p in plan})
     for n in launches:
@@ -329,9 +332,12 @@ def run_chaos(work: Path, seed: int = 0, steps: int = 200, ckpt_every: int = 10,
             tail = "\n".join(ln.text for ln in lines[-40:])
             report.problems.append(f"its last lines:\n{tail}")
             break
-    rc_ref = ref.wait(limit_s)
-    if rc_ref != 0:
-        report.problems.append(f"the uninterrupted run exited with {rc_ref}")
+    if ref is not None:
+        rc_ref = ref.wait(limit_s)
+        if rc_ref != 0:
+            report.problems.append(f"the uninterrupted run exited with {rc_ref}")
+    else:
+        straight = reference()
     report.outcomes = analyse(plan, lines, chaos)
     for o in report.outcomes:
         if o.seen_at is None:
