@@ -23,6 +23,7 @@ pytestmark = pytest.mark.fuzz
 ENDPOINTS = ["memory", "overlap", "roofline", "batch", "model", "schema", "presets", "measured"]
 NAMES = sorted({p.name for e in Api().endpoints().values() for p in e.params}) + ["gbs", "x", ""]
 LIMIT_S = 1.0
+MAX_LINE = 65_536 - len("GET  HTTP/1.1\r\n")
 
 numbers = st.one_of(
     st.integers(-10**40, 10**40).map(str),
@@ -43,6 +44,8 @@ configs = st.one_of(
               st.integers(-5, 10**7), st.integers(-5, 10**6), st.integers(-5, 10**5),
               st.integers(-5, 10**9), st.integers(-5, 10**6)),
     st.text(max_size=200),
+    st.integers(1, 12_000).map(lambda depth: "[" * depth),  # nesting deep enough to recurse
+    st.integers(1, 5_000).map(lambda depth: '{"a":' * depth),
 )
 values = st.one_of(numbers, words, st.text(max_size=40), configs)
 queries = st.dictionaries(st.sampled_from(NAMES), values, max_size=8)
@@ -77,7 +80,11 @@ def check(status, body, took, what):
 
 @given(endpoint=st.sampled_from(ENDPOINTS), query=queries)
 def test_any_parameters_get_200_or_422_fast(server, endpoint, query):
-    status, body, took = get(server, f"/api/{endpoint}?{urlencode(query)}")
+    path = f"/api/{endpoint}?{urlencode(query)}"
+    status, body, took = get(server, path)
+    if len(path) > MAX_LINE:  # http.server's own limit on a request line: 414, in JSON too
+        assert status == 414 and "65,536 bytes" in body["error"] and took < LIMIT_S
+        return
     check(status, body, took, (endpoint, query))
 
 

@@ -29,6 +29,9 @@ from zerodp.plan.models import Model
 
 #: a config.json is a few kB; refuse anything much larger before parsing it
 MAX_CONFIG_BYTES = 1_000_000
+#: no dimension of a real model comes near these; they keep every count quick and finite
+MAX_DIM = 1_000_000_000
+MAX_LAYERS = 100_000
 _GPT2 = ("gpt2", "zerodp-gpt")
 
 
@@ -52,12 +55,18 @@ def _get(cfg: dict, *names, default=None):
     return default
 
 
-def _int(cfg: dict, what: str, *names, default=None, minimum: int = 1) -> int | None:
+def _int(cfg: dict, *names, default=None, minimum: int = 1, maximum: int = MAX_DIM,
+         required: bool = False) -> int | None:
+    """The first of ``names`` present in ``cfg``, as a whole number in [minimum, maximum]."""
     v = _get(cfg, *names, default=default)
     if v is None:
+        if required:
+            raise ValueError(f"config.json has no {names[0]}, which this model family needs")
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer() or v < minimum:
-        raise ValueError(f"config.json: {names[0]} must be a whole number >= {minimum}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v \
+            or not float(v).is_integer() or not minimum <= v <= maximum:
+        raise ValueError(f"config.json: {names[0]} must be a whole number from {minimum:,} to "
+                         f"{maximum:,}, got {v!r}")
     return int(v)
 
 
@@ -72,36 +81,37 @@ def model_from_config(cfg: dict, name: str | None = None, source: str = "") -> M
     if "params" in meta and not any(k in cfg for k in ("hidden_size", "n_embd", "d_model")):
         return Model(name=name, params=float(meta["params"]), source=source,
                      published_params=float(meta["params"]))
-    h = _int(cfg, "hidden", "hidden_size", "n_embd", "d_model")
-    layers = _int(cfg, "layers", "num_hidden_layers", "n_layer", "num_layers")
-    heads = _int(cfg, "heads", "num_attention_heads", "n_head")
-    vocab = _int(cfg, "vocab", "vocab_size")
+    h = _int(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers", maximum=MAX_LAYERS)
+    heads = _int(cfg, "num_attention_heads", "n_head")
+    vocab = _int(cfg, "vocab_size")
     missing = [f for f, v in (("hidden_size", h), ("num_hidden_layers", layers),
                               ("num_attention_heads", heads), ("vocab_size", vocab)) if v is None]
     if missing:
         raise ValueError(f"config.json has no {', '.join(missing)}: is it a transformer's "
                          "Hugging Face config?")
     gpt2 = mt in _GPT2
-    kv = _int(cfg, "kv", "num_key_value_heads", default=heads)
+    kv = _int(cfg, "num_key_value_heads", default=heads)
     if kv > heads:
         raise ValueError(f"config.json: num_key_value_heads ({kv}) > num_attention_heads ({heads})")
-    head_dim = _int(cfg, "head_dim", "head_dim", default=None)
+    head_dim = _int(cfg, "head_dim", default=None)
     if head_dim is None:
         if h % heads:
             raise ValueError(f"config.json: hidden_size ({h}) is not a multiple of "
                              f"num_attention_heads ({heads}); give head_dim")
         head_dim = h // heads
-    ffn = _int(cfg, "ffn", "intermediate_size", "n_inner", "ffn_dim", default=4 * h)
+    ffn = _int(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h)
     tied = bool(cfg.get("tie_word_embeddings", gpt2))
-    experts = _int(cfg, "experts", "num_local_experts", "n_routed_experts", "num_experts", default=1)
-    k = _int(cfg, "experts_per_token", "num_experts_per_tok", "moe_topk", default=1 if experts == 1 else 2)
+    experts = _int(cfg, "num_local_experts", "n_routed_experts", "num_experts", default=1,
+                   maximum=1_000_000)
+    k = _int(cfg, "num_experts_per_tok", "moe_topk", default=1 if experts == 1 else 2)
     if k > experts:
         raise ValueError(f"config.json: num_experts_per_tok ({k}) > experts ({experts})")
-    moe_ffn = _int(cfg, "moe_ffn", "moe_intermediate_size", default=ffn)
-    n_shared = _int(cfg, "shared", "n_shared_experts", default=0, minimum=0)
-    shared_ffn = _int(cfg, "shared_ffn", "shared_expert_intermediate_size", default=0, minimum=0)
-    first_dense = _int(cfg, "first_k_dense_replace", "first_k_dense_replace", default=0, minimum=0)
-    freq = _int(cfg, "moe_layer_freq", "moe_layer_freq", default=1)
+    moe_ffn = _int(cfg, "moe_intermediate_size", default=ffn)
+    n_shared = _int(cfg, "n_shared_experts", default=0, minimum=0)
+    shared_ffn = _int(cfg, "shared_expert_intermediate_size", default=0, minimum=0)
+    first_dense = _int(cfg, "first_k_dense_replace", default=0, minimum=0)
+    freq = _int(cfg, "moe_layer_freq", default=1)
     if experts > 1:
         moe_layers = sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
     else:
@@ -109,11 +119,11 @@ def model_from_config(cfg: dict, name: str | None = None, source: str = "") -> M
 
     # attention, per layer
     if cfg.get("kv_lora_rank"):
-        q_lora = _int(cfg, "q_lora_rank", "q_lora_rank", default=0, minimum=0)
-        kv_lora = _int(cfg, "kv_lora_rank", "kv_lora_rank")
-        nope = _int(cfg, "qk_nope_head_dim", "qk_nope_head_dim")
-        rope = _int(cfg, "qk_rope_head_dim", "qk_rope_head_dim")
-        v_dim = _int(cfg, "v_head_dim", "v_head_dim")
+        q_lora = _int(cfg, "q_lora_rank", default=0, minimum=0)
+        kv_lora = _int(cfg, "kv_lora_rank", required=True)
+        nope = _int(cfg, "qk_nope_head_dim", required=True)
+        rope = _int(cfg, "qk_rope_head_dim", required=True)
+        v_dim = _int(cfg, "v_head_dim", required=True)
         qk = heads * (nope + rope)
         q = (h * q_lora + q_lora + q_lora * qk) if q_lora else h * qk
         attn = q + h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim) + heads * v_dim * h
@@ -140,7 +150,7 @@ def model_from_config(cfg: dict, name: str | None = None, source: str = "") -> M
     shared = n_shared * mlp(moe_ffn) + ((mlp(shared_ffn) + h) if shared_ffn else 0)
     router = experts * h + (experts if mt in ("gpt_oss", "deepseek_v3") else 0)
     norms = (4 * h) if gpt2 else (2 * h)
-    positions = _int(cfg, "n_positions", "n_positions", default=0, minimum=0) if gpt2 else 0
+    positions = _int(cfg, "n_positions", default=0, minimum=0) if gpt2 else 0
     embedding = vocab * h * (1 if tied else 2) + positions * h
     final_norm = (2 * h) if gpt2 else h
     c = _Count(attn, mlp(ffn), expert, shared, router, norms, moe_layers, embedding, final_norm)
@@ -222,6 +232,8 @@ def parse_config(text: str, name: str = "config.json", source: str = "config.jso
     except json.JSONDecodeError as exc:
         raise ValueError(f"config.json is not valid JSON (line {exc.lineno}, column {exc.colno}: "
                          f"{exc.msg})") from None
+    except RecursionError:
+        raise ValueError("config.json nests too deeply to be a model's configuration") from None
     return model_from_config(cfg, name=name, source=source)
 
 

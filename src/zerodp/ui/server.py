@@ -106,6 +106,21 @@ class Handler(BaseHTTPRequestHandler):
                               {"error": f"internal error: {type(exc).__name__}: {exc}"})
         self._json(HTTPStatus.OK, body)
 
+    def send_error(self, code, message=None, explain=None):  # noqa: D401 (http.server's name)
+        """http.server's own refusals (a request line over 64 kB, a malformed request) in JSON."""
+        phrase = message or HTTPStatus(code).phrase
+        text = f"{code} {phrase}"
+        if code == HTTPStatus.REQUEST_URI_TOO_LONG:
+            text += ": the request line is over 65,536 bytes (a config.json is a few kB)"
+        body = json.dumps({"error": text}).encode()
+        self.send_response(code, phrase)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
     def _send(self, status: int, body: bytes, content_type: str, cache: bool = False):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
