@@ -66,3 +66,25 @@ def test_without_faults_the_hook_changes_nothing(tmp_path):
     assert ckpt.fault_hook is None
     path = ckpt.save(pieces_for(reference_state(seed=4), 0, 1), tmp_path, 7, {"model": MODEL})
     assert _same(path, seed=4)
+
+
+@pytest.mark.parametrize("phase", ["manifest", "renamed"])
+def test_a_save_killed_while_replacing_the_same_step_loses_nothing(tmp_path, phase):
+    """A resumed run that redoes a saved step saves it again: the complete checkpoint of that step
+    is moved aside first. Killed then, the old checkpoint is still found (under its aside name),
+    and the next save puts it back."""
+    import multiprocessing as mp
+
+    from test_train_checkpoint import _save_then_die
+
+    root = tmp_path / "checkpoints"
+    ckpt.save(pieces_for(reference_state(seed=1), 0, 1), root, 3, {"model": MODEL}, keep=2)
+    proc = mp.get_context("spawn").Process(target=_save_then_die, args=(str(root), 3, phase))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 17
+    found = ckpt.find(tmp_path, log=lambda m: None)
+    assert ckpt.Checkpoint.open(found).step == 3 and _same(found, seed=1)
+    ckpt.save(pieces_for(reference_state(seed=4), 0, 1), root, 4, {"model": MODEL}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]
+    assert _same(root / "step_00000003", seed=1) and _same(root / "step_00000004", seed=4)

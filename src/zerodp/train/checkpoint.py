@@ -48,6 +48,8 @@ MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+# where a save puts the complete checkpoint of the same step while it replaces it
+REPLACED_PREFIX = TMP_PREFIX + "replaced-"
 RNG_CPU = "__rng__/cpu"
 RNG_CUDA = "__rng__/cuda"
 
@@ -191,6 +193,7 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
     if rank == 0:
         try:
             _fs("mkdir", step, tmp)
+            _put_back_replaced(root)
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left by a save that was killed
                 shutil.rmtree(tmp)
@@ -245,7 +248,7 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
         manifest = dict(format=FORMAT, version=VERSION, step=int(step), world_size=world, **meta,
                         files=[{k: r[k] for k in ("rank", "file", "bytes", "sha256")} for r, _ in everyone],
                         pieces=[dict(file=r["file"], **rec) for r, _ in everyone for rec in r["pieces"]])
-        aside = root / (TMP_PREFIX + "replaced-" + final.name)
+        aside = root / (REPLACED_PREFIX + final.name)
         moved = renamed = False
         where = tmp / MANIFEST
         try:
@@ -290,16 +293,35 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
     return final
 
 
+def _put_back_replaced(root: Path) -> None:
+    """Undo what a save killed while replacing a checkpoint of the same step left: the complete
+    old checkpoint moved aside (``.tmp-replaced-step_…``) goes back to its name, unless the new one
+    was completed (then the aside copy is stale and goes)."""
+    if not root.is_dir():
+        return
+    for aside in root.iterdir():
+        if not (aside.is_dir() and aside.name.startswith(REPLACED_PREFIX)):
+            continue
+        final = root / aside.name[len(REPLACED_PREFIX):]
+        if (final / COMPLETE).exists() or not (aside / COMPLETE).exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            continue
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(aside, final)
+        _fsync_dir(root)
+
+
 def _prune(root: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints, and what interrupted saves left."""
     complete = complete_checkpoints(root)
     for old in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    newest = _step_of(complete[-1]) if complete else None
+    newest = _checkpoint_step(complete[-1]) if complete else None
     for d in root.iterdir():
         partial = (newest is not None and _step_of(d) is not None and not (d / COMPLETE).exists()
                    and _step_of(d) < newest)
-        if d.is_dir() and (d.name.startswith(TMP_PREFIX) or partial):
+        if d.is_dir() and d not in complete and (d.name.startswith(TMP_PREFIX) or partial):
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -315,11 +337,24 @@ def _step_of(d: Path) -> int | None:
         return None
 
 
+def _checkpoint_step(d: Path) -> int | None:
+    """The step of a checkpoint directory, also of one a save moved aside to replace it."""
+    name = d.name[len(REPLACED_PREFIX):] if d.name.startswith(REPLACED_PREFIX) else d.name
+    return _step_of(Path(name))
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    found = [d for d in Path(root).iterdir() if d.is_dir() and _step_of(d) is not None
-             and (d / COMPLETE).exists()] if Path(root).is_dir() else []
-    return sorted(found, key=_step_of)
+    """Complete checkpoints under ``root``, oldest first. A complete checkpoint that a save of the
+    same step moved aside and could not replace (it was killed) counts, under its aside name, when
+    no complete one of that step exists (the next save puts it back)."""
+    if not Path(root).is_dir():
+        return []
+    found: dict[int, Path] = {}
+    for d in sorted(Path(root).iterdir(), key=lambda d: d.name.startswith(REPLACED_PREFIX)):
+        step = _checkpoint_step(d)
+        if step is not None and step not in found and d.is_dir() and (d / COMPLETE).exists():
+            found[step] = d
+    return [found[s] for s in sorted(found)]
 
 
 def find(path: str | Path, log: Callable[[str], None] = print) -> Path:
@@ -335,11 +370,11 @@ def find(path: str | Path, log: Callable[[str], None] = print) -> Path:
                                   "interrupted; use an earlier checkpoint")
         return p
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
-        if d.is_dir() and (d.name.startswith(TMP_PREFIX) or
-                           (_step_of(d) is not None and not (d / COMPLETE).exists())):
-            log(f"ignoring incomplete checkpoint {d} (its save was interrupted)")
     complete = complete_checkpoints(root)
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if d.is_dir() and d not in complete and (d.name.startswith(TMP_PREFIX) or
+                                                 (_step_of(d) is not None and not (d / COMPLETE).exists())):
+            log(f"ignoring incomplete checkpoint {d} (its save was interrupted)")
     if not complete:
         raise CheckpointError(f"no complete checkpoint in {root}")
     return complete[-1]
