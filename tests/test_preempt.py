@@ -188,6 +188,7 @@ def test_ctrl_c_stops_gracefully_a_second_one_aborts_and_the_grace_period_bounds
 
     assert rc_e == 1, _text(e)[-3000:]
     assert took_e < 10  # the grace period given
+    assert "the ranks ended without a checkpoint of the step in flight" in _text(e)
     assert "did not stop cleanly within --grace-s 10 s" in _text(e)
 
     for out in (twice, late):  # the newest complete checkpoint is the one from before, untouched

@@ -213,9 +213,9 @@ def stopped_outcome(out: str | None, stopped: dict | None, sig: int | None, grac
         return Stopped(f"zerodp train: stopped after step {stopped['step']} because its checkpoint could "
                        f"not be written: {stopped['error']}. {_resumable(out)}", stopping.EXIT_SAVE_FAILED)
     what = signal.Signals(sig).name if sig else "a stop signal"
-    return Stopped(f"zerodp train: {what} received, but the ranks did not stop cleanly within --grace-s "
-                   f"{grace_s:g} s (or one of them failed); nothing of the step in flight was saved. "
-                   f"{_resumable(out)}", stopping.EXIT_FAILED)
+    return Stopped(f"zerodp train: {what} received; the ranks ended without a checkpoint of the step in "
+                   f"flight (they were still starting, one of them failed, or they did not stop cleanly "
+                   f"within --grace-s {grace_s:g} s). {_resumable(out)}", stopping.EXIT_FAILED)
 
 
 def _last_record(path: Path) -> dict | None:
