@@ -230,6 +230,11 @@ def train(cfg: TrainConfig, ctx: RankContext) -> dict:
     ``cfg.timeout_s`` (see :mod:`zerodp.train.watchdog`), and a collective that fails because a
     peer died or stalled is re-raised as a :class:`~zerodp.train.watchdog.CollectiveFailure`
     that says so, instead of a traceback from inside the backend.
+
+    Stops early, on every rank after the same step, when any rank was asked to stop (SIGTERM or a
+    first SIGINT, :mod:`zerodp.train.stop`) — with a checkpoint of that step — or when a
+    checkpoint could not be written under ``--on-save-error stop``; it then returns
+    ``{"stopped": {...}}`` on every rank and writes no report.
     """
     faults = Faults.from_env(ctx.rank)  # test-only; empty unless ZERODP_TEST_FAULT is set
     with Watchdog.for_timeout(cfg.timeout_s, ctx.rank) as dog:
