@@ -269,3 +269,29 @@ def test_refusals_come_in_chinese_too(server, endpoint, params):
     assert status == 422
     zh = d["error_zh"]
     assert re.search(r"[\u4e00-\u9fff]", zh) and "输入无法计算" not in zh, zh  # a real sentence
+
+
+@pytest.mark.parametrize("argv, endpoint, params, rename", [
+    (["plan", "memory", "--seq", "0"], "memory", {"seq": "0"}, None),
+    (["plan", "memory", "--k", "1000"], "memory", {"k": "1000"}, None),
+    (["plan", "memory", "--gpus", "1e30"], "memory", {"n": "1e30"}, ("gpus", "n")),
+    (["plan", "batch", "--tokens", "4M", "--seq", "0", "--mbs", "1", "--gpus", "8"], "batch",
+     {"seq": "0"}, None),
+    (["plan", "memory", "--model", "llama3-8b", "--mbs", "4"], "memory",
+     {"model": "llama3-8b", "micro_batch": "4"}, None),
+    (["plan", "simulate", "--bucket", "1000"], "overlap", {"bucket_bytes": "1000"}, None),
+])
+def test_the_cli_and_the_api_refuse_with_the_same_sentence(server, capsys, argv, endpoint, params,
+                                                           rename):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    sentence = re.sub(r"^zerodp [a-z ]+: error: (argument --[a-z-]+: )?", "", err)
+    sentence = re.sub(r" \(see zerodp [a-z ]+ -h\)$", "", sentence)
+    status, d = fetch(server, f"/api/{endpoint}", **params)
+    assert status == 422
+    expected = d["error"] if rename is None else d["error"].replace(rename[1], rename[0], 1)
+    assert sentence == expected

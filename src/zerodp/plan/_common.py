@@ -126,6 +126,25 @@ def fmt_count(n: float) -> str:
     return f"{n:,.0f}"
 
 
+def fmt_bound(x: float) -> str:
+    """A range's end in an error sentence: 1,000,000; 10.0M; 1,000T; 0.5."""
+    if float(x).is_integer() and abs(x) < 1e7:
+        return f"{x:,.0f}"
+    return fmt_count(x) if abs(x) >= 1e6 else f"{x:g}"
+
+
+def range_sentence(name: str, low: float, high: float | None, why: str, got: str,
+                   low_open: bool = False) -> str:
+    """The one sentence the CLI and the API both use for a number out of its range."""
+    if high is None:
+        bound = f"> {fmt_bound(low)}" if low_open else f">= {fmt_bound(low)}"
+    elif low_open:
+        bound = f"> {fmt_bound(low)} and <= {fmt_bound(high)}"
+    else:
+        bound = f"between {fmt_bound(low)} and {fmt_bound(high)}"
+    return f"{name} must be {bound}{f' ({why})' if why else ''}, got {got!r}"
+
+
 def plural(n: float, word: str, words: str | None = None) -> str:
     """``1 rank``, ``8 ranks``, ``1,024 GPUs``."""
     return f"{n:,.0f} {word if n == 1 else (words or word + 's')}"

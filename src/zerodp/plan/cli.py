@@ -10,7 +10,7 @@ import argparse
 import json
 
 from zerodp.plan._common import (GB, MB, fmt_bytes, fmt_count, fmt_time, parse_quantity, plural,
-                                 table)
+                                 range_sentence, table)
 from zerodp.plan.batch import plan_batch
 from zerodp.plan.collectives import KINDS, RingCost, collective_time, network_cost
 from zerodp.plan.hardware import get_hardware, hardware_names
@@ -40,10 +40,8 @@ def _qty(what, low=None, high=None, why="", count=False, integer=False, allow_ze
             raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}")
         lo = low if low is not None else 0
         if v < lo or (v == 0 and not allow_zero and lo == 0) or (high is not None and v > high):
-            bound = (f"between {_num(lo)} and {_num(high)}" if high is not None
-                     else (f">= {_num(lo)}" if allow_zero or lo > 0 else "> 0"))
-            raise argparse.ArgumentTypeError(
-                f"{what} must be {bound}{f' ({why})' if why else ''}, got {text!r}")
+            raise argparse.ArgumentTypeError(range_sentence(
+                what, lo, high, why, text, low_open=lo == 0 and not allow_zero))
         return int(v) if integer else v
     parse.__name__ = what
     return parse
@@ -51,10 +49,6 @@ def _qty(what, low=None, high=None, why="", count=False, integer=False, allow_ze
 
 def _int_qty(what, low=1, high=None, why="", count=True):
     return _qty(what, low, high, why, count=count, integer=True, allow_zero=low == 0)
-
-
-def _num(x: float) -> str:
-    return f"{x:,.0f}" if float(x).is_integer() and abs(x) < 1e7 else fmt_count(x) if x >= 1e6 else f"{x:g}"
 
 
 _GPUS = dict(high=MAX_GPUS, why="no cluster holds more than a million")

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zerodp.plan._common import fmt_count, parse_quantity
+from zerodp.plan._common import fmt_bound as _num
+from zerodp.plan._common import parse_quantity, range_sentence
 
 #: longest text parameter (a pasted config.json); a URL of this size still fits a GET
 MAX_TEXT = 20_000
@@ -152,20 +153,18 @@ class Param:
             raise self._fail(raw)
         if self.kind == "count":
             if not value.is_integer():
-                raise self._fail(raw)
+                raise ApiError(self.name, f"{self.name} must be a whole number, got {raw!r}",
+                               self.expected(), f"{self.name} 必须是整数，收到的是 {raw!r}")
             value = int(value)
         low = self.low()
-        if value < low or (value == 0 and self.kind == "quantity" and not self.allow_zero):
-            raise self._fail(raw)
-        if self.maximum is not None and value > self.maximum:
-            raise self._fail(raw)
+        low_open = self.kind == "quantity" and low == 0 and not self.allow_zero
+        if value < low or (value == low and low_open) or (
+                self.maximum is not None and value > self.maximum):
+            # the CLI's sentence for the same range (zerodp.plan._common.range_sentence)
+            sentence = range_sentence(self.name, low, self.maximum, self.why, raw, low_open)
+            raise ApiError(self.name, sentence, self.expected(),
+                           f"{self.name} 应为{self.expected_zh()}，收到的是 {raw!r}")
         return value
-
-
-def _num(x: float) -> str:
-    if float(x).is_integer() and abs(x) < 1e7:
-        return f"{x:,.0f}"
-    return fmt_count(x) if abs(x) >= 1e6 else f"{x:g}"
 
 
 def parse(params: list[Param], query: dict[str, str]) -> dict:
