@@ -289,7 +289,8 @@ def _gather_state(engine, members: list[int]):
             numel = 1
             for s in shape:
                 numel *= s
-            buf = full.setdefault((name, kind), torch.full((numel,), float("nan"), dtype=t.dtype))
+            fill = float("nan") if t.is_floating_point() else 0  # NaN marks what no rank saved
+            buf = full.setdefault((name, kind), torch.full((numel,), fill, dtype=t.dtype))
             buf[start:stop] = t
     return full, everything[members[0]][1]
 

@@ -27,9 +27,9 @@ What a stage subclass must provide
 Set the class attribute ``stage`` (0..3). In ``__init__``: call ``super().__init__(...)`` first,
 then build your flat buffers, then ``self.master = self._build_master(targets)`` with the
 :class:`~zerodp.engine.master.Target` s of each flat buffer (fp32, the full buffer for stage 0,
-the rank's shard for stages 1-3; one target per buffer, or several consecutive pieces of it from
-:func:`split_target` with ``self._optimizer_chunk()`` — faster on CPU), then ``self._check_consistency(description)`` and
-``self._start_clock()``. Then implement:
+the rank's shard for stages 1-3), made by ``self._targets(tensor, layout, flat_start)``: one per
+parameter run, in cache-sized chunks on CPU, frozen parameters and padding left out. Then
+``self._check_consistency(description)`` and ``self._start_clock()``. Then implement:
 
 ``_finish_grad_sync()``
     Block until every gradient collective of this step is done, so that the tensors
@@ -551,7 +551,9 @@ class StageEngine:
             self._broadcast_from_rank0([flat])
             offset = 0
             for b in bufs:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                new = flat[offset:offset + b.numel()].view_as(b)
+                if not torch.equal(b, new):  # leave unchanged buffers alone: a graph may hold them
+                    b.copy_(new)
                 offset += b.numel()
 
     # ---- parameters no rank used (DDP's find_unused_parameters semantics) --------------------

@@ -271,6 +271,8 @@ class FSDPEngine(StageEngine):
             return None
         self._forwarding = False
         last, self._deferred = self._deferred, None
+        if self._fwd_order and torch.is_grad_enabled() and self.world_size > 1:
+            self._check_forward_order()
         if self._fwd_order:
             seq = self._fwd_order
             self._next_fwd = {a.index: b for a, b in zip(seq, seq[1:])}
@@ -449,6 +451,32 @@ class FSDPEngine(StageEngine):
             if flags[0].item() != -flags[1].item():
                 self._schedule_mismatch()
         return {n for (n, _), f in zip(self.named_params, flags[2:].tolist()) if f == 0.0}
+
+    def _check_forward_order(self) -> None:
+        """End of a training forward: did every rank run the same units in the same order? One
+        tiny AllReduce (MAX of hash and −hash); on a mismatch every rank raises, naming the first
+        unit where the ranks went different ways, before any gradient is reduced."""
+        h = 0
+        for u in self._fwd_order:
+            h = (h * 1_000_003 + u.index + 1) % (1 << 50)
+        flags = torch.tensor([float(h), -float(h)], dtype=torch.float64, device=self.device)
+        self.comm.all_reduce_max(flags, "unit_order")
+        if flags[0].item() == -flags[1].item():
+            return
+        orders: list = [None] * self.world_size
+        dist.all_gather_object(orders, [u.name for u in self._fwd_order], group=self.group)
+        where = next(i for i in range(max(map(len, orders)))
+                     if len({o[i] if i < len(o) else None for o in orders}) > 1)
+        seen = "; ".join(f"rank {r} ran {repr(o[where]) if where < len(o) else 'no further unit'}"
+                         for r, o in enumerate(orders))
+        self._forwarding = False
+        raise RuntimeError(
+            f"stage 3: the ranks ran different units in this forward (unit #{where + 1}: {seen}). A unit "
+            "skipped on some ranks (data-dependent control flow such as layer-drop or routing) makes "
+            "the ranks' AllGathers and ReduceScatters pair up wrongly, mixing parameters and gradients "
+            "between units or hanging. Every rank must run every unit in the same order in every "
+            "forward (multiply a dropped unit's output by zero instead of skipping it), or use "
+            "stages 0-2 with find_unused_parameters=True")
 
     def _schedule_mismatch(self) -> None:
         logs: list = [None] * self.world_size

@@ -214,7 +214,8 @@ class MasterOptimizer:
             for p in grp["params"]:
                 # New checkpoints list scalars per parameter (one never stepped has none);
                 # older ones per group.
-                saved = (by_param.get(name_of.get(id(p))) if "params" in scalars
+                name = name_of.get(id(p))
+                saved = (by_param.get(name) if "params" in scalars and name is not None
                          else groups[group_of[id(p)]])
                 state = self.optimizer.state[p]
                 state.clear()
