@@ -288,7 +288,8 @@ def analyse(plan: list[Planned], lines: list[Line], out: Path) -> list[Outcome]:
     for j, o in enumerate(seen):
         nxt = seen[j + 1].seen_at if j + 1 < len(seen) else float("inf")
         prev = seen[j - 1].seen_at if j > 0 else 0.0
-        window = [ln for ln in lines if o.seen_at <= ln.t < nxt]
+        # from a moment before the fault's own line: its two output streams are read separately
+        window = [ln for ln in lines if o.seen_at - 0.2 <= ln.t < nxt]
         o.detected = _detected(o.planned.spec, window)
         # the attempt that took the next step: the first start/resume record after the fault
         resumed = [r for r in recs if r.get("event") in ("resume", "start") and o.seen_at < r["time"]]
