@@ -298,6 +298,12 @@ def test_chart_labels_say_what_the_marker_shows(desktop):
     assert label["x"] < 0.1 and label["yanchor"] == "top"  # backward's label: left, under its line
     assert page.evaluate("document.getElementById('overlap-sweep').data[1].cliponaxis") is False
     assert sweep is not None
+    # the marker's label opens towards the middle: right of the smallest bucket, left of the largest
+    position = "document.getElementById('overlap-sweep').data[1].textposition"
+    desktop.press("#bucket", "Home")
+    assert page.evaluate(position) == "top right"
+    desktop.press("#bucket", "End")
+    assert page.evaluate(position) == "top left"
 
 
 def test_language_switch_chinese_and_back(browser, server):
