@@ -81,9 +81,12 @@ def api_answer(url, q) -> list[dict]:
 
 
 def page_answer(page, url, q) -> list[dict]:
-    page.goto(url)
-    page.wait_for_function(ALL_READY, timeout=30_000)
+    """Every memory control set as a person would, on one page kept open between questions."""
+    if not page.url.startswith(url):
+        page.goto(url)
+        page.wait_for_function(ALL_READY, timeout=30_000)
     form = "#memory form"
+    page.select_option(f"{form} select[name=model]", "zero-7.5b")  # clears shape and config
     page.select_option(f"{form} select[name=model]", q.get("model", "custom"))
     if "config" in q:
         page.fill(f"{form} textarea[name=config]", (DATA / q["config"] / "config.json").read_text())
@@ -95,16 +98,11 @@ def page_answer(page, url, q) -> list[dict]:
                           "el.dispatchEvent(new Event('input', {bubbles: true})); }", q["n"])
     page.select_option(f"{form} select[name=hardware]", q.get("hardware", "H100"))
     page.select_option(f"{form} select[name=precision]", q.get("precision", "bf16"))
-    if "k" in q:
-        page.fill(f"{form} input[name=k]", str(q["k"]))
-    if q.get("acc"):
-        page.check(f"{form} input[name=fp32_grad_acc]")
-    if "seq" in q:
-        page.fill(f"{form} input[name=seq]", str(q["seq"]))
-    if "mbs" in q:
-        page.fill(f"{form} input[name=micro_batch]", str(q["mbs"]))
-    if "recompute" in q:
-        page.select_option(f"{form} select[name=recompute]", q["recompute"])
+    page.fill(f"{form} input[name=k]", str(q.get("k", "")))
+    page.set_checked(f"{form} input[name=fp32_grad_acc]", bool(q.get("acc")))
+    page.fill(f"{form} input[name=seq]", str(q.get("seq", "")))
+    page.fill(f"{form} input[name=micro_batch]", str(q.get("mbs", 1)))
+    page.select_option(f"{form} select[name=recompute]", q.get("recompute", "none"))
     page.wait_for_selector("#memory[aria-busy='false']", timeout=15_000)
     assert page.inner_text("#memory .error") == "" and page.locator("#memory .field-error").count() == 0
     return page.eval_on_selector_all("#memory dd[data-stage]", "els => els.map(e => ({"
