@@ -256,8 +256,10 @@ def _detected(fault: str, window: list[Line]) -> str:
         m = re.search(r"stopped on SIGTERM after step (\d+)", t)
         if m and "zerodp train:" in t:
             found.append(f"stopped after step {m.group(1)} with its checkpoint, exit 143")
-    if fault.startswith("kill"):
-        found.insert(0, "the elastic agent saw the process end (SIGKILL)")
+    restarts = [m.group(1) for ln in window for m in [re.search(r"zerodp: restart (\d+) of the group", ln.text)] if m]
+    if restarts:  # rank 0 of the new attempt says so when it starts
+        who = "the killed rank's process end" if fault.startswith("kill") else "a rank end"
+        found.insert(0, f"the elastic agent saw {who} and restarted the group (restart {restarts[0]})")
     seen = []
     for f in found:
         if f not in seen:
