@@ -83,9 +83,9 @@ def test_params_without_shape_warns_and_counts_gathered_units(capsys):
     ["plan", "simulate", "--bucket", "100"],
 ])
 def test_simulation_work_is_bounded(capsys, argv):
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: other work on the machine does not count
     code, out, err = run(capsys, *argv)
-    assert time.perf_counter() - start < 2
+    assert time.process_time() - start < 1
     assert code == 2 and "buckets" in err and "at least" in err and err.count("\n") == 1
 
 

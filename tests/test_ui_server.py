@@ -89,3 +89,23 @@ def test_a_missing_profile_is_named_not_a_port_problem(capsys):
     err = capsys.readouterr().err
     assert "/nonexistent.json" in err and "not found" in err and "--port" not in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("path", [
+    "/api/overlap?bucket_bytes=8.1kB",                      # just under the cap: 1.98M buckets
+    "/api/overlap?model=deepseek-v3&bucket_bytes=1MB",
+    "/api/overlap?model=llama3-405b&bucket_bytes=10kB",     # over the cap: refused
+    "/api/memory?model=deepseek-v3&n=1024&seq=8192&micro_batch=64",
+    "/api/batch?target_tokens=1e15&seq=1&micro_batch=1&dp=1",
+])
+def test_the_heaviest_requests_take_under_a_second(server, path):
+    host = f"127.0.0.1:{server.server_address[1]}"
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    conn.request("GET", path, headers={"Host": host})
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    assert r.status in (200, 422)
+    timing = dict(part.strip().split(";dur=") for part in r.getheader("Server-Timing").split(","))
+    print(path, r.status, timing)
+    assert float(timing["cpu"]) < 1000, timing

@@ -9,7 +9,8 @@ Routes (GET only):
   ``{"error", "error_zh", "field", "expected"}`` for bad input, 404 for an unknown endpoint. The
   page sends ``X-Zerodp-Page: 1`` and then gets the same error object with status 200 and
   ``"status": 422`` inside: for the page a refused value is an answer to show next to its field,
-  and a browser logs every 4xx response as a console error.
+  and a browser logs every 4xx response as a console error. Each answer carries
+  ``Server-Timing: app;dur=<ms>, cpu;dur=<ms>``: the wall and CPU time it took.
 
 A Content-Security-Policy of ``'self'`` tells the browser to refuse anything from elsewhere. A
 request whose ``Host`` header names another machine is refused (403): a web page elsewhere cannot
@@ -24,6 +25,7 @@ import json
 import os
 import socket
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -59,6 +61,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
+        self._timing = None
         host = self.headers.get("Host")
         if not self.server.host_allowed(host):
             return self._json(HTTPStatus.FORBIDDEN, {
@@ -78,6 +81,8 @@ class Handler(BaseHTTPRequestHandler):
         self._json(HTTPStatus.NOT_FOUND, {"error": f"not found: {url.path}"})
 
     def _api(self, name: str, query: str):
+        # what answering took: wall time and this thread's CPU time (Server-Timing header)
+        self._timing = (time.perf_counter(), time.thread_time())
         try:
             raw = parse_qs(query, keep_blank_values=True, strict_parsing=False)
         except ValueError as exc:
@@ -128,6 +133,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "max-age=3600" if cache else "no-store")
         self.send_header("Content-Security-Policy", CSP)
         self.send_header("X-Content-Type-Options", "nosniff")
+        if getattr(self, "_timing", None):
+            wall, cpu = time.perf_counter() - self._timing[0], time.thread_time() - self._timing[1]
+            self.send_header("Server-Timing", f"app;dur={wall * 1e3:.2f}, cpu;dur={cpu * 1e3:.2f}")
         self.end_headers()
         self.wfile.write(body)
 
