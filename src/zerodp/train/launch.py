@@ -305,7 +305,7 @@ def launch(cfg: TrainConfig) -> str:
         # SIGTERM and SIGINT are ours (_LauncherSignals); the agent waits for the ranks until shortly
         # before --grace-s ends and then kills them, leaving the launcher time to exit within it
         signals_to_handle="SIGHUP,SIGQUIT",
-        shutdown_timeout=max(1, math.ceil(cfg.grace_s - stopping.margin_s(cfg.grace_s))))
+        shutdown_timeout=max(1, math.floor(cfg.grace_s - stopping.margin_s(cfg.grace_s))))
     with _LauncherSignals(cfg.out) as signals:
         try:
             results = elastic_launch(config, worker)(asdict(cfg), True)

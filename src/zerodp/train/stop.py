@@ -56,7 +56,7 @@ def exit_code(sig: int) -> int:
 def margin_s(grace_s: float) -> float:
     """How long before the end of the grace period a rank gives up on its own (the rest is for
     ending the processes and the launcher)."""
-    return min(3.0, grace_s / 5)
+    return min(5.0, grace_s / 4)
 
 
 class StopRequest:
