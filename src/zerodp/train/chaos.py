@@ -239,8 +239,8 @@ def _metrics(out: Path) -> list[dict]:
     return recs
 
 
-def _detected(fault: str, window: list[Line]) -> str:
-    """How the run noticed the fault, from what it printed after it (in words)."""
+def _detected(fault: str, window: list[Line], at: float) -> str:
+    """How the run noticed the fault that happened at ``at``, from what it printed (in words)."""
     found = []
     for ln in window:
         t = ln.text
@@ -256,7 +256,8 @@ def _detected(fault: str, window: list[Line]) -> str:
         m = re.search(r"stopped on SIGTERM after step (\d+)", t)
         if m and "zerodp train:" in t:
             found.append(f"stopped after step {m.group(1)} with its checkpoint, exit 143")
-    restarts = [m.group(1) for ln in window for m in [re.search(r"zerodp: restart (\d+) of the group", ln.text)] if m]
+    restarts = [m.group(1) for ln in window if ln.t >= at
+                for m in [re.search(r"zerodp: restart (\d+) of the group", ln.text)] if m]
     if restarts:  # rank 0 of the new attempt says so when it starts
         who = "the killed rank's process end" if fault.startswith("kill") else "a rank end"
         found.insert(0, f"the elastic agent saw {who} and restarted the group (restart {restarts[0]})")
@@ -292,7 +293,7 @@ def analyse(plan: list[Planned], lines: list[Line], out: Path) -> list[Outcome]:
         prev = seen[j - 1].seen_at if j > 0 else 0.0
         # from a moment before the fault's own line: its two output streams are read separately
         window = [ln for ln in lines if o.seen_at - 0.2 <= ln.t < nxt]
-        o.detected = _detected(o.planned.spec, window)
+        o.detected = _detected(o.planned.spec, window, o.seen_at)
         # the attempt that took the next step: the first start/resume record after the fault
         resumed = [r for r in recs if r.get("event") in ("resume", "start") and o.seen_at < r["time"]]
         before = [r["step"] for r in recs if r.get("event") == "step" and prev < r["time"] <= o.seen_at]
