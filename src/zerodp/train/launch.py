@@ -177,13 +177,16 @@ def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
                      else stopping.EXIT_SAVE_FAILED)
         if stopped:
             return {"out": cfg.out, "stopped": stopped}
-        if rank == 0:
-            write_report(summary)
         dist.barrier()
     finally:
         dist.destroy_process_group()
         stopper.done()
-    return {"out": cfg.out} if rank == 0 else {}
+    if rank == 0:
+        # after the process group is gone: the report (plots included) can take longer than
+        # --timeout-s on a loaded machine, and no rank should wait for it in a collective
+        write_report(summary)
+        return {"out": cfg.out}
+    return {}
 
 
 def stopped_outcome(out: str | None, stopped: dict | None, sig: int | None, grace_s: float,
