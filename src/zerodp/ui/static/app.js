@@ -354,7 +354,7 @@ function lanes(spansByLane, tail, title) {
     y: spans.map(() => lane), base: spans.map((s) => s.start), x: spans.map((s) => s.end - s.start),
     text: spans.map((s) => s.name), textposition: "none",
     marker: { color: spans.map((s, i) => s.color || colors[i % colors.length]), line: { width: 0 } },
-    hovertemplate: "%{text}<br>%{base:.3s}s → %{x:.3s}s long<extra></extra>",
+    hovertemplate: `%{text}<br>%{base:.3s}s → %{x:.3s}s ${tr("hover.long")}<extra></extra>`,
   }));
   const layout = baseLayout({
     margin: { l: 84, r: 12, t: 56, b: 44 },  // the title above, the exposed tail's label under it
@@ -377,9 +377,10 @@ function renderOverlap(d) {
   const t = d.timeline;
   const compute = t.compute.map((s) => ({ start: s.start_s, end: s.end_s, name: `${s.name} ${tr("overlap.backward")}` }));
   const comm = t.buckets.length
-    ? t.buckets.map((b) => ({ start: b.start_s, end: b.end_s, name: `bucket ${b.index} (${si(b.nbytes, "B")})` }))
+    ? t.buckets.map((b) => ({ start: b.start_s, end: b.end_s,
+                              name: tr("hover.bucket", { i: b.index, size: si(b.nbytes, "B") }) }))
     : t.runs.map((r) => ({ start: r.start_s, end: r.end_s,
-                           name: `${r.count} buckets of ${si(r.nbytes, "B")} after ${r.layer}` }));
+                           name: tr("hover.run", { n: r.count, size: si(r.nbytes, "B"), layer: r.layer }) }));
   const [traces, layout] = lanes(
     [{ lane: tr("overlap.compute"), spans: compute, colors: COLORS.compute },
      { lane: t.collective.replace("_", " "), spans: comm, colors: COLORS.comm }],
@@ -394,15 +395,15 @@ function renderOverlap(d) {
   const mid = (Math.min(...xs) + Math.max(...xs)) / 2;
   const side = Math.log10(t.bucket_bytes) < mid ? "top right" : "top left";
   draw("overlap-sweep", [
-    { type: "scatter", mode: "lines+markers", name: "exposed communication",
+    { type: "scatter", mode: "lines+markers", name: tr("overlap.exposed"),
       x: pts.map((p) => p.bucket_bytes), y: pts.map((p) => p.exposed_comm_s),
       marker: { size: 4, color: COLORS.comm[0] }, line: { color: COLORS.comm[0] },
-      hovertemplate: "bucket %{x:.3s}B → exposed %{y:.3s}s<extra></extra>" },
-    { type: "scatter", mode: "markers+text", name: "this bucket size", x: [t.bucket_bytes], y: [t.exposed_comm_s],
+      hovertemplate: tr("hover.sweep") },
+    { type: "scatter", mode: "markers+text", name: tr("overlap.bucketsize"), x: [t.bucket_bytes], y: [t.exposed_comm_s],
       marker: { size: 11, color: COLORS.mark, symbol: "diamond" },
       text: [`${d.labels.bucket}: ${d.labels.exposed}`], textposition: side, cliponaxis: false,
       textfont: { color: COLORS.mark },
-      hovertemplate: "bucket %{x:.3s}B → exposed %{y:.3s}s<extra></extra>" },
+      hovertemplate: tr("hover.sweep") },
   ], baseLayout({
     height: 250, shapes: [bwd.shape], annotations: [bwd.annotation],
     title: { text: tr("overlap.sweep"), font: { size: 13 } }, showlegend: false,
@@ -458,7 +459,7 @@ function renderRoofline(d) {
   const traces = [
     { type: "scatter", mode: "lines+markers", name: "threshold", x: c.n, y: c.threshold_tokens,
       line: { shape: "linear", color: COLORS.params }, marker: { size: 5 },
-      text: c.bottleneck, hovertemplate: "%{x} GPUs: %{y:,.0f} tokens/GPU (%{text})<extra></extra>" },
+      text: c.bottleneck.map((b) => t("value." + b)), hovertemplate: t("hover.roofline") },
   ];
   if (here.n != null) {
     traces.push({ type: "scatter", mode: "markers+text", name: "this DP size", x: [here.n], y: [here.threshold_tokens],
@@ -503,7 +504,7 @@ function renderBatch(d, panel) {
     { type: "scatter", mode: "lines+markers", name: "grad_acc", x: s.dp, y: s.exact_grad_acc,
       marker: { size: 7, color: s.gpu_rich.map((r) => (r ? COLORS.mark : COLORS.params)) },
       line: { color: "#999", width: 1 }, text: s.gpu_rich.map((r) => (r ? t("batch.rich") : "")),
-      hovertemplate: "dp %{x}: grad_acc %{y:.3g} %{text}<extra></extra>" },
+      hovertemplate: "dp %{x}: grad_acc %{y:.3g} %{text}<extra></extra>" },  // same in both languages
     { type: "scatter", mode: "markers+text", name: "this dp", x: [d.plan.dp], y: [d.plan.exact_grad_acc],
       marker: { size: 12, color: "rgba(0,0,0,0)", line: { color: "#111", width: 2 } },
       text: [`dp ${d.plan.dp}: ${here}`], cliponaxis: false,

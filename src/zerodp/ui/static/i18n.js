@@ -6,6 +6,7 @@
 const I18N = {
   en: {
     "title": "data parallelism, ZeRO and FSDP by the numbers",
+    "page.title": "zerodp · data parallelism by the numbers",
     "nav.memory": "memory", "nav.overlap": "bucket overlap", "nav.roofline": "roofline", "nav.batch": "batch",
     "lang.label": "Language",
     "memory.title": "Memory per GPU", "memory.model": "Model",
@@ -62,9 +63,13 @@ const I18N = {
     "footer": "Every number on this page comes from zerodp.plan through /api, the same code as zerodp plan.",
     "error.server": "cannot reach the zerodp server",
     "value.intra": "intra (inside a node)", "value.inter": "inter (between nodes)",
+    "hover.long": "long", "hover.bucket": "bucket {i} ({size})", "hover.run": "{n} buckets of {size} after {layer}",
+    "hover.sweep": "bucket %{x:.3s}B → exposed %{y:.3s}s<extra></extra>",
+    "hover.roofline": "%{x} GPUs: %{y:,.0f} tokens/GPU (%{text})<extra></extra>",
   },
   zh: {
     "title": "数据并行、ZeRO 与 FSDP 的定量计算",
+    "page.title": "zerodp · 数据并行的定量计算",
     "nav.memory": "显存", "nav.overlap": "分桶重叠", "nav.roofline": "通信屋顶线", "nav.batch": "批次",
     "lang.label": "语言",
     "memory.title": "每卡显存", "memory.model": "模型",
@@ -121,6 +126,9 @@ const I18N = {
     "footer": "本页每个数字都来自 zerodp.plan（经 /api），与 zerodp plan 是同一份代码。",
     "error.server": "无法连接 zerodp 服务",
     "value.intra": "节点内", "value.inter": "节点间",
+    "hover.long": "长", "hover.bucket": "第 {i} 个桶（{size}）", "hover.run": "{layer} 之后 {n} 个 {size} 的桶",
+    "hover.sweep": "桶大小 %{x:.3s}B → 暴露 %{y:.3s}s<extra></extra>",
+    "hover.roofline": "%{x} 张卡：每卡 %{y:,.0f} token（%{text}）<extra></extra>",
   },
 };
 
@@ -142,6 +150,7 @@ function t(key, vars) {
 function applyLang() {
   const lang = pageLang();
   document.documentElement.lang = lang === "zh" ? "zh-CN" : "en";
+  document.title = t("page.title");
   for (const el of document.querySelectorAll("[data-i18n]")) el.textContent = t(el.dataset.i18n);
   for (const el of document.querySelectorAll("[data-i18n-placeholder]")) {
     el.placeholder = t(el.dataset.i18nPlaceholder);
