@@ -316,6 +316,7 @@ def test_language_switch_chinese_and_back(browser, server):
         assert "lang=zh" in page.url
         assert page.get_attribute("html", "lang") == "zh-CN" and "数据并行" in page.title()
         assert "张卡" in page.evaluate("document.getElementById('roofline-curve').data[0].hovertemplate")
+        assert page.get_attribute("#memory-bars", "aria-label") == "各阶段每卡字节数的堆叠柱状图"
         text = page.inner_text("body")
         for term in ("数据并行", "分桶", "梯度累积", "通信屋顶线", "显存", "优化器状态"):
             assert term in text, term

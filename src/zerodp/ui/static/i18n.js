@@ -7,6 +7,13 @@ const I18N = {
   en: {
     "title": "data parallelism, ZeRO and FSDP by the numbers",
     "page.title": "zerodp · data parallelism by the numbers",
+    "aria.memory-bars": "stacked bars of bytes per GPU per stage",
+    "aria.memory-curve": "bytes per GPU against N for each stage",
+    "aria.overlap-lanes": "compute and communication lanes of one backward",
+    "aria.overlap-sweep": "exposed communication against bucket size",
+    "aria.measured-lanes": "measured compute and communication lanes",
+    "aria.roofline-curve": "threshold tokens per GPU against DP size",
+    "aria.batch-sweep": "grad_acc against dp",
     "nav.memory": "memory", "nav.overlap": "bucket overlap", "nav.roofline": "roofline", "nav.batch": "batch",
     "lang.label": "Language",
     "memory.title": "Memory per GPU", "memory.model": "Model",
@@ -70,6 +77,13 @@ const I18N = {
   zh: {
     "title": "数据并行、ZeRO 与 FSDP 的定量计算",
     "page.title": "zerodp · 数据并行的定量计算",
+    "aria.memory-bars": "各阶段每卡字节数的堆叠柱状图",
+    "aria.memory-curve": "各阶段每卡字节数随 N 的变化",
+    "aria.overlap-lanes": "一次反向传播的计算与通信时间线",
+    "aria.overlap-sweep": "暴露的通信与桶大小",
+    "aria.measured-lanes": "实测的计算与通信时间线",
+    "aria.roofline-curve": "阈值（每卡 token 数）随数据并行规模的变化",
+    "aria.batch-sweep": "梯度累积步数随 dp 的变化",
     "nav.memory": "显存", "nav.overlap": "分桶重叠", "nav.roofline": "通信屋顶线", "nav.batch": "批次",
     "lang.label": "语言",
     "memory.title": "每卡显存", "memory.model": "模型",
@@ -152,6 +166,9 @@ function applyLang() {
   document.documentElement.lang = lang === "zh" ? "zh-CN" : "en";
   document.title = t("page.title");
   for (const el of document.querySelectorAll("[data-i18n]")) el.textContent = t(el.dataset.i18n);
+  for (const el of document.querySelectorAll("[data-i18n-aria]")) {
+    el.setAttribute("aria-label", t(el.dataset.i18nAria));
+  }
   for (const el of document.querySelectorAll("[data-i18n-placeholder]")) {
     el.placeholder = t(el.dataset.i18nPlaceholder);
   }
