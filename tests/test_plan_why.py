@@ -115,6 +115,7 @@ def test_simulation_work_is_bounded(capsys, argv):
     (["sample", "ckpt", "--top-k", "-3"], "--top-k: top-k must be >= 1"),
     (["sample", "ckpt", "--temperature", "-1"], "--temperature: temperature must be > 0"),
     (["predict", "--model", "llama3-8b"], "llama3-8b is a planner-only model"),
+    (["train", "--preset", "llama3-70b"], "llama3-70b is a planner-only model"),
     (["train", "--nproc"], "argument --nproc: expected one argument"),
 ])
 def test_nonsense_gets_one_line_and_status_2(capsys, argv, needle):

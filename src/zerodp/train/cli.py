@@ -39,7 +39,8 @@ def _add_train(sub) -> None:
                     "into --out.",
         formatter_class=_Help)
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", default=_d("preset"), choices=PRESET_NAMES, help="model size")
+    g.add_argument("--preset", default=_d("preset"), type=_preset, metavar="{" + ",".join(PRESET_NAMES) + "}",
+                   help="model size")
     g.add_argument("--data", default=None, metavar="FILE",
                    help="a text file, or a nanoGPT-style uint16 .bin token file (default: Python's "
                         "bundled documentation topics)")
@@ -105,6 +106,19 @@ def _add_train(sub) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (default: a progress bar on a terminal)")
     p.set_defaults(func=run_train)
+
+
+def _preset(name: str) -> str:
+    """``--preset``: a GPT this trainer builds; a planner-only model is named as such."""
+    if name in PRESET_NAMES:
+        return name
+    from zerodp.plan.models import model_names
+
+    if name in model_names(trainable=False):
+        raise argparse.ArgumentTypeError(
+            f"{name} is a planner-only model (zerodp plan memory --model {name}); zerodp train "
+            f"builds {', '.join(PRESET_NAMES)}")
+    raise argparse.ArgumentTypeError(f"unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
 
 
 def _bucket_mb(text: str) -> float | str:
