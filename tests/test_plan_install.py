@@ -8,7 +8,6 @@ is made visible to the venv, through a .pth file, because ``zerodp ui`` serves i
 """
 
 import json
-import os
 import re
 import subprocess
 import sys

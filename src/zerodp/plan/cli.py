@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from zerodp.plan._common import (GB, MB, fmt_bytes, fmt_count, fmt_time, parse_quantity, plural,
+from zerodp.plan._common import (GB, fmt_bytes, fmt_count, fmt_time, parse_quantity, plural,
                                  range_sentence, table)
 from zerodp.plan.batch import plan_batch
 from zerodp.plan.collectives import KINDS, RingCost, collective_time, network_cost
