@@ -182,3 +182,15 @@ def test_readme_says_what_the_seed_is():
     m = re.search(r'What "the seed" is\.\*\*(.{0,600})', text, re.S)
     assert m, "the README should say in two sentences what the seed is"
     assert "article" in m.group(1) and "docs/guide.md" in m.group(1), m.group(1)
+
+
+def test_tied_embeddings_count_once():
+    # Llama 3.2 1B (its config.json: tie_word_embeddings true; model card: 1.24B parameters)
+    from zerodp import plan
+    cfg = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+           "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "vocab_size": 128256, "tie_word_embeddings": True}
+    tied = plan.model_from_config(cfg)
+    assert tied.params == pytest.approx(1.24e9, rel=0.005)
+    untied = plan.model_from_config(dict(cfg, tie_word_embeddings=False))
+    assert untied.params - tied.params == 128256 * 2048
