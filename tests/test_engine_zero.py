@@ -357,7 +357,7 @@ def test_non_elementwise_optimizer_is_refused(stage, name):
 
 
 def test_stats_command_prints_formula_vs_measured(capsys):
-    from zerodp.engine.stats import main
+    from zerodp.bench.memory import main
 
     main(["--world", "2", "--preset", "nano"])
     text = capsys.readouterr().out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from zerodp.bench import overlap as overlap_mod
 from zerodp.bench import sweep
+from zerodp.plan.calibrated import load_calibration  # noqa: F401
 from zerodp.bench.compute import ComputeProfile, lockstep_points, measure_compute, split_tokens
 
 @dataclass(frozen=True)
@@ -123,17 +124,3 @@ def write_profile(cal: Calibration, path: str) -> str:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
-
-
-def load_calibration(path: str) -> dict:
-    """The ``calibration`` table of a profile written by :func:`write_profile`."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"profile {path!r} not found: run 'zerodp calibrate --out {path}' first")
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc}); re-run zerodp calibrate") from None
-    if "calibration" not in data or "hardware" not in data:
-        raise ValueError(f"{path}: not a zerodp calibration profile (no 'calibration'/'hardware' tables)")
-    return data

@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from zerodp.plan.calibrated import _measured, compute_part, compute_times, optimizer_time  # noqa: F401
 from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_PER_TOKEN_PARAM
 
 FLOPS_PER_TOKEN_PARAM = FORWARD_FLOPS_PER_TOKEN_PARAM + BACKWARD_FLOPS_PER_TOKEN_PARAM  # 2 + 4 (seed §7.4)
@@ -77,58 +78,6 @@ class ComputeProfile:
         return d
 
 
-_PARTS = ("forward_s", "backward_s", "optimizer_s")
-
-
-def _measured(compute: dict) -> list[tuple[int, dict]]:
-    """(tokens, times) of every measured size, ascending; older profiles had one main size and an
-    optional ``small_tokens`` one."""
-    pts = {int(p["tokens"]): p for p in compute.get("points") or []}
-    pts.setdefault(int(compute["tokens"]), compute)
-    small = int(compute.get("small_tokens") or 0)
-    if 0 < small < int(compute["tokens"]) and small not in pts:
-        pts[small] = {"forward_s": compute["small_forward_s"], "backward_s": compute["small_backward_s"],
-                      "optimizer_s": compute["optimizer_s"]}
-    return sorted(pts.items())
-
-
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise linear through the measurements; outside them the end segment's line, its slope
-    and its value at 0 kept ≥ 0 (a step never gets cheaper with more tokens, seed §7.1)."""
-    if len(xs) == 1:
-        return ys[0] * x / xs[0]
-    i = 1
-    while i < len(xs) - 1 and x > xs[i]:
-        i += 1
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    slope = max(0.0, (y1 - y0) / (x1 - x0))
-    if x0 <= x <= x1:
-        return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
-    if x > x1:
-        return y1 + slope * (x - x1)
-    return max(0.0, y0 - slope * (x0 - x))
-
-
-def compute_part(compute: dict, tokens: int, part: str) -> float:
-    """``part`` (forward_s, backward_s or optimizer_s) at ``tokens`` per rank from a profile's
-    ``compute`` table."""
-    if part not in _PARTS:
-        raise ValueError(f"part must be one of {_PARTS}, got {part!r}")
-    pts = _measured(compute)
-    return _interpolate([t for t, _ in pts], [float(p[part]) for _, p in pts], tokens)
-
-
-def compute_times(compute: dict, tokens: int) -> tuple[float, float]:
-    """(forward_s, backward_s) at ``tokens`` per rank from a profile's ``compute`` table."""
-    return compute_part(compute, tokens, "forward_s"), compute_part(compute, tokens, "backward_s")
-
-
-def optimizer_time(compute: dict, tokens: int, params: int | None = None) -> float:
-    """The optimizer's step over ``params`` parameters (default: the measured model's) when the
-    step runs at ``tokens`` per rank: its cost per parameter is measured at each size, because
-    ranks in lock-step contend for memory bandwidth differently when the step is short."""
-    t = compute_part(compute, tokens, "optimizer_s")
-    return t if params is None else t * params / compute["params"]
 
 
 def compute_table(compute: dict) -> str:

@@ -27,52 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 
 
-@dataclass(frozen=True)
-class Overlap:
-    """One overlap measurement: medians over iterations of the slowest rank (seconds)."""
-
-    bytes: int  # the AllReduce's buffer V
-    tokens: int  # tokens per rank of the forward + backward
-    compute_s: float
-    comm_s: float
-    both_s: float
-
-    @property
-    def efficiency(self) -> float:
-        """η (module docstring): the share of the shorter activity that hid behind the longer."""
-        shorter = min(self.compute_s, self.comm_s)
-        if shorter <= 0:
-            return 1.0
-        hidden = self.compute_s + self.comm_s - self.both_s
-        return min(1.0, max(0.0, hidden / shorter))
-
-    @classmethod
-    def of(cls, cal: dict) -> "Overlap | None":
-        """The measurement in a profile's ``calibration`` table (None in profiles without one)."""
-        o = cal.get("overlap")
-        return cls(**{k: o[k] for k in ("bytes", "tokens", "compute_s", "comm_s", "both_s")}) if o else None
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["efficiency"] = self.efficiency
-        return d
-
-    def describe(self) -> str:
-        return (f"overlap: AllReduce of {self.bytes / 2**20:.1f} MiB alone {self.comm_s * 1e3:.1f} ms, "
-                f"forward+backward ({self.tokens} tokens/rank) alone {self.compute_s * 1e3:.1f} ms, "
-                f"both at once {self.both_s * 1e3:.1f} ms -> overlap efficiency "
-                f"η = {self.efficiency:.2f} (1: communication hides, 0: it serializes with compute)")
-
-
-def efficiency(cal: dict) -> float:
-    """η of a profile's ``calibration`` table; 1.0, the simulator's assumption, when it has none."""
-    o = Overlap.of(cal)
-    return 1.0 if o is None else o.efficiency
-
-
-def contention_s(hidden_s: float, eta: float) -> float:
-    """Extra step time from ``hidden_s`` of communication the simulator overlapped with compute."""
-    return (1.0 - eta) * max(0.0, hidden_s)
+from zerodp.plan.calibrated import Overlap, contention_s, efficiency  # noqa: E402,F401
 
 
 def measure_overlap(model_name: str, tokens: int, max_bytes: int, iters: int = 8,

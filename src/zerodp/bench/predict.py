@@ -31,45 +31,11 @@ from dataclasses import asdict, dataclass
 
 from zerodp.bench.compute import compute_times, optimizer_time
 from zerodp.bench.overlap import contention_s, efficiency
+from zerodp.plan.calibrated import LayerShape, PerKindCost, gpt_layer_shapes, split_compute  # noqa: F401
 from zerodp.plan.collectives import RingCost
 from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
 from zerodp.plan.timeline import Layer, simulate_backward, simulate_fsdp
 
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    name: str
-    params: int  # parameters whose gradients this layer communicates
-    matmul_params: int  # parameters used in a matmul per token (0 for an embedding lookup)
-    attn_flops_per_token: float = 0.0
-
-
-def gpt_layer_shapes(cfg, seq_len: int) -> list[LayerShape]:
-    """Embedding, blocks and head of :class:`zerodp.train.model.GPT`, from its config alone."""
-    d, v, f = cfg.d_model, cfg.vocab_size, cfg.ffn_mult * cfg.d_model
-    bias = 1 if cfg.bias else 0
-    ln = 2 * d if cfg.bias else d
-    block_matmul = 4 * d * d + 2 * d * f
-    block = block_matmul + bias * (3 * d + d + f + d) + 2 * ln
-    attn = 4 * seq_len * d / 2  # QK^T and AV, causal half, per token: 2·(2·T·d)/2
-    emb = v * d + cfg.seq_len * d
-    head = 0 if cfg.tie_weights else v * d
-    layers = [LayerShape("embedding", emb, 0)]
-    layers += [LayerShape(f"block{i}", block, block_matmul, attn) for i in range(cfg.n_layer)]
-    layers.append(LayerShape("head", head + ln, v * d))
-    return layers
-
-
-def split_compute(shapes: list[LayerShape], tokens: int, forward_s: float, backward_s: float,
-                  grad_bytes_per_param: int) -> list[Layer]:
-    """Planner layers whose forward/backward times add up to the measured ones, by FLOP share."""
-    flops = [FORWARD_FLOPS_PER_TOKEN_PARAM * s.matmul_params + s.attn_flops_per_token for s in shapes]
-    total = sum(flops)
-    if total <= 0:
-        raise ValueError("the model has no matmul FLOPs to share the measured time by")
-    return [Layer(s.name, float(grad_bytes_per_param * s.params),
-                  backward_s * fl / total, forward_s * fl / total) for s, fl in zip(shapes, flops)]
 
 
 @dataclass(frozen=True)
@@ -89,23 +55,6 @@ class Prediction:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _fit_cost(cal: dict, kind: str) -> RingCost:
-    for f in cal["fits"]:
-        if f["kind"] == kind:
-            return RingCost(alpha=f["alpha_s"], bandwidth=f["bandwidth"], n=f["world_size"])
-    raise ValueError(f"the profile has no fit for {kind}; re-run zerodp calibrate")
-
-
-class _PerKindCost:
-    """The simulator's cost protocol, with each collective priced by its own measured fit."""
-
-    def __init__(self, cal: dict):
-        self.costs = {k: _fit_cost(cal, k) for k in ("all_reduce", "reduce_scatter", "all_gather")}
-
-    def time(self, kind: str, nbytes: float) -> float:
-        return self.costs[kind].time(kind, nbytes)
 
 
 def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | None = None,
@@ -131,7 +80,7 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     fwd = sum(l.forward_s for l in layers)
     bwd = sum(l.backward_s for l in layers)
     opt_full = optimizer_time(comp, tokens, params)
-    cost = _PerKindCost(cal)
+    cost = PerKindCost(cal)
     bucket_bytes = bucket_mb * 2**20
     if stage == 0:
         tl = simulate_backward(layers, cost, bucket_bytes, "all_reduce", split_layers=False)

@@ -66,7 +66,7 @@ def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
     the loaded dict, or its ``calibration`` table); ``tokens_per_rank``: micro-batch × sequence
     length per rank. Without either, or with a profile of another world size, ``ValueError``
     says what to pass. Stage 3 has no gradient buckets: "auto" is accepted and ignored there.
-    See :class:`EngineConfig` and :func:`zerodp.bench.auto.choose_bucket_mb`.
+    See :class:`EngineConfig` and :func:`zerodp.plan.calibrated.choose_bucket_mb`.
     """
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"stage", "mixed_precision"}
     unknown = sorted(set(options) - known)

@@ -73,12 +73,10 @@ from zerodp.engine.config import EngineConfig
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target, param_targets
+from zerodp.engine.stats import MEMORY_KINDS, MODEL_STATE_KINDS, collect_stats  # noqa: F401
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
 BUFFER = "buffer"  # checkpoint piece kind of a module buffer (saved whole, by rank 0)
-#: seed §1: what each kind of tensor is, for ``stats()``; the first four are the "model states".
-MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "gathered", "comm_buffers")
-MODEL_STATE_KINDS = MEMORY_KINDS[:4]
 #: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
 #: chunks of this many elements (512 KiB of fp32) those passes stay in cache, where over one flat
 #: buffer of millions of elements each pass goes to memory (AdamW on 11M elements: ~2-3x faster).
@@ -377,8 +375,6 @@ class StageEngine:
 
     def stats(self):
         """Measured bytes per rank by kind, the last step's collectives, exposed comm, step time."""
-        from zerodp.engine.stats import collect_stats
-
         return collect_stats(self)
 
     def export_chrome_trace(self, path: str | os.PathLike, step: int | None = None) -> str | None:

@@ -16,6 +16,7 @@ on gloo or has been silently wrong there in several releases.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,6 +62,31 @@ class Pending:
         self.done = True
 
 
+class InFlight:
+    """The collectives issued and not yet waited for, oldest first, each with a finisher to run
+    once it completed (the one queue of the engine: gradient reductions of buckets and units,
+    parameter AllGathers after the step)."""
+
+    def __init__(self):
+        self._items: deque[tuple[Pending, Callable[[], None] | None]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, pending: Pending, finish: Callable[[], None] | None = None) -> None:
+        self._items.append((pending, finish))
+
+    def wait_oldest(self) -> None:
+        pending, finish = self._items.popleft()
+        pending.wait()
+        if finish is not None:
+            finish()
+
+    def wait_all(self) -> None:
+        while self._items:
+            self.wait_oldest()
+
+
 class Collectives:
     """Collectives on one process group, each recorded. ``async_op=True`` returns a :class:`Pending`."""
 
@@ -91,15 +117,30 @@ class Collectives:
             (lambda: tensor.div_(n)) if n > 1 else None, async_op,
         )
 
-    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor, label: str,
-                            async_op: bool = True) -> Pending:
-        """``shard`` ← average over ranks of this rank's 1/N slice of ``full`` (seed §9.1-§9.2)."""
+    def reduce_scatter_grad(self, shard: torch.Tensor, full: torch.Tensor, label: str, overwrite: bool,
+                            scratch: torch.Tensor | None = None) -> Pending:
+        """The gradient ReduceScatter of every stage (guide §9.1-§9.2, §10): ``shard`` ← (its
+        value +) the mean over ranks of this rank's 1/N slice of ``full``.
+
+        Lands straight in ``shard`` when it is to be overwritten and the dtypes agree; otherwise in
+        ``scratch`` (a shard-sized buffer of ``full``'s dtype, allocated here if not given), which
+        is then copied or added into ``shard`` — gradient accumulation across micro-batches, or an
+        fp32 accumulator under a bf16 reduction."""
         n = self.world_size
+        direct = overwrite and shard.dtype == full.dtype
+        out = shard if direct else (scratch[:shard.numel()] if scratch is not None else
+                                    torch.empty(shard.numel(), dtype=full.dtype, device=full.device))
+
+        def after() -> None:
+            if n > 1:
+                out.div_(n)
+            if not direct:
+                shard.copy_(out) if overwrite else shard.add_(out)
+
         return self._issue(
             REDUCE_SCATTER, label, full.numel() * full.element_size(),
-            lambda: reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=self.group,
-                                               async_op=True),
-            (lambda: shard.div_(n)) if n > 1 else None, async_op,
+            lambda: reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+            after, True,
         )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,

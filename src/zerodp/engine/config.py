@@ -70,7 +70,7 @@ class EngineConfig:
 
     ``bucket_mb``: size of the gradient buckets in MiB (stages 0-2, seed §4), or ``"auto"``: the
     size at the simulator's sweet spot for this model on this machine, chosen once when the engine
-    is built by :func:`zerodp.bench.auto.choose_bucket_mb` from a calibration ``profile`` (a path
+    is built by :func:`zerodp.plan.calibrated.choose_bucket_mb` from a calibration ``profile`` (a path
     written by ``zerodp calibrate``, the loaded profile dict, or its ``calibration`` table) and
     ``tokens_per_rank`` (micro-batch × sequence length on each rank), with the AllReduce of stage
     0 or the ReduceScatter of stages 1-2, gradient elements of the communication dtype
@@ -149,18 +149,53 @@ def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_siz
     Called once by the bucket engines (stages 0-2) before they plan their buckets. The simulator
     sizes buckets in communicated bytes (``grad_dtype``, the dtype gradients travel in), the
     engine in bytes of ``param_dtype`` (:func:`zerodp.engine.buckets.plan_buckets`); the two
-    differ only when bf16 gradients are reduced in fp32, and the choice is converted then.
-    Imports :mod:`zerodp.bench.auto` only here: the engine stays free of the planner unless
-    "auto" is asked for.
+    differ only when bf16 gradients are reduced in fp32, and the choice is converted then. The
+    arithmetic is the planner's (:func:`zerodp.plan.calibrated.choose_bucket_mb`).
     """
     if config.bucket_mb != AUTO or config.stage not in BUCKET_COLLECTIVE:
         return config
-    from zerodp.bench.auto import choose_bucket_mb
+    from zerodp.plan.calibrated import calibration_for, choose_bucket_mb
 
     grad_bytes = grad_dtype.itemsize
-    mb = choose_bucket_mb(config.profile, module, config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
-                          collective=BUCKET_COLLECTIVE[config.stage], world_size=world_size)
+    cal = calibration_for(config.profile, world_size)
+    mb = choose_bucket_mb(cal, module_layer_shapes(module, config.tokens_per_rank), config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
+                          collective=BUCKET_COLLECTIVE[config.stage])
     mb = float(mb) * param_dtype.itemsize / grad_bytes
     # The simulator prices equal buckets; a first bucket larger than the rest would defeat its
     # purpose (small, so that communication starts early), so it is capped at the chosen size.
     return dataclasses.replace(config, bucket_mb=mb, first_bucket_mb=min(config.first_bucket_mb, mb))
+
+
+def module_layer_shapes(module: torch.nn.Module, tokens_per_rank: int | None = None):
+    """The simulator's layers of any ``nn.Module``, from its parameters alone (guide §4).
+
+    A model that describes itself — a ``cfg`` with ``n_layer``, ``d_model``, ``vocab_size``,
+    ``seq_len`` (the GPT of the training app) — is cut into embedding, blocks and head
+    (:func:`zerodp.plan.calibrated.gpt_layer_shapes`, at ``min(seq_len, tokens_per_rank)`` tokens
+    per sequence). Otherwise modules are walked in
+    registration order (``named_modules``), which stands for forward order; each module that
+    directly owns trainable parameters is one layer. ``params`` counts the trainable parameters it
+    owns, a shared (tied) parameter only at its first owner, where the engine's flat buffers hold
+    it too; ``matmul_params`` counts all of them — a tied head still multiplies — except for
+    ``nn.Embedding``, whose lookup costs no FLOPs. No attention term: a generic module's compute is
+    shared out by its weights alone.
+    """
+    from zerodp.plan.calibrated import LayerShape, gpt_layer_shapes
+
+    cfg = getattr(module, "cfg", None)
+    if cfg is not None and all(hasattr(cfg, k) for k in ("n_layer", "d_model", "vocab_size", "seq_len",
+                                                          "ffn_mult", "bias", "tie_weights")):
+        return gpt_layer_shapes(cfg, min(cfg.seq_len, tokens_per_rank or cfg.seq_len))
+    seen: set[int] = set()
+    shapes = []
+    for name, sub in module.named_modules():
+        own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        new = [p for p in own if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        matmul = 0 if isinstance(sub, torch.nn.Embedding) else sum(p.numel() for p in own)
+        shapes.append(LayerShape(name or type(sub).__name__, sum(p.numel() for p in new), matmul))
+    if not shapes:
+        raise ValueError("the model has no trainable parameters: no gradient buckets to size")
+    return shapes

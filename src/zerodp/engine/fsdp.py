@@ -62,7 +62,7 @@ import torch.nn as nn
 
 from zerodp.engine.base import StageEngine
 from zerodp.engine.buckets import cast_floating_buffers
-from zerodp.engine.comm import Pending
+from zerodp.engine.comm import InFlight
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.master import OptimizerFactory, Target
 from zerodp.engine.stats import EngineStats, fmt_bytes
@@ -170,7 +170,7 @@ class FSDPEngine(StageEngine):
         self._inputs_fired = [0] * len(self.fsdp_units)
         self._bwd_events: list[Any] = [None] * len(self.fsdp_units)
         self._fwd_events: list[Any] = [None] * len(self.fsdp_units)
-        self._reduces: list[tuple[Pending, Any]] = []
+        self._reduces = InFlight()  # unit ReduceScatters issued, not yet waited for
         self._n_gathered = 0
         self._gathered_bytes = 0
         self._peak_units = 0
@@ -389,17 +389,12 @@ class FSDPEngine(StageEngine):
         if factor is not None:
             u.grad_full.mul_(factor)
         while len(self._reduces) >= MAX_REDUCE_IN_FLIGHT:
-            pending, finish = self._reduces.pop(0)
-            pending.wait()
-            finish()
+            self._reduces.wait_oldest()
         self._log_collective("RS", u)
-        self._reduces.append(u.reduce(self.comm))
+        self._reduces.add(*u.reduce(self.comm))
 
     def _finish_reduces(self) -> None:
-        for pending, finish in self._reduces:
-            pending.wait()
-            finish()
-        self._reduces.clear()
+        self._reduces.wait_all()
 
     def _cast_inputs(self, args, kwargs):
         dt = self.param_dtype

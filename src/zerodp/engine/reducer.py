@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from zerodp.engine.base import StageEngine
 from zerodp.engine.buckets import build_buckets, cast_floating_buffers, plan_buckets
-from zerodp.engine.comm import Pending
+from zerodp.engine.comm import InFlight, Pending
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.master import OptimizerFactory, Target
 
@@ -100,7 +100,7 @@ class BucketEngine(StageEngine):
         self._named_index = [position[n] for n in self._names]  # bucket order → named_params order
         self._step_used = [False] * len(self._names)
         self._reset_backward()
-        self._launched: list[tuple[int, Pending, Callable[[], None] | None]] = []
+        self._inflight = InFlight()  # bucket collectives issued, not yet waited for
         self._start_clock()
 
     # ---- what a stage provides ---------------------------------------------------------------
@@ -190,8 +190,7 @@ class BucketEngine(StageEngine):
         while self._next < n and ready[self._next]:
             b = self._next
             self._next += 1
-            pending, finish = self._launch(b)
-            self._launched.append((b, pending, finish))
+            self._inflight.add(*self._launch(b))
 
     def _on_backward_end(self) -> None:
         self._step_used = [a or b for a, b in zip(self._step_used, self._fired)]
@@ -204,7 +203,7 @@ class BucketEngine(StageEngine):
                         self._prepare_missing(b, ids)
                         self._ready[b] = True
                 self._launch_ready()
-                self._wait_launched()
+                self._inflight.wait_all()
                 if missing and not self.config.find_unused_parameters:
                     names = [self._names[i] for i in missing]
                     raise RuntimeError(
@@ -228,16 +227,8 @@ class BucketEngine(StageEngine):
         self._next = 0
         self._reducing = False
 
-    def _wait_launched(self) -> None:
-        for _, pending, finish in self._launched:
-            pending.wait()
-            if finish is not None:
-                finish()
-        self._launched.clear()
-
     def _finish_grad_sync(self) -> None:
-        if self._launched:
-            self._wait_launched()
+        self._inflight.wait_all()
 
     # ---- description for the start-up consistency check -----------------------------------------
     def _description(self) -> dict:

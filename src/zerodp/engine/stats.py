@@ -26,14 +26,16 @@ the host was blocked waiting for it (seed §4: the *exposed* part, what overlap 
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from zerodp.engine.base import MEMORY_KINDS, MODEL_STATE_KINDS
 from zerodp.engine.config import STAGES
 from zerodp.engine.trace import COMM, COMPUTE
+
+#: guide §1: what each kind of tensor is, for ``stats()``; the first four are the "model states".
+MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "gathered", "comm_buffers")
+MODEL_STATE_KINDS = MEMORY_KINDS[:4]
 
 
 @dataclass
@@ -179,47 +181,3 @@ def compare_table(stats: EngineStats, formula: dict[str, float]) -> str:
         lines.append(f"  {kind:<18}{fmt_bytes(want):>14}{fmt_bytes(got):>14}{got / n:>9.3f}"
                      f"{(got - want) / max(want, 1) * 100:>9.3f}%")
     return "\n".join(lines)
-
-
-def _memory_demo(rank: int, world: int, preset: str) -> list[tuple[bool, dict, dict]]:
-    import zerodp
-    from zerodp.engine.config import MixedPrecision
-    from zerodp.train.model import GPT, PRESETS
-
-    out = []
-    for fp32_accum in (False, True):
-        for stage in STAGES:
-            torch.manual_seed(0)
-            model = GPT(PRESETS[preset])
-            engine = zerodp.parallelize(model, lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage,
-                                        mixed_precision=MixedPrecision(fp32_grad_accum=fp32_accum))
-            cfg = model.cfg
-            x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
-            engine(x, x).backward()
-            engine.step()
-            engine.zero_grad()
-            s = engine.stats()
-            out.append((fp32_accum, s.to_dict(), formula_by_kind(stage, s.num_params, world, fp32_accum)))
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Print the seed's model-state formula vs the measured bytes, per kind, for stages 0-3."""
-    from zerodp.spawn import run_local
-
-    ap = argparse.ArgumentParser(prog="python -m zerodp.engine.stats", description=main.__doc__)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--preset", default="tiny")
-    args = ap.parse_args(argv)
-    results = run_local(_memory_demo, args.world, args.preset)
-    for i, (fp32_accum, stats, formula) in enumerate(results[0]):
-        if i % len(STAGES) == 0:
-            print(f"== bf16 + AdamW (k = 12){' + fp32 grad accumulation' if fp32_accum else ''}, "
-                  f"rank 0 of {args.world} ==")
-        names = {f.name for f in fields(EngineStats)}
-        s = EngineStats(**{k: v for k, v in stats.items() if k in names})
-        print(compare_table(s, formula))
-
-
-if __name__ == "__main__":
-    main()

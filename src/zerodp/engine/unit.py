@@ -326,20 +326,12 @@ class Unit:
         if self.reduce_dtype != self.param_dtype:
             src = self._rs_src = self.grad_full.to(self.reduce_dtype)
         direct = self.grad_shard_fresh and self.grad_shard.dtype == self.reduce_dtype
-        if direct:
-            out = self.grad_shard
-        else:  # a shard-sized buffer in flight, dropped by the finisher
-            out = self._rs_scratch = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                                                 device=self.device)
-        pending = comm.reduce_scatter_mean(out, src, self.name)
+        if not direct:  # a shard-sized buffer in flight, dropped by the finisher
+            self._rs_scratch = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        pending = comm.reduce_scatter_grad(self.grad_shard, src, self.name, overwrite=self.grad_shard_fresh,
+                                           scratch=self._rs_scratch)
 
         def finish():
-            if direct:
-                pass
-            elif self.grad_shard_fresh:
-                self.grad_shard.copy_(out)
-            else:
-                self.grad_shard.add_(out)
             self.grad_shard_fresh = False
             self._rs_src = self._rs_scratch = None
             self.free_grads()

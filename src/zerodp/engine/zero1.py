@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from zerodp.engine.comm import Pending
+from zerodp.engine.comm import InFlight, Pending
 from zerodp.engine.reducer import BucketEngine, FullGradEngine
 
 
@@ -43,7 +43,7 @@ class ShardedMaster(BucketEngine):
     """Stages 1-2: rank r keeps the fp32 master and optimizer states of slice r of each bucket."""
 
     def _bucket_masters(self, fp32: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-        self._param_gathers: list[Pending] = []
+        self._param_gathers = InFlight()
         masters = []
         for bucket, full in zip(self.buckets, fp32):
             lo, hi = bucket.layout.shard_range(self.rank)
@@ -63,17 +63,14 @@ class ShardedMaster(BucketEngine):
         if mine.data_ptr() != master.data_ptr():
             mine.copy_(master)  # fp32 master → bf16 slice
         # In place: rank r's slice of the buffer is its input; the others' slices arrive around it.
-        self._param_gathers.append(self.comm.all_gather(bucket.param_buf, mine, bucket.label))
+        self._param_gathers.add(self.comm.all_gather(bucket.param_buf, mine, bucket.label))
 
     def _publish_params(self) -> None:
         for b in reversed(range(len(self.buckets))):
             self._publish_bucket(b)
 
     def _wait_params(self) -> None:
-        if self._param_gathers:
-            for pending in self._param_gathers:
-                pending.wait()
-            self._param_gathers.clear()
+        self._param_gathers.wait_all()
 
 
 class ZeRO1Engine(ShardedMaster, FullGradEngine):
@@ -91,7 +88,8 @@ class ZeRO1Engine(ShardedMaster, FullGradEngine):
 
     def _launch(self, b: int) -> tuple[Pending, None]:
         buf = self._grads_to_reduce(b)
-        return self.comm.reduce_scatter_mean(self._grad_shards[b], buf, self.buckets[b].label), None
+        # Overwrite: the full buffer holds the step's whole local sum, so its mean is the answer.
+        return self.comm.reduce_scatter_grad(self._grad_shards[b], buf, self.buckets[b].label, overwrite=True), None
 
     def _on_backward_end(self) -> None:
         self._pending_local = not self._reducing

@@ -106,8 +106,8 @@ class ZeRO2Engine(ShardedMaster):
 
     def _acquire_staging(self, b: int) -> Staging:
         free = next((s for s in self._pool if s.bucket is None), None)
-        if free is None and self._launched:
-            self._wait_oldest()  # bounds memory: wait for the oldest bucket in flight
+        if free is None and self._inflight:
+            self._inflight.wait_oldest()  # bounds memory: wait for the oldest bucket in flight
             free = next((s for s in self._pool if s.bucket is None), None)
         if free is None:  # gradients arrived out of bucket order: grow the pool
             free = self._new_staging()
@@ -117,12 +117,6 @@ class ZeRO2Engine(ShardedMaster):
         free.bucket = b
         self._staging_of[b] = free
         return free
-
-    def _wait_oldest(self) -> None:
-        b, pending, finish = self._launched.pop(0)
-        pending.wait()
-        if finish is not None:
-            finish()
 
     def _prepare_missing(self, b: int, missing: list[int]) -> None:
         staging = self._staging_of[b] or self._acquire_staging(b)
@@ -141,16 +135,13 @@ class ZeRO2Engine(ShardedMaster):
             full.mul_(factor)
         shard = bucket.extra["shard"]
         first = not self._reduced[b]
-        out = shard if (first or self.fp32_accum) else staging.temp[:shard.numel()]
-        pending = self.comm.reduce_scatter_mean(out, full, bucket.label)
+        # fp32 accumulation: the bf16 mean lands in the bf16 shard, then is added in fp32.
+        target = bucket.extra["acc32"] if self.fp32_accum else shard
+        scratch = shard if self.fp32_accum else staging.temp
+        pending = self.comm.reduce_scatter_grad(target, full, bucket.label, overwrite=first, scratch=scratch)
         self._reduced[b] = True
 
         def finish() -> None:
-            if self.fp32_accum:
-                acc = bucket.extra["acc32"]
-                acc.copy_(shard) if first else acc.add_(shard)
-            elif out is not shard:
-                shard.add_(out)
             staging.bucket = None
             self._staging_of[b] = None
 

@@ -1,0 +1,79 @@
+"""The package's layering: the engine sits below the apps, the planner needs no torch, and no two
+files import each other (directly or round a circle), counting imports inside functions too."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module → the zerodp modules it imports anywhere in its file (module level or in functions)."""
+    graph: dict[str, set[str]] = {}
+    for path in (SRC / "zerodp").rglob("*.py"):
+        mod = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zerodp"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("zerodp"))
+        graph[mod] = deps
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_engine_imports_nothing_from_the_apps():
+    up = {m: sorted(d for d in deps if d.startswith(("zerodp.train", "zerodp.bench", "zerodp.ui")))
+          for m, deps in _imports().items() if m.startswith("zerodp.engine")}
+    assert not any(up.values()), {m: d for m, d in up.items() if d}
+
+
+def test_no_import_cycles_between_files():
+    graph = _imports()
+    # package __init__ files re-export their children; an edge into a package is not a cycle
+    graph = {m: {d for d in deps if not (SRC / Path(*d.split("."))).is_dir()} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_one_engine_step_loads_neither_train_nor_bench():
+    code = """
+import os, sys, tempfile, torch, torch.distributed as dist
+import zerodp
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+for stage in (0, 1, 2, 3):
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    e = zerodp.parallelize(m, optimizer=lambda g: torch.optim.AdamW(g), stage=stage)
+    e(torch.randn(2, 4)).sum().backward(); e.step(); e.stats()
+print(sorted(k for k in sys.modules if k.startswith(("zerodp.train", "zerodp.bench", "zerodp.ui"))))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_planner_imports_no_torch():
+    code = "import sys, zerodp.plan, zerodp.plan.calibrated; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
