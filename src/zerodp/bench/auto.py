@@ -36,7 +36,8 @@ import json
 import sys
 
 from zerodp.plan.calibrated import (ETA_UNCERTAINTY, MIB, REGRET_TOLERANCE, SWEET_SPOT_SLACK_S,  # noqa: F401
-                                    LayerShape, calibration_for, eta_band, step_costs, worst_regrets)
+                                    LayerShape, _calibration_table, calibration_for, efficiency, eta_band,
+                                    step_costs, worst_regrets)
 from zerodp.plan import calibrated
 
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from zerodp.bench import probe
 from zerodp.bench.peers import COMPARISONS, CONTENDERS
 
-MIB = 2**20
+from zerodp.plan.units import MIB  # noqa: E402
 RATIO_TARGET = 1.05  # issue 7: ours/PyTorch median step time for stages 0 and 3
 PREDICTION_TOLERANCE = 0.25  # issue 7: predicted within ±25 % of measured
 MAX_STEP_SCALE = 5  # a cheap regime times up to 5× the steps of the costliest (BenchSpec.steps_for)

@@ -120,11 +120,11 @@ def measure_collectives(sizes: list[int], kinds=KINDS, iters: int = 10, warmup: 
             full = torch.ones(numel, dtype=dtype, device=device)
             shard = torch.ones(numel // n, dtype=dtype, device=device)
             if kind == "all_reduce":
-                op = lambda: dist.all_reduce(full)  # noqa: E731
+                op = lambda full=full: dist.all_reduce(full)  # noqa: E731
             elif kind == "reduce_scatter":
-                op = lambda: reduce_scatter_flat(shard, full)  # noqa: E731
+                op = lambda full=full, shard=shard: reduce_scatter_flat(shard, full)  # noqa: E731
             else:
-                op = lambda: all_gather_flat(full, shard)  # noqa: E731
+                op = lambda full=full, shard=shard: all_gather_flat(full, shard)  # noqa: E731
             times = []
             for i in range(warmup + iters):
                 dist.barrier()

@@ -67,6 +67,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from zerodp.engine.comm import Collectives
 from zerodp.engine.config import EngineConfig
@@ -684,18 +685,6 @@ class StageEngine:
         raise NotImplementedError
 
 
-def _as_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
-
-
 def _first_grad_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out if out.requires_grad else None
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        for item in out:
-            t = _first_grad_tensor(item)
-            if t is not None:
-                return t
-    return None
+    """The first tensor that requires grad in a nest of outputs (torch.utils._pytree's leaves)."""
+    return next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)

@@ -27,8 +27,9 @@ import torch
 import torch.nn as nn
 
 from zerodp.engine.layout import FlatLayout
+from zerodp.plan.units import MIB
 
-MB = 1024 * 1024  # DDP's bucket_cap_mb counts mebibytes
+MB = MIB  # DDP's bucket_cap_mb counts mebibytes
 
 
 def plan_buckets(sizes: list[int], groups: list[int], element_size: int, sync: str,
@@ -36,13 +37,17 @@ def plan_buckets(sizes: list[int], groups: list[int], element_size: int, sync: s
     """Split parameter indices (registration order) into buckets, in launch order.
 
     Walks parameters in reverse; each param group fills its own open bucket, which closes once it
-    holds at least its cap (``first_bucket_mb`` for the very first bucket, then ``bucket_mb``).
+    holds at least its cap (``min(first_bucket_mb, bucket_mb)`` for the very first bucket, then
+    ``bucket_mb``).
     Buckets are ordered by the position of their first parameter in the reverse walk, i.e. by
     when backward starts filling them.
     """
     if sync == "overlap":
         return [[i] for i in reversed(range(len(sizes)))]
-    caps = (math.inf, math.inf) if sync == "naive" else (first_bucket_mb * MB, bucket_mb * MB)
+    # The first bucket is small so that communication starts early; never larger than the rest
+    # (a first bucket above bucket_mb would also size every staging buffer of stage 2).
+    first = min(first_bucket_mb, bucket_mb)
+    caps = (math.inf, math.inf) if sync == "naive" else (first * MB, bucket_mb * MB)
     closed: list[list[int]] = []
     open_: dict[int, list[int]] = {}
     open_bytes: dict[int, int] = {}

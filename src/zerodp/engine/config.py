@@ -13,11 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-STAGES = (0, 1, 2, 3)
+from zerodp.plan.units import AUTO, STAGES  # noqa: E402 - one place for both
 SYNC_MODES = ("naive", "overlap", "bucketed")  # seed §2.5, §3, §4
 DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (seed §4)
 DEFAULT_FIRST_BUCKET_MB = 1.0  # small first bucket: the last layers' gradients start moving early
-AUTO = "auto"  # bucket_mb="auto": the simulator's sweet spot for this model and machine (seed §4)
 #: The collective a gradient bucket goes through, per stage (stage 3 has FSDP units, no buckets).
 BUCKET_COLLECTIVE = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter"}
 

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from zerodp.engine.base import StageEngine
 from zerodp.engine.buckets import cast_floating_buffers
@@ -576,44 +577,18 @@ class _InputsGradient(torch.autograd.Function):
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
+    """Every tensor in a nest of tuples, lists and dicts (torch.utils._pytree's leaves)."""
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _replace(x: Any, swap: dict[int, torch.Tensor]) -> Any:
-    if isinstance(x, torch.Tensor):
-        return swap.get(id(x), x)
-    if isinstance(x, tuple):
-        return tuple(_replace(v, swap) for v in x)
-    if isinstance(x, list):
-        return [_replace(v, swap) for v in x]
-    if isinstance(x, dict):
-        return {k: _replace(v, swap) for k, v in x.items()}
-    return x
+    return pytree.tree_map_only(torch.Tensor, lambda t: swap.get(id(t), t), x)
 
 
 def _grad_tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out] if out.requires_grad else []
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return [t for item in out for t in _grad_tensors(item)]
-    return []
+    return [t for t in _tensors(out) if t.requires_grad]
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
-    if isinstance(x, tuple):
-        return tuple(_cast_floats(v, dtype) for v in x)
-    if isinstance(x, list):
-        return [_cast_floats(v, dtype) for v in x]
-    if isinstance(x, dict):
-        return {k: _cast_floats(v, dtype) for k, v in x.items()}
-    return x
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, x)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from zerodp.engine.config import STAGES
+from zerodp.plan.units import fmt_mib
 from zerodp.engine.trace import COMM, COMPUTE
 
 #: guide §1: what each kind of tensor is, for ``stats()``; the first four are the "model states".
@@ -94,12 +95,7 @@ class EngineStats:
         return "\n".join(lines)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
+fmt_bytes = fmt_mib  # measured memory is shown in binary units
 
 
 def measured_bytes(by_kind: dict[str, list[torch.Tensor]]) -> dict[str, int]:

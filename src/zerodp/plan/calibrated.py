@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 from zerodp.plan.collectives import RingCost
 from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
 from zerodp.plan.timeline import Layer, sweep_buckets
+from zerodp.plan.units import MIB
 
 ETA_UNCERTAINTY = 0.25  # η is measured on one pattern and varies run to run (bench.overlap)
 REGRET_TOLERANCE = 0.01  # sizes whose worst regret is within 1 % of the least count as equal
 SWEET_SPOT_SLACK_S = 1e-4  # absolute slack: differences below 0.1 ms are noise on any machine
-MIB = 2**20
 _PARTS = ("forward_s", "backward_s", "optimizer_s")
 
 

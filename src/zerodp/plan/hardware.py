@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from zerodp.plan._common import ToDict, check_count, check_positive, parse_quantity
 
@@ -223,8 +223,3 @@ def save_hardware(hw: Hardware, path: str) -> str:
         f.write(text)
     return path
 
-
-def with_overrides(hw: Hardware, **changes) -> Hardware:
-    """A copy of ``hw`` with some fields changed (``None`` values are ignored)."""
-    changes = {k: v for k, v in changes.items() if v is not None}
-    return replace(hw, **changes) if changes else hw

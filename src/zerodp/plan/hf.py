@@ -25,7 +25,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from zerodp.plan.models import Model
+from zerodp.plan.model import Model
 
 #: a config.json is a few kB; refuse anything much larger before parsing it
 MAX_CONFIG_BYTES = 1_000_000

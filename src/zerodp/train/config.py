@@ -7,8 +7,7 @@ that fits (step 3), and the number of ranks; gradient accumulation makes up the 
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 
 from typing import TYPE_CHECKING
 
@@ -22,7 +21,7 @@ if TYPE_CHECKING:  # the CLI imports this module; keep it free of torch until a 
 PRESET_NAMES = ("nano", "tiny", "small", "medium", "gpt2-small")
 
 STAGES = (0, 1, 2, 3)
-AUTO = "auto"  # --bucket-mb auto
+from zerodp.plan.units import AUTO  # noqa: E402 - --bucket-mb auto
 MIXED_PRECISION = (None, "bf16")
 ON_SAVE_ERROR = ("stop", "continue")
 
@@ -37,10 +36,6 @@ class BatchPlan:
     dp: int
     global_batch: int  # samples
     grad_acc: int
-
-    @property
-    def tokens_per_rank_per_step(self) -> int:
-        return self.micro_batch * self.grad_acc * self.seq_len
 
 
 def plan_batch(global_batch_tokens: int, seq_len: int, micro_batch: int, dp: int) -> BatchPlan:
@@ -174,9 +169,6 @@ class TrainConfig:
 
         base = PRESETS[self.preset]
         return replace(base, seq_len=self.seq_len, vocab_size=max(base.vocab_size, vocab_size))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":

@@ -19,9 +19,10 @@ import statistics
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+from zerodp.plan.units import MIB, fmt_mib
 from zerodp.train.progress import METRICS_FILE, read_metrics
 
-MiB = 1024 * 1024
+MiB = MIB
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -215,11 +216,7 @@ def comm_rows(stats: list[dict]) -> str:
                    "issue-to-end (ms)", "exposed wait (ms)"], rows)
 
 
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1024 ** 3), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+human_bytes = fmt_mib
 
 
 def exposed_fraction(stats: list[dict], step_s: float) -> float | None:
