@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count, check_positive
+from zerodp.plan.units import STAGE_NAMES, STAGES  # noqa: F401 - re-exported
 
 BF16 = 2
 FP32 = 4
@@ -42,8 +43,6 @@ FP32 = 4
 ADAM_K = 12
 #: ZeRO-3 keeps the unit in use plus the prefetched one (seed §9.3)
 GATHERED_UNITS = 2
-STAGES = (0, 1, 2, 3)
-STAGE_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 RECOMPUTE = ("none", "selective", "full")
 
 

@@ -14,6 +14,7 @@ from zerodp.plan.collectives import collective_time
 from zerodp.plan.hardware import get_hardware
 from zerodp.plan.memory import ADAM_K, BF16, max_params, model_states
 from zerodp.plan.models import get_model
+from zerodp.plan.units import STAGE_NAMES, STAGES
 from zerodp.plan.roofline import layer_prefetch, max_devices, threshold
 from zerodp.plan.timeline import model_layers, simulate_backward
 from zerodp.plan.collectives import network_cost
@@ -88,7 +89,7 @@ def _row(key, section, quantity, value, unit, shown, seed):
 def build_report() -> Report:
     """Recompute every number of DESIGN.md §4 (and the seed §4 demo) with the public API."""
     rows = []
-    names = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    names = [STAGE_NAMES[s] for s in STAGES]
     seed_mem = ["120", "31.4", "16.6", "1.88"]
     for stage in range(4):
         v = model_states(7.5e9, 64, stage, k=ADAM_K).model_state_bytes / GB
