@@ -125,6 +125,8 @@ def schedule(seed: int, steps: int, ckpt_every: int, short: bool = False) -> lis
 
     def save_kill(attempt: int, after: int) -> tuple[Planned, int]:
         c = (after // k + rng.randint(1, 3)) * k
+        if c >= steps:
+            raise ValueError(f"--steps {steps} is too few for this schedule; use at least {c + 2 * k}")
         r = rank()
         phase = rng.choice(SAVE_PHASES) if r == 0 else "files"  # later phases are rank 0's
         resumed = c if phase == "complete" else c - k  # COMPLETE written: that checkpoint counts
@@ -359,12 +361,16 @@ def run_chaos(work: Path, seed: int = 0, steps: int = 200, ckpt_every: int = 10,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zerodp.train.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0, help="draws the schedule (ranks, steps, phases)")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=200, help="steps of the run (the full schedule needs about 150)")
+    ap.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
     ap.add_argument("--timeout-s", type=float, default=8.0, help="--timeout-s of the run (stall detection)")
     ap.add_argument("--short", action="store_true", help="two faults (what make test runs)")
     ap.add_argument("--work", default=None, help="directory for the two runs (default: a temporary one)")
     a = ap.parse_args(argv)
+    try:
+        schedule(a.seed, a.steps, a.ckpt_every, a.short)  # a run too short for it: one line, now
+    except ValueError as e:
+        ap.error(str(e))
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="zerodp-chaos-"))
     report = run_chaos(work, a.seed, a.steps, a.ckpt_every, a.short, a.timeout_s)
     print(report.text())
