@@ -212,3 +212,22 @@ def test_result_round_trips_through_json():
     back = compare.result_from_dict(json.loads(json.dumps(result.to_dict())))
     assert json.loads(json.dumps(back.to_dict())) == json.loads(json.dumps(result.to_dict()))
     assert compare.summary_table(back) == compare.summary_table(result)
+
+
+def test_contenders_live_one_stage_at_a_time_and_the_bench_refuses_what_would_not_fit(monkeypatch):
+    from zerodp.bench import compare
+
+    spec = compare.BenchSpec(model="small", world_size=2, profile=None)
+    names = spec.contenders(with_auto=False)
+    groups = compare.stage_groups(names)
+    assert groups[0] == ["floor", "ours0", "ddp_bucket_view", "ddp"] and len(groups) == 4
+    assert all(g[0] == "floor" for g in groups)
+    # 124M parameters, 2 ranks: four contenders at 24 B/param each, plus the ranks' baseline
+    need = compare.memory_needed(spec, names, 124_000_000)
+    assert need == 2 * (compare.RANK_BASELINE_BYTES + 4 * 24 * 124_000_000)
+    monkeypatch.setattr(compare, "available_bytes", lambda: 1e9)
+    big = compare.BenchSpec(model="gpt2-small", world_size=2)
+    with pytest.raises(ValueError) as info:
+        compare.check_memory(big, big.contenders(with_auto=False))
+    msg = str(info.value)
+    assert "GiB" in msg and "--model" in msg and "--stages" in msg and "\n" not in msg

@@ -48,3 +48,26 @@ def _return_tensor(rank, world):
 def test_tensors_come_back_by_value():
     a, b = run_local(_return_tensor, 2)
     assert a.tolist() == [0.0, 0.0, 0.0] and b.tolist() == [1.0, 1.0, 1.0]
+
+
+def _killed(rank, world):
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer does
+    dist.barrier()
+
+
+def test_a_rank_killed_by_sigkill_is_reported_as_such_not_as_a_connection_error():
+    import pytest
+
+    from zerodp.spawn import RankFailure, run_local
+
+    with pytest.raises(RankFailure) as info:
+        run_local(_killed, 2, timeout=60)
+    msg = str(info.value)
+    assert msg.startswith("rank 1 was killed by SIGKILL") and "out-of-memory killer" in msg
+    assert "Connection reset" not in msg and "\n" not in msg

@@ -40,6 +40,18 @@ class _Job:
     env: dict
 
 
+_KILLED = " was killed by SIGKILL"
+
+
+def _death(rank: int, exitcode: int) -> str:
+    """Why a rank that reported nothing ended: SIGKILL from outside is, on a machine that ran out
+    of memory, the kernel's out-of-memory killer."""
+    if exitcode == -9:
+        return (f"rank {rank}{_KILLED}, most likely by the kernel's out-of-memory "
+                "killer (the machine ran out of memory; `dmesg` says so): use a smaller model or fewer ranks")
+    return f"rank {rank} died with exit code {exitcode} and no traceback"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -121,7 +133,7 @@ def run_local(
             # A rank that died without reporting (segfault, os._exit, OOM kill).
             for r, p in enumerate(procs):
                 if r not in outputs and r not in errors and not p.is_alive() and p.exitcode not in (None, 0):
-                    errors[r] = f"rank {r} died with exit code {p.exitcode} and no traceback"
+                    errors[r] = _death(r, p.exitcode)
                     first_error_at = first_error_at or time.monotonic()
             continue
         if ok:
@@ -139,6 +151,9 @@ def run_local(
                 errors[r] = (f"rank {r} did not finish within {timeout:.0f}s"
                              + (" (killed after another rank failed)" if first_error_at else ""))
     if errors:
+        killed = [r for r in sorted(errors) if _KILLED in errors[r].split(",")[0]]
+        if killed:  # the cause: the others only lost their peer ("Connection reset by peer")
+            raise RankFailure(f"{errors[killed[0]]}; the other ranks stopped because their peer was gone")
         text = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
         raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{text}")
     return [outputs[r] for r in range(world_size)]

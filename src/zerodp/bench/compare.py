@@ -1,12 +1,13 @@
 """``zerodp bench``: our engine side by side with its PyTorch peer, stage by stage, in two regimes.
 
-What is measured (one spawned group of gloo ranks per regime, every contender alive at once):
+What is measured (one spawned group of gloo ranks for all regimes; within a regime, stage after
+stage, the floor and one stage's contenders alive at once — :func:`stage_groups`):
 
 - **step time**: every training step (forward, backward, optimizer, zero grad; for our engine
   also the wait for any in-flight parameter AllGather, so that no work leaks into the next
   contender's step) timed on each rank between barriers; a step takes as long as its slowest rank,
   so the figure per step is the max over ranks, and per contender the **median** over the timed
-  steps. Contenders run **alternated**: step i of every contender before step i+1 of any, the
+  steps. Contenders of a stage run **alternated**: step i of each before step i+1 of any, the
   order shuffled each step (seeded, the same on every rank), so drift of a shared machine hits all
   alike and no contender always runs right after the same other one (what ran just before leaves
   caches and allocator state behind). The first ``warmup`` steps are not timed.
@@ -38,10 +39,10 @@ from dataclasses import asdict, dataclass, field
 
 from zerodp.bench import probe
 from zerodp.bench.peers import COMPARISONS, CONTENDERS
+from zerodp.plan.units import MIB
 
-from zerodp.plan.units import MIB  # noqa: E402
-RATIO_TARGET = 1.05  # issue 7: ours/PyTorch median step time for stages 0 and 3
-PREDICTION_TOLERANCE = 0.25  # issue 7: predicted within ±25 % of measured
+RATIO_TARGET = 1.05  # ours/PyTorch median step time for stages 0 and 3
+PREDICTION_TOLERANCE = 0.25  # predicted within ±25 % of measured
 MAX_STEP_SCALE = 5  # a cheap regime times up to 5× the steps of the costliest (BenchSpec.steps_for)
 
 
@@ -243,12 +244,24 @@ def _prime(make, batch) -> None:
     del model, opt
 
 
+def stage_groups(names: list[str]) -> list[list[str]]:
+    """The contenders alive at the same time: the floor with each stage's own (ours + peers + the
+    auto row). Stages run one after the other, so the memory needed is the largest group's, not
+    the sum over every contender (a 124M-parameter model at four stages would not fit otherwise)."""
+    by_stage: dict[int, list[str]] = {}
+    for name in names:
+        stage = CONTENDERS[name][0]
+        if stage is not None:
+            by_stage.setdefault(stage, []).append(name)
+    return [["floor", *group] for _, group in sorted(by_stage.items())] or [["floor"]]
+
+
 def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: list[str],
                 bucket_mb: dict[str, "float | str"]) -> dict:
-    """Build every contender (memory measured), then time them alternated (module docstring)."""
-    import torch.distributed as dist
+    """Per stage group: build its contenders (memory measured), time them alternated, free them
+    (module docstring). The floor runs in every group; its times are pooled."""
+    import gc
 
-    from zerodp.bench.peers import build
     from zerodp.train.model import PRESETS
 
     cfg = PRESETS[spec.model]
@@ -258,6 +271,32 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
     total = spec.warmup + spec.steps_for(regime)
     batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed)
     _prime(make, batches[0])
+    groups = [[n for n in g if n in names] for g in stage_groups(names)]
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=(total - 1) * sum(len(g) for g in groups), unit="step", leave=False,
+                   desc=f"bench {regime.name} ({regime.tokens} tok/rank)")
+    out: dict = {}
+    for group in groups:
+        res = _run_group(rank, world, spec, regime, group, bucket_mb, make, batches, total, bar)
+        for name, r in res.items():
+            if name in out:  # the floor of another group: pool its times
+                out[name]["times"] += r["times"]
+            else:
+                out[name] = r
+        gc.collect()
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total, bar) -> dict:
+    import torch.distributed as dist
+
+    from zerodp.bench.peers import build
+
     contenders, peak, first_loss, states = {}, {}, {}, {}
     for name in names:  # one at a time: its RSS peak while built and stepped once
         dist.barrier()
@@ -268,12 +307,6 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
         contenders[name], peak[name] = c, mem.bytes
     times = {n: [] for n in names}
     sent = {n: [] for n in names}
-    bar = None
-    if rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=(total - 1) * len(names), desc=f"bench {regime.name} ({regime.tokens} tok/rank)",
-                   unit="step", leave=False)
     for i in range(1, total):  # step 0 was the first warm-up step, above
         order = list(names)
         random.Random(spec.seed * 1_000_003 + i).shuffle(order)  # same order on every rank
@@ -299,8 +332,6 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
                 sent[name].append(None if w0 is None else w1 - w0)
             if bar is not None:
                 bar.update()
-    if bar is not None:
-        bar.close()
     out = {}
     for name in names:
         c = contenders[name]
@@ -308,6 +339,7 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
         out[name] = {"times": times[name], "peak": peak[name], "states": states[name],
                      "sent": statistics.median(s) if s else None, "options": c.options,
                      "own_comm": _own_comm(c) if rank == 0 else {}, "first_loss": first_loss[name]}
+    contenders.clear()
     dist.barrier()
     return out
 
@@ -356,6 +388,48 @@ def check_profile(profile: str, model: str, world_size: int) -> dict:
     return cal
 
 
+#: per rank and contender, bytes per parameter of fp32 training with AdamW, unsharded: params 4 +
+#: grads 4 + Adam m, v 8, plus the transients of a step (gathered or staged copies, the optimizer's
+#: temporaries) — measured peaks stay below this (docs/benchmarks.md).
+BYTES_PER_PARAM_BUDGET = 24
+RANK_BASELINE_BYTES = 600 * MIB  # a rank's Python, torch and gloo before any model
+
+
+def memory_needed(spec: BenchSpec, names: list[str], params: int) -> float:
+    """Bytes the bench needs at its peak: every rank holds the largest stage group at once."""
+    largest = max(len([n for n in g if n in names]) for g in stage_groups(names))
+    return spec.world_size * (RANK_BASELINE_BYTES + largest * BYTES_PER_PARAM_BUDGET * params)
+
+
+def available_bytes() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(spec: BenchSpec, names: list[str]) -> None:
+    """Refuse, in one line, a bench that would not fit in this machine's memory."""
+    from zerodp.train.model import GPT, PRESETS
+
+    import torch
+
+    with torch.device("meta"):
+        params = GPT(PRESETS[spec.model]).num_params()
+    need, have = memory_needed(spec, names, params), available_bytes()
+    if have is not None and need > have:
+        raise ValueError(
+            f"zerodp bench needs about {need / 2**30:.1f} GiB for model {spec.model} ({params / 1e6:.0f}M "
+            f"parameters) on {spec.world_size} ranks ({BYTES_PER_PARAM_BUDGET} B/param for each of the "
+            f"{max(len(g) for g in stage_groups(names))} contenders alive at once), and "
+            f"{have / 2**30:.1f} GiB are available: use a smaller --model, fewer --nproc, or bench one "
+            f"stage at a time with --stages")
+
+
 def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     """Measure every regime of ``spec`` (one spawned group each) and return the results."""
     from zerodp.spawn import run_local
@@ -366,6 +440,7 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     cal = check_profile(spec.profile, spec.model, spec.world_size) if spec.profile else None
     machine = probe.machine()
     names = spec.contenders(with_auto=bool(spec.profile))
+    check_memory(spec, names)
     # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
     bucket = {r.name: {"ours0_auto": "auto"} for r in spec.regimes} if "ours0_auto" in names else {}
     per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, timeout=timeout)
