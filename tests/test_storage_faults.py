@@ -14,7 +14,6 @@ write that follows really fails.
 
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ business (stage 0–3, seed §9).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
