@@ -37,7 +37,7 @@ test-fast: setup
 fuzz: setup
 	ZERODP_MATRIX_RANDOM=520 $(BIN)/python -m pytest -q -s -m fuzz --hypothesis-profile=fuzz
 
-# The chaos run: a seeded schedule of 6 faults over a 200-step run under --max-restarts, a report
+# The chaos run: a seeded schedule of 7 faults over a 200-step run under --max-restarts, a report
 # of each, and the final state compared bitwise with an uninterrupted run (SEED=N draws another).
 chaos: setup
 	$(BIN)/python -m zerodp.train.chaos --seed $(or $(SEED),0) --steps 200

@@ -11,7 +11,9 @@ uninterrupted run ends, bit for bit.
 5. SIGTERM to the launcher at a random step (a preemption): the ranks stop with a checkpoint and
    the launcher exits with 143; the harness then starts the run again with ``--resume``, as a
    scheduler requeues a preempted job;
-6. SIGKILL of a random rank in that second launch.
+6. SIGKILL of a random rank in that second launch;
+7. SIGKILL of rank 0 right after the checkpoint of the last step is complete (the restarted group
+   must see that the run is done, not fail for want of steps to take).
 
 The faults are injected through the test-only ``ZERODP_TEST_FAULT`` hook (zerodp.train.faults),
 one per attempt of the group (``@ATTEMPT``), so the schedule is reproducible from the seed. The
@@ -154,6 +156,8 @@ def schedule(seed: int, steps: int, ckpt_every: int, short: bool = False) -> lis
     s6 = min(steps - 5, s5 + rng.randint(k + 3, 3 * k))
     r = rank()
     plan.append(Planned(f"kill:{r}:{s6}@0", 1, f"SIGKILL rank {r} at step {s6} (second launch)"))
+    plan.append(Planned(f"kill-save-complete:0:{steps}@1", 1,
+                        f"SIGKILL rank 0 right after the checkpoint of the last step is complete"))
     if s6 <= s5 + 3:
         raise ValueError(f"--steps {steps} is too few for this schedule; use at least {s5 + 20}")
     return plan

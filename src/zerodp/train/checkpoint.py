@@ -317,7 +317,7 @@ def _prune(root: Path, keep: int) -> None:
     complete = complete_checkpoints(root)
     for old in complete[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    newest = _checkpoint_step(complete[-1]) if complete else None
+    newest = checkpoint_step(complete[-1]) if complete else None
     for d in root.iterdir():
         partial = (newest is not None and _step_of(d) is not None and not (d / COMPLETE).exists()
                    and _step_of(d) < newest)
@@ -337,7 +337,7 @@ def _step_of(d: Path) -> int | None:
         return None
 
 
-def _checkpoint_step(d: Path) -> int | None:
+def checkpoint_step(d: Path) -> int | None:
     """The step of a checkpoint directory, also of one a save moved aside to replace it."""
     name = d.name[len(REPLACED_PREFIX):] if d.name.startswith(REPLACED_PREFIX) else d.name
     return _step_of(Path(name))
@@ -351,7 +351,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found: dict[int, Path] = {}
     for d in sorted(Path(root).iterdir(), key=lambda d: d.name.startswith(REPLACED_PREFIX)):
-        step = _checkpoint_step(d)
+        step = checkpoint_step(d)
         if step is not None and step not in found and d.is_dir() and (d / COMPLETE).exists():
             found[step] = d
     return [found[s] for s in sorted(found)]

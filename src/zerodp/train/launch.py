@@ -125,7 +125,7 @@ def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single", category=FutureWarning)
     from zerodp.train.report import write_report
 
-    from zerodp.train.checkpoint import complete_checkpoints
+    from zerodp.train.checkpoint import checkpoint_step, complete_checkpoints
 
     cfg = TrainConfig.from_dict(cfg_dict)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -137,6 +137,14 @@ def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
         # The agent restarted the group after a failure: continue from the newest complete
         # checkpoint (or from the start when none was completed before the failure).
         found = complete_checkpoints(Path(cfg.out) / "checkpoints")
+        if found and checkpoint_step(found[-1]) >= cfg.steps:
+            # the failure came after the checkpoint of the last step was complete: the run is done
+            if rank == 0:
+                print(f"zerodp: restart {restart} of the group after a failure; the run had already "
+                      f"completed its last step ({found[-1]}), so there is nothing to redo (no report "
+                      "is written)", flush=True)
+            stopper.done()
+            return {"out": cfg.out} if rank == 0 else {}
         if found:
             cfg = replace(cfg, resume=cfg.out)
         if rank == 0:
