@@ -98,7 +98,8 @@ class Report:
         rows = [("#", "fault", "detected by", "recovered in", "steps lost")]
         for i, o in enumerate(self.outcomes, 1):
             rec = f"{o.recovered_s:.1f} s" if o.recovered_s is not None else "-"
-            lost = "-" if o.lost is None else f"{o.lost} (resumed at {o.resumed_at})"
+            lost = "-" if o.lost is None else (f"{o.lost} (resumed at {o.resumed_at})"
+                                               if o.resumed_at is not None else f"{o.lost} (run was complete)")
             rows.append((str(i), o.planned.words, o.detected or "NOT SEEN", rec, lost))
         widths = [max(len(r[c]) for r in rows) for c in range(5)]
         out = ["chaos run: " + ", ".join(o.planned.spec for o in self.outcomes)]
@@ -157,7 +158,7 @@ def schedule(seed: int, steps: int, ckpt_every: int, short: bool = False) -> lis
     r = rank()
     plan.append(Planned(f"kill:{r}:{s6}@0", 1, f"SIGKILL rank {r} at step {s6} (second launch)"))
     plan.append(Planned(f"kill-save-complete:0:{steps}@1", 1,
-                        f"SIGKILL rank 0 right after the checkpoint of the last step is complete"))
+                        "SIGKILL rank 0 right after the checkpoint of the last step is complete"))
     if s6 <= s5 + 3:
         raise ValueError(f"--steps {steps} is too few for this schedule; use at least {s5 + 20}")
     return plan
@@ -257,6 +258,8 @@ def _detected(fault: str, window: list[Line], at: float) -> str:
         m = re.search(r"zerodp watchdog: rank (\d+) made no progress for ([\d.]+) s", t)
         if m:
             found.append(f"rank {m.group(1)}'s watchdog ({m.group(2)} s without progress)")
+        if "nothing to redo" in t:
+            found.append("the restarted group found the run complete")
         if fault.startswith("term") and "SIGTERM received: finishing the step in flight" in t:
             found.append("the launcher forwarded SIGTERM; the ranks agreed to stop at the next step end")
         m = re.search(r"stopped on SIGTERM after step (\d+)", t)
@@ -309,6 +312,8 @@ def analyse(plan: list[Planned], lines: list[Line], out: Path) -> list[Outcome]:
             after = [r for r in recs if r.get("event") == "step" and r["time"] >= resumed[0]["time"]]
             if after:  # recovered: the first step taken after the fault, by the attempt that followed it
                 o.recovered_s = after[0]["time"] - o.seen_at
+        elif any("nothing to redo" in ln.text for ln in window):  # it struck after the last step
+            o.lost = 0
     return outcomes
 
 
