@@ -75,7 +75,9 @@ class Bucket:
     layout: FlatLayout
     param_buf: torch.Tensor
     grad_buf: torch.Tensor | None = None  # full local gradients (stages 0-1, 2 with reduce once)
-    extra: dict = field(default_factory=dict)
+    grad_shard: torch.Tensor | None = None  # stage 2: this rank's reduced 1/N of the gradients
+    acc32: torch.Tensor | None = None  # fp32 gradient accumulator under bf16 (fp32_grad_accum)
+    param_ids: list[int] = field(default_factory=list)  # the engine's numbering of its parameters
 
     @property
     def label(self) -> str:

@@ -164,13 +164,6 @@ class FSDPEngine(StageEngine):
         self._kept: Unit | None = None  # the last forward unit, kept gathered into backward
         self._forwarding = False
         self._reduce_this_pass = True
-        self._bwd_started = [False] * len(self.fsdp_units)
-        self._bwd_done = [False] * len(self.fsdp_units)
-        self._grad_count = [0] * len(self.fsdp_units)
-        self._inputs_expected = [0] * len(self.fsdp_units)  # forward calls with grad-requiring inputs
-        self._inputs_fired = [0] * len(self.fsdp_units)
-        self._bwd_events: list[Any] = [None] * len(self.fsdp_units)
-        self._fwd_events: list[Any] = [None] * len(self.fsdp_units)
         self._reduces = InFlight()  # unit ReduceScatters issued, not yet waited for
         self._n_gathered = 0
         self._gathered_bytes = 0
@@ -207,7 +200,7 @@ class FSDPEngine(StageEngine):
         self._kept = None
         self._fwd_order = []
         self._post_order = []
-        # _inputs_expected is NOT reset here: a graph of an earlier forward of this step (two
+        # u.bwd.inputs_expected is NOT reset here: a graph of an earlier forward of this step (two
         # forwards, one backward; or a no_grad forward in between) still counts on its units.
         self._reduce_this_pass = self._sync or self.config.reduce_every_microbatch
         return None
@@ -228,7 +221,7 @@ class FSDPEngine(StageEngine):
             nxt = self._next_fwd.get(u.index)
             if nxt is not None and not nxt.gathered:
                 self._gather(nxt, async_op=True)
-        self._fwd_events[u.index] = self.recorder.begin(f"forward {u.name}", COMPUTE, unit=u.name)
+        u.bwd.fwd_event = self.recorder.begin(f"forward {u.name}", COMPUTE, unit=u.name)
         cast = self._cast_inputs(args, kwargs)
         if cast is not None:
             args, kwargs = cast
@@ -242,7 +235,7 @@ class FSDPEngine(StageEngine):
         flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
         if not flat:
             return args, kwargs
-        self._inputs_expected[u.index] += 1
+        u.bwd.inputs_expected += 1
         outs = _InputsGradient.apply(self, u, *flat)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
@@ -250,10 +243,10 @@ class FSDPEngine(StageEngine):
         return _replace((args, kwargs), swap)
 
     def _post_forward(self, u: Unit, out):
-        ev = self._fwd_events[u.index]
+        ev = u.bwd.fwd_event
         if ev is not None:
             self.recorder.end(ev)
-            self._fwd_events[u.index] = None
+            u.bwd.fwd_event = None
         if not self._forwarding:
             return None
         d = self._deferred
@@ -288,16 +281,16 @@ class FSDPEngine(StageEngine):
 
     def _pre_backward(self, u: Unit) -> None:
         i = u.index
-        if self._bwd_started[i]:
+        if u.bwd.started:
             return
-        self._bwd_started[i] = True
+        u.bwd.started = True
         self._backward_started()
         self._ensure_gathered(u)
         if self.config.prefetch:
             nxt = self._next_bwd.get(i)
-            if nxt is not None and not nxt.gathered and not self._bwd_started[nxt.index]:
+            if nxt is not None and not nxt.gathered and not nxt.bwd.started:
                 self._gather(nxt, async_op=True)
-        self._bwd_events[i] = self.recorder.begin(f"backward {u.name}", COMPUTE, unit=u.name)
+        u.bwd.bwd_event = self.recorder.begin(f"backward {u.name}", COMPUTE, unit=u.name)
 
     # A unit's backward is over when (a) every trainable parameter's gradient is accumulated and
     # (b) the gradient w.r.t. its inputs is computed — (b) matters when a parameter without
@@ -305,32 +298,25 @@ class FSDPEngine(StageEngine):
     # at the start of a block. Units whose inputs need no gradient rely on (a); the end-of-backward
     # callback catches whatever got no gradient at all.
     def _on_grad_final(self, u: Unit) -> None:
-        i = u.index
-        self._grad_count[i] += 1
-        if self._bwd_started[i] and self._unit_backward_over(u):
+        u.bwd.grads += 1
+        if u.bwd.started and u.bwd.over(len(u.trainable)):
             self._post_backward(u)
 
     def _on_inputs_grad(self, u: Unit) -> None:
-        i = u.index
-        self._inputs_fired[i] += 1
-        if self._bwd_started[i] and self._unit_backward_over(u):
+        u.bwd.inputs_fired += 1
+        if u.bwd.started and u.bwd.over(len(u.trainable)):
             self._post_backward(u)
-
-    def _unit_backward_over(self, u: Unit) -> bool:
-        i = u.index
-        return (self._grad_count[i] >= len(u.trainable)
-                and self._inputs_fired[i] >= self._inputs_expected[i])
 
     def _post_backward(self, u: Unit) -> None:
         """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
         i = u.index
-        if self._bwd_done[i]:
+        if u.bwd.done:
             return
-        self._bwd_done[i] = True
-        ev = self._bwd_events[i]
+        u.bwd.done = True
+        ev = u.bwd.bwd_event
         if ev is not None:
             self.recorder.end(ev)
-            self._bwd_events[i] = None
+            u.bwd.bwd_event = None
         if u.has_trainable:
             for got, j in zip(u.collect_grads(), self._used_index[i]):
                 if got:
@@ -344,17 +330,15 @@ class FSDPEngine(StageEngine):
     def _on_backward_end(self) -> None:
         # Units whose parameters got no (or not every) gradient in this backward.
         for u in self.fsdp_units:
-            i = u.index
-            if (self._bwd_started[i] or self._grad_count[i]) and not self._bwd_done[i]:
+            if (u.bwd.started or u.bwd.grads) and not u.bwd.done:
                 self._post_backward(u)
         for u in self.fsdp_units:
             if u.gathered:
                 self._free(u)
         self._kept = None
         self._finish_reduces()
-        n = len(self.fsdp_units)
-        self._bwd_started, self._bwd_done, self._grad_count = [False] * n, [False] * n, [0] * n
-        self._inputs_expected, self._inputs_fired = [0] * n, [0] * n
+        for u in self.fsdp_units:
+            u.bwd.reset()
 
     # ---- gather / free / reduce ---------------------------------------------------------------
     def _log_collective(self, kind: str, u: Unit) -> None:
@@ -431,8 +415,8 @@ class FSDPEngine(StageEngine):
     def _reset_used(self) -> None:
         self._step_used = [False] * len(self.named_params)
         self._schedule_hash, self._schedule_log = 0, []
-        n = len(self.fsdp_units)
-        self._inputs_expected, self._inputs_fired = [0] * n, [0] * n
+        for u in self.fsdp_units:
+            u.bwd.reset_inputs()
 
     def _step_unused(self) -> set[str]:
         """One small AllReduce at each step serves two checks: which parameters no rank used
@@ -513,8 +497,8 @@ class FSDPEngine(StageEngine):
         for u in self.fsdp_units:
             u.grad_shard_fresh = True
             u.free_grads()
-        n = len(self.fsdp_units)
-        self._inputs_expected, self._inputs_fired = [0] * n, [0] * n
+        for u in self.fsdp_units:
+            u.bwd.reset_inputs()
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [], "comm_buffers": []}

@@ -89,11 +89,11 @@ class BucketEngine(StageEngine):
         # Hooks: parameter i (numbered in bucket order) of bucket b calls _grad_ready(b, i).
         self._hooks, self._names = [], []
         for b, bucket in enumerate(self.buckets):
-            bucket.extra["param_ids"] = []
+            bucket.param_ids = []
             for name, p in zip(bucket.names, bucket.params):
                 i = len(self._names)
                 self._names.append(name)
-                bucket.extra["param_ids"].append(i)
+                bucket.param_ids.append(i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(partial(self._grad_ready, b, i)))
         self._full_count = [len(b.params) for b in self.buckets]
         position = {n: i for i, (n, _) in enumerate(self.named_params)}
@@ -199,7 +199,7 @@ class BucketEngine(StageEngine):
                 missing = [i for i, fired in enumerate(self._fired) if not fired]
                 for b, left in enumerate(self._remaining):
                     if left > 0:
-                        ids = [i for i in self.buckets[b].extra["param_ids"] if not self._fired[i]]
+                        ids = [i for i in self.buckets[b].param_ids if not self._fired[i]]
                         self._prepare_missing(b, ids)
                         self._ready[b] = True
                 self._launch_ready()
@@ -283,7 +283,7 @@ class FullGradEngine(BucketEngine):
             self._grad_views += bucket.views(bucket.grad_buf)
             self._params += bucket.params
             if self.fp32_grads:
-                bucket.extra["acc32"] = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32,
+                bucket.acc32 = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32,
                                                     device=self.device)
         for p in self._params:
             p.grad = None
@@ -304,7 +304,7 @@ class FullGradEngine(BucketEngine):
 
     def _fill_missing(self, b: int) -> None:
         """Parameters of bucket ``b`` with no gradient this step contribute zeros."""
-        for i in self.buckets[b].extra["param_ids"]:
+        for i in self.buckets[b].param_ids:
             if self._params[i].grad is not self._grad_views[i]:
                 self._grad_views[i].zero_()
                 self._params[i].grad = self._grad_views[i]
@@ -320,15 +320,15 @@ class FullGradEngine(BucketEngine):
         if self.fp32_grads:
             self._fill_missing(b)
             bucket = self.buckets[b]
-            bucket.extra["acc32"].add_(bucket.grad_buf)
-            for i in bucket.extra["param_ids"]:  # the next micro-batch copies instead of adding
+            bucket.acc32.add_(bucket.grad_buf)
+            for i in bucket.param_ids:  # the next micro-batch copies instead of adding
                 self._params[i].grad = None
 
     def _grads_to_reduce(self, b: int) -> torch.Tensor:
         """The flat buffer bucket ``b``'s collective runs on (pre-scaled for token averaging)."""
         self._accumulate_local(b)
         bucket = self.buckets[b]
-        buf = bucket.extra["acc32"] if self.fp32_grads else bucket.grad_buf
+        buf = bucket.acc32 if self.fp32_grads else bucket.grad_buf
         factor = self._token_factor()
         if factor is not None:
             buf.mul_(factor)
@@ -337,18 +337,18 @@ class FullGradEngine(BucketEngine):
     def _full_grads(self) -> list[torch.Tensor | None]:
         if not self._fresh:
             return [None] * len(self.buckets)  # no backward since zero_grad: nothing to apply
-        return [b.extra["acc32"] if self.fp32_grads else b.grad_buf for b in self.buckets]
+        return [b.acc32 if self.fp32_grads else b.grad_buf for b in self.buckets]
 
     def _zero_grad(self) -> None:
         for p in self._params:
             p.grad = None
         if self.fp32_grads:
             for bucket in self.buckets:
-                bucket.extra["acc32"].zero_()
+                bucket.acc32.zero_()
         self._fresh = False
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         grads = [b.grad_buf for b in self.buckets]
         if self.fp32_grads:
-            grads += [b.extra["acc32"] for b in self.buckets]
+            grads += [b.acc32 for b in self.buckets]
         return {"params": [b.param_buf for b in self.buckets], "grads": grads}

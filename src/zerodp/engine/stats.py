@@ -26,11 +26,10 @@ the host was blocked waiting for it (seed §4: the *exposed* part, what overlap 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from zerodp.engine.config import STAGES
 from zerodp.plan.units import fmt_mib
 from zerodp.engine.trace import COMM, COMPUTE
 

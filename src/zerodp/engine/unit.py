@@ -168,8 +168,38 @@ def plan_units(root: nn.Module, unit_modules: list[nn.Module] | None,
     return specs
 
 
+@dataclass
+class BackwardState:
+    """Where one unit is in the current backward (and what forward left for it to wait for).
+
+    A unit's backward is over when every trainable parameter's gradient arrived (``grads``) and
+    the gradient w.r.t. its inputs was computed for every forward call that fed it inputs needing
+    one (``inputs_fired`` ≥ ``inputs_expected``): a frozen parameter can still be needed after the
+    last trainable one, e.g. a frozen norm weight at the start of a block."""
+
+    started: bool = False
+    done: bool = False
+    grads: int = 0
+    inputs_expected: int = 0  # forward calls whose grad-requiring inputs the unit watches
+    inputs_fired: int = 0
+    fwd_event: object = None  # the trace's open "forward <unit>" span
+    bwd_event: object = None
+
+    def over(self, trainable: int) -> bool:
+        return self.grads >= trainable and self.inputs_fired >= self.inputs_expected
+
+    def reset(self) -> None:
+        """After a backward: the next one starts from nothing."""
+        self.started = self.done = False
+        self.grads = 0
+        self.reset_inputs()
+
+    def reset_inputs(self) -> None:
+        self.inputs_expected = self.inputs_fired = 0
+
+
 class Unit:
-    """The flat buffers of one FSDP unit on one rank, and its three operations:
+    """The flat buffers of one FSDP unit on one rank, its backward state, and its three operations:
     :meth:`gather` (AllGather), :meth:`free`, :meth:`reduce` (ReduceScatter of the gradients)."""
 
     def __init__(self, index: int, spec: UnitSpec, rank: int, world_size: int,
@@ -230,6 +260,7 @@ class Unit:
         self._rs_src: torch.Tensor | None = None  # reduce-dtype copy of grad_full, while in flight
 
         self.gathered = False
+        self.bwd = BackwardState()
         self.pending_gather: Pending | None = None
         self.grad_allocated = False
         self.grad_shard_fresh = True  # nothing accumulated since zero_grad: RS may overwrite

@@ -70,11 +70,10 @@ class ZeRO2Engine(ShardedMaster):
         self.fp32_accum = mp is not None and mp.fp32_grad_accum and self.comm_dtype != torch.float32
         for bucket in self.buckets:
             n = bucket.layout.shard_numel
-            bucket.extra["shard"] = torch.zeros(n, dtype=self.comm_dtype, device=self.device)
+            bucket.grad_shard = torch.zeros(n, dtype=self.comm_dtype, device=self.device)
             if self.fp32_accum:
-                bucket.extra["acc32"] = torch.zeros(n, dtype=torch.float32, device=self.device)
+                bucket.acc32 = torch.zeros(n, dtype=torch.float32, device=self.device)
             # Where each parameter's gradient goes in the staging buffer.
-            bucket.extra["offsets"] = [(s.offset, s.stop) for s in bucket.layout.slots]
             for p in bucket.params:
                 p.grad = None
         self._reduced = [False] * len(self.buckets)  # bucket reduced since zero_grad?
@@ -96,7 +95,8 @@ class ZeRO2Engine(ShardedMaster):
         self._fired[i] = True
         staging = self._staging_of[b] or self._acquire_staging(b)
         bucket = self.buckets[b]
-        lo, hi = bucket.extra["offsets"][i - bucket.extra["param_ids"][0]]
+        slot = bucket.layout.slots[i - bucket.param_ids[0]]
+        lo, hi = slot.offset, slot.stop
         staging.buf[lo:hi].copy_(param.grad.reshape(-1))
         param.grad = None  # the full gradient lives only in the staging buffer now
         remaining = self._remaining
@@ -121,9 +121,10 @@ class ZeRO2Engine(ShardedMaster):
     def _prepare_missing(self, b: int, missing: list[int]) -> None:
         staging = self._staging_of[b] or self._acquire_staging(b)
         bucket = self.buckets[b]
-        first = bucket.extra["param_ids"][0]
+        first = bucket.param_ids[0]
         for i in missing:
-            lo, hi = bucket.extra["offsets"][i - first]
+            slot = bucket.layout.slots[i - first]
+            lo, hi = slot.offset, slot.stop
             staging.buf[lo:hi].zero_()
 
     def _launch(self, b: int):
@@ -133,10 +134,10 @@ class ZeRO2Engine(ShardedMaster):
         factor = self._token_factor()
         if factor is not None:
             full.mul_(factor)
-        shard = bucket.extra["shard"]
+        shard = bucket.grad_shard
         first = not self._reduced[b]
         # fp32 accumulation: the bf16 mean lands in the bf16 shard, then is added in fp32.
-        target = bucket.extra["acc32"] if self.fp32_accum else shard
+        target = bucket.acc32 if self.fp32_accum else shard
         scratch = shard if self.fp32_accum else staging.temp
         pending = self.comm.reduce_scatter_grad(target, full, bucket.label, overwrite=first, scratch=scratch)
         self._reduced[b] = True
@@ -149,15 +150,15 @@ class ZeRO2Engine(ShardedMaster):
 
     # ---- the StageEngine contract ---------------------------------------------------------------------
     def _bucket_grads(self) -> list[torch.Tensor | None]:
-        key = "acc32" if self.fp32_accum else "shard"
-        return [b.extra[key] if done else None for b, done in zip(self.buckets, self._reduced)]
+        return [(b.acc32 if self.fp32_accum else b.grad_shard) if done else None
+                for b, done in zip(self.buckets, self._reduced)]
 
     def _zero_grad(self) -> None:
         self._reduced = [False] * len(self.buckets)  # the next reduction overwrites the shard
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        grads = [b.extra["shard"] for b in self.buckets]
+        grads = [b.grad_shard for b in self.buckets]
         if self.fp32_accum:
-            grads += [b.extra["acc32"] for b in self.buckets]
+            grads += [b.acc32 for b in self.buckets]
         comm = [s.buf for s in self._pool] + [s.temp for s in self._pool]
         return {"params": [b.param_buf for b in self.buckets], "grads": grads, "comm_buffers": comm}
