@@ -31,8 +31,7 @@ def engine_class(stage: int, reduce_every_microbatch: bool = True) -> type[Stage
 
         return ZeRO1Engine
     if stage == 2:
-        from zerodp.engine.zero1 import ZeRO2ReduceOnceEngine
-        from zerodp.engine.zero2 import ZeRO2Engine
+        from zerodp.engine.zero2 import ZeRO2Engine, ZeRO2ReduceOnceEngine
 
         return ZeRO2Engine if reduce_every_microbatch else ZeRO2ReduceOnceEngine
     if stage == 3:

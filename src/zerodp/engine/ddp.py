@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from zerodp.engine.comm import Pending
-from zerodp.engine.master import Target
 from zerodp.engine.reducer import FullGradEngine
 
 
@@ -30,23 +29,9 @@ class DDPEngine(FullGradEngine):
     stage = 0
     grads_sharded = False  # every rank holds the same full gradient: the norm needs no collective
 
-    def _bucket_masters(self, fp32: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-        # The full fp32 buffer; with fp32 params it *is* the flat parameter buffer (no copy).
-        return [(full, 0) for full in fp32]
-
     def _launch(self, b: int) -> tuple[Pending, None]:
         buf = self._grads_to_reduce(b)
         return self.comm.all_reduce_mean(buf, self.buckets[b].label), None
 
     def _bucket_grads(self) -> list[torch.Tensor]:
         return self._full_grads()
-
-    @torch.no_grad()
-    def _publish_params(self) -> None:
-        for bucket, master in zip(self.buckets, self._bucket_master):
-            if bucket.param_buf is not master:  # mixed precision: cast fp32 master → bf16
-                bucket.param_buf.copy_(master)
-
-    def _owned_range(self, target: Target) -> tuple[int, int]:
-        # Replicas: rank r saves only slice r, so the checkpoint pieces are disjoint across ranks.
-        return target.layout.shard_range(self.rank)

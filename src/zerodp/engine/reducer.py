@@ -27,7 +27,7 @@ Inside ``no_sync()`` (seed §5) the hooks launch nothing and gradients accumulat
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn as nn
@@ -42,11 +42,16 @@ from zerodp.engine.master import OptimizerFactory, Target
 class BucketEngine(StageEngine):
     """Stages 0-2: parameters in bucketed flat buffers, one collective per bucket.
 
+    ``shards_master``: the policy that tells stage 0 from stages 1-2 — whether rank r keeps the
+    fp32 master and optimizer states of slice r of each bucket (then the updated slices are
+    AllGathered after the step) or of the whole bucket.
+
     Subclasses implement :meth:`_init_grads` (gradient storage), :meth:`_launch` (the collective
-    of one bucket), :meth:`_bucket_masters` (each bucket's fp32 master tensor),
-    :meth:`_bucket_grads` (the gradient each master tensor reads) and the ``StageEngine``
-    methods ``_publish_params``, ``_zero_grad``, ``_memory_tensors``.
+    of one bucket), :meth:`_bucket_grads` (the gradient each master tensor reads) and the
+    ``StageEngine`` methods ``_zero_grad``, ``_memory_tensors``.
     """
+
+    shards_master: ClassVar[bool] = False
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group=None):
@@ -101,6 +106,7 @@ class BucketEngine(StageEngine):
         self._step_used = [False] * len(self._names)
         self._reset_backward()
         self._inflight = InFlight()  # bucket collectives issued, not yet waited for
+        self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
         self._start_clock()
 
     # ---- what a stage provides ---------------------------------------------------------------
@@ -112,10 +118,42 @@ class BucketEngine(StageEngine):
     def _init_grads(self) -> None:
         raise NotImplementedError
 
+    # ---- the master: whole buckets (stage 0) or slice r of each (stages 1-2, guide §9.1) -------
     def _bucket_masters(self, fp32: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-        """Per bucket: its fp32 master tensor and where it starts in the bucket's flat layout
-        (``fp32`` holds each bucket's full fp32 values; reuse or slice them)."""
-        raise NotImplementedError
+        """Per bucket: its fp32 master tensor and where it starts in the bucket's flat layout.
+
+        Stage 0 keeps the whole fp32 buffer (with fp32 params it *is* the flat parameter buffer,
+        no copy). Stages 1-2 keep slice r: with fp32 params a view of the parameter buffer, else a
+        separate fp32 shard, and the full fp32 copy is dropped (4Ψ/N instead of 4Ψ)."""
+        if not self.shards_master:
+            return [(full, 0) for full in fp32]
+        masters = []
+        for bucket, full in zip(self.buckets, fp32):
+            lo, hi = bucket.layout.shard_range(self.rank)
+            masters.append((full[lo:hi] if full is bucket.param_buf else full[lo:hi].clone(), lo))
+        return masters
+
+    @torch.no_grad()
+    def _publish_params(self) -> None:
+        """After the step, the compute parameters ← the master: a cast (stage 0), or a cast of
+        slice r and the AllGather of each bucket, in the order the next forward needs them (the
+        last bucket holds the first layers; guide §9.1 step 5)."""
+        for b in reversed(range(len(self.buckets))):
+            bucket, master = self.buckets[b], self._bucket_master[b]
+            lo, hi = bucket.layout.shard_range(self.rank) if self.shards_master else (0, bucket.layout.padded_numel)
+            mine = bucket.param_buf[lo:hi]
+            if mine.data_ptr() != master.data_ptr():
+                mine.copy_(master)  # fp32 master → compute dtype
+            if self.shards_master:
+                # In place: slice r of the buffer is this rank's input, the others' arrive around it.
+                self._param_gathers.add(self.comm.all_gather(bucket.param_buf, mine, bucket.label))
+
+    def _wait_params(self) -> None:
+        self._param_gathers.wait_all()
+
+    def _owned_range(self, target: Target) -> tuple[int, int]:
+        # Stage 0's replicas: rank r saves only slice r, so checkpoint pieces are disjoint.
+        return target.layout.shard_range(self.rank) if not self.shards_master else super()._owned_range(target)
 
     def _bucket_grads(self) -> list[torch.Tensor | None]:
         """Per bucket: the gradient its master tensor reads (same length), or None to skip it."""

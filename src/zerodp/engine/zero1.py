@@ -35,48 +35,15 @@ from __future__ import annotations
 
 import torch
 
-from zerodp.engine.comm import InFlight, Pending
-from zerodp.engine.reducer import BucketEngine, FullGradEngine
+from zerodp.engine.comm import Pending
+from zerodp.engine.reducer import FullGradEngine
 
 
-class ShardedMaster(BucketEngine):
-    """Stages 1-2: rank r keeps the fp32 master and optimizer states of slice r of each bucket."""
-
-    def _bucket_masters(self, fp32: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-        self._param_gathers = InFlight()
-        masters = []
-        for bucket, full in zip(self.buckets, fp32):
-            lo, hi = bucket.layout.shard_range(self.rank)
-            # fp32 params: the master *is* slice r of the parameter buffer (no copy); otherwise a
-            # separate fp32 shard, and the full fp32 copy is dropped (4Ψ/N instead of 4Ψ).
-            masters.append((full[lo:hi] if full is bucket.param_buf else full[lo:hi].clone(), lo))
-        return masters
-
-    def _shard(self, b: int) -> tuple[int, int]:
-        return self.buckets[b].layout.shard_range(self.rank)
-
-    @torch.no_grad()
-    def _publish_bucket(self, b: int) -> None:
-        bucket, master = self.buckets[b], self._bucket_master[b]
-        lo, hi = self._shard(b)
-        mine = bucket.param_buf[lo:hi]
-        if mine.data_ptr() != master.data_ptr():
-            mine.copy_(master)  # fp32 master → bf16 slice
-        # In place: rank r's slice of the buffer is its input; the others' slices arrive around it.
-        self._param_gathers.add(self.comm.all_gather(bucket.param_buf, mine, bucket.label))
-
-    def _publish_params(self) -> None:
-        for b in reversed(range(len(self.buckets))):
-            self._publish_bucket(b)
-
-    def _wait_params(self) -> None:
-        self._param_gathers.wait_all()
-
-
-class ZeRO1Engine(ShardedMaster, FullGradEngine):
+class ZeRO1Engine(FullGradEngine):
     """Stage 1: full params and grads, sharded master and optimizer states."""
 
     stage = 1
+    shards_master = True
 
     def _init_grads(self) -> None:
         super()._init_grads()
@@ -113,14 +80,3 @@ class ZeRO1Engine(ShardedMaster, FullGradEngine):
         out = super()._memory_tensors()
         out["comm_buffers"] = list(self._grad_shards)
         return out
-
-
-class ZeRO2ReduceOnceEngine(ZeRO1Engine):
-    """Stage 2 with ``reduce_every_microbatch=False``: communication first.
-
-    Gradients accumulate at full size across the micro-batches of ``no_sync`` and are
-    ReduceScattered once per step, exactly as stage 1 does; the price is stage 1's memory for
-    gradients (2Ψ instead of 2Ψ/N). See :mod:`zerodp.engine.zero2` for the trade-off.
-    """
-
-    stage = 2

@@ -26,7 +26,7 @@ Gradient accumulation, two choices (``reduce_every_microbatch``):
   ``no_sync`` does not stop it; gradients at rest stay 2Ψ/N, traffic is grad_acc × Ψ per step
   for the gradients instead of Ψ.
 - ``False`` (communication first): full local gradients accumulate under ``no_sync`` and are
-  reduced once (:class:`~zerodp.engine.zero1.ZeRO2ReduceOnceEngine`); gradients at rest are 2Ψ,
+  reduced once (:class:`ZeRO2ReduceOnceEngine`, below); gradients at rest are 2Ψ,
   ZeRO-1's memory.
 
 In numbers, from the planner, for the seed's Ψ = 7.5B on N = 64 H100s (8 nodes) and grad_acc = 4:
@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from zerodp.engine.zero1 import ShardedMaster
+from zerodp.engine.reducer import BucketEngine
+from zerodp.engine.zero1 import ZeRO1Engine
 
 #: staging buffers allocated up front: one bucket filling while the previous one is reduced
 STAGING_BUFFERS = 2
@@ -59,10 +60,11 @@ class Staging:
     bucket: int | None = None  # which bucket uses it now
 
 
-class ZeRO2Engine(ShardedMaster):
+class ZeRO2Engine(BucketEngine):
     """Stage 2: full params; gradient shard per bucket; ReduceScatter per bucket in backward."""
 
     stage = 2
+    shards_master = True
 
     def _init_grads(self) -> None:
         mp = self.mixed_precision
@@ -162,3 +164,14 @@ class ZeRO2Engine(ShardedMaster):
             grads += [b.acc32 for b in self.buckets]
         comm = [s.buf for s in self._pool] + [s.temp for s in self._pool]
         return {"params": [b.param_buf for b in self.buckets], "grads": grads, "comm_buffers": comm}
+
+
+class ZeRO2ReduceOnceEngine(ZeRO1Engine):
+    """Stage 2 with ``reduce_every_microbatch=False``: communication first.
+
+    Gradients accumulate at full size across the micro-batches of ``no_sync`` and are
+    ReduceScattered once per step, exactly as stage 1 does; the price is stage 1's memory for
+    gradients (2Ψ instead of 2Ψ/N). See :mod:`zerodp.engine.zero2` for the trade-off.
+    """
+
+    stage = 2
