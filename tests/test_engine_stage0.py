@@ -240,7 +240,8 @@ def test_gradients_equal_full_batch_in_every_mode(world, mode):
     for r in results(world):
         for kind in ("gpt", "odd"):
             name, err = r[f"grad_err/{mode}/{kind}"]
-            assert err <= sum_tolerance(batch_terms(world)), f"{mode}/{kind}: {name} gradient off by {err:.2e} (world {world})"
+            assert err <= sum_tolerance(batch_terms(world)), \
+                f"{mode}/{kind}: {name} gradient off by {err:.2e} (world {world})"
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -183,8 +183,6 @@ def _half_apply(rank, world, root):
 def test_a_checkpoint_one_rank_cannot_serve_is_applied_on_no_rank(tmp_path):
     """A parameter's pieces dropped from the manifest: only the rank that owns it notices, and
     still neither rank loads anything (the ranks agree before applying)."""
-    if 2 not in supported_stages():
-        pytest.skip("needs engine stage 2")
     (victim, err0, same0), (_, err1, same1) = run_local(_half_apply, 2, str(tmp_path), timeout=300)
     assert err1 and victim in err1 and "holds no 'param' state" in err1
     assert err0 and "another rank cannot load" in err0

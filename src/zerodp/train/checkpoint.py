@@ -544,3 +544,12 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def resume_hint(out: str | None) -> str:
+    """Where a stopped run can continue from, in words."""
+    found = complete_checkpoints(Path(out) / "checkpoints") if out else []
+    if not found:
+        return "No checkpoint had been completed yet."
+    return (f"The newest complete checkpoint is {found[-1]}; continue with: "
+            f"zerodp train --out {out} --resume (with the same options)")

@@ -147,6 +147,7 @@ def run_train(args) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from zerodp.train.checkpoint import resume_hint
     from zerodp.train.launch import Stopped, default_out, launch, launched_by_torchrun
 
     cfg = config_from_args(args)
@@ -159,7 +160,7 @@ def run_train(args) -> int:
             print(f"\n{e}", file=sys.stderr)
         return e.code
     except (KeyboardInterrupt, SignalException):
-        print(f"\nzerodp train: interrupted. {_resumable(cfg.out)}", file=sys.stderr)
+        print(f"\nzerodp train: interrupted. {resume_hint(cfg.out)}", file=sys.stderr)
         return 130
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
@@ -167,7 +168,7 @@ def run_train(args) -> int:
         if callstack:
             print(callstack, file=sys.stderr)
         print(f"zerodp train: rank {rank} failed (exit code {failure.exitcode}): {message}. "
-              f"{_resumable(cfg.out)}", file=sys.stderr)
+              f"{resume_hint(cfg.out)}", file=sys.stderr)
         return 1
     if out:
         print(f"\nrun directory: {out}", file=sys.stderr)
@@ -196,19 +197,6 @@ def describe_failure(failure) -> tuple[str, str]:
                 "(its output above says where it was stuck)"), ""
     return ("its process ended without a Python error (a crash, os._exit, or the out-of-memory "
             "killer); its output above may say more"), ""
-
-
-def _resumable(out: str | None) -> str:
-    """Where a stopped run can continue from, in words."""
-    from pathlib import Path
-
-    from zerodp.train.checkpoint import complete_checkpoints
-
-    found = complete_checkpoints(Path(out) / "checkpoints") if out else []
-    if not found:
-        return "No checkpoint had been completed yet."
-    return (f"The newest complete checkpoint is {found[-1]}; continue with: "
-            f"zerodp train --out {out} --resume (with the same options)")
 
 
 def _add_sample(sub) -> None:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from zerodp.train import checkpoint as ckpt
 from zerodp.train import stop as stopping
 from zerodp.train.config import TrainConfig
 
@@ -205,7 +206,6 @@ def stopped_outcome(out: str | None, stopped: dict | None, sig: int | None, grac
     it got ``sig`` at wall-clock time ``since``); then the metrics log tells whether they stopped
     cleanly after the signal.
     """
-    from zerodp.train.cli import _resumable
 
     if stopped is None and out:
         last = _last_record(Path(out) / "metrics.jsonl")
@@ -222,11 +222,11 @@ def stopped_outcome(out: str | None, stopped: dict | None, sig: int | None, grac
                        f"--out {out} --resume (with the same options)", stopping.exit_code(signal.Signals[name]))
     if stopped and stopped.get("reason") == "save-error":
         return Stopped(f"zerodp train: stopped after step {stopped['step']} because its checkpoint could "
-                       f"not be written: {stopped['error']}. {_resumable(out)}", stopping.EXIT_SAVE_FAILED)
+                       f"not be written: {stopped['error']}. {ckpt.resume_hint(out)}", stopping.EXIT_SAVE_FAILED)
     what = signal.Signals(sig).name if sig else "a stop signal"
     return Stopped(f"zerodp train: {what} received; the ranks ended without a checkpoint of the step in "
                    f"flight (they were still starting, one of them failed, or they did not stop cleanly "
-                   f"within --grace-s {grace_s:g} s). {_resumable(out)}", stopping.EXIT_FAILED)
+                   f"within --grace-s {grace_s:g} s). {ckpt.resume_hint(out)}", stopping.EXIT_FAILED)
 
 
 def _last_record(path: Path) -> dict | None:
@@ -275,14 +275,13 @@ class _LauncherSignals:
             raise SignalException(f"zerodp train got {sig.name}", sigval=sig)
         if sig != signal.SIGINT:
             return
-        from zerodp.train.cli import _resumable
 
         for child in multiprocessing.active_children():  # the ranks (spawned by the agent)
             try:
                 os.kill(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        print(f"\nzerodp train: second interrupt: the ranks were ended at once. {_resumable(self.out)}",
+        print(f"\nzerodp train: second interrupt: the ranks were ended at once. {ckpt.resume_hint(self.out)}",
               file=sys.stderr, flush=True)
         os._exit(stopping.EXIT_FAILED)
 
