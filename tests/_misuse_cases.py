@@ -191,7 +191,7 @@ CASES: list[Case] = [
          "zerodp train: error: the global batch of 64 sequences (8192 tokens / 128) is not divisible by --micro-batch 24 × 2 ranks = 48: choose --global-batch-tokens 6144 or a micro-batch that divides 32"),
     Case("too-many-ranks", "configuration", "`--global-batch-tokens 1024 --nproc 2` (8 sequences, micro-batch 16)",
          cli("train", "--global-batch-tokens", "1024", "--out", "<tmp>/r"),
-         "zerodp train: error: the global batch of 8 sequences is smaller than --micro-batch 16 × 2 ranks = 32, so grad_acc would be below 1 (too many ranks for this batch, seed §6.1): lower --micro-batch, use fewer ranks, or raise --global-batch-tokens to 4096"),
+         "zerodp train: error: the global batch of 8 sequences is smaller than --micro-batch 16 × 2 ranks = 32, so grad_acc would be below 1 (too many ranks for this batch, guide §6.1): lower --micro-batch, use fewer ranks, or raise --global-batch-tokens to 4096"),
     Case("zero-steps", "CLI", "`--steps 0`", cli("train", "--steps", "0", "--out", "<tmp>/r"),
          "zerodp train: error: --steps must be >= 1, got 0"),
     Case("zero-lr", "CLI", "`--lr 0`", cli("train", "--lr", "0", "--out", "<tmp>/r"),

@@ -1,4 +1,4 @@
-"""``bucket_mb="auto"`` in the engine and in ``zerodp train`` (seed §4: the bucket-size sweet spot).
+"""``bucket_mb="auto"`` in the engine and in ``zerodp train`` (guide §4: the bucket-size sweet spot).
 
 The size is chosen once, at engine construction, by :func:`zerodp.bench.auto.choose_bucket_mb`
 from a calibration profile. Checked here: the layers the simulator sees for any ``nn.Module``, the

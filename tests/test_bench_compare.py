@@ -44,7 +44,7 @@ def test_choose_bucket_mb_grows_with_latency(tmp_path):
     cfg = PRESETS["small"]
     fast = auto.choose_bucket_mb(synthetic_profile(tmp_path / "a.json", alpha=1e-6, model="small"), cfg, 2048)
     slow = auto.choose_bucket_mb(synthetic_profile(tmp_path / "b.json", alpha=20e-3, model="small"), cfg, 2048)
-    assert slow >= fast  # seed §4: a large α makes small buckets pay
+    assert slow >= fast  # guide §4: a large α makes small buckets pay
 
 
 def test_choose_bucket_mb_bad_input(tmp_path):
@@ -125,7 +125,7 @@ def test_tables_json_png_markdown(tmp_path):
 def test_roofline_knee_is_the_seed_formula(tmp_path):
     profile = synthetic_profile(tmp_path / "p.json", bandwidth=2e9, flops=4e9)
     k, flops, bw = roofline.knee(profile, grad_bytes_per_param=2)
-    assert k == pytest.approx(flops / bw * (2 - 1) / 2, rel=1e-9)  # seed §7.3: C/W·(N−1)/N
+    assert k == pytest.approx(flops / bw * (2 - 1) / 2, rel=1e-9)  # guide §7.3: C/W·(N−1)/N
     assert flops == pytest.approx(4e9, rel=1e-6) and bw == pytest.approx(2e9, rel=0.01)
     assert roofline.knee(profile, grad_bytes_per_param=4)[0] == pytest.approx(2 * k)
     assert roofline.regime_for(2048, 256).micro_batch == 8
@@ -177,7 +177,7 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
                 # the floor sends nothing; every data-parallel contender at least its gradients once
                 assert sent == 0 if name == "floor" else sent >= 43_904 * 4 * 0.9, (name, sent)
         ours = {s: cs[f"ours{s}"]["model_state_bytes"][0] for s in range(4)}
-        assert ours[3] < ours[2] < ours[1] < ours[0]  # seed §9: each stage shards one more kind
+        assert ours[3] < ours[2] < ours[1] < ours[0]  # guide §9: each stage shards one more kind
         assert all(c["predicted_s"] > 0 for c in cs.values() if c["role"] == "ours")
         # the auto row is the engine's bucket_mb="auto": the size it chose is the simulator's spot
         reg = r["regime"]

@@ -1,4 +1,4 @@
-"""Stage 0 (DDP, seed §2-§5) on gloo at world sizes 2, 3, 4, against independent references.
+"""Stage 0 (DDP, guide §2-§5) on gloo at world sizes 2, 3, 4, against independent references.
 
 One spawned group per world size runs every check (spawning costs seconds); the test functions
 below read its results. References: a single-process model on the full batch, and
@@ -191,7 +191,7 @@ def _unused_and_mismatch(rank, world, out):
 
 
 def _tokens(rank, world, out):
-    """Seed §2.2: ranks with different token counts, weighted by tokens = the full-batch token mean."""
+    """Guide §2.2: ranks with different token counts, weighted by tokens = the full-batch token mean."""
     model, ref = make_gpt(), make_gpt()
     engine = zerodp.parallelize(model, adamw, stage=0, average_by_tokens=True, **SMALL_BUCKETS)
     g = torch.Generator().manual_seed(11)
@@ -258,7 +258,7 @@ def test_bf16_mixed_precision_keeps_fp32_master_and_16_bytes_per_param():
     for r in results(2):
         assert r["bf16/dtypes"] == ["torch.bfloat16"] and r["bf16/master_dtypes"] == ["torch.float32"]
         per = r["bf16/bytes_per_param"]
-        # seed §1: 2 (bf16 param) + 2 (bf16 grad) + 4 (fp32 master) + 8 (Adam m, v); padding aside.
+        # guide §1: 2 (bf16 param) + 2 (bf16 grad) + 4 (fp32 master) + 8 (Adam m, v); padding aside.
         for kind, want in (("params", 2), ("grads", 2), ("master", 4), ("optimizer_states", 8)):
             assert want <= per[kind] < want * 1.01, (kind, per[kind])
         # bf16 keeps 8 significant bits (ε = 2^-7, rounding 2^-8 per value); over 20 steps the

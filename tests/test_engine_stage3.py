@@ -1,10 +1,10 @@
-"""Stage 3 (ZeRO-3 / FSDP, seed §9.3, §10): trajectories, collective counts, memory, prefetch.
+"""Stage 3 (ZeRO-3 / FSDP, guide §9.3, §10): trajectories, collective counts, memory, prefetch.
 
 Every multi-rank check of one world size runs in ONE spawned gloo group (``_scenarios``), which
 returns plain numbers; the assertions here compare them with independent references:
 
 - a single-process, full-batch run of the same model and data (plain ``torch.optim.AdamW``) —
-  data parallelism with mean reduction is mathematically that run (seed §2.2);
+  data parallelism with mean reduction is mathematically that run (guide §2.2);
 - PyTorch's FSDP2 (``fully_shard`` per block + root) in the same spawned group, fp32 and bf16.
 
 The trajectory model has ``bias=False``: with biases, the key projection's bias gets an
@@ -145,7 +145,7 @@ def _step_comm(engine):
 
 def _prefetch_overlaps(engine):
     """For each consecutive pair (i, i+1) of forward units in the last step: was unit i+1's
-    AllGather issued before unit i's forward compute ended? (seed §9.3 预取)."""
+    AllGather issued before unit i's forward compute ended? (guide §9.3 预取)."""
     events = engine.recorder.step_events()
     order = [e.args["unit"] for e in events if e.name.startswith("forward ") and "unit" in e.args]
     first_ag = {}
@@ -239,12 +239,12 @@ def _scenarios(rank, world, ckpt):
     eng = _engine(_model(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                            reduce_dtype=torch.float32))
     out["ours_bf16_reduce_fp32"] = (_train(rank, world, eng)[0], _state(eng), eng.fsdp_units[0].grad_shard.dtype)
-    # E: gradient accumulation, both options (seed §5, §9.2).
+    # E: gradient accumulation, both options (guide §5, §9.2).
     for every in (True, False):
         eng = _engine(_model(), reduce_every_microbatch=every)
         losses, _ = _train(rank, world, eng, steps=6, grad_acc=3)
         out[f"acc_every_{every}"] = dict(losses=losses, state=_state(eng), comm=_step_comm(eng))
-    # F: one unit = the whole model degenerates to ZeRO-1/2 (seed §10.3).
+    # F: one unit = the whole model degenerates to ZeRO-1/2 (guide §10.3).
     m = _model()
     eng = _engine(m, units=[m])
     losses, _ = _train(rank, world, eng, steps=8)
@@ -267,7 +267,7 @@ def _scenarios(rank, world, ckpt):
     eng = _engine(_model(), groups=True)
     losses, norms = _train(rank, world, eng, steps=8, clip=0.05)
     out["groups_clip"] = dict(losses=losses, norms=norms, state=_state(eng))
-    # J: model-state bytes per rank vs the seed's (4+k)Ψ/N, bf16 + AdamW (k = 12).
+    # J: model-state bytes per rank vs the guide's (4+k)Ψ/N, bf16 + AdamW (k = 12).
     for accum in (False, True):
         eng = _engine(_model(GPTConfig(**{**CFG.to_dict(), "bias": True})),
                       mixed_precision=MixedPrecision(fp32_grad_accum=accum))
@@ -370,7 +370,7 @@ def test_allgathers_are_2L_minus_1_and_communication_is_3psi(world_results):
         assert r["comm"]["all_gather"] == 2 * L - 1
         assert r["comm"]["reduce_scatter"] == L
         # Elements sent per rank: forward AG of every unit + backward AG of all but the kept one
-        # + RS of every unit, each (N−1)/N of the padded unit (seed §9.3: "合计 3Ψ").
+        # + RS of every unit, each (N−1)/N of the padded unit (guide §9.3: "合计 3Ψ").
         padded = sum(units.values())
         frac = (world - 1) / world
         exact = (3 * padded - units[r["kept"]]) * frac
@@ -414,7 +414,7 @@ def test_whole_model_unit_is_zero12(world_results):
     r = res[0]["whole"]
     _assert_traj((r["losses"], r["state"]), reference(world, steps=8)[:2], TRAJ_RTOL, "units=[model]")
     assert r["units"] == 1
-    assert r["comm"]["all_gather"] == 1 and r["comm"]["reduce_scatter"] == 1  # seed §10.3
+    assert r["comm"]["all_gather"] == 1 and r["comm"]["reduce_scatter"] == 1  # guide §10.3
 
 
 @pytest.mark.dist
@@ -448,7 +448,7 @@ def test_param_groups_and_clipping(world_results):
 @pytest.mark.dist
 def test_model_state_bytes_match_seed_formula(world_results):
     """(2 + 2 + 12)Ψ/N for bf16 + AdamW, measured from the storages, equal up to padding; the
-    gathered units come on top. With fp32 gradient accumulation the seed adds 4Ψ/N to a 2Ψ/N
+    gathered units come on top. With fp32 gradient accumulation the guide adds 4Ψ/N to a 2Ψ/N
     bf16 gradient shard; we keep only the fp32 shard (the bf16 ReduceScatter result is an
     in-flight buffer), so grads are 4Ψ/N, 2Ψ/N under the formula."""
     world, res = world_results

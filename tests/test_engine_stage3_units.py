@@ -1,4 +1,4 @@
-"""Choosing FSDP units (seed §10.3), single process: which parameters each unit owns, and the
+"""Choosing FSDP units (guide §10.3), single process: which parameters each unit owns, and the
 clear refusals (weights tied across units, mixed dtypes, modules outside the model)."""
 
 import pytest

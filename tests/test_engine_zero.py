@@ -1,4 +1,4 @@
-"""Stages 1 and 2 (ZeRO-1, ZeRO-2; seed §9.1-§9.2) on gloo at world sizes 2, 3, 4.
+"""Stages 1 and 2 (ZeRO-1, ZeRO-2; guide §9.1-§9.2) on gloo at world sizes 2, 3, 4.
 
 References: torch DDP + AdamW (trajectories), torch DDP + ``ZeroRedundancyOptimizer`` (stage 1),
 a single-process full-batch model (gradient norm, clipping, accumulation), and the planner's
@@ -165,7 +165,7 @@ def _norms_and_accumulation(rank, world, out):
 
 
 def _memory_and_comm(rank, world, out):
-    """bf16 + AdamW: measured bytes per kind vs the seed's ledger (after a step of two micro-batches,
+    """bf16 + AdamW: measured bytes per kind vs the guide's ledger (after a step of two micro-batches,
     so the fp32 accumulators are in use); RS + AG bytes = AR bytes (a step of one micro-batch)."""
     for fp32_accum in (False, True):
         for stage in (0, 1, 2):

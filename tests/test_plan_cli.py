@@ -1,4 +1,4 @@
-"""`zerodp plan ...`: seed numbers through --json, tables, plots, hardware files, one-line errors."""
+"""`zerodp plan ...`: the guide's numbers through --json, tables, plots, hardware files, one-line errors."""
 
 import json
 import os

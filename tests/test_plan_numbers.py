@@ -1,6 +1,6 @@
-"""Every number of DESIGN.md §4 (the seed's worked examples), through the public Python API.
+"""Every worked example of the guide, through the public Python API.
 
-The expected values are the seed's own figures, written here as the seed prints them; the code
+The expected values are the guide's own figures, written here as the guide prints them; the code
 derives its values from the hardware and model presets and the formulas.
 """
 
@@ -13,20 +13,20 @@ GB = 1e9
 
 @pytest.mark.parametrize("stage, seed_gb, digits", [(0, 120, 0), (1, 31.4, 1), (2, 16.6, 1), (3, 1.88, 2)])
 def test_zero_paper_table(stage, seed_gb, digits):
-    # seed §9.4: Ψ = 7.5B, k = 12, N = 64 -> 120 / 31.4 / 16.6 / 1.88 GB
+    # guide §9.4: Ψ = 7.5B, k = 12, N = 64 -> 120 / 31.4 / 16.6 / 1.88 GB
     s = plan.model_states(7.5e9, 64, stage, k=12)
     assert round(s.model_state_bytes / GB, digits) == seed_gb
     assert s.total_bytes == s.model_state_bytes  # no gathered units given
 
 
 def test_70b_params_and_zero2():
-    assert plan.model_states(70e9, 1, 0).param_bytes / GB == pytest.approx(140)  # seed §8
-    z2 = plan.model_states(70e9, 64, 2).model_state_bytes / GB  # seed §9.4: "> 140 GB"
+    assert plan.model_states(70e9, 1, 0).param_bytes / GB == pytest.approx(140)  # guide §8
+    z2 = plan.model_states(70e9, 64, 2).model_state_bytes / GB  # guide §9.4: "> 140 GB"
     assert z2 > 140 and z2 == pytest.approx(155, abs=0.5)
 
 
 def test_fp32_grad_acc_and_gathered_units():
-    # seed §9: +4Ψ for DP/ZeRO-1, +4Ψ/N for ZeRO-2/3; ZeRO-3 holds two gathered bf16 units
+    # guide §9: +4Ψ for DP/ZeRO-1, +4Ψ/N for ZeRO-2/3; ZeRO-3 holds two gathered bf16 units
     psi, n = 1e9, 8
     base = [plan.model_states(psi, n, s).model_state_bytes for s in range(4)]
     acc = [plan.model_states(psi, n, s, fp32_grad_acc=True).model_state_bytes for s in range(4)]
@@ -38,13 +38,13 @@ def test_fp32_grad_acc_and_gathered_units():
 
 
 def test_pure_dp_max_model_on_tpu():
-    # seed §8: 10 bytes/param (bf16 param + fp32 Adam m, v) on a 96 GB TPU v5p -> about 9B (9.6B)
+    # guide §8: 10 bytes/param (bf16 param + fp32 Adam m, v) on a 96 GB TPU v5p -> about 9B (9.6B)
     hbm = plan.get_hardware("TPU v5p").hbm_bytes
     assert plan.max_params(hbm, 10).max_params / 1e9 == pytest.approx(9.6)
 
 
 def test_allreduce_8b_inside_and_across_nodes():
-    grads = 2 * 8e9  # seed §2.4: 8B model, bf16 gradients, V = 16 GB
+    grads = 2 * 8e9  # guide §2.4: 8B model, bf16 gradients, V = 16 GB
     inside = plan.collective_time("all_reduce", grads, 8, "H100")
     assert inside.bandwidth_s * 1e3 == pytest.approx(62, abs=0.5)
     assert inside.time_s * 1e3 == pytest.approx(62, abs=0.5)
@@ -54,7 +54,7 @@ def test_allreduce_8b_inside_and_across_nodes():
 
 
 def test_small_message_latency_moves_7mb():
-    # seed §4: 16 µs on 8xH100 NVLink (450 GB/s) moves ~7 MB
+    # guide §4: 16 µs on 8xH100 NVLink (450 GB/s) moves ~7 MB
     r = plan.collective_time("all_reduce", 0, 8, "H100")
     assert r.latency_s == pytest.approx(16e-6)
     assert round(r.latency_bytes / 1e6) == 7
@@ -63,7 +63,7 @@ def test_small_message_latency_moves_7mb():
 
 
 def test_batch_example():
-    # seed §6.1: 4M tokens, seq 4k -> 1024 samples; mbs 2 on 128 GPUs -> grad_acc 4; 512 -> 1
+    # guide §6.1: 4M tokens, seq 4k -> 1024 samples; mbs 2 on 128 GPUs -> grad_acc 4; 512 -> 1
     b = plan.plan_batch(4 * 2**20, 4096, 2, 128)
     assert (b.samples, b.grad_acc, b.warnings) == (1024, 4, [])
     assert plan.plan_batch(4e6, 4096, 2, 512).grad_acc == 1  # 976.6 samples round to 1024 too
@@ -85,7 +85,7 @@ def test_thresholds():
 
 
 def test_small_dp_correction_halves_at_two():
-    # seed §7.3: (X−1)/X; at X = 2 the threshold is half of C/W
+    # guide §7.3: (X−1)/X; at X = 2 the threshold is half of C/W
     r = plan.threshold("H100", 2)
     assert r.threshold_tokens == pytest.approx(r.intra_c_over_w / 2)
 
@@ -108,20 +108,20 @@ def test_moe_thresholds():
 
 
 def test_max_chips_for_a_batch():
-    # seed §7.5: 38M tokens (9216 × 4K) at 850/chip ≈ 44,000 chips; 16M ≈ 18,800
+    # guide §7.5: 38M tokens (9216 × 4K) at 850/chip ≈ 44,000 chips; 16M ≈ 18,800
     v2 = plan.max_devices("TPU v5p", 9216 * 4096, axes=3).max_devices
     assert v2 == pytest.approx(44_000, rel=0.015)
     assert plan.max_devices("TPU v5p", 16e6, axes=3).max_devices == pytest.approx(18_800, rel=0.005)
 
 
 def test_whole_model_and_layer_forms_agree_with_threshold():
-    # seed §7.4: Ψ cancels; compute = comm exactly at the corrected per-device threshold
+    # guide §7.4: Ψ cancels; compute = comm exactly at the corrected per-device threshold
     r = plan.threshold("H100", 8)
     for psi in (1e9, 70e9):
         w = plan.whole_model(psi, r.threshold_tokens, 8, "H100")
         assert w.compute_s == pytest.approx(w.comm_s)
         assert w.threshold_tokens == pytest.approx(r.threshold_tokens)
-    # seed §10.2: seq 4096, mbs 1 hides a layer's AllGather inside a node; seq 512 does not
+    # guide §10.2: seq 4096, mbs 1 hides a layer's AllGather inside a node; seq 512 does not
     assert plan.layer_prefetch(4096, 4096, 1, 8, "H100").hidden_by_compute
     assert not plan.layer_prefetch(4096, 512, 1, 8, "H100").hidden_by_compute
 

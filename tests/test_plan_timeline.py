@@ -1,4 +1,4 @@
-"""The timeline simulator: hand-computed toy timelines, then the seed §4 bucket demo's four states."""
+"""The timeline simulator: hand-computed toy timelines, then the guide §4 bucket demo's four states."""
 
 import pytest
 
@@ -57,10 +57,10 @@ def test_fsdp_counts_on_a_real_shape():
     layers = plan.model_layers("llama3-8b", "H100", 4096)
     f = plan.simulate_fsdp(layers, plan.network_cost("H100", 8))
     assert f.num_allgathers == 2 * len(layers) - 1
-    assert f.exposed_comm_s < 0.1 * f.compute_s  # prefetch hides it at 4096 tokens/GPU (seed §10.2)
+    assert f.exposed_comm_s < 0.1 * f.compute_s  # prefetch hides it at 4096 tokens/GPU (guide §10.2)
 
 
-# --- the seed §4 demo: 8B model, 8xH100, α′ = 16 µs, NVLink 450 GB/s -------------------------------
+# --- the guide §4 demo: 8B model, 8xH100, α′ = 16 µs, NVLink 450 GB/s -------------------------------
 @pytest.fixture(scope="module")
 def demo():
     hw = plan.get_hardware("H100")

@@ -2,7 +2,7 @@
 
 These tests exercise the file format with pieces cut here, independently of the engine: the
 full state is concatenated in name order and split into ``world`` contiguous ranges, the way a
-ZeRO flat buffer is (seed §9). End-to-end tests with the engine are in test_train_resume.py.
+ZeRO flat buffer is (guide §9). End-to-end tests with the engine are in test_train_resume.py.
 """
 
 import json

@@ -1,4 +1,4 @@
-"""Data for the training app: corpora, windows, per-rank sharding and the batch arithmetic of seed §6.1."""
+"""Data for the training app: corpora, windows, per-rank sharding and the batch arithmetic of guide §6.1."""
 
 import numpy as np
 import pytest
@@ -128,7 +128,7 @@ def test_sequence_longer_than_the_data_is_a_clear_error(tmp_path):
 
 
 def test_batch_arithmetic_matches_the_seed_example():
-    # Seed §6.1: 4M tokens at seq 4k → 1024 samples; mbs 2 on 128 GPUs → grad_acc 4; on 512 → 1.
+    # Guide §6.1: 4M tokens at seq 4k → 1024 samples; mbs 2 on 128 GPUs → grad_acc 4; on 512 → 1.
     p = plan_batch(4 * 1024 * 1024, 4096, 2, 128)
     assert (p.global_batch, p.grad_acc) == (1024, 4)
     assert plan_batch(4 * 1024 * 1024, 4096, 2, 512).grad_acc == 1

@@ -1,6 +1,6 @@
 """The web API over HTTP: every endpoint answers from the planner, bad input gets 422 + a message.
 
-Expected figures are the seed's (DESIGN.md §4), not re-derived from the code under test.
+Expected figures are the guide's (guide §9.4 and the sections it draws on), not re-derived from the code under test.
 """
 
 import json
@@ -54,7 +54,7 @@ def test_memory_defaults_are_the_zero_paper_example(server):
 
 
 def test_memory_custom_model_fp32_accumulation_and_activations(server):
-    # seed §9.4: 70B on 64 GPUs with ZeRO-2 still needs more than 140 GB
+    # guide §9.4: 70B on 64 GPUs with ZeRO-2 still needs more than 140 GB
     _, d = fetch(server, "/api/memory", model="custom", params="70G", n=64)
     assert d["stages"][2]["model_state_bytes"] > 140e9
     _, acc = fetch(server, "/api/memory", fp32_grad_acc="true")
@@ -67,7 +67,7 @@ def test_memory_custom_model_fp32_accumulation_and_activations(server):
 
 
 def test_overlap_bucket_regimes(server):
-    # seed §4: tiny buckets → latency dominates; huge → last bucket exposed; a sweet spot between
+    # guide §4: tiny buckets → latency dominates; huge → last bucket exposed; a sweet spot between
     exposed = {}
     for size in (50e3, 25e6, 10e9):
         status, d = fetch(server, "/api/overlap", bucket_bytes=size)

@@ -1,4 +1,4 @@
-"""zerodp: data parallelism with ZeRO and FSDP, and the seed's cost models to plan it.
+"""zerodp: data parallelism with ZeRO and FSDP, and the guide's cost models to plan it.
 
 - ``zerodp.plan``   torch-free cost models: memory, collectives, roofline, batch, timeline.
 - ``zerodp.engine`` the training engine on torch.distributed (stages 0-3).

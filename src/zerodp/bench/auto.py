@@ -4,7 +4,7 @@ the apps know (a :class:`zerodp.train.model.GPT` or its config) and the ``python
 
 The bucket size at the simulator's sweet spot for this model and machine.
 
-Seed §4: small buckets pay the latency α once per bucket (thousands of collectives), huge
+Guide §4: small buckets pay the latency α once per bucket (thousands of collectives), huge
 buckets leave the last bucket's whole AllReduce exposed after backward; in between lies a wide
 sweet spot where only a small tail shows. With a calibration profile (``zerodp calibrate``: α, W
 per collective, measured forward/backward time) the planner's event simulation of one backward

@@ -1,13 +1,13 @@
 """Calibrate this cluster: measure α, W and compute throughput, write a hardware profile.
 
-The planner predicts with three numbers per machine (seed §2.4, §7): the per-hop latency α, the
+The planner predicts with three numbers per machine (guide §2.4, §7): the per-hop latency α, the
 per-rank bandwidth W, and the compute throughput C. Here they are *measured*:
 
 1. an nccl-tests-style sweep of AllReduce / ReduceScatter / AllGather over message sizes on the
    real process group, fitted to the alpha-beta model (:mod:`zerodp.bench.sweep`);
 2. the forward, backward and optimizer time of the training model at several token counts per
    rank, all ranks in lock-step (:mod:`zerodp.bench.compute`), giving the achieved FLOP/s
-   C = 6·Ψ·tokens / (forward + backward) at the largest count (seed §7.4) and, at every count,
+   C = 6·Ψ·tokens / (forward + backward) at the largest count (guide §7.4) and, at every count,
    the times the predictor interpolates between;
 3. how much of a collective really hides behind compute here (:mod:`zerodp.bench.overlap`).
 

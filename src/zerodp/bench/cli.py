@@ -120,7 +120,7 @@ def run_calibrate(args) -> int:
     print(compute_table(cal.compute.to_dict()))
     print(cal.overlap.describe())
     hw = cal.hardware()
-    print(f"C/W = {hw['flops'] / hw['intra_bw']:.0f} tokens per rank (seed §7: compute-bound above it)")
+    print(f"C/W = {hw['flops'] / hw['intra_bw']:.0f} tokens per rank (guide §7: compute-bound above it)")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s); use it with "
           f"'zerodp plan ... --hardware {args.out}' and 'zerodp predict --profile {args.out}'")
     return 0

@@ -12,7 +12,7 @@ stage, the floor and one stage's contenders alive at once — :func:`stage_group
   alike and no contender always runs right after the same other one (what ran just before leaves
   caches and allocator state behind). The first ``warmup`` steps are not timed.
 - **ratio** ours/peer of the medians, and **overhead** = median / the floor's median (the floor
-  does the same per-rank work with no collectives; seed §7: ≈ 1 when compute-bound).
+  does the same per-rank work with no collectives; guide §7: ≈ 1 when compute-bound).
 - **peak memory per rank**: the RSS growth while the contender is built and runs its first step,
   from ``VmHWM`` after a reset (:mod:`zerodp.bench.probe`) — model states + activations + buffers.
 - **model-state bytes** per rank: tensor storages of params, grads, optimizer state
@@ -20,7 +20,7 @@ stage, the floor and one stage's contenders alive at once — :func:`stage_group
 - **bytes sent per step** per rank: growth of the process's ``wchar`` over the step, i.e. what
   gloo wrote to its sockets, measured identically for our engine and the peers.
 
-Two regimes (seed §7, DESIGN §6): **compute-bound** — many tokens per rank (2048), where every
+Two regimes (guide §7, guide §13): **compute-bound** — many tokens per rank (2048), where every
 contender should sit near the floor — and **communication-bound** — few (32), where the
 implementation's fixed costs decide. With a calibration profile the planner's prediction
 (:func:`zerodp.bench.predict.predict_step`) is printed next to each measured median, and the

@@ -1,6 +1,6 @@
 """The model's compute on this machine, measured at several token counts, and interpolated.
 
-Seed §7.1: a step's compute has a part linear in the tokens per rank (6·Ψ FLOPs per token: 2Ψ
+Guide §7.1: a step's compute has a part linear in the tokens per rank (6·Ψ FLOPs per token: 2Ψ
 forward, 4Ψ backward, §7.4) and a fixed part (Python, kernel launches, the optimizer's pass over
 the parameters) that dominates at a few tokens. :func:`measure_compute` times forward, backward
 and the AdamW step of a GPT preset at each requested count, on every rank at once and in
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from zerodp.plan.calibrated import _measured, compute_part, compute_times, optimizer_time  # noqa: F401
 from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_PER_TOKEN_PARAM
 
-FLOPS_PER_TOKEN_PARAM = FORWARD_FLOPS_PER_TOKEN_PARAM + BACKWARD_FLOPS_PER_TOKEN_PARAM  # 2 + 4 (seed §7.4)
+FLOPS_PER_TOKEN_PARAM = FORWARD_FLOPS_PER_TOKEN_PARAM + BACKWARD_FLOPS_PER_TOKEN_PARAM  # 2 + 4 (guide §7.4)
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ComputeProfile:
     """Measured compute of the model: the main size (the largest) and every measured size.
 
     A step has a fixed part (Python, kernel launches, the optimizer's pass over the parameters)
-    and a part linear in tokens (seed §7.1). Measuring at several token counts lets
+    and a part linear in tokens (guide §7.1). Measuring at several token counts lets
     :func:`compute_times` interpolate between them, so that predictions hold at 32 tokens per rank
     as well as at 2048.
     """

@@ -138,7 +138,7 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
             lines += ["`bucket_mb=\"auto\"` chose: " + ", ".join(
                 f"{k}: {v:.3g} MB" for k, v in result.auto_bucket_mb.items()) + " (row *auto* above).", ""]
     if roofline is not None:
-        lines += ["## Roofline on this machine (seed §7)", "", "```", rl.table(roofline), "```", ""]
+        lines += ["## Roofline on this machine (guide §7)", "", "```", rl.table(roofline), "```", ""]
         if roofline_png:
             lines += [f"![roofline]({_rel(roofline_png, md_path)})", ""]
     os.makedirs(os.path.dirname(os.path.abspath(md_path)), exist_ok=True)

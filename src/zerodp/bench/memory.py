@@ -35,7 +35,7 @@ def _memory_demo(rank: int, world: int, preset: str) -> list[tuple[bool, dict, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the seed's model-state formula vs the measured bytes, per kind, for stages 0-3."""
+    """Print the guide's model-state formula vs the measured bytes, per kind, for stages 0-3."""
     from zerodp.spawn import run_local
 
     ap = argparse.ArgumentParser(prog="python -m zerodp.bench.memory", description=main.__doc__)

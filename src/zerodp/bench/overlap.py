@@ -1,6 +1,6 @@
 """How much communication really hides behind compute on this machine.
 
-Seed §3: gradient hooks start the AllReduce of finished gradients while backward still runs, so
+Guide §3: gradient hooks start the AllReduce of finished gradients while backward still runs, so
 that communication hides behind compute; the planner's simulator
 (:mod:`zerodp.plan.timeline`) assumes the two share nothing. That holds when communication has
 its own engine (a GPU's copy engines and a few SMs for NCCL). On a CPU with gloo the collective's

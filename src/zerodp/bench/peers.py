@@ -2,13 +2,13 @@
 
 Every contender is built on the same GPT, from the same seed, with the same AdamW settings, and
 exposes one call, ``step(x, y)`` = forward, backward, optimizer step, zero grad. The pairing
-follows the seed's stages (§9) and what PyTorch ships for each:
+follows the guide's stages (§9) and what PyTorch ships for each:
 
 =====  ================================  =====================================================
 stage  ours                              PyTorch peer(s)
 =====  ================================  =====================================================
 0      ``parallelize(stage=0)``          ``DistributedDataParallel`` default, and with
-                                         ``gradient_as_bucket_view=True`` (its fastest, DESIGN §6)
+                                         ``gradient_as_bucket_view=True`` (its fastest, guide §13)
 1      ``parallelize(stage=1)``          ``ZeroRedundancyOptimizer(AdamW)`` + DDP
 2      ``parallelize(stage=2)``          FSDP2 ``fully_shard`` per block + root,
                                          ``reshard_after_forward=False`` (ZeRO-2-like, §9.2)
@@ -18,7 +18,7 @@ stage  ours                              PyTorch peer(s)
 
 plus the **floor**: the plain model and optimizer on each rank with no collectives at all — the
 same per-rank forward/backward/update, so that step time / floor is the price of data
-parallelism (seed §7: ≈ 1 when compute-bound, large when communication-bound).
+parallelism (guide §7: ≈ 1 when compute-bound, large when communication-bound).
 
 Model-state bytes are counted the same way for every contender — distinct tensor storages of the
 parameters this rank holds, their ``.grad`` and the optimizer's state (our engine: its own

@@ -1,7 +1,7 @@
 """Predict a training step from a calibration profile, with the planner's simulator.
 
-Closing the loop (DESIGN §1): ``zerodp calibrate`` measured α, W per collective and the model's
-compute on this machine; here the planner's event simulation (seed §4 for buckets, §9.3/§10.2
+Closing the loop (guide §12): ``zerodp calibrate`` measured α, W per collective and the model's
+compute on this machine; here the planner's event simulation (guide §4 for buckets, §9.3/§10.2
 for FSDP units) turns them into a predicted step per stage, which ``zerodp bench`` prints next to
 the measured one.
 
@@ -64,7 +64,7 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
 
     ``cal`` is the ``calibration`` table of a profile. Compute and optimizer time at this token
     count are interpolated between the calibrated sizes (a fixed part + a part linear in tokens,
-    seed §7.1), measured with the ranks in lock-step as in training.
+    guide §7.1), measured with the ranks in lock-step as in training.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")

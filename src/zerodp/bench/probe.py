@@ -6,7 +6,7 @@ measures from outside, through Linux's ``/proc``, identically for every contende
 - **bytes sent**: ``wchar`` of ``/proc/self/io`` — bytes this process passed to ``write``-family
   system calls. Gloo moves tensors over TCP sockets with ``writev``, so during a training step
   (when nothing else writes) its growth is the bytes this rank put on the wire, headers included.
-  Checked on 2 gloo ranks: an AllReduce of V bytes grows it by V = 2(N−1)/N·V (seed §2.4).
+  Checked on 2 gloo ranks: an AllReduce of V bytes grows it by V = 2(N−1)/N·V (guide §2.4).
 - **peak memory**: ``VmHWM`` (the resident-set high-water mark) of ``/proc/self/status``, reset
   by writing ``5`` to ``/proc/self/clear_refs``. After ``gc.collect()`` and glibc's
   ``malloc_trim(0)`` (which returns freed heap pages), high-water mark minus the resident set

@@ -1,12 +1,12 @@
-"""The seed's roofline on this machine: stage-0 step time against tokens per rank (seed §7).
+"""The guide's roofline on this machine: stage-0 step time against tokens per rank (guide §7).
 
-Seed §7.1/§7.3/§7.4: backward computes 4·tokens·Ψ FLOPs per rank while the gradient AllReduce
+Guide §7.1/§7.3/§7.4: backward computes 4·tokens·Ψ FLOPs per rank while the gradient AllReduce
 moves 2(N−1)/N · b·Ψ bytes (b bytes per gradient element), so communication can hide under
 backward only if
 
     tokens per rank  >  b/2 · C/W · (N−1)/N
 
-— the seed's ``C/W · (N−1)/N`` for bf16 gradients (b = 2); the bench trains in fp32 (b = 4), which
+— the guide's ``C/W · (N−1)/N`` for bf16 gradients (b = 2); the bench trains in fp32 (b = 4), which
 doubles the knee. Below it the step is communication-bound and its time flattens at the
 communication floor; above it the step approaches the no-communication floor, linear in tokens.
 
@@ -243,7 +243,7 @@ def plot(result: RooflineResult, path: str) -> str:
     a.set_yscale("log")
     a.set_ylabel("median step time (ms)")
     a.legend(fontsize=8)
-    a.set_title(f"seed §7 roofline: model {result.spec.model}, {result.spec.world_size} ranks, "
+    a.set_title(f"guide §7 roofline: model {result.spec.model}, {result.spec.world_size} ranks, "
                 f"{result.machine.get('cores')} cores", fontsize=10)
     b.axhline(1.0, color="gray", linewidth=0.8)
     b.set_xlabel("tokens per rank")

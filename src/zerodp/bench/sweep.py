@@ -1,6 +1,6 @@
 """Measure collectives the way nccl-tests does, and fit the alpha-beta model to them.
 
-Seed §2.4, §4: a ring collective over V bytes on N ranks takes
+Guide §2.4, §4: a ring collective over V bytes on N ranks takes
 
     AllReduce:                 t = 2(N−1)·α + 2(N−1)/N · V/W
     ReduceScatter, AllGather:  t =  (N−1)·α +  (N−1)/N · V/W

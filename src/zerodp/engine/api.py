@@ -1,9 +1,9 @@
-"""``zerodp.parallelize``: one call, one switch for the sharding stage (seed §9, DESIGN §2).
+"""``zerodp.parallelize``: one call, one switch for the sharding stage (guide §9, guide §12).
 
     engine = zerodp.parallelize(model, optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4),
                                 stage=2, mixed_precision="bf16")
 
-stage 0 = data parallelism as DDP does it (seed §2-§5), 1 = ZeRO-1 (optimizer states sharded,
+stage 0 = data parallelism as DDP does it (guide §2-§5), 1 = ZeRO-1 (optimizer states sharded,
 §9.1), 2 = ZeRO-2 (+ gradients, §9.2), 3 = ZeRO-3 / FSDP (+ parameters, §9.3, §10). Every stage
 class has the same constructor, see :mod:`zerodp.engine.base`.
 """
@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
     (``bucket_mb``, ``sync``, ``find_unused_parameters``, ``average_by_tokens``, ``param_groups``,
     ``reduce_every_microbatch``, ...).
 
-    ``bucket_mb="auto"`` (stages 0-2, seed §4) picks the bucket size at the simulator's sweet spot
+    ``bucket_mb="auto"`` (stages 0-2, guide §4) picks the bucket size at the simulator's sweet spot
     for this model on this machine, once, from a calibration profile::
 
         engine = zerodp.parallelize(model, optimizer=..., stage=2, bucket_mb="auto",

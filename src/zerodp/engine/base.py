@@ -1,8 +1,8 @@
 """What every stage of the engine shares: the public contract and the step template.
 
-Seed §9: stages 0-3 run the same training step — forward, backward with gradient communication,
+Guide §9: stages 0-3 run the same training step — forward, backward with gradient communication,
 an optimizer step on fp32 master values — and differ only in *what* each rank keeps and *which*
-collectives move it (DESIGN §2, the table "one flat buffer, four policies"). This module holds
+collectives move it (guide §12, the table "one flat buffer, four policies"). This module holds
 the part that does not depend on the stage:
 
 - the public API the training app is written against (``engine(x, y)``, ``no_sync``,
@@ -11,7 +11,7 @@ the part that does not depend on the stage:
 - the step template: finish gradient sync → (clip) → master optimizer step → publish params;
 - the bookkeeping every stage needs: process group, device, recorder and collectives, param
   groups, the start-up consistency check across ranks, the end-of-backward callback, averaging
-  by tokens (seed §2.2), measured memory by kind.
+  by tokens (guide §2.2), measured memory by kind.
 
 Constructor (every stage, including ``zerodp.engine.fsdp.FSDPEngine``)::
 
@@ -20,7 +20,7 @@ Constructor (every stage, including ``zerodp.engine.fsdp.FSDPEngine``)::
 
 ``optimizer_factory(param_groups) -> torch.optim.Optimizer`` builds a stock, elementwise
 optimizer over the engine's fp32 master tensors (see :mod:`zerodp.engine.master`). ``units`` is
-used by stage 3 only (FSDP units, seed §10.3); stages 0-2 ignore it.
+used by stage 3 only (FSDP units, guide §10.3); stages 0-2 ignore it.
 
 What a stage subclass must provide
 ----------------------------------
@@ -187,7 +187,7 @@ class StageEngine:
 
     stage: ClassVar[int] = -1
     grads_sharded: ClassVar[bool] = True
-    #: True when ``config.bucket_mb`` was chosen by ``bucket_mb="auto"`` (stages 0-2, seed §4).
+    #: True when ``config.bucket_mb`` was chosen by ``bucket_mb="auto"`` (stages 0-2, guide §4).
     bucket_auto: bool = False
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
@@ -233,9 +233,9 @@ class StageEngine:
         self.buffers = persistent_buffers(module)
         self._unused: set[str] = set()  # parameters no rank used in the last step (None grads)
         self.master: MasterOptimizer | None = None
-        self._sync = True  # False inside no_sync(): gradients accumulate locally (seed §5)
+        self._sync = True  # False inside no_sync(): gradients accumulate locally (guide §5)
         self._sync_at_forward = True
-        self._tokens = 0.0  # this rank's tokens in this step (average_by_tokens, seed §2.2)
+        self._tokens = 0.0  # this rank's tokens in this step (average_by_tokens, guide §2.2)
         self._token_factor_value: float | None = None
         self._backward_armed = False
         self._backward_event = None
@@ -288,7 +288,7 @@ class StageEngine:
 
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True) -> Iterator[None]:
-        """Seed §5: inside, backward accumulates gradients locally and communicates nothing.
+        """Guide §5: inside, backward accumulates gradients locally and communicates nothing.
 
         ``with engine.no_sync(micro < grad_acc - 1):`` around forward and backward is the usual
         loop; as with DDP, what counts is whether the *forward* ran inside. ``enabled=False`` makes
@@ -305,7 +305,7 @@ class StageEngine:
     def count_tokens(self, n: int | float) -> None:
         """With ``average_by_tokens=True``: add this micro-batch's token count on this rank.
 
-        Seed §2.2: when each rank's loss is the mean over its own tokens and ranks see different
+        Guide §2.2: when each rank's loss is the mean over its own tokens and ranks see different
         token counts, plain averaging is biased; rank r's gradient is then weighted by
         n_r / Σ n instead of 1/N, which equals the full-batch token mean. The step's count must be
         complete before its first gradient reduction: the last micro-batch's backward for stages
@@ -320,7 +320,7 @@ class StageEngine:
         """Clip the global gradient norm to ``max_norm``; return the norm before clipping.
 
         The norm covers every gradient of the model. Sharded stages hold disjoint shards, so the
-        squared norms of the local shards are summed with one AllReduce (seed §9; DESIGN §2).
+        squared norms of the local shards are summed with one AllReduce (guide §9; guide §12).
         Matches ``torch.nn.utils.clip_grad_norm_``: grads *= min(1, max_norm / (norm + 1e-6)).
         """
         if float(norm_type) != 2.0:
@@ -612,7 +612,7 @@ class StageEngine:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def _token_factor(self) -> float | None:
-        """Seed §2.2: factor to pre-multiply local gradients with before a mean reduction, so that
+        """Guide §2.2: factor to pre-multiply local gradients with before a mean reduction, so that
         the mean over ranks becomes Σ_r n_r g_r / Σ_r n_r. None when averaging plainly."""
         if not self.config.average_by_tokens:
             return None
@@ -642,7 +642,7 @@ class StageEngine:
 
     def _optimizer_step(self) -> None:
         """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
-        ``_publish_params``. Override to interleave them (ZeRO: bucket by bucket, seed §9.1)."""
+        ``_publish_params``. Override to interleave them (ZeRO: bucket by bucket, guide §9.1)."""
         self.master.attach_grads(self._master_grads(), self._unused)
         self.master.step()
         self.master.zero_grad()

@@ -1,6 +1,6 @@
 """The three collectives of data parallelism, with accounting: AllReduce, ReduceScatter, AllGather.
 
-Seed §2.4 and §9: a ring AllReduce of V bytes on N ranks sends 2(N−1)/N·V bytes per rank;
+Guide §2.4 and §9: a ring AllReduce of V bytes on N ranks sends 2(N−1)/N·V bytes per rank;
 ReduceScatter and AllGather each send (N−1)/N·V, and AllReduce = ReduceScatter + AllGather.
 Every call here records an :class:`~zerodp.engine.trace.Event` on the comm lane with
 
@@ -36,7 +36,7 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 
 def ring_sent_bytes(kind: str, nbytes: int, world_size: int) -> float:
-    """Bytes one rank sends in a ring collective over a V-byte buffer (seed §2.4)."""
+    """Bytes one rank sends in a ring collective over a V-byte buffer (guide §2.4)."""
     return bus_factor(kind, world_size) * nbytes
 
 
@@ -109,7 +109,7 @@ class Collectives:
         return pending
 
     def all_reduce_mean(self, tensor: torch.Tensor, label: str, async_op: bool = True) -> Pending:
-        """Average ``tensor`` in place across ranks (stage 0's gradient sync, seed §3-§4)."""
+        """Average ``tensor`` in place across ranks (stage 0's gradient sync, guide §3-§4)."""
         n = self.world_size
         return self._issue(
             ALL_REDUCE, label, tensor.numel() * tensor.element_size(),
@@ -145,7 +145,7 @@ class Collectives:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
                    async_op: bool = True) -> Pending:
-        """``full`` ← every rank's ``shard`` concatenated in rank order (seed §9.1, §9.3)."""
+        """``full`` ← every rank's ``shard`` concatenated in rank order (guide §9.1, §9.3)."""
         return self._issue(
             ALL_GATHER, label, full.numel() * full.element_size(),
             lambda: all_gather_flat(full, shard, group=self.group, async_op=True),

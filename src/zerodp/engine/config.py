@@ -1,6 +1,6 @@
 """Engine configuration: one dataclass, validated once, shared by every stage.
 
-The stage switch follows seed §9: 0 = plain data parallelism (DDP), 1 = ZeRO-1 (optimizer
+The stage switch follows guide §9: 0 = plain data parallelism (DDP), 1 = ZeRO-1 (optimizer
 states sharded), 2 = ZeRO-2 (+ gradients), 3 = ZeRO-3 / FSDP (+ parameters).
 """
 
@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 
 from zerodp.plan.units import AUTO, STAGES  # noqa: E402 - one place for both
-SYNC_MODES = ("naive", "overlap", "bucketed")  # seed §2.5, §3, §4
-DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (seed §4)
+SYNC_MODES = ("naive", "overlap", "bucketed")  # guide §2.5, §3, §4
+DEFAULT_BUCKET_MB = 25.0  # PyTorch DDP's bucket_cap_mb (guide §4)
 DEFAULT_FIRST_BUCKET_MB = 1.0  # small first bucket: the last layers' gradients start moving early
 #: The collective a gradient bucket goes through, per stage (stage 3 has FSDP units, no buckets).
 BUCKET_COLLECTIVE = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter"}
@@ -35,10 +35,10 @@ def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | Non
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Seed §1: compute in ``param_dtype`` (bf16), keep fp32 master weights and optimizer states.
+    """Guide §1: compute in ``param_dtype`` (bf16), keep fp32 master weights and optimizer states.
 
     ``reduce_dtype``: dtype of gradient communication (default: ``param_dtype``).
-    ``fp32_grad_accum``: accumulate gradients across micro-batches in fp32 (+4 bytes/param, seed §9).
+    ``fp32_grad_accum``: accumulate gradients across micro-batches in fp32 (+4 bytes/param, guide §9).
     """
 
     param_dtype: torch.dtype = torch.bfloat16
@@ -67,7 +67,7 @@ class MixedPrecision:
 class EngineConfig:
     """Everything :func:`zerodp.parallelize` accepts besides the model and the optimizer.
 
-    ``bucket_mb``: size of the gradient buckets in MiB (stages 0-2, seed §4), or ``"auto"``: the
+    ``bucket_mb``: size of the gradient buckets in MiB (stages 0-2, guide §4), or ``"auto"``: the
     size at the simulator's sweet spot for this model on this machine, chosen once when the engine
     is built by :func:`zerodp.plan.calibrated.choose_bucket_mb` from a calibration ``profile`` (a path
     written by ``zerodp calibrate``, the loaded profile dict, or its ``calibration`` table) and
@@ -76,7 +76,7 @@ class EngineConfig:
     (:attr:`MixedPrecision.comm_dtype`: 4 bytes in fp32, 2 in bf16), and the world size of the
     process group (which must be the profile's). The engine's ``config.bucket_mb`` then holds the
     chosen number of MiB and ``engine.bucket_auto`` is True; ``first_bucket_mb`` is capped at it.
-    Stage 3 has no gradient buckets (FSDP units, seed §10): ``"auto"`` is accepted and ignored
+    Stage 3 has no gradient buckets (FSDP units, guide §10): ``"auto"`` is accepted and ignored
     there (no profile needed; ``config.bucket_mb`` stays ``"auto"``, ``engine.bucket_auto`` False).
     ``profile`` and ``tokens_per_rank`` are read only for ``bucket_mb="auto"``.
     """
@@ -90,8 +90,8 @@ class EngineConfig:
     # DeepSpeed does); False keeps full local gradients and reduces once (communication first).
     reduce_every_microbatch: bool = True
     find_unused_parameters: bool = False
-    average_by_tokens: bool = False  # seed §2.2: weight each rank by its token count
-    prefetch: bool = True  # stage 3: AllGather unit i±1 while unit i computes (seed §9.3)
+    average_by_tokens: bool = False  # guide §2.2: weight each rank by its token count
+    prefetch: bool = True  # stage 3: AllGather unit i±1 while unit i computes (guide §9.3)
     # DDP's default: every forward starts from rank 0's buffers (BatchNorm statistics, ...).
     broadcast_buffers: bool = True
     # Stages 1-2: False (default) waits for the parameter AllGathers inside step(), so the model
@@ -117,7 +117,7 @@ class EngineConfig:
                 self._check_auto_inputs()
         elif isinstance(self.bucket_mb, str) or not isinstance(self.bucket_mb, (int, float)):
             raise ValueError(f"bucket_mb={self.bucket_mb!r}: give a positive number of MiB, or 'auto' "
-                             "for the simulator's sweet spot from a calibration profile (seed §4)")
+                             "for the simulator's sweet spot from a calibration profile (guide §4)")
         if not ((self.bucket_mb == AUTO or self.bucket_mb > 0) and self.first_bucket_mb > 0):
             raise ValueError(
                 f"bucket sizes must be positive MB, got bucket_mb={self.bucket_mb}, "
@@ -142,7 +142,7 @@ class EngineConfig:
 
 def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_size: int,
                         param_dtype: torch.dtype, grad_dtype: torch.dtype) -> EngineConfig:
-    """``config`` with ``bucket_mb="auto"`` replaced by the chosen MiB (seed §4) and
+    """``config`` with ``bucket_mb="auto"`` replaced by the chosen MiB (guide §4) and
     ``first_bucket_mb`` capped at it; any other config unchanged.
 
     Called once by the bucket engines (stages 0-2) before they plan their buckets. The simulator

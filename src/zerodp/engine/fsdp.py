@@ -1,11 +1,11 @@
 """Stage 3: ZeRO-3 / FSDP — parameters, gradients and optimizer states all sharded 1/N.
 
-Seed §9.3: each rank keeps 1/N of everything, (2 + 2 + k)Ψ/N bytes of model states, plus the
-temporarily gathered units. A step, unit by unit (seed §10's sharded notation):
+Guide §9.3: each rank keeps 1/N of everything, (2 + 2 + k)Ψ/N bytes of model states, plus the
+temporarily gathered units. A step, unit by unit (guide §10's sharded notation):
 
 forward   for each unit: AllGather its parameters → compute → free them. The unit that finishes
           forward last stays gathered, because backward needs it first: 2L − 1 AllGathers per
-          step for L units, not 2L (seed §9.3).
+          step for L units, not 2L (guide §9.3).
 backward  in reverse: AllGather the unit again (§10 "可提前做", may be done early) → its backward
           → ReduceScatter its gradients (§10 "可异步", asynchronous) → free parameters and the
           full gradients; each rank keeps only its gradient shard.
@@ -17,11 +17,11 @@ step      the stock optimizer updates this rank's fp32 master shard; the compute
           refreshed by a cast. There is no AllGather after the step: the next forward gathers.
 
 Communicated elements per rank per step: Ψ (forward AG) + Ψ (backward AG, minus the kept unit)
-+ Ψ (RS) ≈ 3Ψ·(N−1)/N, 1.5× stage 2 (seed §9.3, §10.1). A single unit holding the whole model
++ Ψ (RS) ≈ 3Ψ·(N−1)/N, 1.5× stage 2 (guide §9.3, §10.1). A single unit holding the whole model
 degenerates to ZeRO-1/2: one AllGather before forward, one ReduceScatter after backward
-(seed §10.3).
+(guide §10.3).
 
-Units (seed §10.3) default to each block of the model's largest ``nn.ModuleList`` plus a root
+Units (guide §10.3) default to each block of the model's largest ``nn.ModuleList`` plus a root
 unit for the remaining parameters (embeddings, final norm, head); ``units=[...]`` overrides.
 
 Tied parameters WORK when every module sharing the weight is in the same unit (a GPT's tied
@@ -30,7 +30,7 @@ across units are REFUSED at construction with a message naming both. Frozen para
 (``requires_grad=False``) WORK: they are gathered with their unit (forward needs them), get no
 gradient, no optimizer state, and are never updated.
 
-Gradient accumulation has the two options of stage 2 (seed §5, §9.2): by default every
+Gradient accumulation has the two options of stage 2 (guide §5, §9.2): by default every
 micro-batch's gradients are ReduceScattered and accumulated on the shard (memory first); with
 ``reduce_every_microbatch=False`` the full unsharded gradients of every unit are kept across
 the ``no_sync`` micro-batches and reduced once (communication first, +2Ψ of memory).
@@ -95,7 +95,7 @@ class FSDPStats(EngineStats):
 
     @property
     def all_gathers_expected(self) -> int:
-        """Seed §9.3: 2L − 1 AllGathers per step for L units."""
+        """Guide §9.3: 2L − 1 AllGathers per step for L units."""
         return 2 * len(self.units) - 1
 
     def table(self) -> str:
@@ -274,7 +274,7 @@ class FSDPEngine(StageEngine):
             self._next_bwd = {a.index: b for a, b in zip(back, back[1:])}
         if last is not None:
             if torch.is_grad_enabled() and _grad_tensors(out):
-                self._kept = last  # seed §9.3: used first by backward, so never freed: 2L − 1
+                self._kept = last  # guide §9.3: used first by backward, so never freed: 2L − 1
             else:
                 self._free(last)
         return None
@@ -519,7 +519,7 @@ class FSDPEngine(StageEngine):
 
         At rest a ZeRO-3 rank holds no gathered unit, so ``memory["gathered"]`` reports the peak
         bytes of simultaneously gathered units during the last step (measured from the storages
-        when they were allocated); ``peak_gathered_units`` counts them (seed §9.3: the unit in use
+        when they were allocated); ``peak_gathered_units`` counts them (guide §9.3: the unit in use
         + the one prefetched, plus the last unit kept from forward into backward).
         """
         base = super().stats()

@@ -1,6 +1,6 @@
 """Skip a step whose gradients hold inf or NaN: one decision for all ranks, agreed by a collective.
 
-Why a collective: under ZeRO each rank steps only its own 1/N shard (seed §9). An inf that lands
+Why a collective: under ZeRO each rank steps only its own 1/N shard (guide §9). An inf that lands
 in rank 1's shard is seen by rank 1 alone; if rank 1 skipped and rank 0 stepped, the replicas
 would silently diverge (and under stage 0, where every rank holds the full averaged gradient, a
 rank whose *local* replica went bad would do the same). So every rank computes a local flag —

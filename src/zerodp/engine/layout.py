@@ -1,9 +1,9 @@
 """Flat-buffer layout: which parameter lives at which offset, the padding, and who owns what.
 
-DESIGN §2: parameters are grouped into contiguous flat buffers (a *bucket* for stages 0-2, a
+guide §12: parameters are grouped into contiguous flat buffers (a *bucket* for stages 0-2, a
 *unit* for stage 3), padded to a multiple of the world size N so that rank r owns the contiguous
 slice r of every buffer — the slice a ReduceScatter leaves on rank r and an AllGather collects
-from it (seed §9). Parameters and gradients are views into these buffers, so collectives run on
+from it (guide §9). Parameters and gradients are views into these buffers, so collectives run on
 big contiguous tensors with no copies.
 
 This module is pure bookkeeping (no torch): the layout is data, because checkpoints and

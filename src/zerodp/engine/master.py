@@ -1,6 +1,6 @@
 """fp32 master shards and the stock ``torch.optim`` optimizer that updates them.
 
-Seed §1, §9.1: with bf16 mixed precision each parameter carries an fp32 master copy plus the
+Guide §1, §9.1: with bf16 mixed precision each parameter carries an fp32 master copy plus the
 optimizer's states (Adam: m and v), k = 12 bytes per parameter. ZeRO shards exactly this part:
 rank r keeps the master values and optimizer states of its 1/N slice of every flat buffer, and
 updates only that slice. Because the update of Adam, AdamW, SGD and friends is *elementwise*,

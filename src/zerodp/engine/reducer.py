@@ -1,13 +1,13 @@
 """The gradient reducer shared by stages 0-2: hooks, buckets launched in order, end of backward.
 
-Seed §3: a parameter's gradient is final as soon as its post-accumulate-grad hook fires, so its
-communication can start right away while backward computes earlier layers. Seed §4: the hooks
+Guide §3: a parameter's gradient is final as soon as its post-accumulate-grad hook fires, so its
+communication can start right away while backward computes earlier layers. Guide §4: the hooks
 only count down a bucket; when the bucket's last gradient arrives, one collective is launched
 for the whole bucket. The collective itself is the stage's policy (:meth:`_launch`): an
 AllReduce for stage 0 (:mod:`zerodp.engine.ddp`), a ReduceScatter for stages 1-2
 (:mod:`zerodp.engine.zero1`, :mod:`zerodp.engine.zero2`).
 
-Rules that keep every rank in step (a mismatch would hang, DESIGN §2):
+Rules that keep every rank in step (a mismatch would hang, guide §12):
 
 - buckets are launched strictly in bucket order: bucket i only after buckets 0..i-1, even if
   it fills first (as DDP's reducer does);
@@ -21,7 +21,7 @@ Rules that keep every rank in step (a mismatch would hang, DESIGN §2):
   by the optimizer — no weight decay, no moment update, no step count — as with DDP, where its
   ``.grad`` stays None (one small AllReduce of a used-flag per parameter at ``step()``).
 
-Inside ``no_sync()`` (seed §5) the hooks launch nothing and gradients accumulate locally.
+Inside ``no_sync()`` (guide §5) the hooks launch nothing and gradients accumulate locally.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class BucketEngine(StageEngine):
         self.param_dtype = mp.param_dtype if mp else self.named_params[0][1].dtype
         if not self.param_dtype.is_floating_point:
             raise ValueError(f"parameters of dtype {self.param_dtype} cannot be trained")
-        # bucket_mb="auto" (seed §4): chosen once, here, before the buckets are planned.
+        # bucket_mb="auto" (guide §4): chosen once, here, before the buckets are planned.
         self.bucket_auto = config.bucket_mb == AUTO
         config = self.config = resolve_auto_bucket(config, module, self.world_size, self.param_dtype,
                                                    self._grad_comm_dtype())
@@ -220,7 +220,7 @@ class BucketEngine(StageEngine):
             self._accumulate_local(b)
             return
         self._ready[b] = True
-        if self.config.sync != "naive":  # naive (seed §2.5): everything waits for the end of backward
+        if self.config.sync != "naive":  # naive (guide §2.5): everything waits for the end of backward
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -296,7 +296,7 @@ class FullGradEngine(BucketEngine):
     accumulate into the view in place, and the bucket's collective runs on the buffer.
 
     With bf16 mixed precision and ``fp32_grad_accum`` (or an fp32 ``reduce_dtype``) each bucket
-    also has an fp32 accumulator (+4Ψ, seed §9): every filled bucket is added into it, and the
+    also has an fp32 accumulator (+4Ψ, guide §9): every filled bucket is added into it, and the
     collective then runs on the fp32 accumulator.
     """
 

@@ -2,7 +2,7 @@
 
 Memory is *measured*, not computed: the engine lists the tensors it holds by kind and this module
 sums the sizes of their distinct storages (a view into a flat buffer counts once, with the first
-kind that names the buffer). The seed's ledger (§1, §8, §9) then says what it should be; with bf16
+kind that names the buffer). The guide's ledger (§1, §8, §9) then says what it should be; with bf16
 mixed precision and AdamW (k = 12), per rank with Ψ parameters on N ranks:
 
 ==========  ===========  ============  ===========  ======================
@@ -16,12 +16,12 @@ stage       params       grads         master       optimizer states (m, v)
 
 (+…: fp32 gradient accumulation. Stage 3 then keeps no bf16 gradient shard at rest — the
 ReduceScatter lands in a buffer that lives only while it is added to the fp32 shard — so it
-measures 2Ψ/N below the seed's count; stage 3's gathered units are listed apart.) ``python -m zerodp.engine.stats`` runs every stage on local
+measures 2Ψ/N below the guide's count; stage 3's gathered units are listed apart.) ``python -m zerodp.engine.stats`` runs every stage on local
 ranks and prints formula vs measured per kind; the formulas come from the planner
 (:func:`zerodp.plan.memory.model_states`), written independently of the engine.
 
 Communication of the last completed step is grouped by collective kind; ``wait_s`` is how long
-the host was blocked waiting for it (seed §4: the *exposed* part, what overlap did not hide).
+the host was blocked waiting for it (guide §4: the *exposed* part, what overlap did not hide).
 """
 
 from __future__ import annotations
@@ -153,10 +153,10 @@ def collect_stats(engine) -> EngineStats:
     )
 
 
-# ---- formula vs measured (seed §9) --------------------------------------------------------------
+# ---- formula vs measured (guide §9) --------------------------------------------------------------
 def formula_by_kind(stage: int, num_params: int, world_size: int, fp32_grad_accum: bool,
                     k: float = 12.0, master_bytes: float = 4.0) -> dict[str, float]:
-    """The seed's model-state bytes per rank by kind, from the planner's ledger."""
+    """The guide's model-state bytes per rank by kind, from the planner's ledger."""
     from zerodp.plan.memory import model_states
 
     m = model_states(num_params, world_size, stage, k=k, fp32_grad_acc=fp32_grad_accum)

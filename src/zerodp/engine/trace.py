@@ -1,7 +1,7 @@
 """The engine's own trace: compute spans and collectives with start and end times.
 
 Every collective the engine issues and every forward/backward/optimizer span is recorded here,
-so that a step can be *measured* the same way the planner's simulator *predicts* it (seed §4:
+so that a step can be *measured* the same way the planner's simulator *predicts* it (guide §4:
 which buckets' communication hides under backward, and what is left exposed). The trace exports
 to Chrome-trace JSON (open it in https://ui.perfetto.dev or chrome://tracing), one process per
 rank with a compute lane and a communication lane.

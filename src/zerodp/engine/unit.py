@@ -1,7 +1,7 @@
 """FSDP units: one flat buffer per unit, sharded 1/N, gathered only while the unit computes.
 
-Seed §9.3: ZeRO-3 keeps only 1/N of the parameters on each rank and AllGathers a layer's
-parameters just before it runs, then drops them. Seed §10.3: FSDP does this not per parameter
+Guide §9.3: ZeRO-3 keeps only 1/N of the parameters on each rank and AllGathers a layer's
+parameters just before it runs, then drops them. Guide §10.3: FSDP does this not per parameter
 but per *unit* (usually one transformer block) — the same trade-off as the buckets of §4: small
 units mean many collectives, each paying the latency α; big units mean big temporary buffers and
 an un-hidden first gather. A unit that is the whole model degenerates to ZeRO-1/2.
@@ -12,7 +12,7 @@ A :class:`Unit` owns, for its parameters laid out back to back by a
 ===============  ==========================  ====================================================
 buffer           size, dtype                 lifetime
 ===============  ==========================  ====================================================
-``master``       Ψ_u/N, fp32                 always: what the optimizer updates (seed §9.1)
+``master``       Ψ_u/N, fp32                 always: what the optimizer updates (guide §9.1)
 ``param_shard``  Ψ_u/N, compute dtype        always (= ``master`` without mixed precision):
                                              the AllGather input, refreshed after each step
 ``grad_shard``   Ψ_u/N, grad dtype           always: the ReduceScatter result, accumulated
@@ -21,7 +21,7 @@ buffer           size, dtype                 lifetime
 ===============  ==========================  ====================================================
 
 The module's parameters are *views* into ``full``; freeing is ``untyped_storage().resize_(0)``
-and re-gathering is ``resize_(n)`` + AllGather into the same storage (DESIGN §2), so tensors that
+and re-gathering is ``resize_(n)`` + AllGather into the same storage (guide §12), so tensors that
 autograd saved in forward (``weight.t()`` …) read the right values again in backward. While a
 unit is freed its parameters point at an empty tensor, so that an accidental use outside
 forward/backward raises a shape error instead of reading freed memory. When a unit's backward is
@@ -57,7 +57,7 @@ class UnitSpec:
 
 
 def _owner_map(root: nn.Module, unit_modules: list[nn.Module]) -> dict[int, tuple[str, nn.Module]]:
-    """Each parameter's owning unit = the innermost unit module that reaches it (seed §10.3).
+    """Each parameter's owning unit = the innermost unit module that reaches it (guide §10.3).
 
     Returns ``id(param) -> (unit name, unit module)``. A parameter reached from two different
     units (weights tied across units) is refused: each unit shards and reduces its own flat
@@ -96,7 +96,7 @@ def _owner_map(root: nn.Module, unit_modules: list[nn.Module]) -> dict[int, tupl
 
 
 def default_unit_modules(root: nn.Module) -> list[nn.Module]:
-    """The blocks of the model's largest ``nn.ModuleList`` (seed §10.3: one unit per block).
+    """The blocks of the model's largest ``nn.ModuleList`` (guide §10.3: one unit per block).
 
     "Largest" means most parameters (ties: most children, then first found). Returns ``[]`` when
     the model has no ``ModuleList`` with parameters: then the root unit is the whole model.
@@ -283,7 +283,7 @@ class Unit:
 
     # ---- parameters ---------------------------------------------------------------------
     def gather(self, comm: Collectives, async_op: bool) -> Pending:
-        """Allocate ``full`` and AllGather every rank's ``param_shard`` into it (seed §9.3)."""
+        """Allocate ``full`` and AllGather every rank's ``param_shard`` into it (guide §9.3)."""
         self._full_storage.resize_(self._full_nbytes)
         for p, v in zip(self.params, self._views):
             p.data = v
@@ -307,7 +307,7 @@ class Unit:
         self.gathered = False
 
     def refresh_param_shard(self) -> None:
-        """After the optimizer step: the compute-dtype shard ← the fp32 master (seed §9.1 step 4)."""
+        """After the optimizer step: the compute-dtype shard ← the fp32 master (guide §9.1 step 4)."""
         if self.param_shard is not self.master:
             self.param_shard.copy_(self.master)
 
@@ -351,7 +351,7 @@ class Unit:
 
         The mean over ranks of this rank's slice lands in ``grad_shard`` directly when nothing is
         accumulated there yet and the dtypes agree; otherwise in a scratch shard that the
-        finisher adds in (gradient accumulation across micro-batches, seed §5, §9.2).
+        finisher adds in (gradient accumulation across micro-batches, guide §5, §9.2).
         """
         src = self.grad_full
         if self.reduce_dtype != self.param_dtype:

@@ -1,4 +1,4 @@
-"""Stage 1, ZeRO-1: shard the optimizer states (seed §9.1).
+"""Stage 1, ZeRO-1: shard the optimizer states (guide §9.1).
 
 In plain DP every rank runs the same optimizer step on the same gradients — N times the same
 work and N copies of the fp32 master and Adam moments. ZeRO-1 makes rank r responsible for
@@ -10,7 +10,7 @@ slice r (1/N) of every flat buffer:
 4. **AllGather** the parameters so every rank has the full updated model again.
 
 Memory per rank: 2Ψ params + 2Ψ grads + 12Ψ/N master and Adam states = 4Ψ + 12Ψ/N. Traffic is
-unchanged: ReduceScatter + AllGather = one AllReduce (seed §9.1), only the AllGather moved from
+unchanged: ReduceScatter + AllGather = one AllReduce (guide §9.1), only the AllGather moved from
 the gradients to the updated parameters.
 
 Here the ReduceScatter of a bucket is launched as soon as the bucket is full (as stage 0's

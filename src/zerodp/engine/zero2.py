@@ -1,4 +1,4 @@
-"""Stage 2, ZeRO-2: shard the gradients too (seed §9.2).
+"""Stage 2, ZeRO-2: shard the gradients too (guide §9.2).
 
 Under ZeRO-1 rank r only ever uses slice r of the gradient, yet stores all of it. ZeRO-2 does
 not: during backward each bucket is **ReduceScattered as soon as it is full**, rank r keeps the
@@ -18,7 +18,7 @@ How a gradient travels (the hot path is :meth:`ZeRO2Engine._grad_ready`):
 3. when it completes, the staging buffer returns to the pool.
 
 With ``fp32_grad_accum`` the bf16 shard is where ReduceScatter lands and an fp32 shard
-accumulates it (+4Ψ/N, seed §9.2: "keep fp32 gradients only for your own 1/N").
+accumulates it (+4Ψ/N, guide §9.2: "keep fp32 gradients only for your own 1/N").
 
 Gradient accumulation, two choices (``reduce_every_microbatch``):
 
@@ -29,7 +29,7 @@ Gradient accumulation, two choices (``reduce_every_microbatch``):
   reduced once (:class:`ZeRO2ReduceOnceEngine`, below); gradients at rest are 2Ψ,
   ZeRO-1's memory.
 
-In numbers, from the planner, for the seed's Ψ = 7.5B on N = 64 H100s (8 nodes) and grad_acc = 4:
+In numbers, from the planner, for the guide's Ψ = 7.5B on N = 64 H100s (8 nodes) and grad_acc = 4:
 the bf16 gradients are 15 GB; one ReduceScatter of them takes ≈ 33 ms
 (``collective_time("reduce_scatter", 15e9, 64, "h100")``). Memory first keeps 0.23 GB of
 gradients per GPU and moves 4 × 33 ≈ 131 ms of ReduceScatter per step (each hidden only under
@@ -130,7 +130,7 @@ class ZeRO2Engine(BucketEngine):
             staging.buf[lo:hi].zero_()
 
     def _launch(self, b: int):
-        """The ZeRO-2 ReduceScatter of one bucket, issued during backward (seed §9.2)."""
+        """The ZeRO-2 ReduceScatter of one bucket, issued during backward (guide §9.2)."""
         bucket, staging = self.buckets[b], self._staging_of[b]
         full = staging.buf[:bucket.layout.padded_numel]
         factor = self._token_factor()

@@ -1,4 +1,4 @@
-"""zerodp.plan: the seed's cost models as a torch-free library.
+"""zerodp.plan: the guide's cost models as a torch-free library.
 
 Every function takes plain numbers (bytes, seconds, FLOP/s, counts) or dataclasses and returns a
 dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input raises ValueError.
@@ -12,7 +12,7 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
 - batch:       gbs = mbs × grad_acc × dp
 - timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
 - models:      model presets (shipped as config.json files) and custom shapes
-- report:      the seed's worked examples, recomputed
+- report:      the guide's worked examples, recomputed
 - plot:        timeline lanes and sweep curve (matplotlib imported only when called)
 """
 

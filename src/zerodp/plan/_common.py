@@ -1,7 +1,7 @@
 """Shared plumbing for the planner: units, number parsing, validation, and the ``to_dict`` mixin.
 
 Every size in the planner is in bytes and every time in seconds; "GB" means 1e9 bytes, as in the
-seed (seed §2.4, §8: "16 GB", "120 GB").
+guide (§2.4, §8: "16 GB", "120 GB").
 """
 
 from __future__ import annotations

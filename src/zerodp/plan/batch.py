@@ -1,9 +1,9 @@
-"""Global batch planner (seed §6, §6.1).
+"""Global batch planner (guide §6, §6.1).
 
 gbs = mbs × grad_acc × dp. From a target global batch in tokens and a sequence length, gbs in
-samples is rounded to the nearest power of two (seed §6.1: "取最近的 2 的幂"); then
+samples is rounded to the nearest power of two (guide §6.1: "取最近的 2 的幂"); then
 grad_acc = gbs/(mbs·dp). grad_acc < 1 means GPU-rich: use fewer GPUs, a larger gbs, or a smaller
-mbs (seed §6.1).
+mbs (guide §6.1).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def nearest_power_of_two(x: float) -> int:
 
 def plan_batch(target_tokens: float, seq: int, micro_batch: int, dp: int,
                round_to_power_of_two: bool = True) -> BatchPlan:
-    """Samples and grad_acc for a target global batch in tokens (seed §6.1)."""
+    """Samples and grad_acc for a target global batch in tokens (guide §6.1)."""
     check_positive("target_tokens", target_tokens)
     seq = check_count("seq", seq)
     mbs = check_count("micro_batch", micro_batch)

@@ -66,7 +66,7 @@ def _calibration_table(profile) -> dict:
 def calibration_for(profile, world_size: int | None = None) -> dict:
     """The ``calibration`` table of ``profile`` (path, dict or table), checked for ``world_size``.
 
-    α and W are fitted per world size (seed §2.4): a profile holds for its own group size only, so
+    α and W are fitted per world size (guide §2.4): a profile holds for its own group size only, so
     one measured on another number of ranks is a ``ValueError`` (when ``world_size`` is given).
     """
     cal = _calibration_table(profile)
@@ -93,7 +93,7 @@ def _measured(compute: dict) -> list[tuple[int, dict]]:
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise linear through the measurements; outside them the end segment's line, its slope
-    and its value at 0 kept ≥ 0 (a step never gets cheaper with more tokens, seed §7.1)."""
+    and its value at 0 kept ≥ 0 (a step never gets cheaper with more tokens, guide §7.1)."""
     if len(xs) == 1:
         return ys[0] * x / xs[0]
     i = 1

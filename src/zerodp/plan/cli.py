@@ -250,7 +250,7 @@ def cmd_batch(args) -> int:
             ["grad_acc", b.grad_acc, f"steps (exact {b.exact_grad_acc:.3g})"],
             ["processed per step", f"{b.effective_samples:,}", "samples"]]
     text = table(["quantity", "value", "unit"], rows, align="lrl",
-                 title="gbs = mbs x grad_acc x dp (seed §6.1)")
+                 title="gbs = mbs x grad_acc x dp (guide §6.1)")
     if b.warnings:
         text += "\n" + "\n".join("warning: " + w for w in b.warnings)
     return _emit(args, b.to_dict(), text)
@@ -327,9 +327,9 @@ def cmd_report(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 def add_parser(subparsers) -> None:
-    plan = subparsers.add_parser("plan", help="the seed's cost models: memory, comm, roofline, "
+    plan = subparsers.add_parser("plan", help="the guide's cost models: memory, comm, roofline, "
                                  "batch, simulate, report",
-                                 description="Plan data-parallel training with the seed's cost models.")
+                                 description="Plan data-parallel training with the guide's cost models.")
     sub = plan.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
     plan.set_defaults(func=lambda a: (plan.print_help(), 2)[1])
 

@@ -1,4 +1,4 @@
-"""Collective times with the alpha-beta model (seed §2.4, §4, §7.2).
+"""Collective times with the alpha-beta model (guide §2.4, §4, §7.2).
 
 Ring algorithm on N ranks, V bytes (the full, unsharded array):
 
@@ -6,14 +6,14 @@ Ring algorithm on N ranks, V bytes (the full, unsharded array):
   ``T = 2(N−1)·α + 2(N−1)/N · V/W``.
 * ReduceScatter and AllGather: half of that, ``T = (N−1)·α + (N−1)/N · V/W``.
 
-The latency and bandwidth terms are equal at the crossover size ``V* = N·α·W`` (seed §4) for all
+The latency and bandwidth terms are equal at the crossover size ``V* = N·α·W`` (guide §4) for all
 three. W is the one-direction bandwidth of each rank (or each node, for the inter-node leg).
 
 ``algbw`` and ``busbw`` are defined as nccl-tests does: ``algbw = V / T`` and
 ``busbw = algbw · 2(N−1)/N`` for AllReduce, ``algbw · (N−1)/N`` for ReduceScatter/AllGather, so
 busbw approaches W for large messages whatever N is.
 
-Across nodes (seed §7.2, §7.3) a collective runs in two legs, inside each node over NVLink and
+Across nodes (guide §7.2, §7.3) a collective runs in two legs, inside each node over NVLink and
 between nodes over the NICs, each with its own (n−1)/n; it takes as long as the slower leg.
 """
 
@@ -111,7 +111,7 @@ class RingCost(ToDict):
         return self.latency(kind) + self.bandwidth_time(kind, nbytes)
 
     def crossover_bytes(self) -> float:
-        """V* = N·α·W: below it the latency term dominates (seed §4)."""
+        """V* = N·α·W: below it the latency term dominates (guide §4)."""
         return self.n * self.alpha * self.bandwidth
 
     def collective(self, kind: str, nbytes: float, leg: str = "ring") -> CollectiveTime:
@@ -132,7 +132,7 @@ class RingCost(ToDict):
 class HierarchicalCost(ToDict):
     """Two legs: ``intra`` (ring of devices in a node) and ``inter`` (ring of nodes, or None).
 
-    A collective takes as long as its slower leg (seed §7.2: "耗时取两段中慢的那段").
+    A collective takes as long as its slower leg (guide §7.2: "耗时取两段中慢的那段").
     """
 
     intra: RingCost

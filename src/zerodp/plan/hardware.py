@@ -1,18 +1,18 @@
-"""Hardware presets and user hardware files (seed §2.4, §4, §7.2, §8).
+"""Hardware presets and user hardware files (guide §2.4, §4, §7.2, §8).
 
-A :class:`Hardware` holds what the seed's cost models need about one accelerator and its network:
+A :class:`Hardware` holds what the guide's cost models need about one accelerator and its network:
 
 ==================  =========================================================================
 field               meaning
 ==================  =========================================================================
-``flops``           dense bf16 FLOP/s per device (the seed's C)
+``flops``           dense bf16 FLOP/s per device (the guide's C)
 ``hbm_bytes``       device memory in bytes
 ``intra_bw``        per-device bandwidth inside a node, one direction, bytes/s, for one DP axis
                     (NVLink per GPU; TPU: the two ICI links of one torus axis)
 ``devices_per_node`` devices that share the intra-node fabric (TPU: one pod is one ICI domain)
 ``inter_bw``        inter-node egress per node, one direction, bytes/s (0: no inter-node network)
 ``alpha``           latency of one ring step, seconds. A small-message AllReduce on a full node
-                    costs α′ = 2(g−1)·α, which is what nccl-tests reports (seed §4: α′ ≈ 16 µs)
+                    costs α′ = 2(g−1)·α, which is what nccl-tests reports (guide §4: α′ ≈ 16 µs)
 ``inter_alpha``     latency of one ring step across nodes (defaults to ``alpha``)
 ``axes``            mesh axes that can each carry DP traffic at ``intra_bw`` at once (TPU torus: 3)
 ==================  =========================================================================
@@ -32,11 +32,11 @@ from dataclasses import dataclass, fields
 
 from zerodp.plan._common import ToDict, check_count, check_positive, parse_quantity
 
-#: seed §4: "8×H100 节点内 AllReduce 一个很小的张量，实测要 16 µs 左右" (nccl-tests, one node)
+#: guide §4: "8×H100 节点内 AllReduce 一个很小的张量，实测要 16 µs 左右" (nccl-tests, one node)
 H100_SMALL_MESSAGE_LATENCY = 16e-6
 #: NVIDIA HGX nodes carry 8 GPUs on one NVSwitch fabric
 GPUS_PER_HGX_NODE = 8
-#: seed §7.2/§10: TPU v5p: 9e10 B/s per ICI link one way, 2 links per axis (wraparound ring)
+#: guide §7.2/§10: TPU v5p: 9e10 B/s per ICI link one way, 2 links per axis (wraparound ring)
 TPU_V5P_ICI_LINK_BW = 9e10
 TPU_V5P_LINKS_PER_AXIS = 2
 TPU_V5P_POD_CHIPS = 8960
@@ -44,7 +44,7 @@ TPU_V5P_POD_CHIPS = 8960
 
 @dataclass(frozen=True)
 class Hardware(ToDict):
-    """One accelerator type and its network, as the seed's formulas see it (module docstring)."""
+    """One accelerator type and its network, as the guide's formulas see it (module docstring)."""
 
     name: str
     flops: float
@@ -77,7 +77,7 @@ class Hardware(ToDict):
 
     @property
     def small_message_latency(self) -> float:
-        """α′ = 2(g−1)·α: a tiny AllReduce on one full node (seed §4)."""
+        """α′ = 2(g−1)·α: a tiny AllReduce on one full node (guide §4)."""
         return 2 * (self.devices_per_node - 1) * self.alpha
 
     def to_dict(self) -> dict:
@@ -96,10 +96,10 @@ _ALPHA_8GPU = _per_hop(H100_SMALL_MESSAGE_LATENCY, GPUS_PER_HGX_NODE)
 PRESETS: dict[str, Hardware] = {h.name: h for h in [
     Hardware("H100", flops=9.9e14, hbm_bytes=80e9, intra_bw=450e9, devices_per_node=8,
              inter_bw=400e9, alpha=_ALPHA_8GPU,
-             note="SXM; NVLink 450 GB/s per GPU one way; 8x400 Gbps NICs per node (seed §2.4)"),
+             note="SXM; NVLink 450 GB/s per GPU one way; 8x400 Gbps NICs per node (guide §2.4)"),
     Hardware("H800", flops=9.9e14, hbm_bytes=80e9, intra_bw=200e9, devices_per_node=8,
              inter_bw=400e9, alpha=_ALPHA_8GPU,
-             note="NVLink cut to 200 GB/s per GPU one way (seed §7.2); latency assumed as H100"),
+             note="NVLink cut to 200 GB/s per GPU one way (guide §7.2); latency assumed as H100"),
     Hardware("H200", flops=9.9e14, hbm_bytes=141e9, intra_bw=450e9, devices_per_node=8,
              inter_bw=400e9, alpha=_ALPHA_8GPU,
              note="H100 compute and NVLink with 141 GB HBM3e; latency assumed as H100"),
@@ -115,7 +115,7 @@ PRESETS: dict[str, Hardware] = {h.name: h for h in [
              intra_bw=TPU_V5P_LINKS_PER_AXIS * TPU_V5P_ICI_LINK_BW,
              devices_per_node=TPU_V5P_POD_CHIPS, inter_bw=0.0, alpha=1e-6, axes=3,
              note="3D torus; one pod (8960 chips) is one ICI domain; 2 ICI links of 9e10 B/s "
-                  "per axis one way (seed §7.2); alpha 1 µs per hop is an assumption"),
+                  "per axis one way (guide §7.2); alpha 1 µs per hop is an assumption"),
 ]}
 
 

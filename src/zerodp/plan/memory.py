@@ -1,8 +1,8 @@
-"""The memory ledger: model states per GPU for stages 0–3 and activations (seed §1, §8, §9).
+"""The memory ledger: model states per GPU for stages 0–3 and activations (guide §1, §8, §9).
 
-Model states, bf16 mixed precision (seed §1): 2 bytes bf16 parameter, 2 bytes bf16 gradient and
+Model states, bf16 mixed precision (guide §1): 2 bytes bf16 parameter, 2 bytes bf16 gradient and
 k bytes of optimizer state per parameter (Adam: fp32 master 4 + m 4 + v 4, k = 12); 4 more
-bytes for an fp32 gradient-accumulation buffer. Per GPU without activations (seed §9), with Ψ
+bytes for an fp32 gradient-accumulation buffer. Per GPU without activations (guide §9), with Ψ
 parameters on N data-parallel ranks:
 
 =========  ======================  ==========================
@@ -15,7 +15,7 @@ stage      bytes per GPU           + fp32 grad accumulation
 =========  ======================  ==========================
 
 ZeRO-3 also holds two gathered units in bf16, the one in use and the one being prefetched
-(seed §9.3); give their size with ``unit_params``.
+(guide §9.3); give their size with ``unit_params``.
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models" (arXiv:2205.05198), §4 with no tensor/sequence parallelism (t = 1), 16-bit
@@ -39,9 +39,9 @@ from zerodp.plan.units import STAGE_NAMES, STAGES  # noqa: F401 - re-exported
 
 BF16 = 2
 FP32 = 4
-#: seed §1: Adam's fp32 master weights, first and second moments: 4 + 4 + 4 bytes per parameter
+#: guide §1: Adam's fp32 master weights, first and second moments: 4 + 4 + 4 bytes per parameter
 ADAM_K = 12
-#: ZeRO-3 keeps the unit in use plus the prefetched one (seed §9.3)
+#: ZeRO-3 keeps the unit in use plus the prefetched one (guide §9.3)
 GATHERED_UNITS = 2
 RECOMPUTE = ("none", "selective", "full")
 
@@ -50,9 +50,9 @@ RECOMPUTE = ("none", "selective", "full")
 class ModelStates(ToDict):
     """Bytes per GPU of one stage. ``to_dict()`` keys: ``stage``, ``stage_name``, ``params``,
     ``n``, ``k``, ``fp32_grad_acc``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``,
-    ``grad_acc_bytes``, ``gathered_unit_bytes``, ``model_state_bytes`` (the seed §9 column:
+    ``grad_acc_bytes``, ``gathered_unit_bytes``, ``model_state_bytes`` (the guide §9 column:
     parameters + gradients + optimizer + fp32 accumulation), ``total_bytes`` (+ gathered units),
-    ``bytes_per_param`` (model_state_bytes / params), ``comm_elements_per_step`` (seed §9: 2Ψ for
+    ``bytes_per_param`` (model_state_bytes / params), ``comm_elements_per_step`` (guide §9: 2Ψ for
     stages 0–2, 3Ψ for stage 3) and ``allgathers_per_step`` (stage 3: 2L−1, else 0 or null).
     """
 
@@ -77,7 +77,7 @@ class ModelStates(ToDict):
 def model_states(params: float, n: int, stage: int, k: float = ADAM_K, fp32_grad_acc: bool = False,
                  unit_params: float = 0.0, layers: int | None = None, param_bytes: float = BF16,
                  grad_bytes: float = BF16) -> ModelStates:
-    """Model-state bytes per GPU for ``stage`` (seed §9; table in the module docstring).
+    """Model-state bytes per GPU for ``stage`` (guide §9; table in the module docstring).
 
     ``unit_params``: parameters of one ZeRO-3 unit (two gathered units are added for stage 3);
     ``layers``: number of units L, for the 2L−1 AllGathers of stage 3; ``param_bytes`` and
@@ -128,7 +128,7 @@ class MaxParams(ToDict):
 
 
 def max_params(hbm_bytes: float, bytes_per_param: float) -> MaxParams:
-    """HBM / bytes-per-parameter: the absolute upper bound, no activations (seed §8).
+    """HBM / bytes-per-parameter: the absolute upper bound, no activations (guide §8).
 
     E.g. bf16 parameters + fp32 Adam moments = 10 bytes: a 96 GB TPU v5p holds ≈ 9.6B parameters.
     """

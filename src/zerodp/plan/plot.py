@@ -1,4 +1,4 @@
-"""Timeline lanes (compute / communication) and the bucket-size sweep curve (seed §4).
+"""Timeline lanes (compute / communication) and the bucket-size sweep curve (guide §4).
 
 matplotlib is imported inside the function, with the Agg backend, so ``zerodp.plan`` stays fast
 and display-free.

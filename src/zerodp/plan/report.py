@@ -1,7 +1,7 @@
-"""The seed's worked examples, recomputed by the planner (``zerodp plan report``, ``make demo``).
+"""The guide's worked examples, recomputed by the planner (``zerodp plan report``, ``make demo``).
 
-Each row names the seed section, the quantity, the value the planner computes, and the value the
-seed quotes, so a reader can check one against the other (DESIGN.md §4).
+Each row names the guide section, the quantity, the value the planner computes, and the value the
+guide quotes, so a reader can check one against the other (guide §9.4 and the sections it draws on).
 """
 
 from __future__ import annotations
@@ -19,28 +19,28 @@ from zerodp.plan.roofline import layer_prefetch, max_devices, threshold
 from zerodp.plan.timeline import model_layers, simulate_backward
 from zerodp.plan.collectives import network_cost
 
-#: seed §7.2: Llama 3 405B trained on about 16K H100s
+#: guide §7.2: Llama 3 405B trained on about 16K H100s
 LLAMA3_405B_GPUS = 16384
-#: seed §7.2: DeepSeek-V3 on 2048 H800s
+#: guide §7.2: DeepSeek-V3 on 2048 H800s
 DEEPSEEK_V3_GPUS = 2048
-#: seed §7.2: TPU v5p pod
+#: guide §7.2: TPU v5p pod
 TPU_POD_CHIPS = 8960
-#: seed §7.5: DeepSeek-V2's largest batch, 9216 sequences of 4K tokens; a 16M-token batch
+#: guide §7.5: DeepSeek-V2's largest batch, 9216 sequences of 4K tokens; a 16M-token batch
 DEEPSEEK_V2_BATCH_TOKENS = 9216 * 4096
 LLAMA3_FINAL_BATCH_TOKENS = 16e6
-#: seed §6.1 example: 4M tokens, 4k sequences, mbs 2 on 128 or 512 GPUs
+#: guide §6.1 example: 4M tokens, 4k sequences, mbs 2 on 128 or 512 GPUs
 BATCH_EXAMPLE = dict(target_tokens=4 * 2**20, seq=4096, micro_batch=2)
-#: seed §2.4: an 8B model's bf16 gradients
+#: guide §2.4: an 8B model's bf16 gradients
 EIGHT_B = 8e9
-#: seed §4 demo on 8×H100: tokens per GPU for the overlapped and the communication-bound cases
+#: guide §4 demo on 8×H100: tokens per GPU for the overlapped and the communication-bound cases
 DEMO_TOKENS, DEMO_FEW_TOKENS = 4096, 256
 DEMO_BUCKETS = (50e3, 25e6, 10e9)
 
 
 @dataclass(frozen=True)
 class ReportRow(ToDict):
-    """``key`` (stable id), ``section`` (seed §), ``quantity``, ``value`` (number, in ``unit``),
-    ``unit``, ``shown`` (value as printed), ``seed`` (what the seed says)."""
+    """``key`` (stable id), ``section`` (guide §), ``quantity``, ``value`` (number, in ``unit``),
+    ``unit``, ``shown`` (value as printed), ``seed`` (what the guide says)."""
 
     key: str
     section: str
@@ -53,7 +53,7 @@ class ReportRow(ToDict):
 
 @dataclass(frozen=True)
 class Report(ToDict):
-    """``rows`` (ReportRows) and ``simulation`` (rows of the seed §4 bucket demo)."""
+    """``rows`` (ReportRows) and ``simulation`` (rows of the guide §4 bucket demo)."""
 
     rows: list = field(default_factory=list)
     simulation: list = field(default_factory=list)
@@ -69,16 +69,16 @@ class Report(ToDict):
             return [[r.section, r.quantity, r.shown, r.seed] for r in rows]
 
         return "\n\n".join([
-            table(["seed", "quantity", "planner", "seed says"], fmt(self.rows), align="llrl",
-                  title="The seed's worked examples, recomputed by zerodp.plan"),
-            table(["seed", "quantity", "planner", "seed says"], fmt(self.simulation), align="llrl",
+            table(["guide", "quantity", "planner", "guide says"], fmt(self.rows), align="llrl",
+                  title="The guide's worked examples, recomputed by zerodp.plan"),
+            table(["guide", "quantity", "planner", "guide says"], fmt(self.simulation), align="llrl",
                   title=_demo_title()),
         ])
 
 
 def _demo_title() -> str:
     hw = get_hardware("H100")
-    return (f"Seed §4 bucket demo: llama3-8b on 8x{hw.name}, α′ = {fmt_time(hw.small_message_latency)}, "
+    return (f"Guide §4 bucket demo: llama3-8b on 8x{hw.name}, α′ = {fmt_time(hw.small_message_latency)}, "
             f"NVLink {hw.intra_bw / GB:g} GB/s")
 
 
@@ -87,7 +87,7 @@ def _row(key, section, quantity, value, unit, shown, seed):
 
 
 def build_report() -> Report:
-    """Recompute every number of DESIGN.md §4 (and the seed §4 demo) with the public API."""
+    """Recompute every number of the worked examples of the guide (and the bucket demo of guide §4) with the public API."""
     rows = []
     names = [STAGE_NAMES[s] for s in STAGES]
     seed_mem = ["120", "31.4", "16.6", "1.88"]
@@ -157,7 +157,7 @@ def build_report() -> Report:
 
 
 def bucket_demo() -> list[ReportRow]:
-    """The four states of the seed §4 bucket demo, from the simulator."""
+    """The four states of the guide §4 bucket demo, from the simulator."""
     cost = network_cost("H100", 8)
     out = []
     for tokens in (DEMO_TOKENS, DEMO_FEW_TOKENS):

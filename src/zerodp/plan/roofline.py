@@ -1,16 +1,16 @@
-"""When data parallelism is communication-bound (seed §7, §10.1, §10.2).
+"""When data parallelism is communication-bound (guide §7, §10.1, §10.2).
 
-Per layer (seed §7.1), backward compute 8·D·F·B/(X·C) against AllReduce 8·D·F/W: compute-bound iff
+Per layer (guide §7.1), backward compute 8·D·F·B/(X·C) against AllReduce 8·D·F/W: compute-bound iff
 the tokens per device B/X exceed C/W, the hardware's "network arithmetic intensity". Corrections:
 
-* small DP (seed §7.3): the ring's (X−1)/X factor: B/X > C/W · (X−1)/X;
-* across nodes (seed §7.2, §7.3): two legs, NVLink per device inside a node with (g−1)/g and NIC
+* small DP (guide §7.3): the ring's (X−1)/X factor: B/X > C/W · (X−1)/X;
+* across nodes (guide §7.2, §7.3): two legs, NVLink per device inside a node with (g−1)/g and NIC
   egress per node between nodes with (m−1)/m; the slower leg sets W:
   ``threshold = C · max((g−1)/g / W_intra, (m−1)/m / W_inter)``. "At scale" (``n=None``) means
-  many nodes, (m−1)/m → 1, the seed's 2475 (H100) and 4300 (H800) tokens/GPU;
-* MoE (seed §7.3): compute follows the k active experts, gradients all E: threshold × E/k.
+  many nodes, (m−1)/m → 1, the guide's 2475 (H100) and 4300 (H800) tokens/GPU;
+* MoE (guide §7.3): compute follows the k active experts, gradients all E: threshold × E/k.
 
-The seed's quoted "C/W" numbers (e.g. H100 inside a node ≈ 2200) are ``intra_c_over_w`` and
+The guide's quoted "C/W" numbers (e.g. H100 inside a node ≈ 2200) are ``intra_c_over_w`` and
 ``inter_c_over_w``: C over one leg's bandwidth, without any (n−1)/n.
 """
 
@@ -25,10 +25,10 @@ from zerodp.plan.hardware import Hardware, get_hardware
 from zerodp.plan.models import Model, get_model
 
 BF16 = 2
-#: seed §7.4: backward ≈ 4·tokens·Ψ FLOPs (twice the forward's 2·tokens·Ψ)
+#: guide §7.4: backward ≈ 4·tokens·Ψ FLOPs (twice the forward's 2·tokens·Ψ)
 BACKWARD_FLOPS_PER_TOKEN_PARAM = 4
 FORWARD_FLOPS_PER_TOKEN_PARAM = 2
-#: seed §10.2: a transformer layer has about 16h² parameters
+#: guide §10.2: a transformer layer has about 16h² parameters
 PARAMS_PER_LAYER_PER_H2 = 16
 
 
@@ -126,7 +126,7 @@ class MaxDevices(ToDict):
 def max_devices(hardware: Hardware | str, batch_tokens: float, axes: int = 1,
                 model: Model | str | None = None, experts: int = 1,
                 experts_per_token: int = 1) -> MaxDevices:
-    """Largest DP size whose tokens per device stay above the at-scale threshold (seed §7.5)."""
+    """Largest DP size whose tokens per device stay above the at-scale threshold (guide §7.5)."""
     check_positive("batch_tokens", batch_tokens)
     r = threshold(hardware, None, axes, model, experts, experts_per_token)
     return MaxDevices(r.hardware, batch_tokens, axes, r.moe_factor, r.threshold_tokens,
@@ -135,7 +135,7 @@ def max_devices(hardware: Hardware | str, batch_tokens: float, axes: int = 1,
 
 @dataclass(frozen=True)
 class WholeModel(ToDict):
-    """Seed §7.4 for a whole model: ``params``, ``active_params``, ``tokens_per_device``, ``n``,
+    """Guide §7.4 for a whole model: ``params``, ``active_params``, ``tokens_per_device``, ``n``,
     ``compute_s`` (4·tokens·Ψ_active/C), ``comm_s`` (AllReduce of 2Ψ bytes, bandwidth term of the
     slower leg), ``ratio`` (compute/comm), ``compute_bound``, ``threshold_tokens``
     (tokens per device where compute = comm)."""
@@ -153,7 +153,7 @@ class WholeModel(ToDict):
 
 def whole_model(params: float, tokens_per_device: float, n: int, hardware: Hardware | str,
                 active_params: float | None = None, axes: int = 1) -> WholeModel:
-    """t_compute = 4·tokens·Ψ/C against t_comm = 2Ψ·2(N−1)/N / W (seed §7.4)."""
+    """t_compute = 4·tokens·Ψ/C against t_comm = 2Ψ·2(N−1)/N / W (guide §7.4)."""
     hw = get_hardware(hardware)
     check_positive("params", params)
     check_positive("tokens_per_device", tokens_per_device)
@@ -168,7 +168,7 @@ def whole_model(params: float, tokens_per_device: float, n: int, hardware: Hardw
 
 @dataclass(frozen=True)
 class LayerPrefetch(ToDict):
-    """Seed §10.2, FSDP per-layer prefetch: ``hidden``, ``tokens_per_device`` (seq·mbs), ``n``,
+    """Guide §10.2, FSDP per-layer prefetch: ``hidden``, ``tokens_per_device`` (seq·mbs), ``n``,
     ``layer_params`` (16h²), ``allgather_s`` (32h²·(N−1)/N / W), ``forward_s``
     (2·tokens·16h²/C), ``ratio`` (forward/allgather), ``hidden_by_compute``."""
 
@@ -184,7 +184,7 @@ class LayerPrefetch(ToDict):
 
 def layer_prefetch(hidden: int, seq: int, micro_batch: int, n: int,
                    hardware: Hardware | str) -> LayerPrefetch:
-    """Is one layer's AllGather hidden behind its forward? (seed §10.2)"""
+    """Is one layer's AllGather hidden behind its forward? (guide §10.2)"""
     hw = get_hardware(hardware)
     h = check_count("hidden", hidden)
     tokens = check_count("seq", seq) * check_count("micro_batch", micro_batch)

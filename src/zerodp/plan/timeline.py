@@ -1,25 +1,25 @@
-"""Event simulation of one training step's overlap (seed §3, §4, §9.3, §10.2, §10.3).
+"""Event simulation of one training step's overlap (guide §3, §4, §9.3, §10.2, §10.3).
 
 **Buckets (stages 0–2).** Backward runs the layers last to first; a layer's gradients are final when
-its backward ends (seed §3). Gradient bytes fill buckets in that reverse order; a bucket is
+its backward ends (guide §3). Gradient bytes fill buckets in that reverse order; a bucket is
 launched when it is full (the last one when backward ends), on ONE serialized communication stream:
 ``start = max(ready, previous end)``, ``end = start + T(bucket)`` with T from the alpha-beta model.
 Exposed communication is what runs past the end of backward; step = forward + backward + exposed.
 
 By default a layer's bytes are a stream that may straddle buckets (``split_layers=True``), so tiny
-buckets give the seed's "thousands of buckets"; ``split_layers=False`` closes a bucket only at a
+buckets give the guide's "thousands of buckets"; ``split_layers=False`` closes a bucket only at a
 layer boundary, as DDP does with whole parameters. Runs of equal buckets that become ready at the
 same moment are simulated in one go (``BucketRun``), so a 1 kB bucket on a 16 GB model is fast.
 
 **FSDP (stage 3).** Per unit: forward AllGather (unit i+1 prefetched when unit i starts computing,
 so at most two units are gathered), backward AllGather in reverse with the same prefetch, the last
-unit kept from forward (2L−1 AllGathers, seed §9.3), and a ReduceScatter of each unit's gradients
+unit kept from forward (2L−1 AllGathers, guide §9.3), and a ReduceScatter of each unit's gradients
 when its backward ends, all on one FIFO communication stream.
 
 Everything takes explicit :class:`Layer` lists (measured or estimated) and any collective cost with
 a ``time(kind, nbytes)`` method (:class:`~zerodp.plan.collectives.RingCost`,
 :class:`~zerodp.plan.collectives.HierarchicalCost`); :func:`model_layers` builds layers from a
-model preset and the FLOP counts of seed §7.4.
+model preset and the FLOP counts of guide §7.4.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from zerodp.plan.models import Model, get_model
 from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_PER_TOKEN_PARAM
 
 BF16 = 2
-#: PyTorch DDP's default bucket_cap_mb (seed §4)
+#: PyTorch DDP's default bucket_cap_mb (guide §4)
 DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20
 #: the bucket ``zerodp plan simulate`` and the page start from: DDP's "25", read as 25 MB as the
 #: guide writes it (guide §4); 25 MiB would be 26.2 MB, a 5% larger bucket
@@ -412,7 +412,7 @@ def model_layers(model: Model | str, hardware: Hardware | str | float, tokens_pe
                  efficiency: float = 1.0) -> list[Layer]:
     """Layers of a model preset for the simulator, in forward order: embedding, L blocks, head.
 
-    Compute from seed §7.4: forward 2·tokens·P/C, backward 4·tokens·P/C with P the layer's active
+    Compute from guide §7.4: forward 2·tokens·P/C, backward 4·tokens·P/C with P the layer's active
     parameters and C = ``hardware``'s FLOP/s (or a number) × ``efficiency``; gradient bytes are
     bf16 (2·P with P all parameters, all experts included). The embedding lookup costs no FLOPs.
     """

@@ -1,7 +1,7 @@
 """Sharded checkpoints that survive a crash mid-save and load at any world size and stage.
 
 Under ZeRO every rank holds a different 1/N of the optimizer state (and, from ZeRO-3, of the
-parameters — seed §9). So each rank saves only what it owns: the engine lists it as *pieces*,
+parameters — guide §9). So each rank saves only what it owns: the engine lists it as *pieces*,
 element ranges ``[start, stop)`` of the flattened full tensors (``engine.state_pieces()``). The pieces
 of all ranks are disjoint and together cover every tensor, so a loader can rebuild any range of
 any tensor from them — which is what lets a checkpoint saved at world 4, stage 3 load at world 2,

@@ -45,7 +45,7 @@ def _add_train(sub) -> None:
                    help="a text file, or a nanoGPT-style uint16 .bin token file (default: Python's "
                         "bundled documentation topics)")
     g.add_argument("--seq-len", type=int, default=_d("seq_len"), help="tokens per sequence")
-    g = p.add_argument_group("batch (seed §6.1: gbs = micro-batch × grad_acc × ranks)")
+    g = p.add_argument_group("batch (guide §6.1: gbs = micro-batch × grad_acc × ranks)")
     g.add_argument("--global-batch-tokens", type=int, default=_d("global_batch_tokens"),
                    help="tokens per optimizer step, over all ranks")
     g.add_argument("--micro-batch", type=int, default=_d("micro_batch"),
@@ -53,11 +53,11 @@ def _add_train(sub) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--nproc", type=int, default=_d("nproc"), help="local ranks to start")
     g.add_argument("--stage", type=int, default=_d("stage"),
-                   help="0 DP, 1 ZeRO-1, 2 ZeRO-2, 3 ZeRO-3/FSDP (seed §9)")
+                   help="0 DP, 1 ZeRO-1, 2 ZeRO-2, 3 ZeRO-3/FSDP (guide §9)")
     g.add_argument("--mixed-precision", default=None, choices=["bf16"],
-                   help="bf16 compute with fp32 master weights (seed §1)")
+                   help="bf16 compute with fp32 master weights (guide §1)")
     g.add_argument("--bucket-mb", type=_bucket_mb, default=_d("bucket_mb"), metavar="MB|auto",
-                   help="gradient bucket size in MiB (seed §4), or auto: the simulator's sweet spot for "
+                   help="gradient bucket size in MiB (guide §4), or auto: the simulator's sweet spot for "
                         "this model and machine, from --profile")
     g.add_argument("--profile", default=None, metavar="FILE",
                    help="calibration profile written by `zerodp calibrate` on --nproc ranks (for "

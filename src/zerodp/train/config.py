@@ -1,6 +1,6 @@
-"""What one training run is: a dataclass of every setting, and the batch arithmetic of seed §6.1.
+"""What one training run is: a dataclass of every setting, and the batch arithmetic of guide §6.1.
 
-``gbs_tokens = gbs × seq_len`` and ``gbs = mbs × grad_acc × dp`` (seed §6): the user fixes the
+``gbs_tokens = gbs × seq_len`` and ``gbs = mbs × grad_acc × dp`` (guide §6): the user fixes the
 global batch in tokens and the sequence length (steps 1–2 of §6.1), picks the largest micro-batch
 that fits (step 3), and the number of ranks; gradient accumulation makes up the rest (step 4).
 """
@@ -28,7 +28,7 @@ ON_SAVE_ERROR = ("stop", "continue")
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """The factors of the global batch (seed §6): ``gbs = micro_batch × grad_acc × dp``."""
+    """The factors of the global batch (guide §6): ``gbs = micro_batch × grad_acc × dp``."""
 
     global_batch_tokens: int
     seq_len: int
@@ -39,10 +39,10 @@ class BatchPlan:
 
 
 def plan_batch(global_batch_tokens: int, seq_len: int, micro_batch: int, dp: int) -> BatchPlan:
-    """grad_acc = gbs / (mbs × dp) with gbs = global_batch_tokens / seq_len (seed §6.1, step 4).
+    """grad_acc = gbs / (mbs × dp) with gbs = global_batch_tokens / seq_len (guide §6.1, step 4).
 
     Raises ``ValueError`` that names the numbers and a fix when the factors do not divide, and when
-    ``grad_acc`` would be below 1 (more ranks than the batch needs: "GPU-rich", seed §6.1).
+    ``grad_acc`` would be below 1 (more ranks than the batch needs: "GPU-rich", guide §6.1).
     """
     for name, v in (("--global-batch-tokens", global_batch_tokens), ("--seq-len", seq_len),
                     ("--micro-batch", micro_batch), ("number of ranks", dp)):
@@ -58,7 +58,7 @@ def plan_batch(global_batch_tokens: int, seq_len: int, micro_batch: int, dp: int
         raise ValueError(
             f"the global batch of {gbs} sequences is smaller than --micro-batch {micro_batch} × "
             f"{dp} ranks = {per_pass}, so grad_acc would be below 1 (too many ranks for this batch, "
-            f"seed §6.1): lower --micro-batch, use fewer ranks, or raise --global-batch-tokens to "
+            f"guide §6.1): lower --micro-batch, use fewer ranks, or raise --global-batch-tokens to "
             f"{per_pass * seq_len}")
     if gbs % per_pass:
         raise ValueError(
@@ -66,7 +66,7 @@ def plan_batch(global_batch_tokens: int, seq_len: int, micro_batch: int, dp: int
             f"divisible by --micro-batch {micro_batch} × {dp} ranks = {per_pass}: choose "
             f"--global-batch-tokens {_round(gbs, per_pass) * seq_len} or a micro-batch that divides "
             f"{gbs // dp if gbs % dp == 0 else gbs}")
-    # The planner's arithmetic (seed §6.1), without its power-of-two rounding: a training run takes
+    # The planner's arithmetic (guide §6.1), without its power-of-two rounding: a training run takes
     # the batch it is given. The checks above turned each of its warnings into an error first.
     plan = planner_batch(global_batch_tokens, seq_len, micro_batch, dp, round_to_power_of_two=False)
     if plan.warnings or plan.samples != gbs:
@@ -92,7 +92,7 @@ class TrainConfig:
     micro_batch: int = 16
     stage: int = 2
     mixed_precision: str | None = None
-    bucket_mb: float | str = 0.5  # MiB, or "auto": the simulator's sweet spot from --profile (seed §4)
+    bucket_mb: float | str = 0.5  # MiB, or "auto": the simulator's sweet spot from --profile (guide §4)
     profile: str | None = None  # calibration profile (zerodp calibrate) for --bucket-mb auto
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -148,7 +148,7 @@ class TrainConfig:
         self._check_bucket()
 
     def _check_bucket(self) -> None:
-        """``--bucket-mb``: a positive number of MiB, or ``auto`` with ``--profile`` (seed §4)."""
+        """``--bucket-mb``: a positive number of MiB, or ``auto`` with ``--profile`` (guide §4)."""
         if self.bucket_mb == AUTO:
             if self.profile is None and self.stage != 3:
                 raise ValueError("--bucket-mb auto needs a calibration profile: pass --profile FILE "

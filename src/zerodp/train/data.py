@@ -1,7 +1,7 @@
 """Token corpora and the deterministic, rank-sharded stream of micro-batches.
 
-Data parallelism gives each rank a different slice of the same global batch (seed §2.1, step 1):
-``gbs = mbs × grad_acc × dp`` samples per step (seed §6). This module decides *which* samples.
+Data parallelism gives each rank a different slice of the same global batch (guide §2.1, step 1):
+``gbs = mbs × grad_acc × dp`` samples per step (guide §6). This module decides *which* samples.
 
 The corpus is cut into non-overlapping windows of ``seq_len + 1`` tokens (input plus the next-token
 target). Every epoch visits all training windows once, in an order drawn from ``(seed, epoch)``.
@@ -137,7 +137,7 @@ class Windows:
 
 @dataclass(frozen=True)
 class Sharding:
-    """Who reads what: ``gbs = micro_batch × grad_acc × world`` samples per step (seed §6)."""
+    """Who reads what: ``gbs = micro_batch × grad_acc × world`` samples per step (guide §6)."""
 
     micro_batch: int
     grad_acc: int

@@ -1,10 +1,10 @@
 """The training loop that runs on every rank: data → engine → optimizer step, with evals,
 checkpoints, metrics and the final report.
 
-One step is seed §5's loop: ``grad_acc`` micro-batches, the gradient synchronisation switched off
+One step is guide §5's loop: ``grad_acc`` micro-batches, the gradient synchronisation switched off
 (``no_sync``) for all but the last, then clipping and one optimizer step. Which samples each rank
 reads is decided in :mod:`zerodp.train.data`; how gradients and states are sharded is the engine's
-business (stage 0–3, seed §9).
+business (stage 0–3, guide §9).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def check_profile(cfg: TrainConfig, world: int) -> None:
 
 
 def bucket_words(engine, cfg: TrainConfig) -> str:
-    """The run's gradient bucket size in words, e.g. ``bucket 5.36 MiB (auto)`` (seed §4)."""
+    """The run's gradient bucket size in words, e.g. ``bucket 5.36 MiB (auto)`` (guide §4)."""
     if cfg.stage == 3:
         return "no gradient buckets (FSDP units)" + (", --bucket-mb auto ignored" if cfg.bucket_mb == AUTO else "")
     return f"bucket {engine.config.bucket_mb:.3g} MiB" + (" (auto)" if engine.bucket_auto else "")

@@ -1,9 +1,9 @@
 """A small GPT (decoder-only transformer) for byte-level language modelling.
 
 The model the training app, the tests and the benchmarks share. Its repeated blocks live in
-``model.blocks`` (a ``ModuleList``) so that ZeRO-3 can make each block one FSDP unit (seed §10.3).
+``model.blocks`` (a ``ModuleList``) so that ZeRO-3 can make each block one FSDP unit (guide §10.3).
 Per block there are 12·d² weight parameters (4d² attention + 8d² MLP with ffn = 4d), which the
-planner's per-layer estimate rounds to 16h² with a wider FFN (seed §10.2).
+planner's per-layer estimate rounds to 16h² with a wider FFN (guide §10.2).
 """
 
 from __future__ import annotations

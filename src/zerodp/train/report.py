@@ -1,12 +1,12 @@
-"""The end-of-run report: what the seed teaches, measured on this run.
+"""The end-of-run report: what the guide teaches, measured on this run.
 
 - the loss curve (``loss.png``): training loss per step, validation loss at each evaluation;
 - memory per rank by kind — parameters, gradients, optimizer states — as the engine measured it
-  (seed §8–§9: which of them ZeRO shards at this stage);
-- bytes per collective and how many per step (seed §2.4, §9: AllReduce for DP, ReduceScatter +
+  (guide §8–§9: which of them ZeRO shards at this stage);
+- bytes per collective and how many per step (guide §2.4, §9: AllReduce for DP, ReduceScatter +
   AllGather for ZeRO);
-- exposed communication as a fraction of step time — the part overlap did not hide (seed §3–§4);
-- achieved FLOP/s, from 6 FLOPs per weight per token plus attention (seed §7.4's ``4·tokens·Ψ``
+- exposed communication as a fraction of step time — the part overlap did not hide (guide §3–§4);
+- achieved FLOP/s, from 6 FLOPs per weight per token plus attention (guide §7.4's ``4·tokens·Ψ``
   counts the forward and backward matmuls the same way, 2 + 4 with the weight gradients).
 
 Everything also goes to ``report.json`` (machine-readable) and ``report.md`` (the printed text).
@@ -150,7 +150,7 @@ def write_report(summary: dict) -> Path:
         frac = exposed_fraction(stats, last)
         if frac is not None:
             parts += ["", f"exposed communication: {frac:.1%} of the last step's {last * 1e3:.0f} ms "
-                          "(the host waited for collectives that overlap did not hide; seed §3-4)"]
+                          "(the host waited for collectives that overlap did not hide; guide §3-4)"]
     files = [("metrics", out / METRICS_FILE), ("loss curve", png), ("report", out / "report.md")]
     if summary.get("checkpoint"):
         files.append(("checkpoint", summary["checkpoint"]))
@@ -171,7 +171,7 @@ KINDS = ("params", "grads", "master", "optimizer_states", "gathered", "comm_buff
 
 
 def _formula(stats: dict) -> dict | None:
-    """The planner's model-state bytes per kind (bf16 + Adam only, the seed's setting)."""
+    """The planner's model-state bytes per kind (bf16 + Adam only, the guide's setting)."""
     if stats.get("param_dtype") != "bfloat16":
         return None
     try:
@@ -184,13 +184,13 @@ def _formula(stats: dict) -> dict | None:
 
 
 def memory_rows(stats: list[dict]) -> str:
-    """Measured MiB per rank by kind (+ bytes per parameter on rank 0, + the seed's formula)."""
+    """Measured MiB per rank by kind (+ bytes per parameter on rank 0, + the guide's formula)."""
     kinds = [k for k in KINDS if any(s["memory"].get(k, 0) for s in stats)] or list(KINDS[:4])
     n = stats[0]["num_params"]
     formula = _formula(stats[0])
     headers = ["kind"] + [f"rank {s['rank']}" for s in stats] + ["B/param (rank 0)"]
     if formula:
-        headers.append("seed §9 formula")
+        headers.append("guide §9 formula")
     rows = []
     for k in kinds + ["total"]:
         vals = [sum(s["memory"].values()) if k == "total" else s["memory"].get(k, 0) for s in stats]

@@ -1,4 +1,4 @@
-"""zerodp.ui: the seed's interactive calculators as a local web page (``zerodp ui``).
+"""zerodp.ui: the guide's interactive calculators as a local web page (``zerodp ui``).
 
 - params:   request parameters, declared once, validated once (bad input → HTTP 422)
 - api:      endpoint → planner call; every figure is a field of a ``zerodp.plan`` result

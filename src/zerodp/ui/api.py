@@ -8,7 +8,7 @@ endpoint       planner calls
 =============  ==============================================================================
 ``schema``     the parameters of every endpoint, with defaults (the page's starting values)
 ``presets``    hardware and model presets
-``memory``     :func:`~zerodp.plan.all_stages` (+ :func:`~zerodp.plan.activations`) (seed §8, §9)
+``memory``     :func:`~zerodp.plan.all_stages` (+ :func:`~zerodp.plan.activations`) (guide §8, §9)
 ``overlap``    :func:`~zerodp.plan.simulate_backward` and :func:`~zerodp.plan.sweep_buckets` (§4)
 ``roofline``   :func:`~zerodp.plan.threshold`, :func:`~zerodp.plan.max_devices` (§7)
 ``batch``      :func:`~zerodp.plan.plan_batch` (§6.1)
@@ -31,12 +31,12 @@ from zerodp.plan.timeline import DEFAULT_BUCKET_BYTES
 from zerodp.ui.measured import Measured
 from zerodp.ui.params import ApiError, Param, field_of, parse
 
-#: seed §9.4: the ZeRO paper's example runs on N_d = 64 GPUs (with Ψ = 7.5B, k = 12)
+#: guide §9.4: the ZeRO paper's example runs on N_d = 64 GPUs (with Ψ = 7.5B, k = 12)
 ZERO_PAPER_GPUS = 64
 ZERO_PAPER_MODEL = "zero-7.5b"
-#: seed §6.1: "手上有 128 张卡"
+#: guide §6.1: "手上有 128 张卡"
 BATCH_EXAMPLE_GPUS = 128
-#: seed §4's demo model (the planner's report uses the same)
+#: guide §4's demo model (the planner's report uses the same)
 OVERLAP_MODEL = "llama3-8b"
 CUSTOM = "custom"
 #: DP sizes drawn in the "per GPU vs N" and "grad_acc vs dp" curves: powers of two up to 2^LOG2_MAX
@@ -163,7 +163,7 @@ class Api:
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
                 Param("collective", "choice", "all_reduce", "gradient collective",
                       choices=lambda: ["all_reduce", "reduce_scatter"]),
-            ], self.overlap, "one backward with bucketed gradient communication (seed §4)"),
+            ], self.overlap, "one backward with bucketed gradient communication (guide §4)"),
             Endpoint("roofline", [
                 self._hardware_param(preset),
                 Param("n", "count", plan_report.LLAMA3_405B_GPUS, "data-parallel GPUs",
@@ -176,7 +176,7 @@ class Api:
                 Param("batch_tokens", "quantity", plan_report.LLAMA3_FINAL_BATCH_TOKENS,
                       "global batch (tokens)", minimum=1, maximum=1e15,
                       why="a quadrillion at most", count_units=True),
-            ], self.roofline, "tokens-per-GPU threshold, minimum batch, maximum GPUs (seed §7)"),
+            ], self.roofline, "tokens-per-GPU threshold, minimum batch, maximum GPUs (guide §7)"),
             Endpoint("batch", [
                 Param("target_tokens", "quantity", float(plan_report.BATCH_EXAMPLE["target_tokens"]),
                       "target global batch (tokens)", minimum=1, maximum=1e15,
@@ -187,7 +187,7 @@ class Api:
                       "micro-batch mbs", maximum=plan.memory.MAX_MICRO_BATCH),
                 Param("dp", "count", BATCH_EXAMPLE_GPUS, "data-parallel GPUs dp",
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
-            ], self.batch, "gbs = mbs × grad_acc × dp (seed §6.1)"),
+            ], self.batch, "gbs = mbs × grad_acc × dp (guide §6.1)"),
         ]
         return {e.name: e for e in eps}
 

@@ -12,7 +12,7 @@ from zerodp.ui.server import is_loopback, make_server
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "ui", help="interactive calculators in the browser (memory, bucket overlap, roofline, batch)",
-        description="Serve the seed's calculators as a local web page. Every figure on the page "
+        description="Serve the guide's calculators as a local web page. Every figure on the page "
                     "comes from zerodp.plan, the same code as 'zerodp plan'.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
