@@ -27,6 +27,7 @@ demo: setup
 	$(BIN)/zerodp train
 
 test: setup browser
+	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

@@ -72,7 +72,8 @@ def test_predict_without_profile_says_how_to_make_one(tmp_path, capsys):
 def _table(points):
     from zerodp.bench.compute import ComputePoint, ComputeProfile
 
-    return ComputeProfile.from_points("small", 1000, [ComputePoint(t, 1, t, f, b, o) for t, f, b, o in points]).to_dict()
+    return ComputeProfile.from_points("small", 1000,
+                                      [ComputePoint(t, 1, t, f, b, o) for t, f, b, o in points]).to_dict()
 
 
 def test_compute_is_exact_at_measured_sizes_and_linear_between():

@@ -77,7 +77,8 @@ def test_state_round_trips_through_pieces_and_scalars():
     m2.load_pieces(lambda name, kind, a, b: saved[(name, kind)][a:b])
     g = torch.randn(10)
     t.tensor.grad, t2.tensor.grad = g.clone(), g.clone()
-    m.step(); m2.step()
+    m.step()
+    m2.step()
     assert torch.equal(t.tensor, t2.tensor)
 
 

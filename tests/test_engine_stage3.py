@@ -18,7 +18,6 @@ padding is exercised.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -2,7 +2,6 @@
 clear refusals (weights tied across units, mixed dtypes, modules outside the model)."""
 
 import pytest
-import torch
 import torch.nn as nn
 
 from zerodp.engine.unit import FROZEN, default_unit_modules, plan_units

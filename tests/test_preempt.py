@@ -22,10 +22,9 @@ import pytest
 
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.chaos import RUN, Launch, compare, env_with
+from _straight import CKPT_EVERY, STEPS as N_STEPS, straight as shared_straight
 
 pytestmark = pytest.mark.dist
-
-from _straight import CKPT_EVERY, STEPS as N_STEPS, straight as shared_straight
 
 STEPS = ["--steps", str(N_STEPS), "--ckpt-every", str(CKPT_EVERY)]
 STARTUP_S = 120  # starting Python, torch and two ranks on a loaded 2-core machine

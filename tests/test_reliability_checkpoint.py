@@ -12,9 +12,7 @@ one rank is killed mid-save leaves the previous checkpoint loadable.
 """
 
 import os
-import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ for training and validation; then a real run at world 3 on a corpus of 11 window
 batch of 12 sequences, which must simply finish.
 """
 
-from dataclasses import replace
 
 import numpy as np
 import pytest

@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--regimes", default="compute,comm",
                    help="comma-separated: compute (8×256 tokens/rank), comm (1×32), or a number of "
                         "tokens per rank (default compute,comm)")
-    b.add_argument("--steps", type=int, default=None, help="timed steps per contender in the costliest regime; cheaper regimes "
+    b.add_argument("--steps", type=int, default=None,
+                   help="timed steps per contender in the costliest regime; cheaper regimes "
                         "time proportionally more, up to 5x (default 6)")
     b.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3)")
     b.add_argument("--model", default=None, help="GPT preset (default small)")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
 
 
 from zerodp.plan.calibrated import Overlap, contention_s, efficiency  # noqa: E402,F401

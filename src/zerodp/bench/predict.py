@@ -32,9 +32,7 @@ from dataclasses import asdict, dataclass
 from zerodp.bench.compute import compute_times, optimizer_time
 from zerodp.bench.overlap import contention_s, efficiency
 from zerodp.plan.calibrated import LayerShape, PerKindCost, gpt_layer_shapes, split_compute  # noqa: F401
-from zerodp.plan.collectives import RingCost
-from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
-from zerodp.plan.timeline import Layer, simulate_backward, simulate_fsdp
+from zerodp.plan.timeline import simulate_backward, simulate_fsdp
 
 
 

@@ -148,7 +148,8 @@ def points_table(points: list[Point], world_size: int) -> str:
     lines = [f"# collectives on {world_size} ranks (times are medians, max over ranks)",
              f"{'collective':>15} {'size (B)':>12} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"]
     for p in points:
-        lines.append(f"{p.kind:>15} {p.bytes:>12d} {p.time_s * 1e6:>12.1f} {p.algbw / 1e9:>13.3f} {p.busbw / 1e9:>13.3f}")
+        lines.append(f"{p.kind:>15} {p.bytes:>12d} {p.time_s * 1e6:>12.1f} {p.algbw / 1e9:>13.3f} "
+                     f"{p.busbw / 1e9:>13.3f}")
     return "\n".join(lines)
 
 

@@ -53,7 +53,8 @@ rank's disjoint shards, so the gradient norm needs one AllReduce; False for stag
 ``_before_forward()`` / ``_after_forward(out)``, ``_on_backward_end()`` (runs once at the end
 of every backward in which ``_backward_started()`` was called — call it from your gradient
 hooks), ``_wait_params()`` (wait for in-flight parameter collectives), ``_optimizer_step()``
-(the default steps all targets at once, then calls ``_publish_params``), ``_owned_range(target)`` (what this rank saves),
+(the default steps all targets at once, then calls ``_publish_params``), ``_owned_range(target)``
+(what this rank saves),
 ``_layout_extra(i, target)``.
 """
 

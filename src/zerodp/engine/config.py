@@ -157,7 +157,8 @@ def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_siz
 
     grad_bytes = grad_dtype.itemsize
     cal = calibration_for(config.profile, world_size)
-    mb = choose_bucket_mb(cal, module_layer_shapes(module, config.tokens_per_rank), config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
+    shapes = module_layer_shapes(module, config.tokens_per_rank)
+    mb = choose_bucket_mb(cal, shapes, config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
                           collective=BUCKET_COLLECTIVE[config.stage])
     mb = float(mb) * param_dtype.itemsize / grad_bytes
     # The simulator prices equal buckets; a first bucket larger than the rest would defeat its

@@ -16,8 +16,9 @@ stage       params       grads         master       optimizer states (m, v)
 
 (+…: fp32 gradient accumulation. Stage 3 then keeps no bf16 gradient shard at rest — the
 ReduceScatter lands in a buffer that lives only while it is added to the fp32 shard — so it
-measures 2Ψ/N below the guide's count; stage 3's gathered units are listed apart.) ``python -m zerodp.engine.stats`` runs every stage on local
-ranks and prints formula vs measured per kind; the formulas come from the planner
+measures 2Ψ/N below the guide's count; stage 3's gathered units are listed apart.)
+``python -m zerodp.bench.memory`` runs every stage on local ranks and prints formula vs measured per
+kind; the formulas come from the planner
 (:func:`zerodp.plan.memory.model_states`), written independently of the engine.
 
 Communication of the last completed step is grouped by collective kind; ``wait_s`` is how long

@@ -109,7 +109,8 @@ class Recorder:
             if e.end is None:
                 continue
             out.append({
-                "name": e.name, "ph": "X", "pid": self.rank, "tid": LANES.index(e.lane) if e.lane in LANES else len(LANES),
+                "name": e.name, "ph": "X", "pid": self.rank,
+                "tid": LANES.index(e.lane) if e.lane in LANES else len(LANES),
                 "ts": (e.start - self.t0) * 1e6, "dur": max(e.duration, 0.0) * 1e6,
                 "args": {"step": e.step, **e.args},
             })

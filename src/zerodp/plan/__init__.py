@@ -46,6 +46,7 @@ __all__ = [
     "collective_time", "custom_model", "default_bucket_sizes", "get_hardware", "get_model",
     "hardware_from_dict", "hardware_names", "layer_prefetch", "load_hardware", "max_devices",
     "max_params", "model_layers", "model_names", "model_states", "nearest_power_of_two",
-    "network_cost", "plan_batch", "plot_timeline", "ring_steps", "save_hardware", "threshold", "simulate_backward", "simulate_fsdp",
+    "network_cost", "plan_batch", "plot_timeline", "ring_steps", "save_hardware", "threshold", "simulate_backward",
+    "simulate_fsdp",
     "sweep_buckets", "uniform_layers", "whole_model",
 ]

@@ -87,7 +87,8 @@ def _row(key, section, quantity, value, unit, shown, seed):
 
 
 def build_report() -> Report:
-    """Recompute every number of the worked examples of the guide (and the bucket demo of guide §4) with the public API."""
+    """Recompute every number of the guide's worked examples (and its bucket demo, guide §4) with the
+    public API."""
     rows = []
     names = [STAGE_NAMES[s] for s in STAGES]
     seed_mem = ["120", "31.4", "16.6", "1.88"]
@@ -126,12 +127,16 @@ def build_report() -> Report:
     for key, sec, q, v, seed in [
         ("threshold_h100_nodes", "§7.2", "H100 across nodes", threshold("H100").threshold_tokens, "2475"),
         ("c_over_w_h100_node", "§10.2", "H100 inside a node, C/W", threshold("H100").intra_c_over_w, "≈ 2200"),
-        ("threshold_h100_2nodes", "§7.3", "H100 on 2 nodes (NVLink leg)", threshold("H100", 16).threshold_tokens, "≈ 1900"),
-        ("threshold_h800_nodes", "§7.2", "H800 across nodes (229 GB/s leg)", threshold("H800").threshold_tokens, "≈ 4300"),
+        ("threshold_h100_2nodes", "§7.3", "H100 on 2 nodes (NVLink leg)", threshold("H100", 16).threshold_tokens,
+         "≈ 1900"),
+        ("threshold_h800_nodes", "§7.2", "H800 across nodes (229 GB/s leg)", threshold("H800").threshold_tokens,
+         "≈ 4300"),
         ("threshold_tpu_1axis", "§10.1", "TPU v5p, one axis", threshold("TPU v5p").threshold_tokens, "2550"),
         ("threshold_tpu_3axes", "§7.2", "TPU v5p, three axes", threshold("TPU v5p", axes=3).threshold_tokens, "850"),
-        ("threshold_gpt_oss", "§7.3", "gpt-oss-120b (E/k = 32) on H100", threshold("H100", model="gpt-oss-120b").threshold_tokens, "≈ 79,000"),
-        ("threshold_deepseek_v3", "§7.3", "DeepSeek-V3 (E/k = 32) on H800", threshold("H800", model="deepseek-v3").threshold_tokens, "≈ 138,000"),
+        ("threshold_gpt_oss", "§7.3", "gpt-oss-120b (E/k = 32) on H100",
+         threshold("H100", model="gpt-oss-120b").threshold_tokens, "≈ 79,000"),
+        ("threshold_deepseek_v3", "§7.3", "DeepSeek-V3 (E/k = 32) on H800",
+         threshold("H800", model="deepseek-v3").threshold_tokens, "≈ 138,000"),
     ]:
         rows.append(_row(key, sec, q + ": tokens/GPU", v, "tokens", f"{v:,.0f}", seed))
     for key, sec, q, r, seed in [

@@ -251,9 +251,12 @@ def _detected(fault: str, window: list[Line], at: float) -> str:
     found = []
     for ln in window:
         t = ln.text
-        m = re.search(r"rank (\d+) of \d+ stopped in a collective during ([^:]+): it (lost the connection|waited more than --timeout-s [\d.]+ s)", t)
+        m = re.search(r"rank (\d+) of \d+ stopped in a collective during ([^:]+): "
+                      r"it (lost the connection|waited more than --timeout-s [\d.]+ s)", t)
         if m:
-            how = "lost the connection" if m.group(3) == "lost the connection" else m.group(3).replace("waited more than ", "timed out after ")
+            how = m.group(3)
+            if how != "lost the connection":
+                how = how.replace("waited more than ", "timed out after ")
             found.append(f"rank {m.group(1)}'s collective {how} (during {m.group(2)})")
         m = re.search(r"zerodp watchdog: rank (\d+) made no progress for ([\d.]+) s", t)
         if m:

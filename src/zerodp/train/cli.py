@@ -94,7 +94,8 @@ def _add_train(sub) -> None:
                         "training stops after N such steps in a row")
     g = p.add_argument_group("outputs")
     g.add_argument("--out", default=None, metavar="DIR", help="run directory (default: runs/<time>)")
-    g.add_argument("--eval-every", type=int, default=_d("eval_every"), help="steps between validation losses (0: end only)")
+    g.add_argument("--eval-every", type=int, default=_d("eval_every"),
+                   help="steps between validation losses (0: end only)")
     g.add_argument("--eval-batches", type=int, default=_d("eval_batches"), help="validation micro-batches per rank")
     g.add_argument("--ckpt-every", type=int, default=_d("ckpt_every"), help="steps between checkpoints (0: end only)")
     g.add_argument("--keep-checkpoints", type=int, default=_d("keep_checkpoints"),

@@ -194,7 +194,8 @@ def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
                 cache[(p.name, kind, p.start, p.stop)] = ck.read(p.name, kind, p.start, p.stop)
         rng = ck.rng(ctx.rank)
     except Exception as e:  # noqa: BLE001 - any failure to read means: load nothing, anywhere
-        problem = str(e) if isinstance(e, ckpt.CheckpointError) else f"{ck.path}: cannot read it ({type(e).__name__}: {e})"
+        problem = (str(e) if isinstance(e, ckpt.CheckpointError)
+                   else f"{ck.path}: cannot read it ({type(e).__name__}: {e})")
     flag = torch.tensor([0.0 if problem else 1.0], device=ctx.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if flag.item() < 1.0:

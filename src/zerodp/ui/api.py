@@ -111,7 +111,6 @@ class Api:
         preset = plan.hardware_names()[0]
         # the overlap panel simulates the calibrated machine when a profile was given
         hw = self.measured.hardware or plan.get_hardware(preset)
-        zero_paper = plan.get_model(ZERO_PAPER_MODEL)
         eps = [
             Endpoint("schema", [], self.schema, "parameters of every endpoint, with defaults"),
             Endpoint("presets", [], self.presets, "hardware and model presets"),
