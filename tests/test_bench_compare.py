@@ -168,8 +168,10 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
         losses = {n: c["first_loss"] for n, c in cs.items()}
         assert max(losses.values()) - min(losses.values()) < 1e-4, losses  # same model, data, seed
         steps = 2 if r["regime"]["name"] == "compute" else 2 * compare.MAX_STEP_SCALE  # 128 vs 8 tokens
+        groups = len(compare.stage_groups(list(cs)))  # the floor runs beside every stage
         for name, c in cs.items():
-            assert len(c["times_s"]) == steps and all(t > 0 for t in c["times_s"])
+            assert len(c["times_s"]) == steps * (groups if name == "floor" else 1)
+            assert all(t > 0 for t in c["times_s"])
             assert c["median_s"] == pytest.approx(statistics.median(c["times_s"]))
             assert all(b > 0 for b in c["model_state_bytes"])
             sent = c["sent_bytes_per_step"][0]

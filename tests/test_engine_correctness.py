@@ -30,6 +30,16 @@ def _engine(model, stage, opt=None, **kw):
     return zerodp.parallelize(model, optimizer=opt, stage=stage, **kw)
 
 
+def _grad_err(got: dict, ref: nn.Module) -> float:
+    """max |ours − reference| over every gradient, relative to the largest reference gradient of
+    the model: some gradients are zero in exact arithmetic (a bias right before a BatchNorm, a
+    BatchNorm shift under a mean-square loss) and hold only rounding noise, which no two
+    summation orders share; the model-wide magnitude is the scale that noise is measured on."""
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    scale = max(g.abs().max().item() for g in grads.values())
+    return max((got[n] - g).abs().max().item() for n, g in grads.items()) / scale
+
+
 def _err(fn):
     try:
         fn()
@@ -101,9 +111,7 @@ def _stage3_usage(rank, world):
             sum(ref(xa[2 * r:2 * r + 2]) + ref(xb[2 * r:2 * r + 2]) for r in range(world)).div(world).backward()
         else:
             sum(ref(xa[2 * r:2 * r + 2]) for r in range(world)).div(world).backward()
-        got = eng.full_grad_dict()
-        out[f"{usage}/grad_err"] = max((got[n] - p.grad).abs().max().item() / p.grad.abs().max().item()
-                                       for n, p in ref.named_parameters() if p.grad is not None)
+        out[f"{usage}/grad_err"] = _grad_err(eng.full_grad_dict(), ref)
     for stage in STAGES:
         torch.manual_seed(0)
         model = FrozenFirst()
@@ -226,11 +234,13 @@ def _layer_drop(rank, world):
 
 # ---- 7, 8, 9, 10, 11, 12 and the optimizer hooks -------------------------------------------------
 class Odd(nn.Module):
+    """Units of 42, 16 and (root) 4 elements: at world 3 the last two are padded to 18 and 6."""
+
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(5, 7)
-        self.b = nn.Linear(7, 3)
-        self.bn = nn.BatchNorm1d(3)
+        self.b = nn.Linear(7, 2)
+        self.bn = nn.BatchNorm1d(2)
 
     def forward(self, x):
         return self.bn(self.b(torch.tanh(self.a(x)))).square().mean()
@@ -241,7 +251,7 @@ def _misc(rank, world, tmp):
     x = torch.randn(world * 4, 5, generator=torch.Generator().manual_seed(4))
     mine = x[4 * rank:4 * rank + 4]
 
-    # 7: full_grad_dict at stage 3 with padded units (sizes 35+7, 21+3 and 3+3+0: not ÷ 3 or 4)
+    # 7: full_grad_dict at stage 3 with padded units
     torch.manual_seed(0)
     model = Odd()
     ref = copy.deepcopy(model)
@@ -250,9 +260,7 @@ def _misc(rank, world, tmp):
     out["grad_dict_error"] = _err(lambda: eng.full_grad_dict())
     # (BatchNorm normalizes per rank, so compare against the per-rank reference losses.)
     sum(ref(x[4 * r:4 * r + 4]) for r in range(world)).div(world).backward()
-    got = eng.full_grad_dict()
-    out["grad_dict_err"] = max((got[n] - p.grad).abs().max().item() / p.grad.abs().max().item()
-                               for n, p in ref.named_parameters())
+    out["grad_dict_err"] = _grad_err(eng.full_grad_dict(), ref)
 
     # 8: after step() the model's parameters are the new ones (stages 1-2), unless asked not to
     for stage in (1, 2):

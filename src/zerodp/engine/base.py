@@ -121,10 +121,12 @@ def persistent_buffers(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
 def check_device(device: torch.device, group: dist.ProcessGroup | None) -> None:
     """NCCL runs on the current CUDA device: a model elsewhere would hang in the first
     ``all_gather_object``. Say what to call instead."""
-    backend = dist.get_backend(group)
-    if "nccl" not in str(backend).lower():
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend:
         return
     if device.type != "cuda":
+        if "gloo" in backend:  # e.g. "cpu:gloo,cuda:nccl": CPU tensors go through gloo
+            return
         raise ValueError(f"the process group uses NCCL but the model is on {device}: move it to "
                          "torch.device('cuda', local_rank), or use the gloo backend for CPU training")
     current = torch.cuda.current_device()
