@@ -264,7 +264,8 @@ def _build(case: Case, seed: int, stage: int, group):
 
     torch.manual_seed(seed)  # the reference is built from the same seed: the same values
     model = MatrixModel(case.features)
-    options = dict(find_unused_parameters=True) if stage < 3 else {}
+    # stages 0-2 tolerate a parameter without gradient only when told (as DDP)
+    options = dict(find_unused_parameters=True) if stage < 3 and "unused" in case.features else {}
     if "groups" in case.features:
         options["param_groups"] = param_groups
     if "reduce_once" in case.features and stage >= 2:

@@ -307,9 +307,12 @@ def test_measured_bytes_per_rank_equal_the_seed_formulas(world, stage, fp32_accu
         for kind in ("params", "grads", "master", "optimizer_states"):
             got, want = m["measured"][kind], m["formula"][kind]
             # Up to padding: each bucket is padded to a multiple of N (≤ N−1 elements, at most 4
-            # bytes each per kind and tensor), and Adam keeps a 4-byte step count per tensor.
+            # bytes each per kind and tensor; padding has no optimizer state, so a rank whose slice
+            # holds padding keeps a little less than Ψ/N of it), and Adam keeps a 4-byte step count
+            # per tensor.
             slack = m["padding"] * 4 * 3 + (4 * m["targets"] if kind == "optimizer_states" else 0)
-            assert want <= got <= want + slack, f"{kind}: measured {got} B, formula {want:.0f} B"
+            below = m["padding"] * 8 if kind == "optimizer_states" else 0
+            assert want - below <= got <= want + slack, f"{kind}: measured {got} B, formula {want:.0f} B"
 
 
 @pytest.mark.parametrize("world", WORLDS)

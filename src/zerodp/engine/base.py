@@ -436,7 +436,7 @@ class StageEngine:
             gathered: list = [None] * self.world_size
             dist.all_gather_object(gathered, mine, group=self.group)
             for other in gathered:
-                for name, scalars in other["params"].items():
+                for name, scalars in other.get("params", {}).items():
                     mine["params"].setdefault(name, scalars)
                 for g, scalars in enumerate(other["groups"]):
                     if scalars and not mine["groups"][g]:
@@ -533,10 +533,14 @@ class StageEngine:
         return MasterOptimizer(self._factory, targets, self.group_options)
 
     def _targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
-        """Optimizer targets over a held range of a flat buffer: per parameter, in cache-sized
-        chunks on CPU (see :func:`zerodp.engine.master.param_targets`)."""
+        """Optimizer targets over a held range of a flat buffer, in cache-sized chunks on CPU (see
+        :func:`zerodp.engine.master.param_targets`): per parameter where a parameter may go unused
+        in a step (stage 3, or ``find_unused_parameters=True``), so that the optimizer can skip it
+        whole; otherwise across parameters, fewer tensors for the optimizer's per-tensor work."""
         chunk = CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
-        return param_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1), chunk)
+        per_param = self.stage == 3 or self.config.find_unused_parameters
+        return param_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1), chunk,
+                             per_param=per_param)
 
     @torch.no_grad()
     def _broadcast_buffers(self) -> None:

@@ -53,24 +53,32 @@ class Target:
 
 
 def param_targets(tensor: torch.Tensor, layout: FlatLayout, flat_start: int, group_of: Callable[[str], int],
-                  chunk: int | None) -> list[Target]:
-    """The parameter runs of a held range of a flat buffer as optimizer targets (views, no copies).
+                  chunk: int | None, per_param: bool = True) -> list[Target]:
+    """A held range of a flat buffer as optimizer targets (views, no copies).
 
-    ``tensor`` holds elements ``[flat_start, flat_start + numel)`` of ``layout``. Each parameter's
-    run inside that range becomes its own targets, cut into pieces of at most ``chunk`` elements
-    (cache-sized on CPU); padding gets no target. ``group_of(name)`` gives the parameter's
-    optimizer group index (a negative index: the parameter is frozen and gets no target).
+    ``tensor`` holds elements ``[flat_start, flat_start + numel)`` of ``layout``. With
+    ``per_param``, each parameter's run inside that range becomes its own targets, so that a
+    parameter no rank used can be skipped as a whole (step count included); without it — when
+    every parameter is used in every step, and the range holds one param group — the range is cut
+    regardless of parameter boundaries, fewer and larger tensors for the optimizer. Either way
+    the pieces hold at most ``chunk`` elements (cache-sized on CPU) and padding gets no target.
+    ``group_of(name)`` gives the parameter's optimizer group index (negative: frozen, no target).
     """
+    spans = [(sp, group_of(sp.slot.name)) for sp in layout.spans(flat_start, flat_start + tensor.numel())]
+    spans = [(sp, g) for sp, g in spans if g >= 0]
+    if not per_param and spans and len({g for _, g in spans}) == 1 and all(
+            a.flat_start + a.numel == b.flat_start for (a, _), (b, _) in zip(spans, spans[1:])):
+        start, stop = spans[0][0].flat_start, spans[-1][0].flat_start + spans[-1][0].numel
+        runs = [(start, stop, spans[0][1], None)]
+    else:
+        runs = [(sp.flat_start, sp.flat_start + sp.numel, g, sp.slot.name) for sp, g in spans]
     out = []
-    for span in layout.spans(flat_start, flat_start + tensor.numel()):
-        g = group_of(span.slot.name)
-        if g < 0:
-            continue
-        lo = span.flat_start - flat_start
-        step = span.numel if not chunk else chunk
-        for a in range(0, span.numel, step):
-            b = min(a + step, span.numel)
-            out.append(Target(tensor[lo + a:lo + b], layout, span.flat_start + a, g, span.slot.name))
+    for start, stop, g, name in runs:
+        lo, n = start - flat_start, stop - start
+        step = n if not chunk else chunk
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            out.append(Target(tensor[lo + a:lo + b], layout, start + a, g, name))
     return out
 
 
@@ -192,7 +200,10 @@ class MasterOptimizer:
                 params.setdefault(t.name, scalars)
             if scalars and not groups[t.group]:
                 groups[t.group] = scalars
-        return {"kinds": self.state_kinds(), "groups": groups, "params": params}
+        out = {"kinds": self.state_kinds(), "groups": groups}
+        if all(t.name is not None for t in self.targets):  # per-parameter targets
+            out["params"] = params
+        return out
 
     def load_scalar_state(self, scalars: dict) -> None:
         """Create the optimizer state (zeros + scalars) so that pieces can be loaded into it.
