@@ -15,8 +15,8 @@ n·ε of the terms' magnitude (ε = ``torch.finfo(dtype).eps``), so gradients mu
 rtol = 2·n·ε and atol = rtol × the largest reference gradient of the step (the magnitude that
 cancellation can leave behind), n counting every term summed since the first step: the rounding
 of earlier steps is in the parameters the later gradients are taken at. SGD turns a gradient error
-into a parameter error of at most lr × (number of steps) per step (momentum 0.9 adds at most one step's worth per earlier step),
-which bounds the parameters.
+into a parameter error of at most lr × (number of steps) per step (momentum 0.9 adds at most one
+step's worth per earlier step), which bounds the parameters.
 
 A case prints as one line (``str(case)``); ``python tests/_matrix.py "<that line>"`` reruns it
 alone, and ``Case.parse`` reads it back.
