@@ -38,7 +38,7 @@ _PARTS = ("forward_s", "backward_s", "optimizer_s")
 
 # ---- the profile -------------------------------------------------------------------------------
 def load_calibration(path: str) -> dict:
-    """The ``calibration`` table of a profile written by :func:`write_profile`."""
+    """A profile written by ``zerodp calibrate`` (:func:`zerodp.bench.calibrate.write_profile`)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"profile {path!r} not found: run 'zerodp calibrate --out {path}' first")
     with open(path) as f:
