@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -20,3 +21,15 @@ _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", derandomize=True, max_examples=25, **_COMMON)
 settings.register_profile("fuzz", derandomize=False, max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``zerodp ui``'s server on a free loopback port, in a thread, for one test module."""
+    from zerodp.ui.server import make_server, serve_in_thread
+
+    srv = make_server(port=0)
+    serve_in_thread(srv)
+    yield srv
+    srv.shutdown()
+    srv.server_close()

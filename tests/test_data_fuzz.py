@@ -10,7 +10,6 @@ windows, plan the batch, check the checkpoint to resume) and the training stream
 """
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from zerodp.engine.master import Piece
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
 from zerodp.train.data import Sharding, TrainStream
@@ -104,16 +104,6 @@ def test_a_train_and_val_pair_names_the_file_at_fault(train, val, seq_len):
             assert "val.bin" in outcome
 
 
-@dataclass(frozen=True)
-class _Piece:
-    name: str
-    kind: str
-    start: int
-    stop: int
-    shape: tuple
-    tensor: torch.Tensor
-
-
 _SAVED: dict = {}
 
 
@@ -124,7 +114,7 @@ def _saved_model(vocab: int) -> Path:
         root = Path(tempfile.mkdtemp(prefix="zerodp-vocab-"))
         model = TrainConfig(preset="nano", seq_len=8).model_config(vocab).to_dict()
         t = torch.zeros(4)
-        _SAVED[vocab] = ckpt.save([_Piece("w", "param", 0, 4, (4,), t)], root, 1, {"model": model})
+        _SAVED[vocab] = ckpt.save([Piece("w", "param", 0, 4, (4,), t)], root, 1, {"model": model})
     return _SAVED[vocab]
 
 

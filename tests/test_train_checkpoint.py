@@ -8,26 +8,16 @@ ZeRO flat buffer is (guide §9). End-to-end tests with the engine are in test_tr
 import json
 import multiprocessing as mp
 import shutil
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from zerodp.engine.master import Piece
 from zerodp.spawn import run_local
 from zerodp.train import checkpoint as ckpt
 
 KINDS = ("param", "exp_avg")
 MODEL = {"d_model": 8, "n_layer": 1}
-
-
-@dataclass(frozen=True)
-class P:  # the engine's Piece fields
-    name: str
-    kind: str
-    start: int
-    stop: int
-    shape: tuple
-    tensor: torch.Tensor
 
 
 def reference_state(seed=0):
@@ -48,7 +38,7 @@ def pieces_for(state, rank, world):
         if a < b:
             for k in KINDS:
                 flat = state[(n, k)].reshape(-1)
-                out.append(P(n, k, a - at, b - at, tuple(state[(n, k)].shape), flat[a - at:b - at]))
+                out.append(Piece(n, k, a - at, b - at, tuple(state[(n, k)].shape), flat[a - at:b - at]))
         at += sizes[n]
     return out
 
@@ -122,7 +112,7 @@ def test_world4_pieces_assemble_anywhere_and_bad_files_are_named(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"checkpoint of another model \(d_model: checkpoint 8, this run 16"):
         ck.check_model({**MODEL, "d_model": 16})
     with pytest.raises(ckpt.CheckpointError, match=r"b\.bias has shape \(7,\), the model has \(8,\)"):
-        ck.check_pieces([P("b.bias", "param", 0, 8, (8,), torch.zeros(8))])
+        ck.check_pieces([Piece("b.bias", "param", 0, 8, (8,), torch.zeros(8))])
 
 
 def _save_then_die(root, step, phase):

@@ -20,15 +20,6 @@ from zerodp.engine.trace import COMM, Recorder, write_chrome_trace
 from zerodp.ui.server import make_server, serve_in_thread
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = make_server(port=0)
-    serve_in_thread(srv)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
 def fetch(srv, path, **params):
     """(status, decoded body) of a GET; ``params`` become the query string."""
     url = srv.url.rstrip("/") + path + ("?" + urlencode(params) if params else "")

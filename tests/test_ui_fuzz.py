@@ -17,7 +17,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zerodp.ui.api import Api
-from zerodp.ui.server import make_server, serve_in_thread
 
 pytestmark = pytest.mark.fuzz
 
@@ -50,15 +49,6 @@ configs = st.one_of(
 )
 values = st.one_of(numbers, words, st.text(max_size=40), configs)
 queries = st.dictionaries(st.sampled_from(NAMES), values, max_size=8)
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = make_server(port=0)
-    serve_in_thread(srv)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
 
 
 def get(srv, path: str):

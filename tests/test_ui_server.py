@@ -10,16 +10,7 @@ import time
 import pytest
 
 from zerodp.cli import main
-from zerodp.ui.server import is_loopback, make_server, serve_in_thread
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = make_server(port=0)
-    serve_in_thread(srv)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+from zerodp.ui.server import is_loopback
 
 
 def request(srv, path, host=None, headers=None):

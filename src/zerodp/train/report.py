@@ -210,13 +210,12 @@ def comm_rows(stats: list[dict]) -> str:
         return "(no collectives recorded in the last step)"
     rows = []
     for c in colls.values():
-        rows.append([c["kind"], c["count"], human_bytes(c["bytes"]), human_bytes(c["sent_bytes"]),
+        rows.append([c["kind"], c["count"], fmt_mib(c["bytes"]), fmt_mib(c["sent_bytes"]),
                      c["seconds"] * 1e3, c["wait_s"] * 1e3])
     return table(["collective", "count", "buffers V (sum)", "sent per rank (ring)",
                    "issue-to-end (ms)", "exposed wait (ms)"], rows)
 
 
-human_bytes = fmt_mib
 
 
 def exposed_fraction(stats: list[dict], step_s: float) -> float | None:
