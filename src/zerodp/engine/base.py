@@ -70,6 +70,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from zerodp.engine import state_dict as standard_state
 from zerodp.engine.comm import Collectives
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.guard import NonFiniteGuard
@@ -467,6 +468,25 @@ class StageEngine:
         grads = self._master_grads()
         return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
                                   for t, g in zip(self.master.targets, grads)])
+
+    # ---- standard state dicts, keyed by the model's own names (zerodp.engine.state_dict) ----
+    def state_dict(self, **options) -> dict[str, torch.Tensor]:
+        """Collective: the model's parameters and persistent buffers by name, like
+        ``module.state_dict()`` (see :func:`zerodp.engine.state_dict.state_dict` for options)."""
+        return standard_state.state_dict(self, **options)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], **options):
+        """Collective: load parameters and buffers by name (each rank copies what it holds)."""
+        return standard_state.load_state_dict(self, state, **options)
+
+    def optimizer_state_dict(self, **options) -> dict:
+        """Collective: the optimizer's state keyed by parameter name, in the shape
+        ``torch.optim.Optimizer.state_dict()`` uses."""
+        return standard_state.optimizer_state_dict(self, **options)
+
+    def load_optimizer_state_dict(self, state: dict, **options) -> None:
+        """Collective: load an :meth:`optimizer_state_dict` saved at any stage and world size."""
+        return standard_state.load_optimizer_state_dict(self, state, **options)
 
     @torch.no_grad()
     def _buffer_dict(self) -> dict[str, torch.Tensor]:
