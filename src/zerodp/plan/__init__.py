@@ -9,6 +9,8 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
                :func:`memory_plan`, the whole bill and the one "fits" every front end shows
 - hf:          parameter counts and shapes from a Hugging Face config.json
 - roofline:    tokens-per-device threshold, MoE, whole-model and per-layer (FSDP) forms
+- hybrid:      past one node (guide §14): shard groups of g, bytes per element on the wire,
+               :func:`step_bytes_per_leg` (what the engine measures), :func:`step_comm` by leg
 - batch:       gbs = mbs × grad_acc × dp
 - timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
 - models:      model presets (shipped as config.json files) and custom shapes
@@ -23,6 +25,9 @@ from zerodp.plan.hardware import (PRESETS as HARDWARE_PRESETS, Hardware, get_har
                                   hardware_from_dict, hardware_names, load_hardware,
                                   save_hardware)
 from zerodp.plan.hf import load_config, model_from_config, parse_config
+from zerodp.plan.hybrid import (COMPRESSIONS, QUANT_BLOCK, StepComm, StepCollective, Wire,
+                                hybrid_model_states, int8_bytes, step_bytes_per_leg,
+                                step_collectives, step_comm, wire_bytes)
 from zerodp.plan.memory import (ADAM_K, PRECISIONS, Activations, MaxParams, MemoryPlan,
                                 ModelStates, activations, all_stages, max_params, memory_plan,
                                 model_states)
@@ -49,4 +54,6 @@ __all__ = [
     "network_cost", "plan_batch", "plot_timeline", "ring_steps", "save_hardware", "threshold", "simulate_backward",
     "simulate_fsdp",
     "sweep_buckets", "uniform_layers", "whole_model",
+    "COMPRESSIONS", "QUANT_BLOCK", "StepComm", "StepCollective", "Wire", "hybrid_model_states",
+    "int8_bytes", "step_bytes_per_leg", "step_collectives", "step_comm", "wire_bytes",
 ]

@@ -15,6 +15,7 @@ from zerodp.plan.batch import plan_batch
 from zerodp.plan.collectives import KINDS, RingCost, collective_time, network_cost
 from zerodp.plan.hardware import get_hardware, hardware_names
 from zerodp.plan.hf import load_config
+from zerodp.plan.hybrid import COMPRESSION_ABOUT, COMPRESSIONS, QUANT_BLOCK, step_comm
 from zerodp.plan.memory import (MAX_GPUS, MAX_K, MAX_MICRO_BATCH, MAX_PARAMS, MAX_SEQ, PRECISIONS,
                                 RECOMPUTE, max_params, memory_plan)
 from zerodp.plan.models import custom_model, get_model, model_names
@@ -128,6 +129,54 @@ def _model(args, default=None):
     return get_model(name)
 
 
+NODE = "node"
+
+
+def _shard_size_type(text):
+    """``--shard-size``: a whole number >= 1, or "node" (the GPUs per node of --hardware)."""
+    if str(text).strip().lower() == NODE:
+        return NODE
+    return _int_qty("shard-size", 1, MAX_GPUS, "no cluster holds more than a million")(text)
+
+
+def _shard_size(args, hw, n):
+    """The shard-group size g: None (flat), or the number given; "node" → GPUs per node (at most n)."""
+    g = getattr(args, "shard_size", None)
+    if g == NODE:
+        g = hw.devices_per_node if n is None else min(hw.devices_per_node, n)
+    return g
+
+
+def _levers(p, block=True):
+    """--shard-size and --compress (guide §14)."""
+    g = p.add_argument_group("past one node (guide §14)")
+    g.add_argument("--shard-size", type=_shard_size_type, nargs="?", const=NODE, metavar="G",
+                   help="hybrid sharding: stages 1-3 shard inside groups of G GPUs and replicate "
+                        "across the N/G groups; G must divide N. '--shard-size' alone or 'node': "
+                        "the GPUs per node of --hardware (8 on H100). default: flat, G = N")
+    g.add_argument("--compress", choices=list(COMPRESSIONS), default="none",
+                   help="bytes per element on the wire: " + "; ".join(
+                       f"{k}: {v}" for k, v in COMPRESSION_ABOUT.items()))
+    if block:
+        g.add_argument("--block", type=_int_qty("block", 1, 1 << 20), default=QUANT_BLOCK,
+                       help="elements per fp32 scale of int8 quantization (1 + 4/B bytes per element)")
+
+
+def _leg(nbytes_or_s, fmt):
+    """A leg's bytes or time, "-" when the leg carries nothing."""
+    return fmt(nbytes_or_s) if nbytes_or_s else "-"
+
+
+def _comm_rows(steps):
+    return [[s.stage_name, s.shard_size, s.replicas, _leg(s.intra_bytes, fmt_bytes),
+             _leg(s.inter_bytes, fmt_bytes), _leg(s.intra_s, fmt_time), _leg(s.inter_s, fmt_time),
+             fmt_time(s.time_s), s.bottleneck] for s in steps]
+
+
+_COMM_HEAD = ["stage", "G", "R", "NVLink B/GPU", "NIC B/GPU", "NVLink time", "NIC time", "step comm",
+              "slower"]
+
+
 def _gb(nbytes: float) -> str:
     v = nbytes / GB
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
@@ -147,8 +196,9 @@ def _emit(args, result: dict, text: str) -> int:
 def cmd_memory(args) -> int:
     hw = get_hardware(args.hardware)
     model = _model(args, default="zero-7.5b")
+    g = _shard_size(args, hw, args.gpus)
     mp = memory_plan(model, args.gpus, hw, args.precision, args.k, args.fp32_grad_acc, args.seq,
-                     args.mbs, args.recompute)
+                     args.mbs, args.recompute, shard_size=g)
     stages = [s for s in mp.stages if args.stage is None or s["stage"] == args.stage]
     limit = max_params(hw.hbm_bytes, args.bytes_per_param) if args.bytes_per_param else None
     result = dict(mp.to_dict(), stages=stages, hardware=hw.to_dict(),
@@ -162,7 +212,9 @@ def cmd_memory(args) -> int:
     lines = [table(["stage", "params GB", "grads GB", "optim GB", "fp32 acc GB", "gathered GB",
                     "activ. GB", "states GB", "total GB", f"fits {hw.hbm_bytes / GB:.3g} GB"], rows,
                    title=f"Memory per GPU: {model.name}, Ψ = {fmt_count(model.params)}, "
-                         f"N = {plural(args.gpus, 'GPU')}, {args.precision} "
+                         f"N = {plural(args.gpus, 'GPU')}"
+                         + (f" in {mp.replicas} shard groups of G = {mp.shard_size}"
+                            if mp.shard_size != args.gpus else "") + f", {args.precision} "
                          f"(k = {mp.k:g}), fp32 grad accumulation: "
                          f"{'yes' if args.fp32_grad_acc else 'no'} ({hw.name})")]
     lines.append("total = " + " + ".join(mp.includes) + "; fits: total <= HBM")
@@ -175,10 +227,73 @@ def cmd_memory(args) -> int:
     if limit:
         lines.append(f"largest model at {args.bytes_per_param:g} bytes/param in {fmt_bytes(hw.hbm_bytes)}: "
                      f"{fmt_count(limit.max_params)} parameters")
+    if mp.shard_size != args.gpus or args.compress != "none":
+        steps = [step_comm(hw, args.gpus, s["stage"], model.params, g, args.precision, args.compress,
+                           args.block) for s in stages]
+        result["comm"] = [c.to_dict() for c in steps]
+        lines += ["", table(_COMM_HEAD, _comm_rows(steps),
+                            title=f"communication per step, compress {args.compress} (guide §14)")]
     return _emit(args, result, "\n".join(lines))
 
 
+def cmd_comm_step(args) -> int:
+    """A step's collectives by leg (guide §14): --params/--model, --stage, --shard-size, --compress."""
+    if args.bandwidth is not None or args.alpha is not None or args.latency is not None:
+        raise ValueError("a step's collectives are priced on --hardware: drop --bandwidth/--alpha/"
+                         "--latency, or drop --params/--model and give --bytes")
+    if args.collective != "all":
+        raise ValueError("--collective picks one collective of --bytes: a step (--params/--model) "
+                         "runs its own; drop --collective")
+    hw = get_hardware(args.hardware)
+    params = args.params if args.params is not None else get_model(args.model).params
+    g = _shard_size(args, hw, args.gpus)
+    stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+    steps = [step_comm(hw, args.gpus, st, params, g, args.precision, args.compress, args.block,
+                       args.gathers) for st in stages]
+    rows = []
+    for st in steps:
+        for c in st.collectives:
+            group = {"all": f"all {st.n}", "shard": f"group of {c['ranks']}",
+                     "replica": f"{c['ranks']} replicas"}[c["group"]]
+            rows.append([st.stage_name, c["kind"] + (f" x{c['count']}" if c["count"] != 1 else ""),
+                         group, fmt_bytes(c["nbytes"]), _leg(c["intra_bytes"], fmt_bytes),
+                         _leg(c["inter_bytes"], fmt_bytes), _leg(c["intra_s"], fmt_time),
+                         _leg(c["inter_s"], fmt_time)])
+    w = steps[0].wire
+    g_text = ("flat over all N" if steps[0].shard_size == args.gpus
+              else f"G = {steps[0].shard_size}, R = {steps[0].replicas} replicas")
+    head = (f"One step's collectives per GPU: Ψ = {fmt_count(params)} on {plural(args.gpus, 'GPU')} "
+            f"({hw.name}, {hw.devices_per_node} per node), {g_text}, {args.precision}, compress "
+            f"{args.compress}: parameters {w['wire_param_bytes']:.4g} B, gradients "
+            f"{w['wire_grad_bytes']:.4g} B per element on the wire")
+    text = "\n".join([
+        table(["stage", "collective", "over", "V", "NVLink B/GPU", "NIC B/GPU", "NVLink time",
+               "NIC time"], rows, title=head),
+        "", table(_COMM_HEAD, _comm_rows(steps),
+                  title="per step: each leg's collectives one after another, the legs side by side "
+                        "(the slower one sets the step's communication time)"),
+        "NIC B/GPU: each GPU's share of its node's NIC bytes; ring bytes per rank by group "
+        "(what the engine measures): " + "; ".join(
+            f"{s.stage_name} intra {fmt_bytes(s.ring_bytes['intra'])}, inter {fmt_bytes(s.ring_bytes['inter'])}"
+            for s in steps)])
+    return _emit(args, {"steps": [s.to_dict() for s in steps]}, text)
+
+
 def cmd_comm(args) -> int:
+    if args.params is not None or args.model is not None:
+        if args.bytes is not None:
+            raise ValueError("give --bytes (one collective) or --params/--model (a step's "
+                             "collectives), not both")
+        if args.params is not None and args.model is not None:
+            raise ValueError("give --model or --params, not both")
+        return cmd_comm_step(args)
+    step_only = [f for f, v in (("--shard-size", args.shard_size), ("--stage", args.stage),
+                                ("--compress", args.compress != "none")) if v is not None and v is not False]
+    if step_only:
+        raise ValueError(f"{step_only[0]} applies to a step's collectives: give --params or --model "
+                         "(with --stage), or drop it and price one collective of --bytes")
+    if args.bytes is None:
+        raise ValueError("give --bytes V (one collective), or --params/--model (a step's collectives)")
     kinds = KINDS if args.collective == "all" else [args.collective]
     if args.bandwidth is not None:
         if args.latency is not None and args.alpha is not None:
@@ -218,23 +333,31 @@ def cmd_roofline(args) -> int:
     moe = dict(model=named, experts=args.experts or 1, experts_per_token=args.top_k or 1)
     if named is None:
         moe.pop("model")
-    r = threshold(args.hardware, args.gpus, args.axes, **moe)
+    hw = get_hardware(args.hardware)
+    levers = dict(shard_size=_shard_size(args, hw, args.gpus), compress=args.compress, block=args.block)
+    r = threshold(hw, args.gpus, args.axes, **moe, **levers)
     result = {"threshold": r.to_dict(), "max_devices": None}
     rows = [["C/W inside a node (uncorrected)", f"{r.intra_c_over_w:,.0f}", "tokens/device"],
             ["C/W across nodes (uncorrected)",
              "-" if r.inter_c_over_w is None else f"{r.inter_c_over_w:,.0f}", "tokens/device"],
-            ["(g-1)/g, (m-1)/m", f"{r.intra_factor:.3f}, " + (
+            ["(g-1)/g, (R-1)/R" if r.shard_size else "(g-1)/g, (m-1)/m", f"{r.intra_factor:.3f}, " + (
                 "-" if r.inter_factor is None else f"{r.inter_factor:.3f}"), ""],
             [f"dense threshold ({r.bottleneck} leg)", f"{r.dense_threshold_tokens:,.0f}", "tokens/device"],
             ["MoE factor E/k", f"{r.moe_factor:g}", "x"],
+            [f"wire bytes/element: gradients, parameters ({r.compress})",
+             f"{r.wire_grad_bytes:.4g}, {r.wire_param_bytes:.4g}", "B"],
+            ["sync bytes/param per GPU: NVLink, NIC share",
+             f"{r.intra_bytes_per_param:.4g}, {r.inter_bytes_per_param:.4g}", "B"],
             ["threshold", f"{r.threshold_tokens:,.0f}", "tokens/device"]]
     if r.min_batch_tokens is not None:
         rows.append([f"min global batch on {r.n}", fmt_count(r.min_batch_tokens), "tokens"])
     if args.batch_tokens:
-        m = max_devices(args.hardware, args.batch_tokens, args.axes, **moe)
+        m = max_devices(hw, args.batch_tokens, args.axes, **moe, **levers)
         result["max_devices"] = m.to_dict()
         rows.append([f"max devices for {fmt_count(args.batch_tokens)} tokens", f"{m.max_devices:,}", "devices"])
     where = "at scale (many nodes)" if args.gpus is None else f"on {args.gpus} devices"
+    if r.shard_size is not None:
+        where += f", shard groups of G = {r.shard_size}" + (f" (R = {r.replicas})" if r.replicas else "")
     text = table(["quantity", "value", "unit"], rows, align="lrl",
                  title=f"DP/FSDP roofline, {r.hardware} {where}, {args.axes} axis(es): "
                        "compute-bound iff tokens/device > threshold")
@@ -356,6 +479,7 @@ def add_parser(subparsers) -> None:
                    help="activation recomputation (with --seq)")
     p.add_argument("--bytes-per-param", type=_qty("bytes-per-param", 0, MAX_K),
                    help="also print the largest model at this many bytes/param (default: not shown)")
+    _levers(p)
     p.set_defaults(func=cmd_memory)
 
     flat = dict(alpha=("--alpha", "flat ring: seconds per ring step (with --bandwidth)"),
@@ -372,11 +496,22 @@ def add_parser(subparsers) -> None:
     p = sub.add_parser("comm", help="AllReduce/ReduceScatter/AllGather time (alpha-beta, ring, two legs)",
                        formatter_class=_Help)
     _common(p)
-    p.add_argument("--bytes", type=_qty("bytes", 0, 1e15, "1 PB at most", allow_zero=True), required=True,
-                   help="V, e.g. 16e9 or 25MB")
+    p.add_argument("--bytes", type=_qty("bytes", 0, 1e15, "1 PB at most", allow_zero=True),
+                   help="V of one collective, e.g. 16e9 or 25MB (or give --params/--model for a step)")
     p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=8, help="ranks N")
     p.add_argument("--collective", default="all", choices=["all", *KINDS], help="which collective")
     ring_options(p)
+    s = p.add_argument_group("a step's collectives instead of one (guide §14)")
+    s.add_argument("--params", type=_qty("params", 1, MAX_PARAMS, "a thousand trillion at most",
+                                         count=True),
+                   help="parameter count Ψ, e.g. 7.5e9 or 70B (default: none; one collective of --bytes)")
+    s.add_argument("--model", metavar="NAME", help=f"Ψ from a preset: {', '.join(model_names())}")
+    s.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one stage (default: all)")
+    s.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
+                   help="working bytes of parameters and gradients")
+    s.add_argument("--gathers", type=_int_qty("gathers", 0, 1000), default=2,
+                   help="stage 3: parameter AllGathers per step (forward, again in backward)")
+    _levers(p)
     p.set_defaults(func=cmd_comm)
 
     p = sub.add_parser("roofline", help="tokens per GPU to stay compute-bound; min batch; max GPUs",
@@ -397,6 +532,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-tokens", type=_qty("batch-tokens", 1, 1e15, "a quadrillion at most",
                                                count=True),
                    help="also: most devices for this global batch (default: not shown)")
+    _levers(p)
     p.set_defaults(func=cmd_roofline)
 
     p = sub.add_parser("batch", help="samples and grad_acc from a global batch in tokens (guide §6.1)",

@@ -238,6 +238,25 @@ def check_range(name: str, value: float, low: float, high: float, why: str = "",
     return int(value) if integer else value
 
 
+def check_shard_size(n: int, shard_size: int | None) -> int:
+    """The shard-group size g of hybrid sharding (guide §14) for ``n`` ranks: ``None`` → n
+    (flat); otherwise a divisor of n, else one sentence."""
+    n = check_count("n (data-parallel GPUs)", n)
+    if shard_size is None:
+        return n
+    if isinstance(shard_size, bool) or not float(shard_size).is_integer() or shard_size < 1:
+        raise InputError(f"shard size must be a whole number >= 1, got {shard_size!r}", "shard_size",
+                         f"分片组大小必须是不小于 1 的整数，收到的是 {shard_size!r}")
+    g = int(shard_size)
+    if g > n or n % g:
+        raise InputError(f"shard size {g} does not divide the {n} GPUs into equal shard groups: "
+                         f"choose a divisor of {n} (e.g. the GPUs per node), or no shard size for flat "
+                         f"sharding over all {n}",
+                         "shard_size", f"分片组大小 {g} 不能把 {n} 张卡均分成若干组：请选 {n} 的约数，"
+                         f"或留空表示在全部 {n} 张卡上分片")
+    return g
+
+
 @dataclass(frozen=True)
 class MemoryPlan(ToDict):
     """The whole bill per GPU for stages 0–3 and whether it fits: ``to_dict()`` keys ``model``,
@@ -247,7 +266,8 @@ class MemoryPlan(ToDict):
     activations, with ``activation_bytes`` and ``fits``: total ≤ HBM), ``activations`` (or null),
     ``includes`` (what the total counts, in words), ``warnings`` (figures that rest on an
     assumption), ``assumed_shape`` ([layers, hidden] guessed from Ψ, or null), and
-    ``includes_zh``/``warnings_zh``, the same in Chinese.
+    ``includes_zh``/``warnings_zh``, the same in Chinese, ``shard_size`` (g: the GPUs each
+    stage shards over, = n when flat; guide §14) and ``replicas`` (n/g).
 
     Every "fits" the CLI, ``/api/memory`` and the page show is ``stages[i]["fits"]``."""
 
@@ -270,14 +290,18 @@ class MemoryPlan(ToDict):
     assumed_shape: list | None
     includes_zh: list
     warnings_zh: list
+    shard_size: int | None = None
+    replicas: int = 1
 
 
 def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | None = None,
                 fp32_grad_acc: bool = False, seq: int | None = None, micro_batch: int = 1,
-                recompute: str = "none") -> MemoryPlan:
+                recompute: str = "none", shard_size: int | None = None) -> MemoryPlan:
     """Model states, ZeRO-3's two gathered units (from the model's largest block) and the
     activations of one micro-batch (when ``seq`` is given), per GPU, for stages 0–3, against the
-    HBM of ``hardware`` (a :class:`~zerodp.plan.Hardware` or preset name)."""
+    HBM of ``hardware`` (a :class:`~zerodp.plan.Hardware` or preset name). ``shard_size``: hybrid
+    sharding (guide §14), stages 1–3 shard over groups of g GPUs, a divisor of ``n``; the
+    states are the flat ones with N → g. None: flat, g = n."""
     from zerodp.plan.hardware import get_hardware
     from zerodp.plan.models import assumed_shape, get_model
 
@@ -302,6 +326,7 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                          "recompute")
     micro_batch = int(check_range("micro_batch", micro_batch, 1, MAX_MICRO_BATCH, integer=True,
                                   field="micro_batch"))
+    g = check_shard_size(n, shard_size)
     warnings, warnings_zh = [], []
     shape = None
     layers, unit = m.layers, m.unit_params
@@ -335,11 +360,12 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                           gated_mlp=m.gated_mlp)
     act_bytes = act.total_bytes if act else 0.0
     rows = []
-    for s in all_stages(m.params, n, k, fp32_grad_acc, unit or 0.0, layers,
+    for s in all_stages(m.params, g, k, fp32_grad_acc, unit or 0.0, layers,
                         prec["param_bytes"], prec["grad_bytes"]):
         d = s.to_dict()
         total = s.total_bytes + act_bytes
-        d.update(activation_bytes=act_bytes, total_bytes=total, fits=bool(total <= hw.hbm_bytes))
+        d.update(n=n, shard_size=g, activation_bytes=act_bytes, total_bytes=total,
+                 fits=bool(total <= hw.hbm_bytes))
         rows.append(d)
     includes = [f"parameters ({prec['param_bytes']:g} B)", f"gradients ({prec['grad_bytes']:g} B)",
                 f"optimizer states (k = {k:g} B)"]
@@ -362,4 +388,4 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                       micro_batch=micro_batch, recompute=recompute, stages=rows,
                       activations=act.to_dict() if act else None, includes=includes,
                       warnings=warnings, assumed_shape=shape, includes_zh=includes_zh,
-                      warnings_zh=warnings_zh)
+                      warnings_zh=warnings_zh, shard_size=g, replicas=n // g)

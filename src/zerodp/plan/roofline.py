@@ -12,6 +12,15 @@ the tokens per device B/X exceed C/W, the hardware's "network arithmetic intensi
 
 The guide's quoted "C/W" numbers (e.g. H100 inside a node ≈ 2200) are ``intra_c_over_w`` and
 ``inter_c_over_w``: C over one leg's bandwidth, without any (n−1)/n.
+
+Past one node (guide §14) the threshold takes the two levers. In general it is
+``C/4 · max(bytes_intra / W_intra, bytes_inter / W_inter)`` with the bytes per parameter each GPU
+(each node, on the NICs) moves per step: a ReduceScatter of gradients at b_g bytes per element and
+an AllGather of parameters at b_p (the guide's bf16 AllReduce is b_g = b_p = 2, giving the forms
+above). Compression lowers b_g and b_p (:func:`~zerodp.plan.hybrid.wire_bytes`); hybrid sharding
+(shard groups of g) keeps the ReduceScatter and AllGather inside the group, (g−1)/g·(b_g + b_p) on
+NVLink when g ≤ GPUs per node p, and sends only the AllReduce of the 1/g shard across nodes,
+2(R−1)/R·b_g/g per GPU with min(g, p) of them sharing one node's NICs.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from dataclasses import dataclass
 from zerodp.plan._common import InputError, ToDict, check_count, check_positive
 from zerodp.plan.collectives import network_cost
 from zerodp.plan.hardware import Hardware, get_hardware
+from zerodp.plan.hybrid import QUANT_BLOCK, check_placement, check_shard_size, wire_bytes
 from zerodp.plan.models import Model, get_model
 
 BF16 = 2
@@ -40,8 +50,13 @@ class Roofline(ToDict):
     ``inter_c_over_w`` (C over each leg's bandwidth, uncorrected; inter null without a network),
     ``intra_factor`` (g−1)/g, ``inter_factor`` (m−1)/m (null on one node), ``bottleneck``
     ("intra"/"inter"), ``dense_threshold_tokens`` (corrected), ``moe_factor`` (E/k),
-    ``threshold_tokens`` (dense × E/k, tokens per device to be compute-bound) and
-    ``min_batch_tokens`` (threshold × n; null at scale).
+    ``threshold_tokens`` (dense × E/k, tokens per device to be compute-bound),
+    ``min_batch_tokens`` (threshold × n; null at scale), and for guide §14: ``shard_size`` (g;
+    null: flat), ``replicas`` (n/g; null when flat or at scale), ``compress``,
+    ``wire_grad_bytes`` and ``wire_param_bytes`` (bytes per element on the wire), and
+    ``intra_bytes_per_param`` and ``inter_bytes_per_param`` (per GPU per step; inter: the GPU's
+    share of its node's NIC bytes). With a shard size, ``intra_factor`` is (g−1)/g of the group's
+    part inside a node and ``inter_factor`` (R−1)/R of the replicas (1 at scale).
     """
 
     hardware: str
@@ -57,6 +72,13 @@ class Roofline(ToDict):
     moe_factor: float
     threshold_tokens: float
     min_batch_tokens: float | None
+    shard_size: int | None = None
+    replicas: int | None = None
+    compress: str = "none"
+    wire_grad_bytes: float = BF16
+    wire_param_bytes: float = BF16
+    intra_bytes_per_param: float = 0.0
+    inter_bytes_per_param: float = 0.0
 
 
 def _moe(model, experts, experts_per_token) -> float:
@@ -74,10 +96,13 @@ def _moe(model, experts, experts_per_token) -> float:
 
 def threshold(hardware: Hardware | str, n: int | None = None, axes: int = 1,
              model: Model | str | None = None, experts: int = 1,
-             experts_per_token: int = 1) -> Roofline:
+             experts_per_token: int = 1, shard_size: int | None = None, compress: str = "none",
+             block: int = QUANT_BLOCK) -> Roofline:
     """The tokens-per-device threshold on ``n`` devices (``None``: at scale, many nodes).
 
-    MoE from ``model`` (a preset or :class:`Model`) or ``experts``/``experts_per_token``.
+    MoE from ``model`` (a preset or :class:`Model`) or ``experts``/``experts_per_token``;
+    ``shard_size`` (hybrid sharding: shard groups of g) and ``compress`` (bytes per element on the
+    wire, blocks of ``block`` elements per int8 scale): guide §14, module docstring.
     """
     hw = get_hardware(hardware)
     axes = check_count("axes", axes)
@@ -85,20 +110,48 @@ def threshold(hardware: Hardware | str, n: int | None = None, axes: int = 1,
         raise InputError(f"{hw.name} has {hw.axes} DP axis(es); got axes={axes}", "axes",
                          f"{hw.name} 只有 {hw.axes} 个可做数据并行的轴，收到 axes={axes}")
     moe = _moe(model, experts, experts_per_token)
+    wire = wire_bytes(compress, BF16, BF16, block)
+    sync = wire.wire_grad_bytes + wire.wire_param_bytes  # bytes per parameter: RS + AG
     w_intra = hw.intra_bw * axes
     has_inter = hw.inter_bw > 0
-    if n is None:
-        g = hw.devices_per_node
-        inter_factor = 1.0 if has_inter else None
-    else:
+    p = hw.devices_per_node
+    if n is not None:
         n = check_count("n (devices)", n)
         network_cost(hw, n, axes)  # validates that n fits this hardware's network
-        g = min(n, hw.devices_per_node)
-        nodes = math.ceil(n / hw.devices_per_node)
-        inter_factor = (nodes - 1) / nodes if nodes > 1 else None
-    intra_factor = (g - 1) / g
-    intra_term = intra_factor / w_intra
-    inter_term = inter_factor / hw.inter_bw if inter_factor is not None else 0.0
+    replicas = None
+    if shard_size is None:
+        if n is None:
+            g = p
+            inter_factor = 1.0 if has_inter else None
+        else:
+            g = min(n, p)
+            nodes = math.ceil(n / p)
+            inter_factor = (nodes - 1) / nodes if nodes > 1 else None
+        intra_factor = (g - 1) / g
+        intra_bytes = intra_factor * sync
+        node_bytes = inter_factor * sync if inter_factor is not None else 0.0
+    else:
+        g = check_count("shard size", shard_size) if n is None else check_shard_size(n, shard_size)
+        check_placement(hw, g)
+        gi = min(g, p)
+        intra_factor = (gi - 1) / gi
+        intra_bytes = intra_factor * sync
+        group_nodes = g // p if g > p else 1
+        node_bytes = (group_nodes - 1) / group_nodes * sync
+        if n is None:
+            inter_factor = 1.0  # (R−1)/R with many replicas
+        else:
+            replicas = n // g
+            inter_factor = (replicas - 1) / replicas
+        replica_bytes = 2 * inter_factor * wire.wire_grad_bytes / g  # AllReduce of the 1/g shard
+        if (n is not None and n <= p) or not has_inter:
+            intra_bytes += replica_bytes
+        else:
+            node_bytes += replica_bytes * gi
+        if n is not None and n <= p:
+            inter_factor = None  # one node: no replica crosses a NIC
+    intra_term = intra_bytes / (2 * BF16 * w_intra)
+    inter_term = node_bytes / (2 * BF16 * hw.inter_bw) if has_inter else 0.0
     bottleneck = "inter" if inter_term > intra_term else "intra"
     dense = hw.flops * max(intra_term, inter_term)
     thr = dense * moe
@@ -107,7 +160,11 @@ def threshold(hardware: Hardware | str, n: int | None = None, axes: int = 1,
                     inter_c_over_w=hw.flops / hw.inter_bw if has_inter else None,
                     intra_factor=intra_factor, inter_factor=inter_factor, bottleneck=bottleneck,
                     dense_threshold_tokens=dense, moe_factor=moe, threshold_tokens=thr,
-                    min_batch_tokens=thr * n if n is not None else None)
+                    min_batch_tokens=thr * n if n is not None else None,
+                    shard_size=shard_size if shard_size is None else g, replicas=replicas,
+                    compress=wire.compress, wire_grad_bytes=wire.wire_grad_bytes,
+                    wire_param_bytes=wire.wire_param_bytes, intra_bytes_per_param=intra_bytes,
+                    inter_bytes_per_param=node_bytes / p if has_inter else 0.0)
 
 
 @dataclass(frozen=True)
@@ -125,10 +182,13 @@ class MaxDevices(ToDict):
 
 def max_devices(hardware: Hardware | str, batch_tokens: float, axes: int = 1,
                 model: Model | str | None = None, experts: int = 1,
-                experts_per_token: int = 1) -> MaxDevices:
-    """Largest DP size whose tokens per device stay above the at-scale threshold (guide §7.5)."""
+                experts_per_token: int = 1, shard_size: int | None = None,
+                compress: str = "none", block: int = QUANT_BLOCK) -> MaxDevices:
+    """Largest DP size whose tokens per device stay above the at-scale threshold (guide §7.5;
+    ``shard_size`` and ``compress``: guide §14)."""
     check_positive("batch_tokens", batch_tokens)
-    r = threshold(hardware, None, axes, model, experts, experts_per_token)
+    r = threshold(hardware, None, axes, model, experts, experts_per_token, shard_size, compress,
+                  block)
     return MaxDevices(r.hardware, batch_tokens, axes, r.moe_factor, r.threshold_tokens,
                       int(batch_tokens // r.threshold_tokens))
 
