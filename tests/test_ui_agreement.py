@@ -1,6 +1,7 @@
-"""Ten questions asked of the CLI, the API and the page (through the browser): same totals, same
+"""Questions asked of the CLI, the API and the page (through the browser): same totals, same
 "fits", stage by stage. The first is the one where they used to disagree: Llama 3 70B on 512
-GPUs, 8192 tokens, selective recomputation."""
+GPUs, 8192 tokens, selective recomputation. The last ones add guide §14's levers (shard groups,
+compression): the same memory, the same bytes and time per leg, the same roofline threshold."""
 
 import contextlib
 import io
@@ -30,6 +31,9 @@ QUESTIONS = [
     dict(shape=dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256), n=16,
          precision="fp32", k=8),
     dict(model="gpt-oss-120b", n=128, hardware="B200", seq=8192, recompute="selective", k=16),
+    dict(model="llama3-70b", n=512, seq=8192, recompute="selective", shard=8, compress="int8"),
+    dict(model="zero-7.5b", n=64, shard=16, compress="bf16-reduce", precision="fp32", k=8),
+    dict(model="llama3-8b", n=8, shard=4, compress="int8-grads"),
 ]
 
 
@@ -37,7 +41,7 @@ def _ids(q):
     return q.get("model") or q.get("config") or ("params " + q["params"] if "params" in q else "shape")
 
 
-def cli_answer(q) -> list[dict]:
+def cli_json(q) -> dict:
     argv = ["plan", "memory", "--json", "--gpus", str(q["n"]), "--hardware", q.get("hardware", "H100")]
     if "model" in q:
         argv += ["--model", q["model"]]
@@ -53,10 +57,18 @@ def cli_answer(q) -> list[dict]:
             argv += [flag, str(q[key])]
     if q.get("acc"):
         argv.append("--fp32-grad-acc")
+    if "shard" in q:
+        argv += ["--shard-size", str(q["shard"])]
+    if "compress" in q:
+        argv += ["--compress", q["compress"]]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
-    return json.loads(out.getvalue())["stages"]
+    return json.loads(out.getvalue())
+
+
+def cli_answer(q) -> list[dict]:
+    return cli_json(q)["stages"]
 
 
 def api_params(q) -> dict:
@@ -72,12 +84,20 @@ def api_params(q) -> dict:
             p[name] = q[key]
     if q.get("acc"):
         p["fp32_grad_acc"] = "true"
+    if "shard" in q:
+        p["shard_size"] = q["shard"]
+    if "compress" in q:
+        p["compress"] = q["compress"]
     return p
 
 
+def api_json(url, endpoint, params) -> dict:
+    with urllib.request.urlopen(url + f"api/{endpoint}?" + urlencode(params), timeout=10) as r:
+        return json.loads(r.read())
+
+
 def api_answer(url, q) -> list[dict]:
-    with urllib.request.urlopen(url + "api/memory?" + urlencode(api_params(q)), timeout=10) as r:
-        return json.loads(r.read())["stages"]
+    return api_json(url, "memory", api_params(q))["stages"]
 
 
 def page_answer(page, url, q) -> list[dict]:
@@ -103,6 +123,8 @@ def page_answer(page, url, q) -> list[dict]:
     page.fill(f"{form} input[name=seq]", str(q.get("seq", "")))
     page.fill(f"{form} input[name=micro_batch]", str(q.get("mbs", 1)))
     page.select_option(f"{form} select[name=recompute]", q.get("recompute", "none"))
+    page.fill(f"{form} input[name=shard_size]", str(q.get("shard", "")))
+    page.select_option(f"{form} select[name=compress]", q.get("compress", "none"))
     page.wait_for_selector("#memory[aria-busy='false']", timeout=15_000)
     assert page.inner_text("#memory .error") == "" and page.locator("#memory .field-error").count() == 0
     return page.eval_on_selector_all("#memory dd[data-stage]", "els => els.map(e => ({"
@@ -135,6 +157,68 @@ def test_cli_api_and_page_agree(q, page, plain_server):  # noqa: F811
         assert s["total_label"] == a["total_label"]
         rows.append(f"{c['stage_name']} {a['total_label']} {'fits' if c['fits'] else 'no'}")
     print(_ids(q), "|", ", ".join(rows))
+    assert page.errors == []
+
+
+def page_comm(page) -> list[dict]:
+    """The per-stage communication line the memory panel shows (guide §14)."""
+    return page.eval_on_selector_all("#memory small.comm", "els => els.map(e => ({"
+                                     "stage_name: e.dataset.stage, intra_bytes: Number(e.dataset.intra),"
+                                     "inter_bytes: Number(e.dataset.inter), time_s: Number(e.dataset.time),"
+                                     "text: e.textContent}))")
+
+
+@pytest.mark.parametrize("q", [q for q in QUESTIONS if "shard" in q], ids=lambda q: f"{_ids(q)}-g{q['shard']}")
+def test_step_communication_agrees(q, page, plain_server):  # noqa: F811
+    """The memory panel's bytes and time per leg are the CLI's (plan memory --shard-size --compress)."""
+    cli = cli_json(q)["comm"]
+    api = api_json(plain_server.url, "memory", api_params(q))["comm"]
+    page_answer(page, plain_server.url, q)
+    shown = page_comm(page)
+    for c, a, s in zip(cli, api, shown, strict=True):
+        assert c["stage_name"] == a["stage_name"] == s["stage_name"]
+        for key in ("intra_bytes", "inter_bytes", "time_s"):
+            assert c[key] == a[key]
+            assert math.isclose(s[key], a[key], rel_tol=1e-12)
+        assert a["labels"]["time"] in s["text"] and a["labels"]["intra_bytes"] in s["text"]
+        assert c["shard_size"] == q["shard"] and c["wire"] == a["wire"]
+    assert page.errors == []
+
+
+ROOFLINE_QUESTIONS = [
+    dict(hardware="H100", n=1024, shard=8, compress="int8"),
+    dict(hardware="H800", n=2048, shard=16, compress="bf16-reduce"),
+    dict(hardware="A100", n=64, shard=4, compress="int8-params"),
+    dict(hardware="H100", n=16384, compress="int8-grads"),
+]
+
+
+@pytest.mark.parametrize("q", ROOFLINE_QUESTIONS, ids=lambda q: f"{q['hardware']}-{q['n']}-{q['compress']}")
+def test_roofline_levers_agree(q, page, plain_server):  # noqa: F811
+    argv = ["plan", "roofline", "--json", "--hardware", q["hardware"], "--gpus", str(q["n"]),
+            "--compress", q["compress"]] + (["--shard-size", str(q["shard"])] if "shard" in q else [])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    cli = json.loads(out.getvalue())["threshold"]
+    params = dict(hardware=q["hardware"], n=q["n"], compress=q["compress"], shard_size=q.get("shard", ""))
+    api = api_json(plain_server.url, "roofline", params)
+    assert cli == api["threshold"]
+    if not page.url.startswith(plain_server.url):
+        page.goto(plain_server.url)
+        page.wait_for_function(ALL_READY, timeout=30_000)
+    form = "#roofline form"
+    page.select_option(f"{form} select[name=hardware]", q["hardware"])
+    page.fill(f"{form} input[name=n]", str(q["n"]))
+    page.fill(f"{form} input[name=shard_size]", str(q.get("shard", "")))
+    page.select_option(f"{form} select[name=compress]", q["compress"])
+    page.wait_for_selector("#roofline[aria-busy='false']", timeout=15_000)
+    assert page.inner_text("#roofline .error") == ""
+    assert math.isclose(float(page.get_attribute("#threshold", "data-value")), cli["threshold_tokens"],
+                        rel_tol=1e-12)
+    assert page.inner_text("#threshold") == api["labels"]["threshold"]
+    assert page.inner_text("#roofline-wire") == api["labels"]["wire"]
+    print(q, "threshold", api["labels"]["threshold"], "tokens/GPU, sync bytes/param", api["labels"]["sync"])
     assert page.errors == []
 
 

@@ -8,9 +8,9 @@ endpoint       planner calls
 =============  ==============================================================================
 ``schema``     the parameters of every endpoint, with defaults (the page's starting values)
 ``presets``    hardware and model presets
-``memory``     :func:`~zerodp.plan.all_stages` (+ :func:`~zerodp.plan.activations`) (guide §8, §9)
+``memory``     :func:`~zerodp.plan.memory_plan`, :func:`~zerodp.plan.step_comm` (guide §8, §9, §14)
 ``overlap``    :func:`~zerodp.plan.simulate_backward` and :func:`~zerodp.plan.sweep_buckets` (§4)
-``roofline``   :func:`~zerodp.plan.threshold`, :func:`~zerodp.plan.max_devices` (§7)
+``roofline``   :func:`~zerodp.plan.threshold`, :func:`~zerodp.plan.max_devices` (§7, §14)
 ``batch``      :func:`~zerodp.plan.plan_batch` (§6.1)
 ``measured``   the calibration profile and trace given to ``zerodp ui`` (if any)
 =============  ==============================================================================
@@ -26,6 +26,7 @@ from zerodp import plan
 from zerodp.plan import report as plan_report
 from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time, plural
 from zerodp.plan.hf import parse_config
+from zerodp.plan.hybrid import COMPRESSIONS
 from zerodp.plan.memory import RECOMPUTE, STAGE_NAMES
 from zerodp.plan.timeline import DEFAULT_BUCKET_BYTES
 from zerodp.ui.measured import Measured
@@ -52,6 +53,23 @@ SHAPE_PARAMS = [("layers", "layers L", 100_000), ("hidden", "hidden size h", 1_0
                 ("experts_per_token", "experts per token k", 100_000),
                 ("shared_experts", "shared experts", 100_000)]
 SHAPE_NAMES = [name for name, _, _ in SHAPE_PARAMS]
+
+
+def _lever_params() -> list[Param]:
+    """Guide §14's two levers: the shard-group size g (empty: flat) and the wire's compression."""
+    return [
+        Param("shard_size", "count", None, "shard-group size g (empty: flat over N)", optional=True,
+              maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
+        Param("compress", "choice", "none", "compression on the wire", choices=lambda: list(COMPRESSIONS)),
+    ]
+
+
+def _comm_labels(c) -> dict:
+    """A step's communication (:class:`~zerodp.plan.StepComm`) with the CLI's own labels."""
+    return dict(c.to_dict(), labels={
+        "intra_bytes": fmt_bytes(c.intra_bytes) if c.intra_bytes else "-",
+        "inter_bytes": fmt_bytes(c.inter_bytes) if c.inter_bytes else "-",
+        "time": fmt_time(c.time_s)})
 
 
 @functools.lru_cache(maxsize=64)
@@ -145,6 +163,7 @@ class Api:
                       maximum=plan.memory.MAX_MICRO_BATCH),
                 Param("recompute", "choice", RECOMPUTE[0], "activation recomputation",
                       choices=lambda: list(RECOMPUTE)),
+                *_lever_params(),
             ], self.memory, "the bill per GPU for stages 0-3 and whether it fits (guide §8, §9)"),
             Endpoint("overlap", [
                 self._model_param(OVERLAP_MODEL, with_custom=False),
@@ -175,6 +194,7 @@ class Api:
                 Param("batch_tokens", "quantity", plan_report.LLAMA3_FINAL_BATCH_TOKENS,
                       "global batch (tokens)", minimum=1, maximum=1e15,
                       why="a quadrillion at most", count_units=True),
+                *_lever_params(),
             ], self.roofline, "tokens-per-GPU threshold, minimum batch, maximum GPUs (guide §7)"),
             Endpoint("batch", [
                 Param("target_tokens", "quantity", float(plan_report.BATCH_EXAMPLE["target_tokens"]),
@@ -263,15 +283,22 @@ class Api:
             raise ApiError(field or "layers", str(exc)) from None
 
     def memory(self, model, config, params, tied, precision, k, n, fp32_grad_acc, hardware, seq,
-               micro_batch, recompute, **shape):
+               micro_batch, recompute, shard_size, compress, **shape):
         m = self._memory_model(model, config, params, shape, tied)
         hw = self.get_hardware(hardware)
 
         def bill(gpus):
             return plan.memory_plan(m, gpus, hw, precision, k, fp32_grad_acc, seq, micro_batch,
-                                    recompute)
+                                    recompute, shard_size=shard_size)
 
         mp = bill(n)
+        try:  # the step's communication by leg (guide §14), where n fits this hardware's network
+            comm = [_comm_labels(plan.step_comm(hw, n, s, m.params, shard_size, precision, compress))
+                    for s in plan.memory.STAGES]
+        except ValueError as exc:
+            if getattr(exc, "field", None) == "shard_size":
+                raise
+            comm = None
         rows = []
         for s in mp.stages:
             rows.append(dict(s, label=fmt_bytes(s["model_state_bytes"]),
@@ -279,11 +306,14 @@ class Api:
         act = None if mp.activations is None else dict(
             mp.activations, label=fmt_bytes(mp.activations["total_bytes"]))
         curve_n = sorted({2**i for i in range(LOG2_MAX_GPUS + 1)} | {n})
+        if shard_size is not None:  # the curve keeps g: only N that g divides
+            curve_n = [gpus for gpus in curve_n if gpus % shard_size == 0]
         curve = {STAGE_NAMES[s]: [] for s in plan.memory.STAGES}
         for gpus in curve_n:
             for s in bill(gpus).stages:
                 curve[s["stage_name"]].append(s["total_bytes"])
-        return dict(mp.to_dict(), model=m.to_dict(), stages=rows, activations=act,
+        return dict(mp.to_dict(), model=m.to_dict(), stages=rows, activations=act, comm=comm,
+                    compress=compress,
                     hbm_label=fmt_bytes(hw.hbm_bytes), curve={"n": curve_n, "bytes": curve},
                     labels={"params": fmt_count(m.params), "n": plural(n, "GPU"),
                             "active": fmt_count(m.active)})
@@ -313,9 +343,11 @@ class Api:
             },
         }
 
-    def roofline(self, hardware, n, axes, experts, experts_per_token, batch_tokens):
+    def roofline(self, hardware, n, axes, experts, experts_per_token, batch_tokens, shard_size,
+                 compress):
         hw = self.get_hardware(hardware)
-        kw = dict(axes=axes, experts=experts, experts_per_token=experts_per_token)
+        kw = dict(axes=axes, experts=experts, experts_per_token=experts_per_token,
+                  shard_size=shard_size, compress=compress)
         here = plan.threshold(hw, n, **kw)
         at_scale = plan.threshold(hw, None, **kw)
         most = plan.max_devices(hw, batch_tokens, **kw)
@@ -327,6 +359,8 @@ class Api:
         limit = 2**(LOG2_MAX_GPUS + 1) if hw.inter_bw > 0 else hw.devices_per_node
         sizes = {2**i for i in range(1, LOG2_MAX_GPUS + 2) if 2**i <= limit}
         sizes |= {size for size in (n, hw.devices_per_node) if size and size > 1}
+        if shard_size is not None:  # the curve keeps g: only sizes that g divides
+            sizes = {size for size in sizes if size % shard_size == 0}
         sizes = sorted(sizes)
         curve = [plan.threshold(hw, size, **kw) for size in sizes]
         return {
@@ -341,6 +375,10 @@ class Api:
                               else None),
                 "max_devices": fmt_count(most.max_devices),
                 "batch": fmt_count(batch_tokens),
+                "wire": f"{here.wire_grad_bytes:.4g}, {here.wire_param_bytes:.4g}",
+                "sync": f"{here.intra_bytes_per_param:.4g}, {here.inter_bytes_per_param:.4g}",
+                "shard_size": "flat" if here.shard_size is None else
+                f"{here.shard_size}" + (f" × {here.replicas} replicas" if here.replicas else ""),
             },
         }
 

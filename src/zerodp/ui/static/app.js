@@ -230,6 +230,15 @@ function renderMemory(d, panel) {
       className: "states", textContent: `${t("memory.states")} ${s.label}` });
     states.dataset.stage = s.stage_name;
     div.append(dt, dd, fit, states);
+    const c = d.comm && d.comm.find((x) => x.stage_name === s.stage_name);
+    if (c) {  // the step's communication by leg (guide §14), the CLI's labels
+      const comm = Object.assign(document.createElement("small"), {
+        className: "comm", textContent: t("memory.comm", {
+          intra: c.labels.intra_bytes, inter: c.labels.inter_bytes, time: c.labels.time }) });
+      Object.assign(comm.dataset, { stage: s.stage_name, intra: c.intra_bytes, inter: c.inter_bytes,
+                                    time: c.time_s });
+      div.append(comm);
+    }
     return div;
   });
   document.getElementById("memory-readouts").replaceChildren(...items);
