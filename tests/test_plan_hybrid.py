@@ -217,3 +217,28 @@ def test_cli_shard_size_not_a_number(capsys):
         main(["plan", "memory", "--shard-size", "eight"])
     err = capsys.readouterr().err.strip()
     assert "shard-size" in err and len(err.splitlines()) == 1
+
+
+def test_guide_section_14_worked_example_is_what_the_planner_prints():
+    """guide §14.6 in both languages quotes these figures; they must stay the planner's."""
+    from pathlib import Path
+
+    from zerodp.plan._common import fmt_bytes, fmt_time
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    figures = []
+    for g, compress in ((None, "none"), (8, "none"), (8, "int8")):
+        c = step_comm("H100", 64, 3, 7.5e9, g, compress=compress)
+        figures += [fmt_bytes(c.intra_bytes), fmt_bytes(c.inter_bytes), fmt_time(c.intra_s),
+                    fmt_time(c.inter_s), fmt_time(c.time_s)]
+    for g in (None, 8):
+        bill = memory_plan("zero-7.5b", 64, "H100", shard_size=g)
+        figures += [fmt_bytes(s["model_state_bytes"]) for s in bill.stages]
+    figures += [f"{threshold('H100', 1024, shard_size=8, compress=c).threshold_tokens:,.0f}"
+                for c in ("none", "int8-params", "int8-grads", "int8")]
+    figures += [f"{threshold('H800', 2048, shard_size=g, compress='int8').threshold_tokens:,.0f}" for g in (None, 4)]
+    for name in ("guide.md", "guide.zh.md"):
+        text = (docs / name).read_text(encoding="utf-8")
+        section = text[text.index('<a id="s14-6"></a>'):]
+        section = section[:section.index('<a id="s15"></a>')] if '<a id="s15"></a>' in section else section
+        missing = [f for f in figures if f not in section]
+        assert not missing, (name, missing)
