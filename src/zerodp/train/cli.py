@@ -246,18 +246,43 @@ def run_sample(args) -> int:
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as a plain state_dict (safetensors)",
+    p = sub.add_parser("export", help="write a checkpoint as a plain state_dict, a Hugging Face directory or DCP",
                        description="Assemble the full fp32 parameters from a sharded checkpoint (any "
-                                   "world size, any stage) into one safetensors state_dict that "
-                                   "GPT(cfg).load_state_dict(safetensors.torch.load_file(OUT)) loads.")
+                                   "world size, any stage). --format safetensors (default): one "
+                                   "safetensors state_dict that GPT(cfg).load_state_dict("
+                                   "safetensors.torch.load_file(OUT)) loads. --format hf: a Hugging Face "
+                                   "directory OUT (model-0000i-of-0000N.safetensors + "
+                                   "model.safetensors.index.json, keyed by the model's own names). "
+                                   "--format dcp: a torch.distributed.checkpoint directory OUT.",
+                       formatter_class=_Help)
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or run directory")
-    p.add_argument("output", metavar="OUT.safetensors", help="the safetensors file to write")
+    p.add_argument("output", metavar="OUT",
+                   help="the .safetensors file (--format safetensors) or the directory (hf, dcp) to write")
+    p.add_argument("--format", choices=("safetensors", "hf", "dcp"), default="safetensors",
+                   help="what to write")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="floating-point dtype of the written tensors (--format hf only; default float32)")
+    p.add_argument("--max-shard-mb", type=_bounded(float, "max-shard-mb", 0, 1e9, low_open=True), default=None,
+                   help="largest safetensors shard in MB of 10^6 bytes (--format hf only; default 5000, as "
+                        "save_pretrained's 5GB)")
     p.set_defaults(func=run_export)
 
 
 def run_export(args) -> int:
-    from zerodp.train.export import export
+    from zerodp.train import export as ex
 
-    out = export(args.checkpoint, args.output, log=lambda m: print(m, file=sys.stderr))
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if args.format != "hf":
+        for flag, value in (("--dtype", args.dtype), ("--max-shard-mb", args.max_shard_mb)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to --format hf only; leave it out for --format {args.format}")
+    if args.format == "hf":
+        shard = None if args.max_shard_mb is None else max(1, int(args.max_shard_mb * 10**6))
+        out = ex.export_hf(args.checkpoint, args.output, dtype=args.dtype or "float32", max_shard_bytes=shard,
+                           log=log)
+    elif args.format == "dcp":
+        out = ex.export_dcp_dir(args.checkpoint, args.output, log=log)
+    else:
+        out = ex.export(args.checkpoint, args.output, log=log)
     print(f"wrote {out}")
     return 0

@@ -2,6 +2,15 @@
 
 No engine and no process group are needed: the full parameters are assembled from the pieces
 of every rank (:meth:`Checkpoint.full`), exactly as a loader at world size 1 would see them.
+
+Formats (``zerodp export --format``):
+
+- ``safetensors`` (default): one file, the bundled GPT's ``state_dict`` with its config in the
+  metadata (:func:`export`);
+- ``hf``: a Hugging Face directory — ``model-0000i-of-0000N.safetensors`` shards and
+  ``model.safetensors.index.json`` — keyed by the model's own names, for any model whose
+  checkpoint holds them (:func:`export_hf`, :func:`zerodp.engine.hf.save_hf`);
+- ``dcp``: a ``torch.distributed.checkpoint`` directory (:func:`zerodp.engine.dcp.export_dcp`).
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from zerodp.train.model import GPT, GPTConfig
 
 CONFIG_KEY = "zerodp_model_config"
 KIND_KEY = "zerodp_token_kind"
+FORMATS = ("safetensors", "hf", "dcp")
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def model_from_checkpoint(path: str | Path, log=print) -> tuple[GPT, "ckpt.Checkpoint"]:
@@ -60,6 +71,56 @@ def export(path: str | Path, out: str | Path, log=print) -> Path:
     save_file(sd, str(tmp), metadata={CONFIG_KEY: json.dumps(model.cfg.to_dict()), KIND_KEY: kind,
                                       "step": str(ck.step)})
     tmp.replace(out)
+    return out
+
+
+def checkpoint_state(path: str | Path, log=print) -> tuple[dict[str, torch.Tensor], "ckpt.Checkpoint"]:
+    """Every parameter (fp32 master values) and persistent buffer of a checkpoint, by the model's
+    own names, assembled from all ranks' pieces; no model class is needed."""
+    ck = ckpt.Checkpoint.open(ckpt.find(path, log=log))
+    state = {}
+    for name in ck.names():
+        kinds = ck.kinds(name)
+        if "param" in kinds:
+            state[name] = ck.full(name, "param")
+        elif "buffer" in kinds:
+            state[name] = ck.full(name, "buffer")
+    if not state:
+        raise ckpt.CheckpointError(f"{ck.path / ckpt.MANIFEST} lists no parameters: there is nothing to export")
+    return state, ck
+
+
+def export_hf(path: str | Path, out: str | Path, dtype: str = "float32",
+              max_shard_bytes: int | None = None, log=print) -> Path:
+    """Write a checkpoint as a Hugging Face directory: sharded safetensors keyed by the model's
+    names plus ``model.safetensors.index.json`` (in its ``metadata``: the step and, for the
+    bundled GPT, its zerodp config; that GPT has no ``transformers`` class, so no config.json)."""
+    from zerodp.engine.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
+
+    if dtype not in HF_DTYPES:
+        raise ValueError(f"--dtype {dtype} is not one of {', '.join(HF_DTYPES)}")
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        raise ValueError(f"--format hf writes a directory: give a directory path, not {out}")
+    state, ck = checkpoint_state(path, log=log)
+    meta: dict = {"step": ck.step, "source": str(ck.path)}
+    if ck.model_config:
+        meta[CONFIG_KEY] = ck.model_config
+        meta[KIND_KEY] = ck.manifest.get("data", {}).get("kind", "bytes")
+    return save_hf(state, out, dtype=HF_DTYPES[dtype], metadata=meta,
+                   max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
+
+
+def export_dcp_dir(path: str | Path, out: str | Path, log=print) -> Path:
+    """Write a checkpoint's parameters and buffers (fp32) as a ``torch.distributed.checkpoint``
+    directory, through :func:`zerodp.engine.dcp.export_dcp`."""
+    from zerodp.engine.dcp import export_dcp
+
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        raise ValueError(f"--format dcp writes a directory: give a directory path, not {out}")
+    state, _ = checkpoint_state(path, log=log)
+    export_dcp(state, out)
     return out
 
 
