@@ -490,9 +490,10 @@ def save_hf(source: StageEngine | Mapping[str, torch.Tensor], directory: str | o
 
 
 def _engine_state(engine: StageEngine) -> dict[str, torch.Tensor]:
-    """The model's parameters (fp32) and persistent buffers by name, gathered on every rank:
-    ``engine.state_dict()`` where it is available, else ``engine.full_state_dict()``."""
+    """Collective: the model's parameters (fp32) and persistent buffers by name, for rank 0 (the
+    other ranks may get ``{}``): ``engine.state_dict(rank0_only=True, cpu_offload=True)`` where it
+    is available, else ``engine.full_state_dict()``."""
     try:
-        return engine.state_dict()
+        return engine.state_dict(rank0_only=True, cpu_offload=True)
     except NotImplementedError:
         return engine.full_state_dict()
