@@ -10,7 +10,8 @@ parameter names (``model.layers.0.self_attn.q_proj.weight``), with a
 rank holds (``engine.load_state_pieces``): at stage 3 that is its 1/N shard of each flat buffer,
 so each rank reads about 1/N of the bytes — a flat range ``[start, stop)`` of a weight is a run of
 whole rows plus partial rows at both ends, and safetensors' ``get_slice`` reads just the covering
-rows from the memory-mapped file. At stages 0-2 each rank holds the full parameters and reads
+rows from the memory-mapped file. Stages 1-2 read their 1/N slice of the fp32 master too (the
+AllGather that publishes the parameters fills in the rest); stage 0 keeps full replicas and reads
 everything. Values are cast to the engine's fp32 master dtype; the returned :class:`HFLoad`
 counts the bytes this rank read.
 
@@ -263,9 +264,9 @@ def load_hf(engine: StageEngine, directory: str | os.PathLike, *, strict: bool =
     buffer at stage 3), via ``safe_open(...).get_slice``. Every key is checked against the model
     first (names and shapes) so that nothing is half-loaded. ``strict``: keys of the files that are
     not parameters or buffers of the model are an error (False: a warning; they are listed in
-    :attr:`HFLoad.unexpected` either way). It loads weights,
-    not optimizer state (states the optimizer already has are kept as they are). Returns what this
-    rank read."""
+    :attr:`HFLoad.unexpected` either way). Frozen parameters load too (at stage 3 into this rank's
+    part of its unit's shard). Weights only: optimizer states the engine already has are kept as
+    they are. Returns what this rank read."""
     if not isinstance(engine, StageEngine):
         raise TypeError(f"load_hf needs an engine from zerodp.parallelize, got {type(engine).__name__}; for a "
                         "plain model, load_hf_state_dict(directory) gives the tensors to load_state_dict")
