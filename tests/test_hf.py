@@ -109,6 +109,15 @@ def _ranks(rank: int, world: int, tmp: str) -> dict:
     out["frozen_read"] = load_hf(engine, f"{tmp}/sharded").fraction
     out["frozen_loaded"] = engine.full_state_dict()
 
+    # ... at stages 0-2: stage 0 reads everything (here with a frozen layer), stages 1-2 their master slice
+    out["other_stages"] = {}
+    for stage in (0, 1, 2):
+        m = _model(16 + stage, tie_word_embeddings=True)
+        if stage == 0:
+            m.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+        engine = zerodp.parallelize(m, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-3), stage=stage)
+        out["other_stages"][stage] = (load_hf(engine, f"{tmp}/sharded").fraction, engine.full_state_dict())
+
     # the bundled GPT's `zerodp export --format hf` loads back into a GPT engine (stage 1, tied weights)
     from zerodp.train.model import GPT, PRESETS
 
@@ -214,7 +223,7 @@ def test_example_default_bf16_continues_from_the_export(group):
 
 
 @pytest.mark.dist
-def test_stage3_import_reads_only_each_ranks_slices(group):
+def test_import_reads_only_each_ranks_slices(group):
     tmp, source, results, _ = group
     files = sorted(p.name for p in (tmp / "sharded").glob("*.safetensors"))
     assert len(files) > 2 and files[0] == shard_file_name(1, len(files))
@@ -234,6 +243,10 @@ def test_stage3_import_reads_only_each_ranks_slices(group):
             assert torch.equal(r["loaded"][name], value), name
             assert torch.equal(r["frozen_loaded"][name], value), name
         assert 0.45 < r["frozen_read"] < 0.55, r["frozen_read"]
+        for stage, (fraction, loaded) in r["other_stages"].items():
+            assert (fraction == 1.0) if stage == 0 else (0.5 <= fraction < 0.55), (stage, fraction)
+            for name, value in expected.items():
+                assert torch.equal(loaded[name], value), (stage, name)
 
 
 @pytest.mark.dist
