@@ -217,7 +217,7 @@ def _auto_engines(rank, world, path, other_world_path):
             ref(x, y).backward()
             key = f"{kind}/{stage}"
             out[f"{key}/chosen"] = (engine.config.bucket_mb, want, engine.bucket_auto)
-            out[f"{key}/buckets"] = len(engine.buckets)
+            out[f"{key}/buckets"] = len(engine.groups)
             out[f"{key}/first_mb"] = engine.config.first_bucket_mb
             if stage == 0:  # full replicated gradients: compare them directly
                 refs = dict(ref.named_parameters())

@@ -84,12 +84,12 @@ def _modes(rank, world, out):
             backward = [e for e in events if e.name == "backward"][0]
             out[f"trace/{mode}"] = {
                 "labels": [e.args["label"] for e in comm],
-                "buckets": [b.names for b in engine.buckets],
+                "buckets": [b.names for b in engine.groups],
                 "registration": [n for n, _ in model.named_parameters()],
                 "first_comm_before_backward_end": min(e.start for e in comm) < backward.end,
                 "all_reduces": engine.stats().collectives["all_reduce"].count,
                 "bytes": engine.stats().collectives["all_reduce"].bytes,
-                "grad_bytes": sum(b.grad_buf.numel() * b.grad_buf.element_size() for b in engine.buckets),
+                "grad_bytes": sum(b.grad_full.numel() * b.grad_full.element_size() for b in engine.groups),
             }
 
 
@@ -155,7 +155,7 @@ def _no_sync(rank, world, out):
     out["clip/grad_err"] = worst(_grad_errors(model, ref, norm_rel))
     engine.step()
     out["no_sync/all_reduces"] = engine.stats().collectives["all_reduce"].count
-    out["no_sync/buckets"] = len(engine.buckets)
+    out["no_sync/buckets"] = len(engine.groups)
 
 
 def _unused_and_mismatch(rank, world, out):

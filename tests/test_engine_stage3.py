@@ -131,7 +131,7 @@ def _train(rank, world, engine, steps=STEPS, grad_acc=1, clip=None, start=0):
 
 def _step_comm(engine):
     """Counts and elements sent per rank by the unit collectives of the last completed step."""
-    names = {u.name for u in engine.fsdp_units}
+    names = {u.label for u in engine.groups}
     out = {"all_gather": 0, "reduce_scatter": 0, "sent_elements": 0.0}
     for e in engine.recorder.step_events():
         kind = e.args.get("kind")
@@ -222,12 +222,12 @@ def _scenarios(rank, world, ckpt):
         st = eng.stats()
         with torch.no_grad():  # after step(): the module still runs, gathering unit by unit
             logits = eng.module(_data(99, 2)[0]).numpy()
-        still_gathered = sum(u.gathered for u in eng.fsdp_units)
+        still_gathered = sum(u.gathered for u in eng.groups)
         out[f"fp32_prefetch_{prefetch}"] = dict(
             logits=logits, still_gathered=still_gathered,
             losses=losses, state=_state(eng), comm=_step_comm(eng), overlaps=_prefetch_overlaps(eng),
             peak_units=st.peak_gathered_units, units=[(u.name, u.padded_numel) for u in st.units],
-            kept=[u.name for u in eng.fsdp_units][0], memory=st.memory,
+            kept=[u.label for u in eng.groups][0], memory=st.memory,
             peak_bytes=st.memory["gathered"], unit_bytes={u.name: u.gathered_bytes for u in st.units},
         )
     # C: FSDP2 fp32 and bf16; D: ours bf16 with the same policy.
@@ -237,7 +237,7 @@ def _scenarios(rank, world, ckpt):
     out["ours_bf16"] = (_train(rank, world, eng)[0], _state(eng))
     eng = _engine(_model(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                            reduce_dtype=torch.float32))
-    out["ours_bf16_reduce_fp32"] = (_train(rank, world, eng)[0], _state(eng), eng.fsdp_units[0].grad_shard.dtype)
+    out["ours_bf16_reduce_fp32"] = (_train(rank, world, eng)[0], _state(eng), eng.groups[0].grad_shard.dtype)
     # E: gradient accumulation, both options (guide §5, §9.2).
     for every in (True, False):
         eng = _engine(_model(), reduce_every_microbatch=every)
@@ -247,7 +247,7 @@ def _scenarios(rank, world, ckpt):
     m = _model()
     eng = _engine(m, units=[m])
     losses, _ = _train(rank, world, eng, steps=8)
-    out["whole"] = dict(losses=losses, state=_state(eng), comm=_step_comm(eng), units=len(eng.fsdp_units))
+    out["whole"] = dict(losses=losses, state=_state(eng), comm=_step_comm(eng), units=len(eng.groups))
     # G: tied embedding/head in the root unit works; tied across units is refused.
     tied = GPTConfig(**{**CFG.to_dict(), "tie_weights": True})
     eng = _engine(_model(tied))

@@ -156,7 +156,7 @@ def _norms_and_accumulation(rank, world, out):
         out[f"acc{key}/norm_err"] = abs(norm.item() - ref_norm) / ref_norm
         out[f"acc{key}/grad_err"] = worst({n: norm_rel(g, ref_grads[n]) for n, g in applied.items()})
         out[f"acc{key}/reduce_scatters"] = engine.stats().collectives["reduce_scatter"].count
-        out[f"acc{key}/buckets"] = len(engine.buckets)
+        out[f"acc{key}/buckets"] = len(engine.groups)
         # When do the ReduceScatters start? (the last micro-batch's backward, from the trace)
         events = engine.recorder.step_events()
         backward = [e for e in events if e.name == "backward"][-1]
@@ -185,7 +185,7 @@ def _memory_and_comm(rank, world, out):
             formula = formula_by_kind(stage, s.num_params, world, fp32_accum)
             out[f"mem{stage}/{fp32_accum}"] = {
                 "measured": dict(s.memory), "formula": formula, "num_params": s.num_params,
-                "padding": sum(b.layout.padding for b in engine.buckets),
+                "padding": sum(b.layout.padding for b in engine.groups),
                 "targets": len(engine.master.targets),
                 "table": compare_table(s, formula),
                 "sent": sent,  # the step with one micro-batch
@@ -312,6 +312,10 @@ def test_measured_bytes_per_rank_equal_the_seed_formulas(world, stage, fp32_accu
             # per tensor.
             slack = m["padding"] * 4 * 3 + (4 * m["targets"] if kind == "optimizer_states" else 0)
             below = m["padding"] * 8 if kind == "optimizer_states" else 0
+            if kind == "grads" and stage == 2 and fp32_accum:
+                # The ReduceScatter lands in a scratch that lives only while it is added to the
+                # fp32 shard: no bf16 gradient shard at rest, 2Ψ/N below the guide's count.
+                want -= 2 * m["num_params"] / world
             assert want - below <= got <= want + slack, f"{kind}: measured {got} B, formula {want:.0f} B"
 
 

@@ -31,9 +31,9 @@ def engine_class(stage: int, reduce_every_microbatch: bool = True) -> type[Stage
 
         return ZeRO1Engine
     if stage == 2:
-        from zerodp.engine.zero2 import ZeRO2Engine, ZeRO2ReduceOnceEngine
+        from zerodp.engine.zero2 import ZeRO2Engine
 
-        return ZeRO2Engine if reduce_every_microbatch else ZeRO2ReduceOnceEngine
+        return ZeRO2Engine
     if stage == 3:
         from zerodp.engine.fsdp import FSDPEngine
 

@@ -71,8 +71,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from zerodp.engine import state_dict as standard_state
-from zerodp.engine.comm import Collectives
+from zerodp.engine.comm import Collectives, InFlight
 from zerodp.engine.config import EngineConfig
+from zerodp.engine.group import FROZEN, FlatGroup, Policy
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target, param_targets
@@ -85,6 +86,8 @@ BUFFER = "buffer"  # checkpoint piece kind of a module buffer (saved whole, by r
 #: buffer of millions of elements each pass goes to memory (AdamW on 11M elements: ~2-3x faster).
 CPU_OPTIMIZER_CHUNK = 1 << 17
 _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+#: gradient reductions allowed in flight before the oldest is waited for (bounds transient buffers)
+MAX_REDUCE_IN_FLIGHT = 2
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -226,6 +229,14 @@ class StageEngine:
         self.units = units
         self.recorder = Recorder(self.rank)
         self.comm = Collectives(self.recorder, group)
+        self.policy = Policy.of(self.stage, config.reduce_every_microbatch)
+        self.shard_comm = self.comm  # where parameters and gradients are sharded
+        self.replica_comm: Collectives | None = None  # hybrid sharding: across the replicas
+        self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
+        self._inflight = InFlight()  # gradient collectives issued, not yet waited for
+        self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
+        self._comm_peak = 0  # most bytes of transient gradient buffers alive at once, this step
+        self.last_comm_peak = 0
         self.mixed_precision = config.mixed_precision
         self._module = module
         self._factory = optimizer_factory
@@ -365,6 +376,7 @@ class StageEngine:
             if not self.config.overlap_param_gather:
                 self._wait_params()  # step() returns with the model's parameters up to date
             self._reset_used()
+        self.last_comm_peak, self._comm_peak = self._comm_peak, 0
         self._tokens = 0.0
         self._token_factor_value = None
         now = self.recorder.clock()
@@ -501,52 +513,47 @@ class StageEngine:
     def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
         """Per-target values (aligned with ``master.targets``) → full tensors by parameter name.
 
-        Each flat buffer is rebuilt from what this rank holds — the whole buffer (stage 0) or its
-        shard (stages 1-3), gathered — iterating every buffer in the same order on every rank,
+        Each flat group is rebuilt from what this rank holds — the whole buffer (stage 0) or its
+        shard (stages 1-3), gathered — iterating every group in the same order on every rank,
         whether or not this rank's part holds a target."""
         out: dict[str, torch.Tensor] = {}
-        by_layout: dict[int, list[int]] = {}
+        by_group: dict[int, list[int]] = {}
         for i, t in enumerate(self.master.targets):
-            by_layout.setdefault(id(t.layout), []).append(i)
-        sharded = self.stage > 0
-        for layout in self._flat_layouts():
-            lo, hi = layout.shard_range(self.rank) if sharded else (0, layout.padded_numel)
+            by_group.setdefault(id(t.layout), []).append(i)
+        sharded = self.policy.shard_master
+        for g in self.groups:
+            layout = g.layout
+            lo, hi = g.shard_range if sharded else (0, layout.padded_numel)
             local = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-            for i in by_layout.get(id(layout), []):
+            for i in by_group.get(id(layout), []):
                 t = self.master.targets[i]
                 local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i])
-            if frozen_from_params:
-                self._fill_frozen(layout, local, lo)
-            if sharded and self.world_size > 1:
+            if frozen_from_params:  # frozen parameters of a unit live in its master shard only
+                for slot, grp in zip(layout.slots, g.groups):
+                    a, b = max(slot.offset, lo), min(slot.stop, hi)
+                    if grp == FROZEN and a < b:
+                        local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
+            if sharded and g.comm.world_size > 1:
                 flat = torch.empty(layout.padded_numel, dtype=torch.float32, device=self.device)
-                self.comm.all_gather(flat, local, "gather_full", async_op=False)
+                g.comm.all_gather(flat, local, "gather_full", async_op=False)
             else:
                 flat = local
             for slot in layout.slots:
                 out[slot.name] = flat[slot.offset:slot.stop].view(slot.shape).clone()
         return out
 
-    def _fill_frozen(self, layout: FlatLayout, local: torch.Tensor, lo: int) -> None:
-        """Write the values of parameters without targets (frozen ones) into ``local``, this
-        rank's part ``[lo, lo + len)`` of ``layout`` (stage 3 keeps them in its master shard)."""
-
     def layout(self) -> list[dict]:
-        """The flat buffers as data: which parameter sits at which offset, padding, owners."""
+        """The flat groups as data: which parameter sits at which offset, padding, owners."""
         out = []
-        groups = {id(t.layout): t.group for t in self.master.targets}
-        for i, layout in enumerate(self._flat_layouts()):
-            d = layout.to_dict()
-            group = groups.get(id(layout), self._group_by_name.get(layout.slots[0].name, 0))
-            d.update(index=i, group=group, options=self.group_options[group],
-                     sharded=self.stage > 0,
-                     owners=[list(layout.shard_range(r)) for r in range(self.world_size)])
-            d.update(self._layout_extra(i))
+        for i, g in enumerate(self.groups):
+            d = g.layout.to_dict()
+            trainable = [grp for grp in g.groups if grp != FROZEN]
+            d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
+                     options=self.group_options[trainable[0]] if trainable else None,
+                     dtype=str(g.param_dtype), sharded=self.policy.shard_master,
+                     owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)])
             out.append(d)
         return out
-
-    def _flat_layouts(self) -> list[FlatLayout]:
-        """Every flat buffer's layout, in the same order on every rank (buckets or units)."""
-        raise NotImplementedError
 
     # ---- helpers for subclasses ---------------------------------------------------------
     def _build_master(self, targets: list[Target]) -> MasterOptimizer:
@@ -676,11 +683,118 @@ class StageEngine:
         self._publish_params()
 
     def _owned_range(self, target: Target) -> tuple[int, int]:
-        """Flat range of ``target.layout`` whose state this rank saves (default: all it holds)."""
+        """Flat range of ``target.layout`` whose state this rank saves: slice r of stage 0's
+        replicas, everything a sharded rank holds — on the first replica only under hybrid
+        sharding (the others hold the same shards), so that saved pieces are disjoint."""
+        if not self.policy.shard_master:
+            return target.layout.shard_range(self.rank)
+        if self.replica_comm is not None and self.replica_comm.rank > 0:
+            return target.flat_start, target.flat_start
         return target.flat_start, target.flat_start + target.tensor.numel()
 
-    def _layout_extra(self, index: int) -> dict:
-        return {}
+    # ---- flat groups: what every stage does the same way (guide §12) ------------------------
+    def _set_dtypes(self, param_dtype: torch.dtype) -> None:
+        """The compute dtype, the dtype gradients travel in (``reduce_dtype``), and the one they
+        are accumulated in: fp32 when parameters are fp32, with ``fp32_grad_accum``, or when
+        gradients travel in fp32 anyway (guide §1, §9)."""
+        if not param_dtype.is_floating_point:
+            raise ValueError(f"parameters of dtype {param_dtype} cannot be trained")
+        mp = self.mixed_precision
+        self.param_dtype = param_dtype
+        self.reduce_dtype = mp.comm_dtype if mp else param_dtype
+        fp32 = torch.float32
+        self.accum_dtype = fp32 if fp32 in (param_dtype, self.reduce_dtype) or (mp and mp.fp32_grad_accum) \
+            else self.reduce_dtype
+
+    def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
+        return FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
+                         reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm)
+
+    @torch.no_grad()
+    def _init_groups(self, extra_broadcast: list[torch.Tensor] = ()) -> None:
+        """Fill every group from the module's values — rank 0's, broadcast as DDP does at
+        construction — build its gradient buffers, and the optimizer over the master tensors."""
+        for g in self.groups:
+            values = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=self.device)
+            for slot, p in zip(g.layout.slots, g.params):
+                values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
+            self._broadcast_from_rank0([values])
+            g.init_values(values)
+            g.init_grads()
+            del values
+        self._broadcast_from_rank0(list(extra_broadcast))
+        targets: list[Target] = []
+        self._target_slices: list[tuple[FlatGroup, int, int]] = []  # the gradient each target reads
+        for g in self.groups:
+            for t in self._targets(g.master, g.layout, g.master_start):
+                lo = t.flat_start - g.master_start
+                targets.append(t)
+                self._target_slices.append((g, lo, lo + t.tensor.numel()))
+        self.master = self._build_master(targets)
+        position = {n: i for i, (n, _) in enumerate(self.named_params)}
+        # Per group, per trainable parameter: its index in named_params (used-flags at step()).
+        self._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.groups]
+        self._step_used = [False] * len(self.named_params)
+
+    def _record_used(self) -> None:
+        """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
+        used = self._step_used
+        for g, index in zip(self.groups, self._used_index):
+            for fired, i in zip(g.bwd.fired, index):
+                if fired:
+                    used[i] = True
+
+    def _reset_used(self) -> None:
+        self._step_used = [False] * len(self.named_params)
+
+    def _bound_in_flight(self, g: FlatGroup) -> None:
+        """Before a group allocates gradients for a reduction: wait for the oldest collectives
+        while ``MAX_REDUCE_IN_FLIGHT`` are in flight, so that transient gradient buffers are
+        bounded by the groups in flight, not by the model (guide §9.2)."""
+        if not g.holds_grads:
+            while len(self._inflight) >= MAX_REDUCE_IN_FLIGHT:
+                self._inflight.wait_oldest()
+
+    def _launch_reduce(self, g: FlatGroup) -> None:
+        self._inflight.add(*g.reduce(self._token_factor()))
+        held = sum(t.untyped_storage().nbytes() for h in self.groups for t in h.memory()["comm_buffers"])
+        self._comm_peak = max(self._comm_peak, held)
+
+    def _finish_grad_sync(self) -> None:
+        """Wait for every gradient collective; sharded groups still holding local gradients of a
+        ``no_sync`` backward (the step's last micro-batch ran inside it) are reduced now, on every
+        rank alike."""
+        self._inflight.wait_all()
+        pending = [g for g in self.groups if g.has_local and self.policy.shard_master]
+        for g in pending:
+            self._launch_reduce(g)
+        self._inflight.wait_all()
+
+    def _master_grads(self) -> list[torch.Tensor | None]:
+        grads = {id(g): g.grad() for g in self.groups}
+        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self._target_slices]
+
+    def _publish_params(self) -> None:
+        """After the step, the compute parameters ← the master, in the order the next forward
+        needs them (the last bucket holds the first layers; guide §9.1 step 5)."""
+        for g in reversed(self.groups):
+            pending = g.publish()
+            if pending is not None:
+                self._param_gathers.add(pending)
+
+    def _wait_params(self) -> None:
+        self._param_gathers.wait_all()
+
+    def _zero_grad(self) -> None:
+        for g in self.groups:
+            g.zero_grad()
+
+    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for g in self.groups:
+            for kind, tensors in g.memory().items():
+                out.setdefault(kind, []).extend(tensors)
+        return out
 
     # ---- defaults for optional hooks ----------------------------------------------------------
     def _before_forward(self) -> None:
@@ -691,25 +805,6 @@ class StageEngine:
 
     def _on_backward_end(self) -> None:
         pass
-
-    def _wait_params(self) -> None:
-        pass
-
-    # ---- required from subclasses ---------------------------------------------------------------
-    def _finish_grad_sync(self) -> None:
-        raise NotImplementedError
-
-    def _master_grads(self) -> list[torch.Tensor | None]:
-        raise NotImplementedError
-
-    def _publish_params(self) -> None:
-        raise NotImplementedError
-
-    def _zero_grad(self) -> None:
-        raise NotImplementedError
-
-    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        raise NotImplementedError
 
 
 def _first_grad_tensor(out: Any) -> torch.Tensor | None:

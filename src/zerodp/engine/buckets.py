@@ -13,20 +13,18 @@ The three sync modes of the guide map onto bucket plans:
 - ``overlap``  (§3):   one bucket per parameter, reduced from its gradient hook;
 - ``bucketed`` (§4):   buckets of ``bucket_mb``, reduced as each one fills.
 
-Each bucket owns a flat parameter buffer (padded to a multiple of N, guide §12) and each
-parameter becomes a view into it, so collectives and the optimizer run on a few large
-contiguous tensors with no copies.
+Each bucket becomes a :class:`~zerodp.engine.group.FlatGroup` (guide §12.1): a flat parameter
+buffer padded to a multiple of N, every parameter a view into it, so collectives and the
+optimizer run on a few large contiguous tensors with no copies.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from zerodp.engine.layout import FlatLayout
 from zerodp.plan.units import MIB
 
 MB = MIB  # DDP's bucket_cap_mb counts mebibytes
@@ -62,59 +60,6 @@ def plan_buckets(sizes: list[int], groups: list[int], element_size: int, sync: s
     buckets = closed + list(open_.values())
     order = {i: pos for pos, i in enumerate(reversed(range(len(sizes))))}
     return sorted(buckets, key=lambda b: order[b[0]])
-
-
-@dataclass
-class Bucket:
-    """One bucket: its parameters (in bucket order), layout, flat parameter buffer and group."""
-
-    index: int
-    group: int
-    names: list[str]
-    params: list[nn.Parameter]
-    layout: FlatLayout
-    param_buf: torch.Tensor
-    grad_buf: torch.Tensor | None = None  # full local gradients (stages 0-1, 2 with reduce once)
-    grad_shard: torch.Tensor | None = None  # stage 2: this rank's reduced 1/N of the gradients
-    acc32: torch.Tensor | None = None  # fp32 gradient accumulator under bf16 (fp32_grad_accum)
-    param_ids: list[int] = field(default_factory=list)  # the engine's numbering of its parameters
-
-    @property
-    def label(self) -> str:
-        return f"bucket {self.index}"
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's view into a flat buffer of this bucket's layout."""
-        return [flat[s.offset:s.stop].view(s.shape) for s in self.layout.slots]
-
-    def describe(self) -> dict:
-        return {"group": self.group, "dtype": str(self.param_buf.dtype), **self.layout.to_dict()}
-
-
-@torch.no_grad()
-def build_buckets(named_params: list[tuple[str, nn.Parameter]], groups: list[int], plan: list[list[int]],
-                  world_size: int, dtype: torch.dtype, device: torch.device,
-                  ) -> tuple[list[Bucket], list[torch.Tensor]]:
-    """Create the flat buffers and turn every parameter into a view of its bucket's buffer.
-
-    Returns the buckets and, per bucket, an fp32 flat copy of the parameters' *original* values
-    (before any cast to ``dtype``), which the caller uses as the fp32 master or drops.
-    """
-    buckets, originals = [], []
-    for b, idx in enumerate(plan):
-        names = [named_params[i][0] for i in idx]
-        params = [named_params[i][1] for i in idx]
-        layout = FlatLayout.pack([(n, tuple(p.shape)) for n, p in zip(names, params)], world_size)
-        fp32 = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-        for slot, p in zip(layout.slots, params):
-            fp32[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
-        param_buf = fp32 if dtype == torch.float32 else fp32.to(dtype)
-        bucket = Bucket(b, groups[idx[0]], names, params, layout, param_buf)
-        for p, view in zip(params, bucket.views(param_buf)):
-            p.data = view
-        buckets.append(bucket)
-        originals.append(fp32)
-    return buckets, originals
 
 
 def cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:

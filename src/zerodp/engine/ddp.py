@@ -17,21 +17,11 @@ directly on the flat parameter buffers, so there is no separate master copy.
 
 from __future__ import annotations
 
-import torch
-
-from zerodp.engine.comm import Pending
-from zerodp.engine.reducer import FullGradEngine
+from zerodp.engine.reducer import BucketEngine
 
 
-class DDPEngine(FullGradEngine):
+class DDPEngine(BucketEngine):
     """Stage 0: replicated params, grads and optimizer states; AllReduce per bucket."""
 
     stage = 0
     grads_sharded = False  # every rank holds the same full gradient: the norm needs no collective
-
-    def _launch(self, b: int) -> tuple[Pending, None]:
-        buf = self._grads_to_reduce(b)
-        return self.comm.all_reduce_mean(buf, self.buckets[b].label), None
-
-    def _bucket_grads(self) -> list[torch.Tensor]:
-        return self._full_grads()

@@ -63,14 +63,14 @@ import torch.utils._pytree as pytree
 
 from zerodp.engine.base import StageEngine
 from zerodp.engine.buckets import cast_floating_buffers
-from zerodp.engine.comm import InFlight
 from zerodp.engine.config import EngineConfig
-from zerodp.engine.master import OptimizerFactory, Target
+from zerodp.engine.group import FlatGroup
+from zerodp.engine.master import OptimizerFactory
 from zerodp.engine.stats import EngineStats, fmt_bytes
 from zerodp.engine.trace import COMPUTE
-from zerodp.engine.unit import FROZEN, Unit, plan_units
+from zerodp.engine.unit import plan_units
 
-MAX_REDUCE_IN_FLIGHT = 2  # ReduceScatters allowed in flight before the oldest is waited for
+Unit = FlatGroup  # a unit is a flat group whose policy shards its parameters (guide §12.1)
 
 
 @dataclass
@@ -121,7 +121,11 @@ class FSDPEngine(StageEngine):
         mp = config.mixed_precision
         group_index = {id(p): g for (_, p), g in zip(self.named_params, self.param_group_of)}
         specs = plan_units(module, units, lambda fqn, p: group_index[id(p)])
-        self.param_dtype = mp.param_dtype if mp else None
+        dtypes = sorted({str(p.dtype) for spec in specs for _, p, _ in spec.params})
+        if mp is None and len(dtypes) > 1:
+            raise ValueError(f"parameters have several dtypes {dtypes}: convert the model to one dtype, "
+                             "or pass mixed_precision='bf16' to compute in bf16 with fp32 masters")
+        self._set_dtypes(mp.param_dtype if mp else specs[0].params[0][1].dtype)
         # Check before the first broadcast, so that mismatched ranks fail with words, not a hang.
         self._check_consistency({
             "stage": self.stage, "world_size": self.world_size,
@@ -129,25 +133,12 @@ class FSDPEngine(StageEngine):
             "units": [{"name": s.label, "params": [[f, list(p.shape), str(p.dtype), g]
                                                    for f, p, g in s.params]} for s in specs],
         })
-        self.fsdp_units = [
-            Unit(i, spec, self.rank, self.world_size, self.param_dtype,
-                 mp.comm_dtype if mp else None, bool(mp and mp.fp32_grad_accum), group)
-            for i, spec in enumerate(specs)
-        ]
+        self.groups = [self._new_group(i, spec.label, list(spec.params)) for i, spec in enumerate(specs)]
+        for u, spec in zip(self.groups, specs):
+            u.module = spec.module
         if mp is not None:  # floating-point buffers compute in the param dtype, as at stages 0-2
             cast_floating_buffers(module, mp.param_dtype)
-        targets: list[Target] = []
-        self._target_grads: list[torch.Tensor] = []
-        for u in self.fsdp_units:
-            lo = u.layout.shard_range(self.rank)[0]
-            for t in self._targets(u.master, u.layout, lo):
-                targets.append(t)
-                self._target_grads.append(u.grad_shard[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()])
-        self.master = self._build_master(targets)
-        position = {n: i for i, (n, _) in enumerate(self.named_params)}
-        # Per unit, per trainable parameter: its index in named_params (used-flags at step()).
-        self._used_index = [[position[u.fqns[i]] for i in u.trainable] for u in self.fsdp_units]
-        self._step_used = [False] * len(self.named_params)
+        self._init_groups(extra_broadcast=[b for b in module.buffers()])
         # The sequence of unit collectives this rank issued since the last step, as a running
         # hash (compared across ranks at step(): a unit skipped on some ranks shows up there) and
         # a bounded log (to name the first unit where the ranks went different ways).
@@ -155,7 +146,7 @@ class FSDPEngine(StageEngine):
         self._schedule_log: list[str] = []
 
         # Prefetch order: registration order until a forward has been seen, then the recorded one.
-        order = list(self.fsdp_units)
+        order = list(self.groups)
         self._next_fwd: dict[int, Unit] = {a.index: b for a, b in zip(order, order[1:])}
         self._next_bwd: dict[int, Unit] = {b.index: a for a, b in zip(order, order[1:])}
         self._fwd_order: list[Unit] = []
@@ -164,7 +155,6 @@ class FSDPEngine(StageEngine):
         self._kept: Unit | None = None  # the last forward unit, kept gathered into backward
         self._forwarding = False
         self._reduce_this_pass = True
-        self._reduces = InFlight()  # unit ReduceScatters issued, not yet waited for
         self._n_gathered = 0
         self._gathered_bytes = 0
         self._peak_units = 0
@@ -179,14 +169,14 @@ class FSDPEngine(StageEngine):
     def _install_hooks(self) -> None:
         root = self._module
         self._handles.append(root.register_forward_pre_hook(self._top_pre_forward, prepend=True))
-        for u in self.fsdp_units:
+        for u in self.groups:
             self._handles.append(u.module.register_forward_pre_hook(
                 lambda m, a, k, u=u: self._pre_forward(u, a, k), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(
                 lambda m, a, out, u=u: self._post_forward(u, out)))
-            for i in u.trainable:
-                self._handles.append(u.params[i].register_post_accumulate_grad_hook(
-                    lambda p, u=u: self._on_grad_final(u)))
+            for j, p in enumerate(u.trainable_params):
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p, u=u, j=j: self._on_grad_final(u, j, p)))
         self._handles.append(root.register_forward_hook(self._top_post_forward))
 
     def _top_pre_forward(self, module, args):
@@ -194,7 +184,7 @@ class FSDPEngine(StageEngine):
             return None
         self._forwarding = True
         self._finish_reduces()
-        for u in self.fsdp_units:  # e.g. the kept unit of a forward that had no backward
+        for u in self.groups:  # e.g. the kept unit of a forward that had no backward
             if u.gathered:
                 self._free(u)
         self._kept = None
@@ -221,7 +211,7 @@ class FSDPEngine(StageEngine):
             nxt = self._next_fwd.get(u.index)
             if nxt is not None and not nxt.gathered:
                 self._gather(nxt, async_op=True)
-        u.bwd.fwd_event = self.recorder.begin(f"forward {u.name}", COMPUTE, unit=u.name)
+        u.bwd.fwd_event = self.recorder.begin(f"forward {u.label}", COMPUTE, unit=u.label)
         cast = self._cast_inputs(args, kwargs)
         if cast is not None:
             args, kwargs = cast
@@ -290,26 +280,27 @@ class FSDPEngine(StageEngine):
             nxt = self._next_bwd.get(i)
             if nxt is not None and not nxt.gathered and not nxt.bwd.started:
                 self._gather(nxt, async_op=True)
-        u.bwd.bwd_event = self.recorder.begin(f"backward {u.name}", COMPUTE, unit=u.name)
+        u.bwd.bwd_event = self.recorder.begin(f"backward {u.label}", COMPUTE, unit=u.label)
 
     # A unit's backward is over when (a) every trainable parameter's gradient is accumulated and
     # (b) the gradient w.r.t. its inputs is computed — (b) matters when a parameter without
     # gradient (frozen) is still needed after the last trainable one, e.g. a frozen norm weight
     # at the start of a block. Units whose inputs need no gradient rely on (a); the end-of-backward
     # callback catches whatever got no gradient at all.
-    def _on_grad_final(self, u: Unit) -> None:
-        u.bwd.grads += 1
-        if u.bwd.started and u.bwd.over(len(u.trainable)):
+    def _on_grad_final(self, u: Unit, j: int, param: nn.Parameter) -> None:
+        self._backward_started()
+        self._bound_in_flight(u)
+        u.take_grad(j, param)  # into the unit's gradient buffer; .grad is dropped at once
+        if u.bwd.started and u.bwd.over():
             self._post_backward(u)
 
     def _on_inputs_grad(self, u: Unit) -> None:
         u.bwd.inputs_fired += 1
-        if u.bwd.started and u.bwd.over(len(u.trainable)):
+        if u.bwd.started and u.bwd.over():
             self._post_backward(u)
 
     def _post_backward(self, u: Unit) -> None:
         """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
-        i = u.index
         if u.bwd.done:
             return
         u.bwd.done = True
@@ -317,39 +308,40 @@ class FSDPEngine(StageEngine):
         if ev is not None:
             self.recorder.end(ev)
             u.bwd.bwd_event = None
-        if u.has_trainable:
-            for got, j in zip(u.collect_grads(), self._used_index[i]):
-                if got:
-                    self._step_used[j] = True
-        if u.has_trainable and self._reduce_this_pass:
-            self._reduce(u)
+        if u.trainable:  # every rank reduces every unit that ran, used or not: same collectives
+            u.fill_missing()  # parameters without a gradient in this backward count as zero
+            if self._reduce_this_pass:
+                self._launch_reduce(u)
+            else:
+                u.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
         if self._kept is u:
             self._kept = None
         self._free(u)
 
     def _on_backward_end(self) -> None:
         # Units whose parameters got no (or not every) gradient in this backward.
-        for u in self.fsdp_units:
-            if (u.bwd.started or u.bwd.grads) and not u.bwd.done:
+        for u in self.groups:
+            if (u.bwd.started or u.bwd.remaining < len(u.trainable)) and not u.bwd.done:
                 self._post_backward(u)
-        for u in self.fsdp_units:
+        self._record_used()
+        for u in self.groups:
             if u.gathered:
                 self._free(u)
         self._kept = None
         self._finish_reduces()
-        for u in self.fsdp_units:
-            u.bwd.reset()
+        for u in self.groups:
+            u.bwd.reset(len(u.trainable))
 
     # ---- gather / free / reduce ---------------------------------------------------------------
     def _log_collective(self, kind: str, u: Unit) -> None:
         """Add one unit collective to this step's schedule (see ``_check_schedule``)."""
         self._schedule_hash = (self._schedule_hash * 1_000_003 + (u.index + 1) * 4 + (kind == "RS")) % (1 << 50)
         if len(self._schedule_log) < 4096:
-            self._schedule_log.append(f"{'ReduceScatter' if kind == 'RS' else 'AllGather'} of unit {u.name!r}")
+            self._schedule_log.append(f"{'ReduceScatter' if kind == 'RS' else 'AllGather'} of unit {u.label!r}")
 
     def _gather(self, u: Unit, async_op: bool) -> None:
         self._log_collective("AG", u)
-        u.gather(self.comm, async_op=async_op)
+        u.gather(async_op=async_op)
         self._n_gathered += 1
         self._gathered_bytes += u.gathered_nbytes()  # measured: the storage just allocated
         if self._n_gathered > self._peak_units:
@@ -369,53 +361,27 @@ class FSDPEngine(StageEngine):
             self._gathered_bytes -= u.gathered_nbytes()
             u.free()
 
-    def _reduce(self, u: Unit) -> None:
-        factor = self._token_factor()
-        if factor is not None:
-            u.grad_full.mul_(factor)
-        while len(self._reduces) >= MAX_REDUCE_IN_FLIGHT:
-            self._reduces.wait_oldest()
+    def _launch_reduce(self, u: Unit) -> None:
         self._log_collective("RS", u)
-        self._reduces.add(*u.reduce(self.comm))
+        super()._launch_reduce(u)
 
     def _finish_reduces(self) -> None:
-        self._reduces.wait_all()
+        self._inflight.wait_all()
 
     def _cast_inputs(self, args, kwargs):
-        dt = self.param_dtype
-        if dt is None:
+        if self.mixed_precision is None:
             return None
+        dt = self.param_dtype
         return _cast_floats(args, dt), _cast_floats(kwargs, dt)
 
     # ---- StageEngine contract ------------------------------------------------------------------
-    def _finish_grad_sync(self) -> None:
-        self._finish_reduces()
-        # Gradients kept unreduced by no_sync with reduce_every_microbatch=False, and a step
-        # taken without a final synchronized micro-batch: reduce them now (every rank does).
-        pending = [u for u in self.fsdp_units if u.grad_allocated and u.has_trainable]
-        if pending:
-            for u in pending:
-                self._reduce(u)
-            self._finish_reduces()
-
-    def _flat_layouts(self):
-        return [u.layout for u in self.fsdp_units]
-
-    def _fill_frozen(self, layout, local: torch.Tensor, lo: int) -> None:
-        u = next(u for u in self.fsdp_units if u.layout is layout)
-        hi = lo + local.numel()
-        for slot, g in zip(u.layout.slots, u.groups):
-            a, b = max(slot.offset, lo), min(slot.stop, hi)
-            if g == FROZEN and a < b:
-                local[a - lo:b - lo].copy_(u.master[a - lo:b - lo])
-
     def _local_used(self) -> list[bool]:
         return list(self._step_used)
 
     def _reset_used(self) -> None:
-        self._step_used = [False] * len(self.named_params)
+        super()._reset_used()
         self._schedule_hash, self._schedule_log = 0, []
-        for u in self.fsdp_units:
+        for u in self.groups:
             u.bwd.reset_inputs()
 
     def _step_unused(self) -> set[str]:
@@ -444,7 +410,7 @@ class FSDPEngine(StageEngine):
         if flags[0].item() == -flags[1].item():
             return
         orders: list = [None] * self.world_size
-        dist.all_gather_object(orders, [u.name for u in self._fwd_order], group=self.group)
+        dist.all_gather_object(orders, [u.label for u in self._fwd_order], group=self.group)
         where = next(i for i in range(max(map(len, orders)))
                      if len({o[i] if i < len(o) else None for o in orders}) > 1)
         seen = "; ".join(f"rank {r} ran {repr(o[where]) if where < len(o) else 'no further unit'}"
@@ -473,19 +439,6 @@ class FSDPEngine(StageEngine):
             "run every unit in the same order in every forward (multiply a dropped unit's output by "
             "zero instead of skipping it), or use stage 0-2 with find_unused_parameters=True")
 
-    def _master_grads(self) -> list[torch.Tensor | None]:
-        for u in self.fsdp_units:
-            if u.grad_shard_fresh:  # no gradient was reduced since zero_grad
-                u.grad_shard.zero_()
-                u.grad_shard_fresh = False
-        return self._target_grads
-
-    def _publish_params(self) -> None:
-        """No AllGather after the step (unlike ZeRO-1/2): only the cast of the new fp32 master
-        into the compute-dtype shard; the next forward gathers unit by unit."""
-        for u in self.fsdp_units:
-            u.refresh_param_shard()
-
     def step(self) -> None:
         super().step()
         # The gathered peak of the step just completed, for stats(); start the next one.
@@ -494,24 +447,9 @@ class FSDPEngine(StageEngine):
         self._peak_units, self._peak_bytes = self._n_gathered, self._gathered_bytes
 
     def _zero_grad(self) -> None:
-        for u in self.fsdp_units:
-            u.grad_shard_fresh = True
-            u.free_grads()
-        for u in self.fsdp_units:
+        super()._zero_grad()
+        for u in self.groups:
             u.bwd.reset_inputs()
-
-    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [], "comm_buffers": []}
-        for u in self.fsdp_units:
-            if u.param_shard is not u.master:
-                out["params"].append(u.param_shard)
-            out["grads"].append(u.grad_shard)
-            out["gathered"].append(u.full)
-            # Full gradients: in flight to the ReduceScatter, or (reduce_every_microbatch=False)
-            # the unsharded local sum kept across no_sync micro-batches.
-            out["comm_buffers" if self.config.reduce_every_microbatch else "grads"].append(u.grad_full)
-            out["comm_buffers"] += [t for t in (u._rs_scratch, u._rs_src) if t is not None]
-        return out
 
     # ---- stage-3 specific views ------------------------------------------------------------------
     def stats(self) -> "FSDPStats":
@@ -526,24 +464,12 @@ class FSDPEngine(StageEngine):
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         fields["memory"] = dict(fields["memory"], gathered=self.last_peak_gathered_bytes)
         # Ψ from the layouts: at rest the module's parameters are empty placeholders.
-        fields["num_params"] = sum(u.layout.slots[i].numel for u in self.fsdp_units for i in u.trainable)
+        fields["num_params"] = sum(u.layout.slots[i].numel for u in self.groups for i in u.trainable)
         return FSDPStats(
             **fields, peak_gathered_units=self.last_peak_gathered_units,
-            units=[UnitInfo(u.name, u.numel, u.layout.padded_numel, u.layout.shard_numel,
-                            u.gathered_bytes_when_full()) for u in self.fsdp_units],
+            units=[UnitInfo(u.label, u.numel, u.layout.padded_numel, u.layout.shard_numel,
+                            u.full_nbytes()) for u in self.groups],
         )
-
-    def layout(self) -> list[dict]:
-        """One entry per unit: its flat layout, parameter groups, and who owns which slice."""
-        out = []
-        for u in self.fsdp_units:
-            d = u.layout.to_dict()
-            d.update(index=u.index, unit=u.name, sharded=True,
-                     groups=[g for g in u.groups],
-                     options=[self.group_options[g] if g != FROZEN else None for g in u.groups],
-                     owners=[list(u.layout.shard_range(r)) for r in range(self.world_size)])
-            out.append(d)
-        return out
 
 
 class _InputsGradient(torch.autograd.Function):

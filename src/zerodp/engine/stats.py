@@ -124,7 +124,11 @@ def engine_memory(engine) -> dict[str, int]:
     by_kind["master"] = [t.tensor for t in master.targets]
     by_kind["optimizer_states"] = [v for state in master.optimizer.state.values()
                                    for v in state.values() if torch.is_tensor(v)]
-    return measured_bytes(by_kind)
+    out = measured_bytes(by_kind)
+    # Transient gradient buffers (in flight to their collective) are gone at rest: report the
+    # most that was alive at once during the last step.
+    out["comm_buffers"] = max(out.get("comm_buffers", 0), getattr(engine, "last_comm_peak", 0))
+    return out
 
 
 def collect_stats(engine) -> EngineStats:

@@ -33,50 +33,10 @@ reading the parameters directly in that window sees the old values.
 
 from __future__ import annotations
 
-import torch
-
-from zerodp.engine.comm import Pending
-from zerodp.engine.reducer import FullGradEngine
+from zerodp.engine.reducer import BucketEngine
 
 
-class ZeRO1Engine(FullGradEngine):
+class ZeRO1Engine(BucketEngine):
     """Stage 1: full params and grads, sharded master and optimizer states."""
 
     stage = 1
-    shards_master = True
-
-    def _init_grads(self) -> None:
-        super()._init_grads()
-        dtype = torch.float32 if self.fp32_grads else self.param_dtype
-        # The ReduceScatter's output: the average of slice r of every rank's local sum.
-        self._grad_shards = [torch.zeros(b.layout.shard_numel, dtype=dtype, device=self.device)
-                             for b in self.buckets]
-        self._pending_local = False  # local gradients not yet reduced (no_sync, then step)
-
-    def _launch(self, b: int) -> tuple[Pending, None]:
-        buf = self._grads_to_reduce(b)
-        # Overwrite: the full buffer holds the step's whole local sum, so its mean is the answer.
-        return self.comm.reduce_scatter_grad(self._grad_shards[b], buf, self.buckets[b].label, overwrite=True), None
-
-    def _on_backward_end(self) -> None:
-        self._pending_local = not self._reducing
-        super()._on_backward_end()
-
-    def _finish_grad_sync(self) -> None:
-        super()._finish_grad_sync()
-        if self._pending_local and self._fresh:
-            # The step's last backward ran inside no_sync: reduce what accumulated, on every rank.
-            self._pending_local = False
-            for b in range(len(self.buckets)):
-                pending, _ = self._launch(b)
-                pending.wait()
-
-    def _bucket_grads(self) -> list[torch.Tensor | None]:
-        if not self._fresh:
-            return [None] * len(self.buckets)
-        return list(self._grad_shards)
-
-    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        out = super()._memory_tensors()
-        out["comm_buffers"] = list(self._grad_shards)
-        return out

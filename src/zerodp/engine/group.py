@@ -1,0 +1,432 @@
+"""The flat group: one bucket (stages 0-2) or one unit (stage 3), its whole life in one object.
+
+Guide §12.1: parameters are packed back to back into flat buffers, padded to a multiple of the
+shard-group size N so that rank r owns the contiguous slice r. A *bucket* (guide §4) and an FSDP
+*unit* (guide §10.3) are the same thing seen by two policies: a few parameters in one flat
+buffer, whose gradients travel in one collective. A :class:`FlatGroup` owns, for its layout:
+
+==============  ===================  ================================================================
+tensor          size, dtype          lifetime
+==============  ===================  ================================================================
+``full``        Ψ_g, compute dtype   the parameters; module parameters are views into it. Always
+                                     there when parameters are not sharded (stages 0-2); at stage 3
+                                     only between :meth:`gather` and :meth:`free`
+``param_shard`` Ψ_g/N, compute       this rank's slice of the parameters: a view of ``full`` (stages
+                                     1-2) or its own buffer (stage 3); the AllGather's input
+``master``      Ψ_g or Ψ_g/N, fp32   what the optimizer updates: the whole buffer at stage 0, slice
+                                     r at stages 1-3 (= ``param_shard`` when the dtypes agree)
+``grad_full``   Ψ_g, reduce dtype    local gradients. At rest (and ``param.grad`` views into it,
+                                     as DDP's ``gradient_as_bucket_view``) when the policy keeps
+                                     full gradients; otherwise allocated by the first gradient and
+                                     released once its collective completed (guide §9.2)
+``grad_shard``  Ψ_g/N, accum dtype   the mean over ranks of slice r, accumulated across micro-
+                                     batches (stages 1-3; fp32 with ``fp32_grad_accum``)
+==============  ===================  ================================================================
+
+Its operations are the three collectives of the guide, each written once for every stage:
+
+- :meth:`reduce` — AllReduce of ``grad_full`` (stage 0, §3-§4) or ReduceScatter into
+  ``grad_shard`` (stages 1-3, §9), straight into it when nothing is accumulated there and the
+  dtypes agree, else through a shard-sized scratch that is then added (§5). Under hybrid
+  sharding the shard is then averaged across the replicas (guide §14).
+- :meth:`gather` / :meth:`free` — AllGather of the parameter shards into ``full`` (after the step
+  at stages 1-2, before each use at stage 3) and the release of ``full`` (stage 3 only).
+- :meth:`publish` — after the optimizer step, ``param_shard`` ← the fp32 master (a cast), then
+  the AllGather where parameters are not sharded.
+
+Freeing is ``untyped_storage().resize_(0)`` and re-allocating ``resize_(n)`` of the same storage
+(guide §12), so tensors that autograd saved in forward (``weight.t()`` …) read the right values
+again in backward, and gradient views stay valid. The :class:`Policy` says which of these a
+stage uses; there is no other difference between a bucket and a unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from zerodp.engine.comm import Collectives, Pending
+from zerodp.engine.layout import FlatLayout
+
+FROZEN = -1  # param-group index of a parameter with requires_grad=False: gathered, never updated
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one stage keeps and which collectives move it (guide §12.2, "four policies").
+
+    ===========================  =========  =========  ==================  =============
+    stage                        master     gradients  parameters          collective
+    ===========================  =========  =========  ==================  =============
+    0 DDP                        full       full       full                AllReduce
+    1 ZeRO-1                     shard      full       full, AG after step ReduceScatter
+    2 ZeRO-2                     shard      shard      full, AG after step ReduceScatter
+    3 ZeRO-3 / FSDP              shard      shard      shard, AG per use   ReduceScatter
+    ===========================  =========  =========  ==================  =============
+
+    ``full_grads``: full local gradients are kept at rest as a persistent buffer that
+    ``param.grad`` views (stages 0-1, and stage 2 with ``reduce_every_microbatch=False``);
+    otherwise ``grad_full`` lives only from a group's first gradient to its collective's end.
+    ``keep_local``: gradients of a ``no_sync`` backward stay local until the step's synchronizing
+    backward (every stage, except memory-first stages 2-3, which reduce every micro-batch).
+    """
+
+    stage: int
+    shard_master: bool
+    full_grads: bool
+    shard_params: bool
+    keep_local: bool
+
+    @classmethod
+    def of(cls, stage: int, reduce_every_microbatch: bool = True) -> "Policy":
+        memory_first = stage >= 2 and reduce_every_microbatch
+        return cls(stage=stage, shard_master=stage >= 1, full_grads=stage <= 1 or (stage == 2 and not memory_first),
+                   shard_params=stage == 3, keep_local=not memory_first)
+
+
+@dataclass
+class BackwardState:
+    """Where one group is in the current backward.
+
+    ``fired[i]``: trainable parameter i got its gradient in this backward; ``remaining``: how many
+    have not. A unit (stage 3) is also over only when the gradient w.r.t. its inputs was computed
+    for every forward call that fed it inputs needing one (``inputs_fired`` ≥ ``inputs_expected``):
+    a frozen parameter can still be needed after the last trainable one."""
+
+    remaining: int = 0
+    fired: list[bool] | None = None
+    started: bool = False
+    done: bool = False
+    inputs_expected: int = 0
+    inputs_fired: int = 0
+    fwd_event: object = None  # the trace's open "forward <unit>" span
+    bwd_event: object = None
+
+    def over(self) -> bool:
+        return self.remaining <= 0 and self.inputs_fired >= self.inputs_expected
+
+    def reset(self, trainable: int) -> None:
+        self.remaining = trainable
+        self.fired = [False] * trainable
+        self.started = self.done = False
+
+    def reset_inputs(self) -> None:
+        self.inputs_expected = self.inputs_fired = 0
+
+
+class FlatGroup:
+    """One bucket or unit on one rank: its buffers, collectives and backward state (see module)."""
+
+    def __init__(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]], policy: Policy,
+                 comm: Collectives, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 accum_dtype: torch.dtype, replicas: Collectives | None = None):
+        self.index = index
+        self.label = label
+        self.policy = policy
+        self.comm = comm  # the shard group: ReduceScatter and AllGather run here
+        self.replicas = replicas  # hybrid sharding: the same shard on the other replicas (guide §14)
+        self.names = [n for n, _, _ in entries]
+        self.params = [p for _, p, _ in entries]
+        self.groups = [g for _, _, g in entries]
+        self.trainable = [i for i, g in enumerate(self.groups) if g != FROZEN]
+        self.layout = FlatLayout.pack([(n, tuple(p.shape)) for n, p, _ in entries], comm.world_size)
+        self.rank = comm.rank
+        self.device = self.params[0].device
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.accum_dtype = accum_dtype
+        self.module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
+        self.bwd = BackwardState()
+        self.bwd.reset(len(self.trainable))
+        # Set by init_values / init_grads.
+        self.full: torch.Tensor | None = None
+        self.param_shard: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        self.master_start = 0  # where ``master`` starts in the layout
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.gathered = False
+        self.pending_gather: Pending | None = None
+        self.has_local = False  # grad_full holds gradients not yet reduced
+        self.shard_fresh = True  # nothing reduced into grad_shard since zero_grad
+        self.reduced = False  # a reduction of this step completed (or is in flight)
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.layout.shard_range(self.rank)
+
+    @property
+    def holds_grads(self) -> bool:
+        """Whether ``grad_full`` has storage now (always, when full gradients are kept at rest)."""
+        return self.grad_full.untyped_storage().nbytes() > 0
+
+    @property
+    def trainable_params(self) -> list[nn.Parameter]:
+        return [self.params[i] for i in self.trainable]
+
+    def views(self, flat: torch.Tensor, which: list[int] | None = None) -> list[torch.Tensor]:
+        """Each parameter's view into a flat buffer of this layout (``which``: indices)."""
+        slots = self.layout.slots
+        return [flat[slots[i].offset:slots[i].stop].view(slots[i].shape)
+                for i in (range(len(slots)) if which is None else which)]
+
+    def describe(self) -> dict:
+        return {"label": self.label, "groups": sorted(set(self.groups)), "dtype": str(self.param_dtype),
+                **self.layout.to_dict()}
+
+    # ---- parameters -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_values(self, values: torch.Tensor) -> None:
+        """Set up the parameter buffers and the master from ``values``, an fp32 flat tensor of the
+        whole padded layout (rank 0's values, already broadcast)."""
+        lo, hi = self.shard_range
+        p = self.policy
+        if not p.shard_params:
+            self.full = values if self.param_dtype == values.dtype else values.to(self.param_dtype)
+            for param, view in zip(self.params, self.views(self.full)):
+                param.data = view
+            self.gathered = True
+            if not p.shard_master:
+                self.master, self.master_start = values, 0  # is ``full`` itself in fp32
+            else:
+                self.master = values[lo:hi] if values is self.full else values[lo:hi].clone()
+                self.master_start = lo
+            self.param_shard = self.full[lo:hi]
+        else:
+            self.master, self.master_start = values[lo:hi].clone(), lo
+            self.param_shard = self.master if self.param_dtype == torch.float32 else self.master.to(self.param_dtype)
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+            self._full_views = self.views(self.full)
+            self._full_nbytes = self.full.untyped_storage().nbytes()
+            self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+            self.full.untyped_storage().resize_(0)
+            for param in self.params:
+                param.data = self._empty
+
+    def gather(self, async_op: bool = True) -> Pending | None:
+        """``full`` ← every rank's ``param_shard`` (guide §9.1 step 5, §9.3). At stage 3 the
+        storage is allocated first and the module's parameters pointed at their views."""
+        if self.policy.shard_params:
+            self.full.untyped_storage().resize_(self._full_nbytes)
+            for param, view in zip(self.params, self._full_views):
+                param.data = view
+            self.gathered = True
+        if self.comm.world_size == 1:
+            if self.policy.shard_params:
+                self.full.copy_(self.param_shard)
+            return None
+        pending = self.comm.all_gather(self.full, self.param_shard, self.label, async_op=async_op)
+        self.pending_gather = pending if async_op else None
+        return self.pending_gather
+
+    def wait_gather(self) -> None:
+        if self.pending_gather is not None:
+            self.pending_gather.wait()
+            self.pending_gather = None
+
+    def free(self) -> None:
+        """Stage 3: drop the gathered parameters (``resize_(0)``; the views stay, empty)."""
+        if not self.policy.shard_params or not self.gathered:
+            return
+        self.wait_gather()
+        for param in self.params:
+            param.data = self._empty
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    @torch.no_grad()
+    def publish(self) -> Pending | None:
+        """After the optimizer step: ``param_shard`` ← master (a cast where dtypes differ), then
+        at stages 1-2 the AllGather that brings every rank the whole updated bucket (guide §9.1
+        step 5). Stage 0 updated ``full`` itself; stage 3 gathers at the next use."""
+        dst = self.param_shard if self.policy.shard_master else self.full
+        if dst.data_ptr() != self.master.data_ptr():  # same storage when the dtypes agree
+            dst.copy_(self.master)
+        if self.policy.shard_master and not self.policy.shard_params:
+            return self.gather(async_op=True)
+        return None
+
+    def gathered_nbytes(self) -> int:
+        """Bytes of the gathered parameters now, measured from the storage (0 when freed)."""
+        return self.full.untyped_storage().nbytes()
+
+    def full_nbytes(self) -> int:
+        return self.layout.padded_numel * self.full.element_size()
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def init_grads(self) -> None:
+        """Gradient buffers of the policy: a persistent ``grad_full`` that ``param.grad`` views
+        (full gradients at rest), or one allocated per reduction; ``grad_shard`` when sharded."""
+        n, s = self.layout.padded_numel, self.layout.shard_numel
+        if self.policy.full_grads:
+            self.grad_full = torch.zeros(n, dtype=self.param_dtype, device=self.device)
+            self._grad_views = self.views(self.grad_full, self.trainable)
+            # fp32 accumulation of full gradients (+4Ψ): every filled bucket is added in (guide §9).
+            self.acc_full = (torch.zeros(n, dtype=torch.float32, device=self.device)
+                             if self.accum_dtype == torch.float32 and self.param_dtype != torch.float32 else None)
+        else:
+            self.grad_full = torch.empty(n, dtype=self.reduce_dtype, device=self.device)
+            self._grad_views = self.views(self.grad_full, self.trainable)
+            self._grad_nbytes = self.grad_full.untyped_storage().nbytes()
+            self.acc_full = None
+            # Where no gradient is ever written: frozen parameters and the padding.
+            self._holes = [self.grad_full[sl.offset:sl.stop] for sl, g in zip(self.layout.slots, self.groups)
+                           if g == FROZEN]
+            if self.layout.padding:
+                self._holes.append(self.grad_full[self.layout.numel:])
+            self.grad_full.untyped_storage().resize_(0)
+        if self.policy.shard_master:
+            self.grad_shard = torch.zeros(s, dtype=self.accum_dtype, device=self.device)
+        for param in self.params:
+            param.grad = None
+        self._scratch: torch.Tensor | None = None  # shard-sized, while a reduction is in flight
+        self._cast: torch.Tensor | None = None  # grad_full in the reduce dtype, while in flight
+
+    def _ensure_grad_storage(self) -> None:
+        if not self.policy.full_grads and self.grad_full.untyped_storage().nbytes() == 0:
+            self.grad_full.untyped_storage().resize_(self._grad_nbytes)
+            for hole in self._holes:
+                hole.zero_()
+            self.has_local = False
+
+    def take_grad(self, j: int, param: nn.Parameter) -> None:
+        """The gradient hook's work for trainable parameter ``j`` (index into ``trainable``):
+        move its fresh gradient into ``grad_full`` (one copy, or an add onto local gradients of
+        earlier micro-batches). With full gradients at rest ``param.grad`` then *is* the view, so
+        later micro-batches accumulate in place; otherwise ``.grad`` is dropped at once."""
+        view = self._grad_views[j]
+        if self.policy.full_grads:
+            if param.grad is not view:  # first gradient since zero_grad: move it into the bucket
+                view.copy_(param.grad)
+                param.grad = view
+        else:
+            self._ensure_grad_storage()
+            if self.has_local:
+                view.add_(param.grad)
+            else:
+                view.copy_(param.grad)
+            param.grad = None
+        self.bwd.fired[j] = True
+        self.bwd.remaining -= 1
+
+    def fill_missing(self) -> list[int]:
+        """Trainable parameters that got no gradient in this backward contribute zeros (their
+        local sum is kept where earlier micro-batches left one). Returns their indices."""
+        missing = [j for j, f in enumerate(self.bwd.fired) if not f]
+        if not missing:
+            return missing
+        if self.policy.full_grads:
+            for j in missing:
+                param = self.params[self.trainable[j]]
+                if param.grad is not self._grad_views[j]:
+                    self._grad_views[j].zero_()
+                    param.grad = self._grad_views[j]
+        else:
+            self._ensure_grad_storage()
+            if not self.has_local:
+                for j in missing:
+                    self._grad_views[j].zero_()
+        return missing
+
+    def end_local(self) -> None:
+        """A backward filled this group but does not reduce it (``no_sync``): the gradients stay
+        local. With an fp32 accumulator they are added into it now, so the next micro-batch copies."""
+        self.has_local = True
+        if self.acc_full is not None:
+            self.fill_missing()
+            self.acc_full.add_(self.grad_full)
+            for param in self.trainable_params:
+                param.grad = None
+
+    def reduce(self, factor: float | None = None) -> tuple[Pending | None, Callable[[], None]]:
+        """Launch this group's gradient collective (guide §3-§4 stage 0, §9 stages 1-3); return
+        it and the finisher to run once it completed.
+
+        ``factor`` pre-multiplies local gradients (token averaging, guide §2.2). The ReduceScatter
+        overwrites ``grad_shard`` when ``grad_full`` holds the step's whole local sum (full
+        gradients at rest) or nothing was reduced since ``zero_grad``; otherwise it adds."""
+        if self.acc_full is not None:
+            self.end_local()
+            src = self.acc_full
+        else:
+            src = self.grad_full
+        if factor is not None:
+            src.mul_(factor)
+        if self.acc_full is None and src.dtype != self.reduce_dtype:  # e.g. fp32 gradients sent in bf16
+            src = self._cast = src.to(self.reduce_dtype)
+        self.reduced = True
+        self.has_local = False
+        if not self.policy.shard_master:
+            pending = self.comm.all_reduce_mean(src, self.label)
+            back = src is self._cast
+
+            def finish_all_reduce() -> None:
+                if back:
+                    (self.acc_full if self.acc_full is not None else self.grad_full).copy_(src)
+                self._cast = None
+            return pending, finish_all_reduce
+        overwrite = self.policy.full_grads or self.shard_fresh
+        direct = overwrite and self.grad_shard.dtype == src.dtype
+        if not direct:
+            self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
+        pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
+                                                scratch=self._scratch)
+        self.shard_fresh = False
+
+        def finish() -> None:
+            self._scratch = self._cast = None
+            if not self.policy.full_grads:
+                self.grad_full.untyped_storage().resize_(0)  # bounded by the groups in flight
+            if self.replicas is not None and self.replicas.world_size > 1:
+                # Hybrid sharding: every replica holds the same slice r; average it across them.
+                self.replicas.all_reduce_mean(self.grad_shard, f"{self.label} replicas", async_op=False)
+        return pending, finish
+
+    def grad(self) -> torch.Tensor | None:
+        """The gradient the master reads (same range as ``master``), None if nothing this step."""
+        if not self.reduced and not (self.policy.full_grads and self.has_local):
+            return None
+        if not self.policy.shard_master:
+            return self.acc_full if self.acc_full is not None else self.grad_full
+        return self.grad_shard
+
+    def zero_grad(self) -> None:
+        """Next step: gradients are None, the next reduction overwrites the shard."""
+        for param in self.trainable_params:
+            param.grad = None
+        if self.acc_full is not None:
+            self.acc_full.zero_()
+        if not self.policy.full_grads and self.grad_full is not None:
+            self.grad_full.untyped_storage().resize_(0)
+        self.has_local = False
+        self.shard_fresh = True
+        self.reduced = False
+
+    def memory(self) -> dict[str, list[torch.Tensor]]:
+        """This group's tensors by kind (``master`` and optimizer states are counted elsewhere)."""
+        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [], "comm_buffers": []}
+        if self.policy.shard_params:
+            if self.param_shard is not self.master:
+                out["params"].append(self.param_shard)
+            out["gathered"].append(self.full)
+        else:
+            out["params"].append(self.full)
+        if self.policy.full_grads:
+            out["grads"].append(self.grad_full)
+            if self.acc_full is not None:
+                out["grads"].append(self.acc_full)
+        else:
+            # Full gradients only in flight to the ReduceScatter (or kept across no_sync).
+            out["grads" if self.policy.keep_local else "comm_buffers"].append(self.grad_full)
+        if self.grad_shard is not None:
+            out["grads" if not self.policy.full_grads else "comm_buffers"].append(self.grad_shard)
+        out["comm_buffers"] += [t for t in (self._scratch, self._cast) if t is not None]
+        return out
