@@ -1,22 +1,447 @@
 """Standard state dicts for every stage, keyed by the model's own parameter and buffer names.
 
-(Being written: state_dict, load_state_dict, optimizer_state_dict, load_optimizer_state_dict.)
+The engine keeps a model's state in flat buffers, sharded 1/N at stages 1-3 (guide §12.1), with
+fp32 master values and optimizer states beside them (guide §12.3). Checkpoints of the engine's
+own format are :class:`~zerodp.engine.master.Piece` s; this module offers the two shapes the rest
+of the PyTorch world expects instead:
+
+``state_dict(engine)``
+    ``{name: tensor}`` as ``module.state_dict()`` gives it: every parameter (trainable or frozen)
+    as its fp32 master value and every persistent buffer (floating-point ones as fp32), under the
+    model's own names. A weight tied to another one (``head.weight = tok_emb.weight``) appears
+    under both of its names, as the *same* tensor object, exactly as ``module.state_dict()`` lists
+    it, so that a plain copy of the model loads the dict with ``load_state_dict(strict=True)``.
+    (Writers that refuse shared memory, such as safetensors, need a ``.clone()`` per key.)
+``optimizer_state_dict(engine)``
+    ``{"state": {name: {"step": tensor, "exp_avg": tensor shaped like the parameter, ...}},
+    "param_groups": [{...options..., "params": [names]}]}`` — the layout of
+    ``torch.optim.Optimizer.state_dict()`` with parameter names in place of indices, so it does
+    not depend on the stage, the world size, or the order in which an optimizer was built.
+
+Both are built by gathering (collective: every rank must call), and both load at any stage and
+world size: each rank copies the part it holds through ``engine.load_state_pieces`` (guide
+§12.1: the layout says who owns which elements).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections import namedtuple
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
-def state_dict(engine, **options):
-    raise NotImplementedError("engine.state_dict is not implemented yet")
+import torch
+import torch.distributed as dist
 
-
-def load_state_dict(engine, state, **options):
-    raise NotImplementedError("engine.load_state_dict is not implemented yet")
-
-
-def optimizer_state_dict(engine, **options):
-    raise NotImplementedError("engine.optimizer_state_dict is not implemented yet")
+from zerodp.engine.master import PARAM
 
 
-def load_optimizer_state_dict(engine, state, **options):
-    raise NotImplementedError("engine.load_optimizer_state_dict is not implemented yet")
+class EngineLike(Protocol):
+    """What this module uses of an engine (:class:`zerodp.engine.base.StageEngine`, which imports
+    this module, so it is described here rather than imported)."""
+
+    rank: int
+    world_size: int
+    stage: int
+    group: Any
+    device: torch.device
+    master: Any  # zerodp.engine.master.MasterOptimizer
+    named_params: list
+    param_group_of: list[int]
+    buffers: list
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def layout(self) -> list[dict]: ...
+    def scalar_state(self) -> dict: ...
+    def load_scalar_state(self, scalars: dict) -> None: ...
+    def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None: ...
+    def _gather_full(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+BUFFER = "buffer"  # the piece kind of a module buffer (zerodp.engine.base.BUFFER)
+FROZEN = -1  # group index of a parameter without requires_grad (zerodp.engine.unit.FROZEN)
+
+#: What ``load_state_dict`` returns, as ``torch.nn.Module.load_state_dict`` does.
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+# ---- names -----------------------------------------------------------------------------------
+class _Names:
+    """The model's state-dict keys, which of them are tied aliases, and every expected shape."""
+
+    def __init__(self, engine: EngineLike):
+        module = engine.module
+        first: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            first.setdefault(id(p), name)
+        self.params = list(dict.fromkeys(first.values()))  # named_parameters() order, tied once
+        self.trainable = [n for n, _ in engine.named_params]
+        trainable = set(self.trainable)
+        self.frozen = [n for n in self.params if n not in trainable]
+        self.buffers = [name for name, _, _ in engine.buffers]
+        for name, sub, local in engine.buffers:
+            first.setdefault(id(getattr(sub, local)), name)
+        # Every key of module.state_dict(), in its order, with the name it is stored under.
+        self.canonical: dict[str, str] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if torch.is_tensor(value):
+                self.canonical[key] = first.get(id(value), key)
+        known = set(self.params) | set(self.buffers)
+        self.canonical = {k: c for k, c in self.canonical.items() if c in known}
+        for name in self.params + self.buffers:  # anything state_dict() did not list (hooks)
+            self.canonical.setdefault(name, name)
+        self.aliases: dict[str, list[str]] = {}
+        for key, name in self.canonical.items():
+            self.aliases.setdefault(name, []).append(key)
+        # Shapes: at stage 3 a parameter's tensor is empty while its unit is freed, so the flat
+        # layouts (pure data) say what it is; frozen parameters at stages 0-2 and buffers are whole.
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for layout in engine.layout():
+            for slot in layout["slots"]:
+                self.shapes[slot["name"]] = tuple(slot["shape"])
+        for name, p in module.named_parameters():
+            self.shapes.setdefault(name, tuple(p.shape))
+        for name, sub, local in engine.buffers:
+            self.shapes[name] = tuple(getattr(sub, local).shape)
+
+    def lookup(self, state: Mapping[str, Any], name: str) -> Any:
+        """The value stored for ``name`` under it or under any of its tied aliases (else None)."""
+        for key in self.aliases.get(name, [name]):
+            if key in state:
+                return state[key]
+        return None
+
+
+def _agree(engine: EngineLike, problem: str | None, what: str) -> None:
+    """Raise the same error on every rank when any rank found ``problem`` (a rank that raised
+    alone would leave the others waiting in the next collective)."""
+    problems = [problem]
+    if engine.world_size > 1:
+        problems = [None] * engine.world_size
+        dist.all_gather_object(problems, problem, group=engine.group)
+    for rank, p in enumerate(problems):
+        if p:
+            where = f" (rank {rank})" if engine.world_size > 1 else ""
+            raise ValueError(f"{what}{where}: {p}")
+
+
+def _listed(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
+
+
+def _held_pieces(engine: EngineLike) -> dict[tuple[str, str, int, int], torch.Tensor]:
+    """This rank's master values and optimizer states as they are now, keyed like ``read``'s
+    arguments (views: reading one back and copying it onto itself changes nothing)."""
+    return {(p.name, p.kind, p.start, p.stop): p.tensor for p in engine.master.pieces()}
+
+
+def _flat(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return value.detach().reshape(-1).to(device=device, dtype=torch.float32)
+
+
+def _holders(engine: EngineLike) -> list[tuple[Any, int]]:
+    """The flat buffers whose fp32 master also holds frozen parameters (stage 3 keeps them in
+    its units' shards, not in the module), with where each master starts in its layout."""
+    out = []
+    for h in list(getattr(engine, "groups", None) or []) + list(getattr(engine, "fsdp_units", None) or []):
+        if hasattr(h, "master") and hasattr(h, "layout") and FROZEN in getattr(h, "groups", ()):
+            start = getattr(h, "master_start", None)
+            out.append((h, h.layout.shard_range(engine.rank)[0] if start is None else start))
+    return out
+
+
+@torch.no_grad()
+def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
+    """Copy frozen parameters from ``values`` (full tensors by name) into what this rank holds:
+    its part of a flat buffer's fp32 master where they live there (stage 3; published by
+    ``load_state_pieces`` afterwards), else the module's own tensor (in its compute dtype)."""
+    if not values:
+        return
+    done = set()
+    for h, lo in _holders(engine):
+        hi = lo + h.master.numel()
+        for slot, g in zip(h.layout.slots, h.groups):
+            if g != FROZEN or slot.name not in values:
+                continue
+            done.add(slot.name)
+            a, b = max(slot.offset, lo), min(slot.stop, hi)
+            if a < b:
+                src = _flat(values[slot.name], h.master.device)
+                h.master[a - lo:b - lo].copy_(src[a - slot.offset:b - slot.offset])
+    params = dict(engine.module.named_parameters())
+    for name, value in values.items():
+        if name not in done:
+            p = params[name]
+            p.copy_(value.detach().reshape(p.shape).to(device=p.device, dtype=p.dtype))
+
+
+# ---- model state -------------------------------------------------------------------------------
+@torch.no_grad()
+def state_dict(engine: EngineLike, *, rank0_only: bool = False, cpu_offload: bool = False,
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Collective: the model's parameters and persistent buffers by name, as full tensors.
+
+    Parameters are the fp32 master values (guide §12.3; frozen ones as the engine holds them:
+    fp32 at stage 3, the compute dtype widened to fp32 at stages 0-2), buffers rank 0's values
+    (floating-point ones as fp32). Keys and their order are those of ``module.state_dict()``; a
+    tied weight appears under each of its names as one tensor object. Every rank gathers the
+    whole model (guide §12.1); with ``rank0_only`` the other ranks then return ``{}``.
+    ``cpu_offload`` moves the tensors to the CPU, ``dtype`` casts the floating-point ones.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r}: give a floating-point torch.dtype such as torch.bfloat16, or None for fp32")
+    full = engine.full_state_dict()
+    names = _Names(engine)
+    if rank0_only and engine.rank != 0:
+        return {}
+    converted: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, name in names.canonical.items():
+        if name not in full:
+            continue
+        if name not in converted:
+            t = full[name]
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            converted[name] = t.cpu() if cpu_offload else t
+        out[key] = converted[name]
+    return out
+
+
+@torch.no_grad()
+def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
+                    strict: bool = True) -> IncompatibleKeys:
+    """Collective: load parameters and buffers by name; each rank copies the part it holds.
+
+    ``state`` is what :func:`state_dict` or a plain module's ``state_dict()`` returns (any dtype,
+    any device; a tied weight may be given under any of its names). Every rank must pass the
+    whole dict. Optimizer states are left as they are. Returns ``(missing_keys,
+    unexpected_keys)`` as ``torch.nn.Module.load_state_dict`` does; with ``strict`` any of them
+    is an error on every rank, before anything is changed.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"load_state_dict expects a dict of tensors by name, got {type(state).__name__}")
+    names = _Names(engine)
+    missing = [key for key, name in names.canonical.items() if names.lookup(state, name) is None]
+    unexpected = [key for key in state if key not in names.canonical]
+    problems = []
+    if strict and (missing or unexpected):
+        problems.append(f"missing keys [{_listed(missing)}], unexpected keys [{_listed(unexpected)}]; "
+                        "pass strict=False to load only the keys that match")
+    values: dict[str, torch.Tensor] = {}
+    for name in names.params + names.buffers:
+        value = names.lookup(state, name)
+        if value is None:
+            continue
+        if not torch.is_tensor(value):
+            problems.append(f"{name!r} holds a {type(value).__name__}, not a tensor")
+        elif value.numel() != _numel(names.shapes[name]) or (
+                value.dim() > 0 and tuple(value.shape) != names.shapes[name]):
+            problems.append(f"{name!r} has shape {tuple(value.shape)}, the model's is {names.shapes[name]}")
+        else:
+            values[name] = value
+    _agree(engine, "; ".join(problems) or None, "load_state_dict: the state dict does not fit this model")
+
+    held = _held_pieces(engine)
+    device = engine.device
+
+    def read(name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+        if kind == BUFFER:
+            if name in values:
+                return values[name].detach().reshape(-1)[start:stop]
+            sub, local = next((s, loc) for n, s, loc in engine.buffers if n == name)
+            return getattr(sub, local).detach().reshape(-1)[start:stop].clone()
+        if kind == PARAM and name in values:
+            return values[name].detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float32)
+        return held[(name, kind, start, stop)]  # kept as it is (optimizer states, missing keys)
+
+    _load_frozen(engine, {n: values[n] for n in names.frozen if n in values})
+    engine.load_state_pieces(read)
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---- optimizer state ---------------------------------------------------------------------------
+def _stepped_names(engine: EngineLike) -> set[str]:
+    """Collective: the parameters with optimizer state on any rank (one never stepped has none)."""
+    opt_state = engine.master.optimizer.state
+    mine: set[str] = set()
+    for t in engine.master.targets:
+        if opt_state.get(t.tensor):
+            if t.name is not None:
+                mine.add(t.name)
+            else:
+                start = t.flat_start
+                mine.update(sp.slot.name for sp in t.layout.spans(start, start + t.tensor.numel()))
+    if engine.world_size > 1 and engine.stage > 0:
+        gathered: list = [None] * engine.world_size
+        dist.all_gather_object(gathered, sorted(mine), group=engine.group)
+        mine = {n for names in gathered for n in names}
+    return mine
+
+
+def _scalar_tensor(value: float) -> torch.Tensor:
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(value, dtype=dtype)
+
+
+def _group_options(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+@torch.no_grad()
+def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
+                         cpu_offload: bool = False) -> dict:
+    """Collective: the optimizer's state by parameter name, in ``torch.optim``'s layout.
+
+    ``{"state": {name: {scalar: 0-d tensor, ..., kind: fp32 tensor shaped like the parameter}},
+    "param_groups": [{...options..., "params": [names]}]}``: per-element states (Adam's
+    ``exp_avg``, ``exp_avg_sq``) gathered from every rank's shard into full tensors (guide §12.3),
+    scalars (``step``) from the rank that holds the parameter. A parameter the optimizer has
+    never stepped (no rank used it yet) has no entry in ``state``; frozen parameters are in no
+    group. With ``rank0_only`` the other ranks return ``{}`` after taking part in the gathers.
+    """
+    master = engine.master
+    scalars = engine.scalar_state()  # collective
+    kinds = list(scalars.get("kinds", []))
+    stepped = _stepped_names(engine)  # collective
+    full_kinds: dict[str, dict[str, torch.Tensor]] = {}
+    for kind in kinds:  # one gather per kind, every rank in the same order
+        values = []
+        for t in master.targets:
+            v = master.optimizer.state.get(t.tensor, {}).get(kind)
+            values.append(v if torch.is_tensor(v) and v.shape == t.tensor.shape else torch.zeros_like(t.tensor))
+        full_kinds[kind] = engine._gather_full(values)
+    if rank0_only and engine.rank != 0:
+        return {}
+
+    per_param = scalars.get("params")
+    group_scalars = scalars.get("groups", [])
+    group_of = dict(zip((n for n, _ in engine.named_params), engine.param_group_of))
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name, _ in engine.named_params:
+        if name not in stepped:
+            continue
+        saved = per_param.get(name) if per_param is not None and name in per_param else None
+        if saved is None:
+            g = group_of[name]
+            saved = group_scalars[g] if g < len(group_scalars) and group_scalars[g] else {}
+        entry = {k: _scalar_tensor(v) for k, v in saved.items()}
+        for kind in kinds:
+            value = full_kinds[kind][name]
+            entry[kind] = value.cpu() if cpu_offload else value
+        state[name] = entry
+    groups = []
+    for g, group in enumerate(master.optimizer.param_groups):
+        groups.append({**_group_options(group),
+                       "params": [n for n, _ in engine.named_params if group_of[n] == g]})
+    return {"state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
+    """Collective: load an :func:`optimizer_state_dict` saved at any stage and world size.
+
+    Every rank must pass the whole dict. The param groups must hold the same parameter names as
+    this engine's (their options — lr, betas, weight decay — are taken from ``state``, as
+    ``torch.optim.Optimizer.load_state_dict`` does). Each rank creates its state (zeros and the
+    scalars, ``engine.load_scalar_state``), then reads the elements it holds from the full
+    tensors (``engine.load_state_pieces``); parameters and buffers are left as they are.
+    """
+    if not isinstance(state, Mapping) or not isinstance(state.get("state"), Mapping) \
+            or not isinstance(state.get("param_groups"), (list, tuple)):
+        raise ValueError("load_optimizer_state_dict expects {'state': {name: {...}}, 'param_groups': [...]}, as "
+                         "engine.optimizer_state_dict() returns")
+    names = _Names(engine)
+    optimizer = engine.master.optimizer
+    group_of = dict(zip(names.trainable, engine.param_group_of))
+    saved_state = {names.canonical.get(k, k): v for k, v in state["state"].items()}  # tied: any name
+    saved_groups = state["param_groups"]
+    problem = _check_optimizer_state(names, group_of, len(optimizer.param_groups), saved_state, saved_groups)
+    _agree(engine, problem, "load_optimizer_state_dict: the optimizer state does not fit this engine")
+
+    # Per-element kinds: the tensors of dimension >= 1 kept for parameters of dimension >= 1; the
+    # rest are scalars (a 0-d parameter's states are all 0-d: they follow the others' kinds).
+    kinds = {k for name, entry in saved_state.items() if names.shapes[name]
+             for k, v in entry.items() if torch.is_tensor(v) and v.dim() > 0}
+    if not kinds:  # only 0-d parameters: every tensor state but the step count is per element
+        kinds = {k for entry in saved_state.values() for k, v in entry.items() if torch.is_tensor(v) and k != "step"}
+    params = {name: {k: float(v) for k, v in entry.items() if k not in kinds} for name, entry in saved_state.items()}
+    # Engines whose targets span several parameters (stages 0-2 when every parameter is used in
+    # every step) keep one set of scalars per param group: the first stepped parameter's.
+    groups: list[dict | None] = [None] * len(optimizer.param_groups)
+    uneven = []
+    for name in names.trainable:
+        g = group_of[name]
+        mine = params.get(name)
+        if groups[g] is None and mine is not None:
+            groups[g] = mine
+        elif groups[g] is not None and mine != groups[g]:
+            uneven.append(name)
+    if uneven and any(t.name is None for t in engine.master.targets):
+        warnings.warn(f"the saved optimizer state differs within a param group ({_listed(uneven)} have another "
+                      "step count than the first parameter of their group, or none); this engine keeps one per "
+                      "group, so they take the first one's. Use find_unused_parameters=True (or stage 3) to keep "
+                      "them apart", stacklevel=3)
+    for g, group in enumerate(saved_groups):
+        optimizer.param_groups[g].update(_group_options(group))
+
+    held = _held_pieces(engine)  # parameters: kept as they are
+    device = engine.device
+    engine.load_scalar_state({"kinds": sorted(kinds), "groups": groups, "params": params})
+
+    def read(name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+        if kind == BUFFER:
+            sub, local = next((s, loc) for n, s, loc in engine.buffers if n == name)
+            return getattr(sub, local).detach().reshape(-1)[start:stop].clone()
+        if kind == PARAM:
+            return held[(name, kind, start, stop)]
+        value = saved_state.get(name, {}).get(kind)
+        if value is None:  # never stepped, or a state this parameter lacks: fresh zeros
+            return torch.zeros(stop - start, dtype=torch.float32, device=device)
+        return value.detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float32)
+
+    engine.load_state_pieces(read)
+
+
+def _check_optimizer_state(names: _Names, group_of: dict[str, int], n_groups: int, saved_state: Mapping,
+                           saved_groups: list) -> str | None:
+    """What is wrong with an optimizer state dict for this engine, in one line (None if nothing)."""
+    if len(saved_groups) != n_groups:
+        return (f"it has {len(saved_groups)} param groups, this engine has {n_groups}: build the engine with the "
+                "same param_groups rule as the one that saved it")
+    trainable = set(names.trainable)
+    for g, group in enumerate(saved_groups):
+        listed = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(listed, (list, tuple)) or any(not isinstance(n, str) for n in listed):
+            return (f"param group {g} does not list parameter names (a torch optimizer's own state_dict lists "
+                    "indices): save it with engine.optimizer_state_dict(), which keys by name")
+        expected = {n for n in names.trainable if group_of[n] == g}
+        # a tied weight may be listed under another of its names
+        got = {names.canonical.get(n, n) for n in listed}
+        if got != expected:
+            extra, lacking = sorted(got - expected), sorted(expected - got)
+            return (f"param group {g} lists other parameters than this engine's group {g} (not in the engine's group: "
+                    f"[{_listed(extra)}]; missing: [{_listed(lacking)}]): build the model and param_groups as "
+                    "when it was saved")
+    unknown = [n for n in saved_state if n not in trainable]
+    if unknown:
+        return (f"state for parameters this engine does not train: [{_listed(unknown)}] (frozen, renamed, or of "
+                "another model)")
+    for name, entry in saved_state.items():
+        if not isinstance(entry, Mapping):
+            return f"state[{name!r}] is a {type(entry).__name__}, not a dict of the parameter's states"
+        numel = _numel(names.shapes[name])
+        for k, v in entry.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.numel() != numel:
+                return (f"state[{name!r}][{k!r}] has {v.numel()} elements, the parameter has {numel} "
+                        f"(shape {names.shapes[name]})")
+    return None
