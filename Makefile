@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # planner alone needs no torch (pip install .); training, tests and the demo use the train extra.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast fuzz chaos browser clean
+.PHONY: setup demo test test-fast fuzz chaos browser clean gpu-check
 
 setup: $(STAMP)
 
@@ -42,6 +42,12 @@ fuzz: setup
 # of each, and the final state compared bitwise with an uninterrupted run (SEED=N draws another).
 chaos: setup
 	$(BIN)/python -m zerodp.train.chaos --seed $(or $(SEED),0) --steps 200
+
+# The GPU path on this machine's CUDA GPUs (one rank per GPU, NCCL; about ten minutes): the
+# differential matrix, the CUDA-event trace, the memory ledger per stage, zerodp bench vs DDP/FSDP2;
+# writes docs/gpu.md. Without a GPU it prints one line and runs nothing.
+gpu-check: setup
+	$(BIN)/python -m zerodp.bench.gpu_check
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

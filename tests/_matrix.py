@@ -20,12 +20,18 @@ step's worth per earlier step), which bounds the parameters.
 
 A case prints as one line (``str(case)``); ``python tests/_matrix.py "<that line>"`` reruns it
 alone, and ``Case.parse`` reads it back.
+
+Device: CPU ranks on gloo by default. ``ZERODP_MATRIX_DEVICE=cuda`` (or ``run_cases(..., device="cuda")``)
+puts rank r's engine *and* its reference on ``cuda:r`` under NCCL — the reference on the same device,
+so that the forward and backward still agree bitwise and the tolerances above keep their meaning;
+``python -m zerodp.bench.gpu_check`` runs it so (guide §13).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -43,6 +49,20 @@ ROWS = 12  # global batch rows per micro-batch: divisible by every world size 1-
 STEPS = 3
 LR = 0.1
 CLIP = 0.05
+DEVICE_ENV = "ZERODP_MATRIX_DEVICE"  # "cpu" (default, gloo) or "cuda" (NCCL, one GPU per rank)
+
+
+def matrix_device(rank: int, device: str | None = None) -> torch.device:
+    """Where rank ``rank`` runs its cases: ``device`` or ``$ZERODP_MATRIX_DEVICE``, default CPU."""
+    kind = (device or os.environ.get(DEVICE_ENV) or "cpu").lower()
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={kind!r}: use cpu or cuda")
+    return torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
+
+
+def matrix_backend(device: str | None = None) -> str:
+    """The process-group backend for the matrix's device: gloo on CPU, NCCL on CUDA."""
+    return "nccl" if matrix_device(0, device).type == "cuda" else "gloo"
 
 
 @dataclass(frozen=True)
@@ -260,11 +280,11 @@ class Reference:
 
 
 # ---- running a case on one rank --------------------------------------------------------------
-def _build(case: Case, seed: int, stage: int, group):
+def _build(case: Case, seed: int, stage: int, group, device: torch.device):
     import zerodp
 
     torch.manual_seed(seed)  # the reference is built from the same seed: the same values
-    model = MatrixModel(case.features)
+    model = MatrixModel(case.features).to(device)
     # stages 0-2 tolerate a parameter without gradient only when told (as DDP)
     options = dict(find_unused_parameters=True) if stage < 3 and "unused" in case.features else {}
     if "groups" in case.features:
@@ -280,7 +300,7 @@ def _build(case: Case, seed: int, stage: int, group):
 
 def _gather_state(engine, members: list[int]):
     """Every rank's checkpoint pieces and scalars, assembled into full flat tensors."""
-    pieces = [] if engine is None else [(p.name, p.kind, p.start, p.stop, p.shape, p.tensor.detach().clone())
+    pieces = [] if engine is None else [(p.name, p.kind, p.start, p.stop, p.shape, p.tensor.detach().cpu().clone())
                                         for p in engine.state_pieces()]
     scalars = None if engine is None else engine.scalar_state()
     everything: list = [None] * dist.get_world_size()
@@ -297,8 +317,15 @@ def _gather_state(engine, members: list[int]):
     return full, everything[members[0]][1]
 
 
-def run_case(case: Case, rank: int) -> None:
-    """Run ``case`` on this rank (every rank of the default group calls it); raise on mismatch."""
+def run_case(case: Case, rank: int, device: str | None = None) -> None:
+    """Run ``case`` on this rank (every rank of the default group calls it); raise on mismatch.
+    ``device``: see :func:`matrix_device`."""
+    dev = matrix_device(rank, device)
+
+    def batch_on(step: int, micro: int):  # the same values on every device
+        x, y = batch(step, micro)
+        return x.to(dev), y.to(dev)
+
     dtype = torch.bfloat16 if case.usage == "bf16" else torch.float32
     phases = [(case.world, case.stage, range(STEPS))]
     if case.usage == "reshard":
@@ -307,7 +334,7 @@ def run_case(case: Case, rank: int) -> None:
     groups = {w: dist.new_group(list(range(w))) if w < world_all else None for w, _, _ in phases}
 
     torch.manual_seed(123)
-    ref = Reference(MatrixModel(case.features), dtype, "groups" in case.features)
+    ref = Reference(MatrixModel(case.features).to(dev), dtype, "groups" in case.features)
     ema_inputs: list[torch.Tensor] = []
     engine = None
     plan = micro_plan(case.usage)
@@ -316,25 +343,25 @@ def run_case(case: Case, rank: int) -> None:
     for phase, (world, stage, steps) in enumerate(phases):
         member = rank < world
         if phase == 0:
-            engine = _build(case, 123, stage, groups[world]) if member else None
+            engine = _build(case, 123, stage, groups[world], dev) if member else None
         else:
             full, scalars = _gather_state(engine, list(range(phases[0][0])))
             engine = None
             if member:
-                engine = _build(case, 999, stage, groups[world])  # other initial values: loading must win
+                engine = _build(case, 999, stage, groups[world], dev)  # other initial values: loading must win
                 engine.load_scalar_state(scalars)
-                engine.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b])
+                engine.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b].to(dev))
         for step in steps:
             ref.sync_compute()
             for micro, sync in plan:
-                x, y = batch(step, micro)
+                x, y = batch_on(step, micro)
                 scale = 1.0 / len(plan)
                 xs, ys = shard(x, rank, world), shard(y, rank, world)
                 if member:
                     ctx = engine.no_sync() if not sync else _nullcontext()
                     with ctx:
                         if case.usage == "two_forwards":
-                            x2, y2 = batch(step, micro + 5)
+                            x2, y2 = batch_on(step, micro + 5)
                             spare = use_spare(step, rank)
                             loss = (engine(xs, ys, spare)
                                     + engine(shard(x2, rank, world), shard(y2, rank, world), spare)) * 0.5
@@ -342,18 +369,18 @@ def run_case(case: Case, rank: int) -> None:
                             loss = engine(xs, ys, use_spare(step, rank)) * scale
                         if case.usage == "nograd_forward":
                             with torch.no_grad():
-                                x3, y3 = batch(step, micro + 7)
+                                x3, y3 = batch_on(step, micro + 7)
                                 engine(shard(x3, rank, world), shard(y3, rank, world))
                         loss.backward()
                 ema_inputs.append(shard(x, 0, world))
                 if case.usage == "two_forwards":
-                    x2, y2 = batch(step, micro + 5)
+                    x2, y2 = batch_on(step, micro + 5)
                     ema_inputs.append(shard(x2, 0, world))
                     (ref.loss(x, y, step, world, 0.5) + ref.loss(x2, y2, step, world, 0.5)).backward()
                 else:
                     ref.loss(x, y, step, world, scale).backward()
                 if case.usage == "nograd_forward":
-                    ema_inputs.append(shard(batch(step, micro + 7)[0], 0, world))
+                    ema_inputs.append(shard(batch_on(step, micro + 7)[0], 0, world))
             ref.grads_to_master()
             grad_scale = max([grad_scale] + [g.abs().max().item() for g in ref.grad_dict().values() if g is not None])
             # This step's gradients sum world × micro-batches terms in another order; the
@@ -390,8 +417,8 @@ def _compare_grads(case, step, got: dict, want: dict, dtype, n_terms) -> None:
     rtol = tolerance(dtype, n_terms)
     scale = max((g.abs().max().item() for g in want.values() if g is not None), default=1.0)
     for name, g in want.items():
-        expected = torch.zeros_like(got[name]) if g is None else g.float()
-        torch.testing.assert_close(got[name].float(), expected, rtol=rtol, atol=rtol * scale,
+        expected = torch.zeros_like(got[name]).cpu() if g is None else g.float().cpu()
+        torch.testing.assert_close(got[name].float().cpu(), expected, rtol=rtol, atol=rtol * scale,
                                    msg=lambda m, name=name: f"[{case}] step {step}: gradient of {name}: {m}")
 
 
@@ -404,28 +431,31 @@ def _compare_final(case, engine, ref: Reference, ema_inputs, dtype, grad_scale: 
         # |Δθ| ≤ Σ_steps lr · (momentum-accumulated gradient error) ≤ lr · steps² · atol_grad, with
         # atol_grad relative to the largest reference gradient of the run.
         atol = LR * steps * steps * grad_rtol * grad_scale + 4 * torch.finfo(torch.float32).eps
-        torch.testing.assert_close(state[name].float(), p.detach().float(), rtol=grad_rtol, atol=atol,
+        torch.testing.assert_close(state[name].float().cpu(), p.detach().float().cpu(), rtol=grad_rtol, atol=atol,
                                    msg=lambda m, name=name: f"[{case}] final parameter {name}: {m}")
     if "buffer" in case.features:
         ema = torch.zeros(5, dtype=torch.float64)
         for x in ema_inputs:
-            ema = ema * 0.9 + 0.1 * x.double().mean(0)
+            ema = ema * 0.9 + 0.1 * x.double().mean(0).cpu()
         tol = 4 * len(ema_inputs) * torch.finfo(dtype).eps  # one rounding per update, in the buffer's dtype
-        torch.testing.assert_close(state["stats.ema"].double(), ema, rtol=tol, atol=tol,
+        torch.testing.assert_close(state["stats.ema"].double().cpu(), ema, rtol=tol, atol=tol,
                                    msg=lambda m: f"[{case}] buffer stats.ema (rank 0's, broadcast): {m}")
-        torch.testing.assert_close(state["stats.mix"].float(), (torch.eye(5) * 0.5 + 0.05).to(dtype).float(),
+        torch.testing.assert_close(state["stats.mix"].float().cpu(), (torch.eye(5) * 0.5 + 0.05).to(dtype).float(),
                                    msg=lambda m: f"[{case}] buffer stats.mix: {m}")
 
 
 # ---- a group of cases on one spawned process group -----------------------------------------------
-def run_cases(rank: int, world: int, cases: list[Case]) -> list[tuple[str, str | None]]:
-    """Run every case (all needing at most ``world`` ranks) on this rank; return (case, error)."""
+def run_cases(rank: int, world: int, cases: list[Case], device: str | None = None) -> list[tuple[str, str | None]]:
+    """Run every case (all needing at most ``world`` ranks) on this rank; return (case, error).
+    On CUDA (:func:`matrix_device`) this rank uses ``cuda:rank``, made current before any collective."""
     import traceback
 
+    if matrix_device(rank, device).type == "cuda":
+        torch.cuda.set_device(rank)
     out = []
     for case in cases:
         try:
-            run_case(case, rank)
+            run_case(case, rank, device)
             out.append((str(case), None))
         except Exception as e:  # noqa: BLE001 - reported with the case, which can be rerun alone
             out.append((str(case), f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
@@ -437,7 +467,7 @@ if __name__ == "__main__":
     from zerodp.spawn import run_local
 
     one = Case.parse(" ".join(sys.argv[1:]))
-    results = run_local(run_cases, one.ranks_needed, [one], timeout=300)
+    results = run_local(run_cases, one.ranks_needed, [one], timeout=300, backend=matrix_backend())
     errors = {err for rank_results in results for _, err in rank_results if err}
     print(f"{one}: " + ("ok" if not errors else "FAILED\n" + "\n".join(sorted(errors))))
     sys.exit(1 if errors else 0)

@@ -26,6 +26,12 @@ implementation's fixed costs decide. With a calibration profile the planner's pr
 (:func:`zerodp.bench.predict.predict_step`) is printed next to each measured median, and the
 stage-0 row built with ``bucket_mb="auto"`` (the engine chooses from the profile,
 :func:`zerodp.bench.auto.choose_bucket_mb`) is compared with the default 25 MB.
+
+On CUDA (``BenchSpec(device="cuda")``, what ``python -m zerodp.bench.gpu_check`` runs): NCCL, rank r
+on ``cuda:r`` (one GPU per rank, so world 1 is allowed there: the comparison then measures fixed
+costs), the device synchronized before each step's start and end time are read, peak memory from
+``torch.cuda.max_memory_allocated`` instead of RSS, and no bytes-sent figure (NCCL writes no socket
+the process's ``wchar`` would see). CPU runs are unchanged.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Regime:
         return self.micro_batch * self.seq_len
 
 
+DEVICES = ("cpu", "cuda")
 REGIMES = {"compute": Regime("compute", 8, 256), "comm": Regime("comm", 1, 32)}
 QUICK_REGIMES = {"compute": Regime("compute", 2, 64), "comm": Regime("comm", 1, 8)}
 
@@ -74,10 +81,15 @@ class BenchSpec:
     bucket_mb: float = 25.0
     seed: int = 0
     profile: str | None = None  # calibration profile: predictions and the auto bucket row
+    device: str = "cpu"  # "cuda": NCCL, rank r on cuda:r (module docstring)
 
     def __post_init__(self):
-        if self.world_size < 2:
-            raise ValueError(f"world_size must be >= 2 to compare data-parallel engines, got {self.world_size}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        least = 1 if self.device == "cuda" else 2
+        if self.world_size < least:
+            raise ValueError(f"world_size must be >= {least} to compare data-parallel engines on "
+                             f"{self.device}, got {self.world_size}")
         if self.warmup < 1 or self.steps < 1:
             raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={self.warmup}, steps={self.steps}")
         bad = [s for s in self.stages if s not in COMPARISONS]
@@ -197,26 +209,64 @@ def result_from_dict(d: dict) -> BenchResult:
 
 
 # ---- the measurement, on every rank ------------------------------------------------------------
-def _make_model_factory(model: str, seed: int):
+def _rank_device(device: str):
+    """This rank's device: the CPU, or the current CUDA device (``_rank_bench`` sets it)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def _make_model_factory(model: str, seed: int, device: str = "cpu"):
     def make():
         import torch
 
         from zerodp.train.model import GPT, PRESETS
 
         torch.manual_seed(seed)
-        return GPT(PRESETS[model])
+        m = GPT(PRESETS[model])
+        return m if device == "cpu" else m.to(_rank_device(device))
     return make
 
 
-def _batches(regime: Regime, vocab: int, count: int, rank: int, world: int, seed: int):
+def _batches(regime: Regime, vocab: int, count: int, rank: int, world: int, seed: int, device: str = "cpu"):
     import torch
 
     out = []
     for i in range(count):
         g = torch.Generator().manual_seed(seed * 1_000_003 + i * world + rank)
         tok = torch.randint(0, vocab, (regime.micro_batch, regime.seq_len + 1), generator=g)
-        out.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+        x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+        if device != "cpu":
+            x, y = x.to(_rank_device(device)), y.to(_rank_device(device))
+        out.append((x, y))
     return out
+
+
+def _device_sync(device: str) -> None:
+    """On CUDA the host only enqueues: wait for the device before reading a clock."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class _CudaPeak:
+    """``with _CudaPeak() as m: work()`` then ``m.bytes``: the allocator's peak growth over the work."""
+
+    def __enter__(self) -> "_CudaPeak":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._base = torch.cuda.memory_allocated()
+        self.bytes = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.bytes = torch.cuda.max_memory_allocated() - self._base
 
 
 def _settle(c) -> None:
@@ -267,9 +317,9 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
     cfg = PRESETS[spec.model]
     if regime.seq_len > cfg.seq_len:
         raise ValueError(f"regime {regime.name}: seq_len {regime.seq_len} > the model's {cfg.seq_len}")
-    make = _make_model_factory(spec.model, spec.seed)
+    make = _make_model_factory(spec.model, spec.seed, spec.device)
     total = spec.warmup + spec.steps_for(regime)
-    batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed)
+    batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed, spec.device)
     _prime(make, batches[0])
     groups = [[n for n in g if n in names] for g in stage_groups(names)]
     bar = None
@@ -300,7 +350,7 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total
     contenders, peak, first_loss, states = {}, {}, {}, {}
     for name in names:  # one at a time: its RSS peak while built and stepped once
         dist.barrier()
-        with probe.PeakMemory() as mem:
+        with (_CudaPeak() if spec.device == "cuda" else probe.PeakMemory()) as mem:
             c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb), spec.profile, regime.tokens)
             first_loss[name] = float(c.step(*batches[0]))
             _settle(c)
@@ -321,12 +371,14 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total
                 states[name] = c.model_state_bytes()
                 hook_s[0] = time.perf_counter() - h0
             dist.barrier()
-            w0 = probe.bytes_written()
+            _device_sync(spec.device)
+            w0 = probe.bytes_written() if spec.device == "cpu" else None
             t0 = time.perf_counter()
             c.step(*batches[i], on_backward=count_states if i == 1 else None)
             _settle(c)
+            _device_sync(spec.device)
             t1 = time.perf_counter()
-            w1 = probe.bytes_written()
+            w1 = probe.bytes_written() if spec.device == "cpu" else None
             if i >= spec.warmup:
                 times[name].append(t1 - t0 - hook_s[0])
                 sent[name].append(None if w0 is None else w1 - w0)
@@ -349,6 +401,10 @@ def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
     """Every regime in one spawned group (a spawn costs seconds): results and wall time each."""
     import gc
 
+    if spec.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(rank)
     out = []
     for regime in spec.regimes:
         t0 = time.perf_counter()
@@ -440,10 +496,19 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     cal = check_profile(spec.profile, spec.model, spec.world_size) if spec.profile else None
     machine = probe.machine()
     names = spec.contenders(with_auto=bool(spec.profile))
-    check_memory(spec, names)
+    backend = "gloo"
+    if spec.device == "cuda":  # the GPUs' memory, not this host's, holds the contenders
+        import torch
+
+        if torch.cuda.device_count() < spec.world_size:
+            raise ValueError(f"a CUDA bench on {spec.world_size} ranks needs as many GPUs; "
+                             f"{torch.cuda.device_count()} visible")
+        backend = "nccl"
+    else:
+        check_memory(spec, names)
     # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
     bucket = {r.name: {"ours0_auto": "auto"} for r in spec.regimes} if "ours0_auto" in names else {}
-    per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, timeout=timeout)
+    per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, timeout=timeout, backend=backend)
     results, auto = [], {}
     for j, regime in enumerate(spec.regimes):
         ranks = [r[j][0] for r in per_rank]
@@ -509,10 +574,12 @@ def _mib(v) -> str:
 def contenders_table(result: BenchResult) -> str:
     """Every contender of every regime: median, overhead, memory, bytes, prediction."""
     spec = result.spec
-    lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} gloo "
-             f"ranks × 1 thread, {spec.warmup} warm-up steps, then timed steps alternated; "
+    ranks = "NCCL ranks (one GPU each)" if spec.device == "cuda" else "gloo ranks × 1 thread"
+    lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} {ranks}, "
+             f"{spec.warmup} warm-up steps, then timed steps alternated; "
              "times: median of the per-step max over ranks; memory, states, sent: rank 0"]
-    head = (f"{'stage':>5}  {'contender':<38}{'median ms':>10}{'/floor':>8}{'peak RSS MiB':>13}"
+    peak = "peak GPU MiB" if spec.device == "cuda" else "peak RSS MiB"
+    head = (f"{'stage':>5}  {'contender':<38}{'median ms':>10}{'/floor':>8}{peak:>13}"
             f"{'states MiB':>11}{'sent MiB/step':>14}")
     if spec.profile:
         head += f"{'predicted ms':>13}{'error':>8}"

@@ -51,14 +51,17 @@ class Pending:
     done: bool = field(default=False)
 
     def wait(self) -> None:
+        """Block until done (CPU/gloo), or make the current CUDA stream wait for NCCL's (CUDA);
+        ``wait_s`` is how long the host, or the stream, stood still for it: the trace's
+        :meth:`~zerodp.engine.trace.Recorder.end_wait` times both (guide §13.3)."""
         if self.done:
             return
-        t = self.recorder.clock()
+        mark = self.recorder.mark()
         if self.work is not None:
             self.work.wait()
         if self.after is not None:
             self.after()
-        self.recorder.end(self.event, wait_s=self.recorder.clock() - t)
+        self.recorder.end_wait(self.event, mark)
         self.done = True
 
 
@@ -103,6 +106,8 @@ class Collectives:
             sent_bytes=ring_sent_bytes(kind, nbytes, self.world_size),
         )
         # Always launched asynchronously, so that a blocking call's whole duration shows as wait_s.
+        # On CUDA, begin() recorded the start event on the current stream before the launch: NCCL's
+        # stream waits for that point, so the event marks when the collective may start (guide §13.3).
         pending = Pending(ev, self.recorder, launch(), after)
         if not async_op:
             pending.wait()
