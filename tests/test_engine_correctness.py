@@ -331,7 +331,13 @@ def _misc(rank, world, tmp):
         out[f"twice/{stage}"] = _err(lambda: _engine(model, stage))
         with torch.device("meta"):
             meta = nn.Linear(3, 3)
-        out[f"meta/{stage}"] = _err(lambda: _engine(meta, stage))
+        partly = nn.Sequential(nn.Linear(3, 3), meta)
+        out[f"meta/{stage}"] = _err(lambda: _engine(partly, stage))
+        with torch.device("meta"):
+            whole = nn.Linear(3, 3)
+        _engine(whole, stage)  # deferred initialization (tests/test_engine_deferred.py)
+        out[f"meta_whole/{stage}"] = not whole.weight.is_meta and bool(torch.isfinite(whole.weight).all()) \
+            if stage < 3 else not whole.weight.is_meta
     out["fp16"] = _err(lambda: _engine(nn.Linear(3, 3), 0, mixed_precision="fp16"))
 
     # one optimizer step per engine.step() (step hooks run once)
@@ -453,10 +459,11 @@ def test_parallelize_twice_on_one_model_is_refused(world):
 
 
 @pytest.mark.parametrize("world", (2,))
-def test_model_on_the_meta_device_is_refused(world):
+def test_model_partly_on_the_meta_device_is_refused_and_a_whole_one_is_materialized(world):
     for r in results(world)["_misc"]:
         for stage in STAGES:
-            assert r[f"meta/{stage}"] and "meta device" in r[f"meta/{stage}"]
+            assert r[f"meta/{stage}"] and "some of the model's parameters are on the meta device" in r[f"meta/{stage}"]
+            assert r[f"meta_whole/{stage}"]
 
 
 @pytest.mark.parametrize("world", (2,))

@@ -61,6 +61,7 @@ hooks), ``_wait_params()`` (wait for in-flight parameter collectives), ``_optimi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Any, Callable, ClassVar, Iterator
@@ -72,7 +73,9 @@ import torch.utils._pytree as pytree
 
 from zerodp.engine import state_dict as standard_state
 from zerodp.engine.comm import Collectives, InFlight
-from zerodp.engine.config import EngineConfig
+from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
+from zerodp.engine.deferred import init_device
+from zerodp.engine.devices import check_devices
 from zerodp.engine.group import FROZEN, FlatGroup, Policy
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
@@ -95,12 +98,11 @@ def module_device(module: nn.Module) -> torch.device:
     devices = {p.device for p in module.parameters()}
     if not devices:
         raise ValueError("the model has no parameters: there is nothing to train data-parallel")
-    if any(d.type == "meta" for d in devices):
+    if any(d.type == "meta" for d in devices) and len(devices) > 1:
         raise ValueError(
-            "the model's parameters are on the meta device (built under torch.device('meta')): "
-            "parallelize needs real values to shard and broadcast; build the model on a real "
-            "device (e.g. the CPU, or torch.device('cuda', local_rank)) before parallelize()"
-        )
+            "some of the model's parameters are on the meta device and some are not: build the whole "
+            "model under torch.device('meta') (parallelize then materializes and initializes it, "
+            "guide §9.3), or the whole model on a real device")
     if len(devices) > 1:
         raise ValueError(
             f"the model's parameters are spread over {sorted(map(str, devices))}; data parallelism "
@@ -139,6 +141,26 @@ def check_device(device: torch.device, group: dist.ProcessGroup | None) -> None:
             f"the model is on {device} but this rank's current CUDA device is cuda:{current}; NCCL "
             f"collectives run on the current device: call torch.cuda.set_device({device.index}) "
             "(usually the LOCAL_RANK) before init_process_group() and parallelize()")
+
+
+def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
+    """This rank's shard group (consecutive ranks [k·g, (k+1)·g)) and replica group (the ranks
+    holding the same slice in every shard group), guide §14. Every rank creates every group, in the
+    same order, as ``torch.distributed.new_group`` requires."""
+    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    me = dist.get_rank(group)
+    shard_pg = replica_pg = None
+    for k in range(world // shard_size):
+        ranks = [to_global(r) for r in range(k * shard_size, (k + 1) * shard_size)]
+        pg = dist.new_group(ranks)
+        if me // shard_size == k:
+            shard_pg = pg
+    for i in range(shard_size):
+        ranks = [to_global(r) for r in range(i, world, shard_size)]
+        pg = dist.new_group(ranks)
+        if me % shard_size == i:
+            replica_pg = pg
+    return shard_pg, replica_pg
 
 
 def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
@@ -224,20 +246,34 @@ class StageEngine:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = module_device(module)
+        # Built on the meta device: materialized by the stage, only what this rank keeps (§9.3).
+        self.deferred = self.device.type == "meta"
+        if self.deferred:
+            self.device = init_device(group)
         check_device(self.device, group)
+        check_devices(self.device, group)
         module.__dict__["_zerodp_parallelized"] = True
         self.units = units
-        self.recorder = Recorder(self.rank)
+        self.recorder = Recorder(self.rank, device=self.device)
         self.comm = Collectives(self.recorder, group)
         self.policy = Policy.of(self.stage, config.reduce_every_microbatch)
         self.shard_comm = self.comm  # where parameters and gradients are sharded
         self.replica_comm: Collectives | None = None  # hybrid sharding: across the replicas
+        self.shard_size = self._shard_size()
+        if self.shard_size < self.world_size:
+            shard_pg, replica_pg = hybrid_groups(self.world_size, self.shard_size, group)
+            self.shard_comm = Collectives(self.recorder, shard_pg, leg="intra")
+            self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter")
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self._inflight = InFlight()  # gradient collectives issued, not yet waited for
         self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
         self._comm_peak = 0  # most bytes of transient gradient buffers alive at once, this step
         self.last_comm_peak = 0
         self.mixed_precision = config.mixed_precision
+        if config.reduce_dtype is not None:  # gradients on the wire in another dtype (guide §15)
+            self.mixed_precision = dataclasses.replace(
+                self.mixed_precision or MixedPrecision(param_dtype=torch.float32),
+                reduce_dtype=parse_dtype(config.reduce_dtype, "reduce_dtype"))
         self._module = module
         self._factory = optimizer_factory
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -347,8 +383,8 @@ class StageEngine:
             sq = torch.stack(norms).square().sum().reshape(1)
         else:
             sq = torch.zeros(1, device=self.device)
-        if self.grads_sharded and self.world_size > 1:
-            sq = self.comm.all_reduce_sum(sq, "grad_norm")
+        if self.grads_sharded and self.shard_comm.world_size > 1:  # replicas hold the same shards
+            sq = self.shard_comm.all_reduce_sum(sq, "grad_norm")
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
         if grads:
@@ -706,15 +742,35 @@ class StageEngine:
         self.accum_dtype = fp32 if fp32 in (param_dtype, self.reduce_dtype) or (mp and mp.fp32_grad_accum) \
             else self.reduce_dtype
 
+    def _shard_size(self) -> int:
+        """Ranks per shard group (guide §14): ``config.shard_size``, else one node (torchrun's
+        ``LOCAL_WORLD_SIZE``) when it divides the world, else every rank. Stage 0 shards nothing."""
+        g = self.config.shard_size
+        if self.stage == 0:
+            return self.world_size
+        if g is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE", "")
+            g = int(local) if local.isdigit() and int(local) > 0 and self.world_size % int(local) == 0 \
+                else self.world_size
+        if self.world_size % g:
+            raise ValueError(f"shard_size={g} does not divide the {self.world_size} ranks: use a divisor of the "
+                             "world size (usually the GPUs per node)")
+        return g
+
     def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
+        quant = self.config.quant_block
         return FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
-                         reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm)
+                         reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
+                         quant_params=quant if self.config.quantize_params else 0,
+                         quant_grads=quant if self.config.quantize_grads else 0)
 
     @torch.no_grad()
     def _init_groups(self, extra_broadcast: list[torch.Tensor] = ()) -> None:
         """Fill every group from the module's values — rank 0's, broadcast as DDP does at
         construction — build its gradient buffers, and the optimizer over the master tensors."""
         for g in self.groups:
+            if self.deferred:
+                self._materialize(g)
             values = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=self.device)
             for slot, p in zip(g.layout.slots, g.params):
                 values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
@@ -735,6 +791,9 @@ class StageEngine:
         # Per group, per trainable parameter: its index in named_params (used-flags at step()).
         self._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.groups]
         self._step_used = [False] * len(self.named_params)
+
+    def _materialize(self, g: FlatGroup) -> None:
+        """A model built on the meta device: give ``g``'s parameters values (stage 3, per unit)."""
 
     def _record_used(self) -> None:
         """End of a backward: note which parameters got a gradient (for the step's used-flags)."""

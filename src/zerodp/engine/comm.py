@@ -8,6 +8,7 @@ Every call here records an :class:`~zerodp.engine.trace.Event` on the comm lane 
 - ``bytes``: V, the size of the full (unsharded) buffer
 - ``sent_bytes``: what the ring algorithm sends per rank, as above
 - ``label``: which bucket or unit it served
+- ``leg``: ``intra`` inside a shard group, ``inter`` across replicas (hybrid sharding, guide §14)
 - ``wait_s``: how long the host was blocked waiting for it — the *exposed* part
 
 Averages are done as SUM followed by a division by N on our side: ``ReduceOp.AVG`` is missing
@@ -23,6 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zerodp.engine import quant
 from zerodp.engine.trace import COMM, Event, Recorder
 from zerodp.plan.collectives import bus_factor
 
@@ -93,8 +95,9 @@ class InFlight:
 class Collectives:
     """Collectives on one process group, each recorded. ``async_op=True`` returns a :class:`Pending`."""
 
-    def __init__(self, recorder: Recorder, group: dist.ProcessGroup | None = None):
+    def __init__(self, recorder: Recorder, group: dist.ProcessGroup | None = None, leg: str = "intra"):
         self.group = group
+        self.leg = leg  # hybrid sharding (guide §14): "intra" inside a shard group, "inter" across replicas
         self.recorder = recorder
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -103,7 +106,7 @@ class Collectives:
                after: Callable[[], None] | None, async_op: bool) -> Pending:
         ev = self.recorder.begin(
             kind, COMM, kind=kind, label=label, bytes=nbytes,
-            sent_bytes=ring_sent_bytes(kind, nbytes, self.world_size),
+            sent_bytes=ring_sent_bytes(kind, nbytes, self.world_size), leg=self.leg,
         )
         # Always launched asynchronously, so that a blocking call's whole duration shows as wait_s.
         # On CUDA, begin() recorded the start event on the current stream before the launch: NCCL's
@@ -123,15 +126,25 @@ class Collectives:
         )
 
     def reduce_scatter_grad(self, shard: torch.Tensor, full: torch.Tensor, label: str, overwrite: bool,
-                            scratch: torch.Tensor | None = None) -> Pending:
+                            scratch: torch.Tensor | None = None, quant_block: int = 0) -> Pending:
         """The gradient ReduceScatter of every stage (guide §9.1-§9.2, §10): ``shard`` ← (its
         value +) the mean over ranks of this rank's 1/N slice of ``full``.
 
         Lands straight in ``shard`` when it is to be overwritten and the dtypes agree; otherwise in
         ``scratch`` (a shard-sized buffer of ``full``'s dtype, allocated here if not given), which
         is then copied or added into ``shard`` — gradient accumulation across micro-batches, or an
-        fp32 accumulator under a bf16 reduction."""
+        fp32 accumulator under a bf16 reduction.
+
+        ``quant_block`` > 0: ZeRO++ qgZ (guide §15) — an all-to-all of int8 chunks with one scale
+        per block, each rank averaging its own chunk in fp32 and adding it into ``shard`` (or
+        writing it there); recorded as a ReduceScatter of the bytes on the wire."""
         n = self.world_size
+        if quant_block:
+            return self._issue(
+                REDUCE_SCATTER, label, quant.int8_collective_bytes(full.numel(), n, quant_block),
+                lambda: quant.reduce_scatter_int8(shard, full, self.group, block=quant_block, async_op=True,
+                                                  accumulate=not overwrite),
+                None, True)
         direct = overwrite and shard.dtype == full.dtype
         out = shard if direct else (scratch[:shard.numel()] if scratch is not None else
                                     torch.empty(shard.numel(), dtype=full.dtype, device=full.device))
@@ -149,8 +162,16 @@ class Collectives:
         )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str,
-                   async_op: bool = True) -> Pending:
-        """``full`` ← every rank's ``shard`` concatenated in rank order (guide §9.1, §9.3)."""
+                   async_op: bool = True, quant_block: int = 0) -> Pending:
+        """``full`` ← every rank's ``shard`` concatenated in rank order (guide §9.1, §9.3); with
+        ``quant_block`` > 0 as int8 blocks with one scale each (ZeRO++ qwZ, guide §15), every
+        rank — this one included — dequantizing every piece, so all ranks compute alike."""
+        if quant_block:
+            n = self.world_size
+            return self._issue(
+                ALL_GATHER, label, quant.int8_collective_bytes(full.numel(), n, quant_block),
+                lambda: quant.all_gather_int8(full, shard, self.group, block=quant_block, async_op=True),
+                None, async_op)
         return self._issue(
             ALL_GATHER, label, full.numel() * full.element_size(),
             lambda: all_gather_flat(full, shard, group=self.group, async_op=True),

@@ -105,6 +105,21 @@ class EngineConfig:
     # bucket_mb="auto" only: the calibration profile and the tokens per rank per micro-batch.
     profile: "str | os.PathLike | dict | None" = None
     tokens_per_rank: int | None = None
+    # Hybrid sharding (guide §14): stages 1-3 shard inside groups of this many ranks and replicate
+    # across them. None: one node (torchrun's LOCAL_WORLD_SIZE) when that divides the world, else
+    # every rank; an int g: consecutive ranks [k·g, (k+1)·g) form a shard group.
+    shard_size: int | None = None
+    # Compressed collectives (guide §15): gradients travel and are reduced in this dtype while
+    # parameters and the master keep theirs (e.g. "bf16" with fp32 parameters).
+    reduce_dtype: "str | torch.dtype | None" = None
+    quantize_params: bool = False  # stages 1-3: int8 blockwise parameter AllGather (ZeRO++ qwZ)
+    quantize_grads: bool = False  # stages 1-3: int8 gradient all-to-all, reduced in fp32 (qgZ)
+    quant_block: int = 256  # elements per int8 scale
+    # A model built on the meta device (guide §9.3, zerodp.engine.deferred): each module that owns
+    # parameters runs its reset_parameters(), then init_fn(module) when given, under a seed
+    # drawn from init_seed and the module's name (the same values at any world size and stage).
+    init_fn: "Callable[[torch.nn.Module], None] | None" = None
+    init_seed: int = 0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -118,6 +133,16 @@ class EngineConfig:
         elif isinstance(self.bucket_mb, str) or not isinstance(self.bucket_mb, (int, float)):
             raise ValueError(f"bucket_mb={self.bucket_mb!r}: give a positive number of MiB, or 'auto' "
                              "for the simulator's sweet spot from a calibration profile (guide §4)")
+        if self.shard_size is not None and (isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int)
+                                            or self.shard_size < 1):
+            raise ValueError(f"shard_size={self.shard_size!r}: give a positive number of ranks per shard group "
+                             "(it must divide the world size), or None for one node")
+        parse_dtype(self.reduce_dtype, "reduce_dtype")
+        if (self.quantize_params or self.quantize_grads) and self.stage == 0:
+            raise ValueError("quantize_params / quantize_grads compress the AllGather and ReduceScatter of "
+                             "stages 1-3; stage 0 has neither: use reduce_dtype='bf16' to halve its AllReduce")
+        if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or self.quant_block < 1:
+            raise ValueError(f"quant_block={self.quant_block!r}: give a positive number of elements per scale")
         if not ((self.bucket_mb == AUTO or self.bucket_mb > 0) and self.first_bucket_mb > 0):
             raise ValueError(
                 f"bucket sizes must be positive MB, got bucket_mb={self.bucket_mb}, "

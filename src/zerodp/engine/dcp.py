@@ -136,8 +136,8 @@ def load_dcp(engine: EngineLike, path: str | os.PathLike, *, prefix: str | None 
     give them, possibly under a prefix (``"model."`` for ``dcp.save({"model": ...})``): found
     by itself, or given as ``prefix``. Keys outside the prefix (an optimizer's, a step count's)
     are left alone; without a prefix every key of the checkpoint is a candidate, and one the
-    model lacks is unexpected (an error with ``strict``). Every rank reads the full tensors it needs, then each copies the
-    part it holds (:func:`zerodp.engine.state_dict.load_state_dict`, whose ``(missing,
+    model lacks is unexpected (an error with ``strict``). Every rank reads the full tensors it
+    needs, then each copies the part it holds (:func:`zerodp.engine.state_dict.load_state_dict`, whose ``(missing,
     unexpected)`` keys it returns; ``strict`` as there).
     """
     if not _is_engine(engine):

@@ -64,6 +64,7 @@ import torch.utils._pytree as pytree
 from zerodp.engine.base import StageEngine
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.config import EngineConfig
+from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
 from zerodp.engine.stats import EngineStats, fmt_bytes
@@ -136,6 +137,15 @@ class FSDPEngine(StageEngine):
         self.groups = [self._new_group(i, spec.label, list(spec.params)) for i, spec in enumerate(specs)]
         for u, spec in zip(self.groups, specs):
             u.module = spec.module
+        if self.deferred:  # buffers now; each unit's parameters one unit at a time, in _init_groups
+            unit_of = {id(p): u for u in self.groups for p in u.params}
+            self._init_modules: list[list[tuple[str, nn.Module]]] = [[] for _ in self.groups]
+            for name, m in owners(module):
+                first = next((p for p in m._parameters.values() if p is not None), None)
+                if first is not None:
+                    self._init_modules[unit_of[id(first)].index].append((name, m))
+            materialize_buffers(module, self.device, config.init_fn, config.init_seed,
+                                {id(m) for ms in self._init_modules for _, m in ms})
         if mp is not None:  # floating-point buffers compute in the param dtype, as at stages 0-2
             cast_floating_buffers(module, mp.param_dtype)
         self._init_groups(extra_broadcast=[b for b in module.buffers()])
@@ -164,6 +174,11 @@ class FSDPEngine(StageEngine):
         self._handles = []
         self._install_hooks()
         self._start_clock()
+
+    def _materialize(self, u: Unit) -> None:
+        """Deferred initialization of one unit, just before it is packed and sharded (§9.3)."""
+        materialize_params(u.params, self._init_modules[u.index], self.device, self.config.init_fn,
+                           self.config.init_seed)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _install_hooks(self) -> None:

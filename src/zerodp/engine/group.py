@@ -122,7 +122,8 @@ class FlatGroup:
 
     def __init__(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]], policy: Policy,
                  comm: Collectives, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 accum_dtype: torch.dtype, replicas: Collectives | None = None):
+                 accum_dtype: torch.dtype, replicas: Collectives | None = None, quant_params: int = 0,
+                 quant_grads: int = 0):
         self.index = index
         self.label = label
         self.policy = policy
@@ -138,6 +139,8 @@ class FlatGroup:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.accum_dtype = accum_dtype
+        self.quant_params = quant_params  # int8 AllGather with one scale per this many elements (§15)
+        self.quant_grads = quant_grads  # int8 all-to-all gradient reduction, same
         self.module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
         self.bwd = BackwardState()
         self.bwd.reset(len(self.trainable))
@@ -189,6 +192,7 @@ class FlatGroup:
         whole padded layout (rank 0's values, already broadcast)."""
         lo, hi = self.shard_range
         p = self.policy
+        self.device = values.device  # (a model built on the meta device is materialized here)
         if not p.shard_params:
             self.full = values if self.param_dtype == values.dtype else values.to(self.param_dtype)
             for param, view in zip(self.params, self.views(self.full)):
@@ -197,7 +201,10 @@ class FlatGroup:
             if not p.shard_master:
                 self.master, self.master_start = values, 0  # is ``full`` itself in fp32
             else:
-                self.master = values[lo:hi] if values is self.full else values[lo:hi].clone()
+                # A view of the parameters where dtypes agree — unless the AllGather is quantized:
+                # it writes dequantized values over this slice too, and the master stays exact.
+                share = values is self.full and not self.quant_params
+                self.master = values[lo:hi] if share else values[lo:hi].clone()
                 self.master_start = lo
             self.param_shard = self.full[lo:hi]
         else:
@@ -223,7 +230,8 @@ class FlatGroup:
             if self.policy.shard_params:
                 self.full.copy_(self.param_shard)
             return None
-        pending = self.comm.all_gather(self.full, self.param_shard, self.label, async_op=async_op)
+        pending = self.comm.all_gather(self.full, self.param_shard, self.label, async_op=async_op,
+                                       quant_block=self.quant_params)
         self.pending_gather = pending if async_op else None
         return self.pending_gather
 
@@ -374,11 +382,11 @@ class FlatGroup:
                 self._cast = None
             return pending, finish_all_reduce
         overwrite = self.policy.full_grads or self.shard_fresh
-        direct = overwrite and self.grad_shard.dtype == src.dtype
+        direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.quant_grads
         if not direct:
             self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
         pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
-                                                scratch=self._scratch)
+                                                scratch=self._scratch, quant_block=self.quant_grads)
         self.shard_fresh = False
 
         def finish() -> None:

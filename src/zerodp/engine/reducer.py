@@ -36,6 +36,7 @@ import torch.nn as nn
 from zerodp.engine.base import StageEngine
 from zerodp.engine.buckets import cast_floating_buffers, plan_buckets
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
+from zerodp.engine.deferred import materialize_module
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
 
@@ -46,6 +47,8 @@ class BucketEngine(StageEngine):
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group=None):
         super().__init__(module, optimizer_factory, config, units=units, group=group)
+        if self.deferred:  # every rank keeps every parameter: allocate and initialize the whole model
+            materialize_module(module, self.device, config.init_fn, config.init_seed)
         mp = self.mixed_precision
         dtypes = sorted({str(p.dtype) for _, p in self.named_params})
         if mp is None and len(dtypes) > 1:

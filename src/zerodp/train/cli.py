@@ -62,6 +62,13 @@ def _add_train(sub) -> None:
     g.add_argument("--profile", default=None, metavar="FILE",
                    help="calibration profile written by `zerodp calibrate` on --nproc ranks (for "
                         "--bucket-mb auto)")
+    g.add_argument("--shard-size", type=int, default=None, metavar="G",
+                   help="hybrid sharding (guide §14): stages 1-3 shard inside groups of G ranks and "
+                        "replicate across them (default: one node, torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--reduce-dtype", default=None, choices=["bf16"],
+                   help="gradients travel and are reduced in bf16 (guide §15)")
+    g.add_argument("--quantize", default=None, choices=["params", "grads", "both"],
+                   help="int8 parameter AllGather and/or gradient reduction, stages 1-3 (guide §15)")
     g.add_argument("--backend", default=_d("backend"), choices=["auto", "gloo", "nccl"],
                    help="torch.distributed backend (auto: nccl with CUDA, else gloo)")
     g.add_argument("--max-restarts", type=int, default=_d("max_restarts"),

@@ -93,6 +93,9 @@ class TrainConfig:
     stage: int = 2
     mixed_precision: str | None = None
     bucket_mb: float | str = 0.5  # MiB, or "auto": the simulator's sweet spot from --profile (guide §4)
+    shard_size: int | None = None  # hybrid sharding (guide §14): ranks per shard group; None: one node
+    reduce_dtype: str | None = None  # "bf16": gradients travel in bf16 (guide §15)
+    quantize: str | None = None  # "params", "grads" or "both": int8 collectives (guide §15)
     profile: str | None = None  # calibration profile (zerodp calibrate) for --bucket-mb auto
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -123,6 +126,12 @@ class TrainConfig:
                              "2 (ZeRO-2), 3 (ZeRO-3/FSDP)")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"--mixed-precision must be bf16 or left out, got {self.mixed_precision!r}")
+        if self.quantize not in (None, "params", "grads", "both"):
+            raise ValueError(f"unknown --quantize {self.quantize!r}: use params, grads or both")
+        if self.reduce_dtype not in (None, "bf16"):
+            raise ValueError(f"unknown --reduce-dtype {self.reduce_dtype!r}: use bf16")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"--shard-size must be >= 1 (ranks per shard group), got {self.shard_size}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         for name in ("steps", "seq_len", "micro_batch", "global_batch_tokens", "nproc",

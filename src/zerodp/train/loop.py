@@ -172,7 +172,8 @@ def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
         mixed_precision=cfg.mixed_precision, bucket_mb=cfg.bucket_mb,
         **(dict(profile=cfg.profile, tokens_per_rank=cfg.tokens_per_rank) if cfg.bucket_mb == AUTO else {}),
         units=list(model.blocks) if cfg.stage == 3 else None,
-        max_nonfinite_skips=cfg.max_skipped_steps)
+        max_nonfinite_skips=cfg.max_skipped_steps, shard_size=cfg.shard_size, reduce_dtype=cfg.reduce_dtype,
+        quantize_params=cfg.quantize in ("params", "both"), quantize_grads=cfg.quantize in ("grads", "both"))
     return engine, n_params
 
 

@@ -1,0 +1,146 @@
+"""Deferred initialization (guide §9.3): a model built on the meta device, materialized by the engine.
+
+- the values do not depend on the world size or the stage: world 2 stage 3 equals world 3 stage 1
+  and world 1 stage 0, bitwise (seeded per module, not per rank);
+- the reference is independent of the engine: a plain model on the CPU whose modules run their own
+  ``reset_parameters()`` (or the given ``init_fn``) under the seed the engine documents, module by
+  module — built without zerodp;
+- a meta model trains (one step changes the loss as the same step on the plain reference does);
+- misuse: a partly-meta model, and a module with parameters but no way to initialize them, end
+  with one line each.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerodp
+from zerodp.engine.deferred import module_seed
+from zerodp.spawn import RankFailure, run_local
+from zerodp.train.model import GPT, PRESETS
+
+pytestmark = pytest.mark.dist
+NANO = dataclasses.replace(PRESETS["nano"], bias=False)
+
+
+def _meta_gpt() -> GPT:
+    with torch.device("meta"):
+        return GPT(NANO)
+
+
+def _reference(init_fn=None, seed: int = 0) -> GPT:
+    """The documented rule, applied by hand on a plain CPU model: every module that owns
+    parameters, in registration order, under manual_seed(module_seed(seed, name)): its
+    reset_parameters(), then init_fn."""
+    model = GPT(NANO)
+    for name, m in model.named_modules():
+        if not any(p is not None for p in m._parameters.values()):
+            continue
+        torch.manual_seed(module_seed(seed, name))
+        with torch.no_grad():
+            m.reset_parameters()
+            if init_fn is not None:
+                init_fn(m)
+    return model
+
+
+def _adamw(groups):
+    return torch.optim.AdamW(groups, lr=1e-2)
+
+
+def _batch(seed: int, n: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, NANO.vocab_size, (n, NANO.seq_len), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _init_and_step(rank, world, stage, init_fn_name):
+    init_fn = GPT._init if init_fn_name == "gpt" else None
+    eng = zerodp.parallelize(_meta_gpt(), _adamw, stage=stage, init_fn=init_fn)
+    before = {k: v.clone() for k, v in eng.full_state_dict().items()}
+    x, y = _batch(0, 2 * world)
+    xs, ys = x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
+    loss = F.cross_entropy(eng(xs).flatten(0, 1).float(), ys.flatten())
+    loss.backward()
+    eng.step()
+    after = eng.full_state_dict()
+    return {"before": before, "after": {k: v.clone() for k, v in after.items()}} if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for world, stage in ((2, 3), (3, 1), (1, 0)):
+        for init in ("reset", "gpt"):
+            out[(world, stage, init)] = run_local(_init_and_step, world, stage, init)[0]
+    return out
+
+
+@pytest.mark.parametrize("init", ["reset", "gpt"])
+def test_meta_init_is_the_same_at_every_world_size_and_stage(runs, init):
+    a, b, c = runs[(2, 3, init)]["before"], runs[(3, 1, init)]["before"], runs[(1, 0, init)]["before"]
+    assert set(a) == set(b) == set(c)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name}: world 2 stage 3 vs world 3 stage 1 differ"
+        assert torch.equal(a[name], c[name]), f"{name}: world 2 stage 3 vs world 1 stage 0 differ"
+
+
+@pytest.mark.parametrize("init", ["reset", "gpt"])
+def test_meta_init_follows_the_documented_seed_rule(runs, init):
+    ref = _reference(GPT._init if init == "gpt" else None)
+    got = runs[(1, 0, init)]["before"]
+    for name, p in ref.state_dict().items():
+        assert torch.equal(got[name], p.float()), f"{name}: not what the module's initializer draws"
+    if init == "gpt":  # GPT's own init: N(0, 0.02) embeddings, not nn.Embedding's N(0, 1)
+        assert abs(got["tok_emb.weight"].std().item() - 0.02) < 0.002
+
+
+def test_a_meta_model_trains_like_the_plain_model(runs):
+    """One AdamW step from the materialized weights equals one step of the plain reference
+    (full batch, single process) within the fp32 bound of a sum in another order."""
+    ref = _reference()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x, y = _batch(0, 4)
+    F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    got = runs[(2, 3, "reset")]["after"]
+    for name, p in ref.state_dict().items():
+        # Adam's first step moves each element by about lr whatever the gradient's size: compare
+        # against the step, elements whose gradient is rounding noise excepted as in the matrix.
+        torch.testing.assert_close(got[name], p, rtol=1e-4, atol=2e-2, msg=lambda m: f"{name}: {m}")
+
+
+def _misuse(rank, world, case):
+    if case == "partial":
+        model = GPT(NANO)
+        with torch.device("meta"):
+            model.head = nn.Linear(NANO.d_model, NANO.vocab_size, bias=False)
+    else:
+        class Scale(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(4))
+
+            def forward(self, x):
+                return x * self.w
+
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4), Scale())
+    try:
+        zerodp.parallelize(model, _adamw, stage=3)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case,words", [("partial", "some of the model's parameters are on the meta device"),
+                                        ("no_reset", "no reset_parameters() to initialize")])
+def test_meta_misuse_ends_with_one_line(case, words):
+    try:
+        msg = run_local(_misuse, 1, case)[0]
+    except RankFailure as e:  # pragma: no cover - shows the traceback if the engine raised otherwise
+        raise AssertionError(str(e)) from None
+    assert msg is not None and words in msg and "\n" not in msg
