@@ -43,6 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     q.add_argument("--stages", default="0,1,2,3", help="comma-separated stages (default 0,1,2,3)")
     q.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MiB (default 25)")
+    q.add_argument("--compress", default="none",
+                   help="comma-separated compressions of the collectives, the planner's names: none, "
+                        "bf16-reduce, int8-params, int8-grads, int8 (default none; guide §15)")
+    q.add_argument("--shard-size", type=int, default=None, metavar="G",
+                   help="hybrid sharding: shard groups of G ranks at stages 1-3 (guide §14)")
     q.add_argument("--json", action="store_true", help="print JSON")
     q.set_defaults(func=run_predict)
 
@@ -65,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--model", default=None, help="GPT preset (default small)")
     b.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     b.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for ours and DDP (default 25)")
+    b.add_argument("--compress", default="none",
+                   help="comma-separated compressions to bench beside ours at each stage, the planner's "
+                        "names: none, bf16-reduce (stages 0-3), int8-params, int8-grads, int8 (stages 1-3); "
+                        "e.g. none,bf16-reduce,int8 (default none: no extra rows; guide §15)")
+    b.add_argument("--shard-size", type=int, default=None, metavar="G",
+                   help="also bench ours with hybrid sharding, shard groups of G ranks (G < --nproc, "
+                        "dividing it), at stages 1-3, with each --compress (guide §14)")
     b.add_argument("--out", default="bench-out",
                    help="folder for bench.json/png, roofline.json/png (default bench-out)")
     b.add_argument("--profile", default=None, help="calibration profile: predictions and the auto-bucket row")
@@ -135,14 +147,34 @@ def run_predict(args) -> int:
     trainer_model(args.model, PRESETS)
     stages = _int_list("stages", args.stages)
     cal = load_calibration(args.profile)["calibration"]
-    preds = [predict_step(cal, PRESETS[args.model], s, _positive("micro-batch", args.micro_batch),
-                          args.seq_len, args.bucket_mb) for s in stages]
+    compress = _compressions(args.compress)
+    preds = []
+    for s in stages:
+        for c in compress:
+            if s == 0 and c.startswith("int8"):
+                continue  # stage 0 has no AllGather nor ReduceScatter to quantize
+            preds.append(predict_step(cal, PRESETS[args.model], s, _positive("micro-batch", args.micro_batch),
+                                      args.seq_len, args.bucket_mb, compress=c,
+                                      shard_size=None if s == 0 else args.shard_size))  # stage 0 shards nothing
+    if not preds:
+        raise ValueError("nothing to predict: int8 compresses the collectives of stages 1-3")
     if args.json:
         print(json.dumps([p.to_dict() for p in preds], indent=2))
     else:
         print(f"predicted step on {cal['world_size']} ranks, model {args.model}, profile {args.profile}")
         print(predictions_table(preds))
     return 0
+
+
+def _compressions(text: str) -> tuple[str, ...]:
+    """``--compress``: comma-separated names of ``zerodp.plan.hybrid.COMPRESSIONS``."""
+    from zerodp.plan.hybrid import COMPRESSIONS
+
+    out = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [c for c in out if c not in COMPRESSIONS]
+    if bad or not out:
+        raise ValueError(f"--compress: {', '.join(bad) or 'empty'}; use comma-separated {', '.join(COMPRESSIONS)}")
+    return out
 
 
 def _int_list(name: str, text: str) -> list[int]:
@@ -184,6 +216,7 @@ def bench_command_line(args) -> str:
     flags = [("--stages", args.stages, "0,1,2,3"), ("--regimes", args.regimes, "compute,comm"),
              ("--steps", args.steps, None), ("--warmup", args.warmup, None), ("--model", args.model, None),
              ("--nproc", args.nproc, 2), ("--bucket-mb", args.bucket_mb, 25.0),
+             ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
              ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None)]
     words = ["zerodp", "bench"]
     words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
@@ -224,7 +257,8 @@ def run_bench_cmd(args) -> int:
             print(sweep.fits_table(cal.fits))
             print(f"wrote {profile}\n")
     spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
-                             warmup=warmup, steps=steps, bucket_mb=args.bucket_mb, profile=profile)
+                             warmup=warmup, steps=steps, bucket_mb=args.bucket_mb, profile=profile,
+                             compress=_compressions(args.compress), shard_size=args.shard_size)
     t0 = time.perf_counter()
     result = compare.run_bench(spec)
     bench_json = compare.write_json(result, os.path.join(args.out, "bench.json"))
@@ -247,6 +281,10 @@ def run_bench_cmd(args) -> int:
         print(compare.contenders_table(result))
         print()
         print(compare.summary_table(result))
+        compressed = compare.compressed_table(result)
+        if compressed:
+            print()
+            print(compressed)
         if rl is not None:
             print()
             print(roofline.table(rl))

@@ -18,7 +18,10 @@ stage, the floor and one stage's contenders alive at once — :func:`stage_group
 - **model-state bytes** per rank: tensor storages of params, grads, optimizer state
   (:mod:`zerodp.bench.peers`).
 - **bytes sent per step** per rank: growth of the process's ``wchar`` over the step, i.e. what
-  gloo wrote to its sockets, measured identically for our engine and the peers.
+  gloo wrote to its sockets, measured identically for our engine and the peers; and for our
+  engine also what its own trace says it sent (``sent_bytes`` of the step's collectives, by leg,
+  :func:`trace_sent_bytes`). The two differ where gloo's algorithm is not the ring the trace
+  counts (gloo's ReduceScatter sends as much as an AllReduce).
 
 Two regimes (guide §7, guide §13): **compute-bound** — many tokens per rank (2048), where every
 contender should sit near the floor — and **communication-bound** — few (32), where the
@@ -26,6 +29,15 @@ implementation's fixed costs decide. With a calibration profile the planner's pr
 (:func:`zerodp.bench.predict.predict_step`) is printed next to each measured median, and the
 stage-0 row built with ``bucket_mb="auto"`` (the engine chooses from the profile,
 :func:`zerodp.bench.auto.choose_bucket_mb`) is compared with the default 25 MB.
+
+**Compressed and hybrid** (guide §14-§15; ``zerodp bench --compress none,bf16-reduce,int8
+--shard-size G``, :attr:`BenchSpec.compress`, :attr:`BenchSpec.shard_size`): our engine with
+``reduce_dtype="bf16"``, int8 ``quantize_params`` / ``quantize_grads``, and shard groups of G ranks
+(stages 1-3), as extra contenders of ours in the stage group of their stage, built and timed
+alternated with the rest (:data:`zerodp.bench.peers.VARIANTS`). :func:`compressed_rows` sets each
+against our plain row of its stage: time, ×floor, bytes per leg from the trace and their ratio to
+the plain row's next to the planner's (:func:`zerodp.plan.hybrid.wire_bytes`). Without these
+options the bench is what it was.
 
 On CUDA (``BenchSpec(device="cuda")``, what ``python -m zerodp.bench.gpu_check`` runs): NCCL, rank r
 on ``cuda:r`` (one GPU per rank, so world 1 is allowed there: the comparison then measures fixed
@@ -44,7 +56,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from zerodp.bench import probe
-from zerodp.bench.peers import COMPARISONS, CONTENDERS
+from zerodp.bench.peers import COMPARISONS, CONTENDERS, VARIANTS, variant_applies, variant_name
 from zerodp.plan.units import MIB
 
 RATIO_TARGET = 1.05  # ours/PyTorch median step time for stages 0 and 3
@@ -82,6 +94,11 @@ class BenchSpec:
     seed: int = 0
     profile: str | None = None  # calibration profile: predictions and the auto bucket row
     device: str = "cpu"  # "cuda": NCCL, rank r on cuda:r (module docstring)
+    # Compressed and hybrid contenders of ours (guide §14-§15), beside ours at each stage: the
+    # planner's compression names (zerodp.plan.hybrid.COMPRESSIONS; "none" adds nothing), and a
+    # shard-group size g < world_size for hybrid sharding at stages 1-3 (None: no hybrid rows).
+    compress: tuple[str, ...] = ("none",)
+    shard_size: int | None = None
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -99,6 +116,17 @@ class BenchSpec:
             raise ValueError("give at least one regime")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        from zerodp.plan.hybrid import COMPRESSIONS
+
+        bad = [c for c in self.compress if c not in COMPRESSIONS]
+        if bad or not self.compress:
+            raise ValueError(f"compress must be a non-empty list of {', '.join(COMPRESSIONS)}, got "
+                             f"{list(self.compress)}")
+        g = self.shard_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1 or g >= self.world_size
+                              or self.world_size % g):
+            raise ValueError(f"shard_size must divide world_size ({self.world_size}) and be smaller (hybrid "
+                             f"sharding: shard groups of g ranks, replicated world/g times), got {g}")
 
     def steps_for(self, regime: Regime) -> int:
         """Timed steps in ``regime``: ``steps`` for the most tokens per rank; a cheaper regime gets
@@ -107,11 +135,20 @@ class BenchSpec:
         largest = max(r.tokens for r in self.regimes)
         return self.steps * max(1, min(MAX_STEP_SCALE, largest // regime.tokens))
 
+    def variants(self, stage: int) -> list[str]:
+        """Our compressed and hybrid contenders at ``stage`` (:data:`zerodp.bench.peers.VARIANTS`)."""
+        out = []
+        for hybrid in (False, True) if self.shard_size is not None else (False,):
+            for c in dict.fromkeys(self.compress):
+                if (c != "none" or hybrid) and variant_applies(stage, c, hybrid):
+                    out.append(variant_name(stage, c, hybrid))
+        return out
+
     def contenders(self, with_auto: bool) -> list[str]:
         names = ["floor"]
         for s in self.stages:
             ours, peers = COMPARISONS[s]
-            names += [ours, *peers]
+            names += [ours, *peers, *self.variants(s)]
         if with_auto and 0 in self.stages:
             names.append("ours0_auto")
         return names
@@ -132,6 +169,14 @@ class ContenderResult:
     own_comm: dict = field(default_factory=dict)  # ours: the engine's own accounting, rank 0
     first_loss: float = float("nan")
     predicted_s: float | None = None
+    # ours: bytes this rank sent per step by leg ("intra", "inter"), summed over the step's
+    # collectives in the engine's trace (``sent_bytes``), median over timed steps; rank 0
+    wire_bytes: dict | None = None
+    predicted_wire_bytes: dict | None = None  # the planner's, by leg (bench.predict)
+
+    @property
+    def wire_total(self) -> float | None:
+        return None if self.wire_bytes is None else sum(self.wire_bytes.values())
 
 
 @dataclass
@@ -174,6 +219,13 @@ SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_v
 _REFERENCE_PEERS = {peers[0] for _, peers in COMPARISONS.values()}
 
 
+def short_label(name: str) -> str:
+    """A bar's label: :data:`SHORT_LABELS`, or "zerodp int8", "zerodp hybrid bf16" for the variants."""
+    if name in SHORT_LABELS:
+        return SHORT_LABELS[name]
+    return "zerodp " + " ".join(name.split("_")[1:])
+
+
 @dataclass
 class BenchResult:
     spec: BenchSpec
@@ -194,6 +246,7 @@ class BenchResult:
             "regimes": [{"regime": asdict(r.regime), "tokens_per_rank": r.regime.tokens, "wall_s": r.wall_s,
                          "contenders": {k: asdict(c) for k, c in r.contenders.items()}} for r in self.regimes],
             "rows": [asdict(row) | {"target": row.target} for row in self.rows()],
+            "compressed_rows": [asdict(row) for row in compressed_rows(self)],
         }
 
 
@@ -202,6 +255,7 @@ def result_from_dict(d: dict) -> BenchResult:
     spec_d = dict(d["spec"])
     spec_d["regimes"] = tuple(Regime(**r) for r in spec_d["regimes"])
     spec_d["stages"] = tuple(spec_d["stages"])
+    spec_d["compress"] = tuple(spec_d.get("compress", ("none",)))
     spec = BenchSpec(**spec_d)
     regimes = [RegimeResult(Regime(**r["regime"]), {k: ContenderResult(**c) for k, c in r["contenders"].items()},
                             r["wall_s"]) for r in d["regimes"]]
@@ -283,6 +337,28 @@ def _own_comm(c) -> dict:
             for k, v in s.collectives.items()}
 
 
+def trace_sent_bytes(engine) -> dict[str, float]:
+    """Bytes this rank sent in the engine's last completed step, by leg: ``sent_bytes`` of every
+    collective in its trace (``args["leg"]``: "intra" in the shard group, "inter" across replicas,
+    guide §14). Compressed collectives record the bytes they put on the wire (guide §15)."""
+    from zerodp.engine.trace import COMM
+
+    rec = engine.recorder
+    out = {"intra": 0.0, "inter": 0.0}
+    for e in rec.step_events(rec.step - 1):
+        if e.lane == COMM:
+            leg = e.args.get("leg", "intra")
+            out[leg] = out.get(leg, 0.0) + float(e.args.get("sent_bytes", 0.0))
+    return out
+
+
+def median_legs(per_step: list[dict[str, float]]) -> dict[str, float] | None:
+    """Per leg, the median over steps (None when nothing was recorded)."""
+    if not per_step:
+        return None
+    return {k: statistics.median(d.get(k, 0.0) for d in per_step) for k in per_step[0]}
+
+
 def _prime(make, batch) -> None:
     """One untimed step of a throwaway model: lazy library set-up is nobody's peak memory."""
     import torch
@@ -351,12 +427,14 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total
     for name in names:  # one at a time: its RSS peak while built and stepped once
         dist.barrier()
         with (_CudaPeak() if spec.device == "cuda" else probe.PeakMemory()) as mem:
-            c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb), spec.profile, regime.tokens)
+            c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb), spec.profile, regime.tokens,
+                      spec.shard_size)
             first_loss[name] = float(c.step(*batches[0]))
             _settle(c)
         contenders[name], peak[name] = c, mem.bytes
     times = {n: [] for n in names}
     sent = {n: [] for n in names}
+    wire = {n: [] for n in names}
     for i in range(1, total):  # step 0 was the first warm-up step, above
         order = list(names)
         random.Random(spec.seed * 1_000_003 + i).shuffle(order)  # same order on every rank
@@ -382,6 +460,8 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total
             if i >= spec.warmup:
                 times[name].append(t1 - t0 - hook_s[0])
                 sent[name].append(None if w0 is None else w1 - w0)
+                if c.engine is not None:
+                    wire[name].append(trace_sent_bytes(c.engine))
             if bar is not None:
                 bar.update()
     out = {}
@@ -390,7 +470,8 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total
         s = [v for v in sent[name] if v is not None]
         out[name] = {"times": times[name], "peak": peak[name], "states": states[name],
                      "sent": statistics.median(s) if s else None, "options": c.options,
-                     "own_comm": _own_comm(c) if rank == 0 else {}, "first_loss": first_loss[name]}
+                     "own_comm": _own_comm(c) if rank == 0 else {}, "first_loss": first_loss[name],
+                     "wire": median_legs(wire[name])}
     contenders.clear()
     dist.barrier()
     return out
@@ -416,6 +497,7 @@ def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
 
 # ---- the driver, in the parent ----------------------------------------------------------------
 def _predict(cal: dict, spec: BenchSpec, regime: Regime, name: str, bucket_mb: float):
+    """Predicted step time (s) and the planner's bytes per leg (or None) of contender ``name``."""
     from zerodp.bench.predict import predict_step
     from zerodp.train.model import PRESETS
 
@@ -423,10 +505,28 @@ def _predict(cal: dict, spec: BenchSpec, regime: Regime, name: str, bucket_mb: f
     cfg = PRESETS[spec.model]
     if role == "floor":
         p = predict_step(cal, cfg, 0, regime.micro_batch, regime.seq_len, bucket_mb)
-        return p.forward_s + p.backward_s + p.optimizer_s
+        return p.forward_s + p.backward_s + p.optimizer_s, None
     if role == "ours":
-        return predict_step(cal, cfg, stage, regime.micro_batch, regime.seq_len, bucket_mb).step_s
-    return None
+        _, compress, hybrid = VARIANTS.get(name, (stage, "none", False))
+        p = predict_step(cal, cfg, stage, regime.micro_batch, regime.seq_len, bucket_mb, compress=compress,
+                         shard_size=spec.shard_size if hybrid else None)
+        return p.step_s, p.wire_bytes
+    return None, None
+
+
+def planner_wire_bytes(spec: BenchSpec, regime: Regime, name: str) -> dict[str, float]:
+    """The planner's bytes per rank per step by leg for our contender ``name`` (no calibration
+    needed: :func:`zerodp.bench.predict.predicted_wire_bytes`, guide §14-§15)."""
+    from zerodp.bench.predict import predicted_wire_bytes, root_share
+    from zerodp.plan.calibrated import gpt_layer_shapes
+    from zerodp.train.model import PRESETS
+
+    stage = CONTENDERS[name][0]
+    _, compress, hybrid = VARIANTS.get(name, (stage, "none", False))
+    shapes = gpt_layer_shapes(PRESETS[spec.model], regime.seq_len)
+    params = sum(x.params for x in shapes)
+    return predicted_wire_bytes(stage, params, spec.world_size, compress, spec.shard_size if hybrid else None,
+                                kept_last_share=root_share(shapes))
 
 
 def check_profile(profile: str, model: str, world_size: int) -> dict:
@@ -521,9 +621,11 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
             c = ContenderResult(name, label, stage, role, times, statistics.median(times),
                                 [r[name]["peak"] for r in ranks], [r[name]["states"] for r in ranks],
                                 [r[name]["sent"] for r in ranks], r0["options"], r0["own_comm"],
-                                r0["first_loss"])
+                                r0["first_loss"], wire_bytes=r0.get("wire"))
+            if role == "ours":
+                c.predicted_wire_bytes = planner_wire_bytes(spec, regime, name)
             if cal is not None:
-                c.predicted_s = _predict(cal, spec, regime, name, c.options.get("bucket_mb", spec.bucket_mb))
+                c.predicted_s, _ = _predict(cal, spec, regime, name, c.options.get("bucket_mb", spec.bucket_mb))
             contenders[name] = c
         results.append(RegimeResult(regime, contenders, wall))
         if "ours0_auto" in contenders:
@@ -580,7 +682,7 @@ def contenders_table(result: BenchResult) -> str:
              "times: median of the per-step max over ranks; memory, states, sent: rank 0"]
     peak = "peak GPU MiB" if spec.device == "cuda" else "peak RSS MiB"
     head = (f"{'stage':>5}  {'contender':<38}{'median ms':>10}{'/floor':>8}{peak:>13}"
-            f"{'states MiB':>11}{'sent MiB/step':>14}")
+            f"{'states MiB':>11}{'sent MiB/step':>14}{'trace MiB/step':>15}")
     if spec.profile:
         head += f"{'predicted ms':>13}{'error':>8}"
     for rr in result.regimes:
@@ -591,9 +693,12 @@ def contenders_table(result: BenchResult) -> str:
         for c in rr.contenders.values():
             stage = "-" if c.stage is None else str(c.stage)
             label = c.label + (f" ({c.options['bucket_mb']:.3g} MB)" if c.name == "ours0_auto" else "")
+            if "shard_size" in c.options:
+                label = label.replace("hybrid", f"hybrid g={c.options['shard_size']}")
             over = f"{c.median_s / floor.median_s:.2f}" if floor else "n/a"
+            trace = "" if c.wire_bytes is None else _mib(c.wire_total)
             line = (f"{stage:>5}  {label:<38}{c.median_s * 1e3:>10.1f}{over:>8}{_mib(c.peak_rss_bytes[0]):>13}"
-                    f"{_mib(c.model_state_bytes[0]):>11}{_mib(c.sent_bytes_per_step[0]):>14}")
+                    f"{_mib(c.model_state_bytes[0]):>11}{_mib(c.sent_bytes_per_step[0]):>14}{trace:>15}")
             if spec.profile:
                 if c.predicted_s is None:
                     line += f"{'':>13}{'':>8}"
@@ -601,6 +706,81 @@ def contenders_table(result: BenchResult) -> str:
                     err = (c.predicted_s - c.median_s) / c.median_s
                     line += f"{c.predicted_s * 1e3:>13.1f}{err * 100:>+7.0f}%"
             lines.append(line)
+    return "\n".join(lines)
+
+
+@dataclass
+class CompressedRow:
+    """One compressed or hybrid contender of ours against ``ours{stage}`` of the same run (guide
+    §14-§15): times, ×floor, bytes per rank per step by leg from the trace and the planner's."""
+
+    regime: str
+    tokens_per_rank: int
+    stage: int
+    name: str
+    label: str
+    ms: float
+    over_floor: float | None
+    vs_plain: float  # median / ours{stage}'s median
+    peak_rss_bytes: int | None
+    wire_intra: float | None
+    wire_inter: float | None
+    bytes_vs_plain: float | None  # traced bytes / ours{stage}'s traced bytes
+    planner_bytes: float | None  # the planner's bytes per rank per step, both legs
+    planner_vs_plain: float | None  # the planner's ratio to its own uncompressed flat figure
+    predicted_ms: float | None
+    predicted_error: float | None
+
+
+def compressed_rows(result: BenchResult) -> list[CompressedRow]:
+    """Every :data:`~zerodp.bench.peers.VARIANTS` contender measured, with ours of its stage."""
+    rows = []
+    for rr in result.regimes:
+        cs = rr.contenders
+        floor = cs.get("floor")
+        for c in cs.values():
+            if c.name not in VARIANTS:
+                continue
+            plain = cs.get(f"ours{c.stage}")
+            ms = c.median_s * 1e3
+            w = c.wire_bytes or {}
+            pw, pp = c.predicted_wire_bytes, plain.predicted_wire_bytes if plain else None
+            pred = c.predicted_s * 1e3 if c.predicted_s is not None else None
+            label = c.label.replace("hybrid", f"hybrid g={c.options['shard_size']}") if "shard_size" in c.options \
+                else c.label
+            rows.append(CompressedRow(
+                rr.regime.name, rr.regime.tokens, c.stage, c.name, label, ms,
+                c.median_s / floor.median_s if floor else None,
+                c.median_s / plain.median_s if plain else float("nan"), c.peak_rss_bytes[0],
+                w.get("intra") if c.wire_bytes else None, w.get("inter") if c.wire_bytes else None,
+                c.wire_total / plain.wire_total if plain and plain.wire_total and c.wire_total is not None else None,
+                sum(pw.values()) if pw else None,
+                sum(pw.values()) / sum(pp.values()) if pw and pp and sum(pp.values()) else None,
+                pred, (pred - ms) / ms if pred is not None else None))
+    return rows
+
+
+def compressed_table(result: BenchResult) -> str:
+    """The compressed and hybrid rows: ms, ×floor, ×ours, MiB per leg, ×fp32 bytes, predicted."""
+    rows = compressed_rows(result)
+    if not rows:
+        return ""
+    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<36}{'median ms':>10}{'×floor':>8}"
+             f"{'×ours':>7}{'peak RSS MiB':>13}{'intra MiB':>10}{'inter MiB':>10}{'×fp32 bytes':>12}"
+             f"{'planner ×':>10}{'predicted ms':>13}{'error':>7}"]
+
+    def f(v, fmt, width):
+        return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+    for r in rows:
+        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{r.stage:>6}  {r.label:<36}{r.ms:>10.1f}"
+                     f"{f(r.over_floor, '.2f', 8)}{r.vs_plain:>7.2f}"
+                     f"{_mib(r.peak_rss_bytes):>13}{f(None if r.wire_intra is None else r.wire_intra / MIB, '.2f', 10)}"
+                     f"{f(None if r.wire_inter is None else r.wire_inter / MIB, '.2f', 10)}"
+                     f"{f(r.bytes_vs_plain, '.3f', 12)}{f(r.planner_vs_plain, '.3f', 10)}"
+                     f"{f(r.predicted_ms, '.1f', 13)}"
+                     f"{'' if r.predicted_error is None else f'{r.predicted_error * 100:+.0f}%':>7}")
+    lines.append("×ours: median / zerodp's uncompressed flat row of the same stage; ×fp32 bytes: traced bytes "
+                 "sent per rank per step / that row's; planner ×: the same ratio from zerodp.plan.hybrid")
     return "\n".join(lines)
 
 
@@ -644,14 +824,15 @@ def plot(result: BenchResult, path: str) -> str:
         for stage in result.spec.stages:
             ours, peers = COMPARISONS[stage]
             group = [ours, *peers] + (["ours0_auto"] if stage == 0 and "ours0_auto" in rr.contenders else [])
+            group += [n for n in result.spec.variants(stage) if n in rr.contenders]
             for name in group:
                 c = rr.contenders[name]
                 h = c.median_s / floor
                 ax.bar(x, h, width=0.8, color=colors[c.role], alpha=0.55 if name == "ours0_auto" else 1.0,
-                       edgecolor="black", linewidth=0.4)
+                       edgecolor="black", linewidth=0.4, hatch="//" if name in VARIANTS else None)
                 ax.text(x, h, f"{c.median_s * 1e3:.0f}", ha="center", va="bottom", fontsize=7)
                 ticks.append(x)
-                tick_labels.append(f"{stage}: {SHORT_LABELS[name]}")
+                tick_labels.append(f"{stage}: {short_label(name)}")
                 x += 1
             x += 0.6
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)

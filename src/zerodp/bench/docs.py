@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import time
 
-from zerodp.bench.compare import (MIB, PREDICTION_TOLERANCE, BenchResult, contenders_table,
-                                  summary_table)
+from zerodp.bench.peers import VARIANTS
+from zerodp.bench.compare import (MIB, PREDICTION_TOLERANCE, BenchResult, compressed_rows, compressed_table,
+                                  contenders_table, summary_table)
 
 
 def _rel(path: str, md_path: str) -> str:
@@ -83,12 +84,49 @@ def _predictions(result: BenchResult) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---|"]
     for rr in result.regimes:
         for c in rr.contenders.values():
-            if c.role != "ours" or c.predicted_s is None or c.name == "ours0_auto":
+            if c.role != "ours" or c.predicted_s is None or c.name == "ours0_auto" or c.name in VARIANTS:
                 continue
             err = (c.predicted_s - c.median_s) / c.median_s
             lines.append(f"| {rr.regime.name} | {rr.regime.tokens} | {c.stage} | {c.median_s * 1e3:.1f} | "
                          f"{c.predicted_s * 1e3:.1f} | {err * 100:+.0f} % | "
                          f"{'yes' if abs(err) <= PREDICTION_TOLERANCE else 'no'} |")
+    return lines
+
+
+def compressed_section(result: BenchResult) -> list[str]:
+    """"Compressed and hybrid" (guide §14-§15): the rows, and one sentence per regime on what
+    they show, every figure from the run ([] when the run had none)."""
+    rows = compressed_rows(result)
+    if not rows:
+        return []
+    spec = result.spec
+    lines = ["## Compressed and hybrid", "",
+             f"Beside zerodp's plain row at each stage, the same engine with compressed collectives "
+             f"(`--compress {','.join(spec.compress)}`: bf16-reduce sends gradients in bf16, int8 quantizes "
+             f"parameter AllGathers and gradient reductions blockwise with one fp32 scale per 256 elements, "
+             f"guide §15)" + (f" and hybrid sharding in shard groups of {spec.shard_size} ranks "
+                              f"(`--shard-size {spec.shard_size}`, guide §14)" if spec.shard_size else "")
+             + ", built, stepped and timed alternated with the rest of their stage. Bytes are what the "
+             "engine's own trace says each rank sent per step (`sent_bytes` of the step's collectives, by leg: "
+             "intra = inside the shard group, inter = across replicas); ×fp32 bytes divides them by the plain "
+             "row's, and planner × is the same ratio from `zerodp.plan.hybrid.wire_bytes`.", "",
+             "```", compressed_table(result), "```", ""]
+    for regime in dict.fromkeys(r.regime for r in rows):
+        mine = [r for r in rows if r.regime == regime]
+        parts = []
+        for r in mine:
+            part = f"{r.label} {r.ms:.1f} ms"
+            if r.over_floor is not None:
+                part += f" ({r.over_floor:.2f}× floor, {r.vs_plain:.2f}× plain)"
+            if r.wire_intra is not None:
+                total = r.wire_intra + (r.wire_inter or 0.0)
+                part += f", {total / MIB:.2f} MiB sent per rank per step"
+                if r.bytes_vs_plain is not None:
+                    part += f" ({r.bytes_vs_plain:.3f}× the plain row's"
+                    part += f", planner {r.planner_vs_plain:.3f}×)" if r.planner_vs_plain is not None else ")"
+            parts.append(part)
+        tokens = mine[0].tokens_per_rank
+        lines += [f"In the {regime} regime ({tokens} tokens per rank): " + "; ".join(parts) + ".", ""]
     return lines
 
 
@@ -111,7 +149,9 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         "communication; overhead = step / floor. Peak memory is the rank's RSS growth (Linux `VmHWM` after "
         "a reset) while the contender is built and runs its first step; model states are the tensor "
         "storages of params, grads and optimizer state; bytes sent are the growth of the process's "
-        "`wchar` (what gloo wrote to its sockets) per step.",
+        "`wchar` (what gloo wrote to its sockets) per step; trace MiB/step (zerodp only) is what the engine's "
+        "own trace says it sent, ring-equivalent `sent_bytes` summed over the step's collectives (it is lower "
+        "than `wchar` where gloo's algorithm sends more than a ring, e.g. its ReduceScatter).",
         "",
         "## Machine", "", *_machine(result.machine), "",
     ]
@@ -122,6 +162,7 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
     lines += ["## Ours vs PyTorch, per stage", "", "```", summary_table(result), "```", "",
               f"![zerodp vs PyTorch]({_rel(bench_png, md_path)})", "", "## Every contender", "",
               "```", contenders_table(result), "```", ""]
+    lines += compressed_section(result)
     misses = _misses(result)
     if misses:
         lines += ["## Targets missed, and where the time goes", "", *misses, ""]

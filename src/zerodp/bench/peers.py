@@ -16,6 +16,11 @@ stage  ours                              PyTorch peer(s)
                                          ``reshard_after_forward=True`` (ZeRO-3, §9.3, §10.3)
 =====  ================================  =====================================================
 
+Our engine also runs with compressed collectives and hybrid sharding (guide §14-§15,
+:data:`VARIANTS`, ``zerodp bench --compress ... --shard-size G``): ``ours3_int8`` (int8 parameter
+AllGathers and gradient reductions), ``ours0_bf16`` (gradients reduced in bf16), ``ours3_hybrid``
+(shard groups of G ranks, replicated), and their combinations; they have no PyTorch peer here.
+
 plus the **floor**: the plain model and optimizer on each rank with no collectives at all — the
 same per-rank forward/backward/update, so that step time / floor is the price of data
 parallelism (guide §7: ≈ 1 when compute-bound, large when communication-bound).
@@ -51,6 +56,45 @@ CONTENDERS: dict[str, tuple[int | None, str, str]] = {
     "fsdp2": (3, "peer", "FSDP2 reshard_after_forward=True"),
     "ours0_auto": (0, "ours", "zerodp stage 0, bucket_mb=auto"),
 }
+
+#: ``zerodp bench --compress``: the planner's compression names (``zerodp.plan.hybrid.COMPRESSIONS``)
+#: → (name suffix, the engine options that put it on the wire, guide §15). Stage 0 has no AllGather
+#: nor ReduceScatter to quantize: only ``bf16-reduce`` applies there.
+COMPRESS_OPTIONS: dict[str, tuple[str, dict]] = {
+    "bf16-reduce": ("bf16", {"reduce_dtype": "bf16"}),
+    "int8-params": ("int8p", {"quantize_params": True}),
+    "int8-grads": ("int8g", {"quantize_grads": True}),
+    "int8": ("int8", {"quantize_params": True, "quantize_grads": True}),
+}
+#: name → (stage, compression or "none", hybrid): our contenders with compressed collectives and/or
+#: hybrid sharding (``--shard-size``; stages 1-3, guide §14). Built alongside ``ours{stage}``.
+VARIANTS: dict[str, tuple[int, str, bool]] = {}
+
+
+def variant_name(stage: int, compress: str = "none", hybrid: bool = False) -> str:
+    """``ours3_int8``, ``ours0_bf16``, ``ours3_hybrid``, ``ours3_hybrid_int8``; plain ``ours{stage}``
+    for neither."""
+    parts = [f"ours{stage}"] + (["hybrid"] if hybrid else [])
+    if compress != "none":
+        parts.append(COMPRESS_OPTIONS[compress][0])
+    return "_".join(parts)
+
+
+def variant_applies(stage: int, compress: str, hybrid: bool) -> bool:
+    """Whether the engine accepts this combination: stage 0 shards nothing and quantizes nothing."""
+    return stage != 0 or (not hybrid and compress in ("none", "bf16-reduce"))
+
+
+for _stage in (0, 1, 2, 3):
+    for _hybrid in (False, True):
+        for _compress in ("none", *COMPRESS_OPTIONS):
+            if (_compress == "none" and not _hybrid) or not variant_applies(_stage, _compress, _hybrid):
+                continue
+            _name = variant_name(_stage, _compress, _hybrid)
+            _what = ["hybrid"] if _hybrid else []
+            _what += [] if _compress == "none" else [_compress]
+            VARIANTS[_name] = (_stage, _compress, _hybrid)
+            CONTENDERS[_name] = (_stage, "ours", f"zerodp stage {_stage}, {' + '.join(_what)}")
 
 #: stage → (ours, peers): the comparisons ``zerodp bench`` prints, the first peer is the reference.
 COMPARISONS: dict[int, tuple[str, tuple[str, ...]]] = {
@@ -118,15 +162,30 @@ def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool)
     return step
 
 
+def engine_options(name: str, shard_size: int | None = None) -> dict:
+    """The :func:`zerodp.parallelize` keywords of a :data:`VARIANTS` contender ({} otherwise)."""
+    if name not in VARIANTS:
+        return {}
+    _, compress, hybrid = VARIANTS[name]
+    out = dict(COMPRESS_OPTIONS[compress][1]) if compress != "none" else {}
+    if hybrid:
+        if shard_size is None:
+            raise ValueError(f"contender {name} is hybrid: give shard_size (zerodp bench --shard-size G)")
+        out["shard_size"] = shard_size
+    return out
+
+
 def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
-          bucket_mb: "float | str" = 25.0, profile=None, tokens_per_rank: int | None = None) -> Contender:
+          bucket_mb: "float | str" = 25.0, profile=None, tokens_per_rank: int | None = None,
+          shard_size: int | None = None) -> Contender:
     """Build contender ``name`` (a key of :data:`CONTENDERS`) on a fresh model from ``make_model``.
 
     Call on every rank of an initialized gloo process group; ``make_model`` must seed itself so
     that every contender starts from the same weights. ``bucket_mb`` applies to our stages 0-2
     and to DDP (``bucket_cap_mb``); ``"auto"`` (ours only) lets the engine choose it from
     ``profile`` at ``tokens_per_rank`` (``zerodp.parallelize(bucket_mb="auto")``), and the
-    contender's ``options["bucket_mb"]`` is the size the engine chose.
+    contender's ``options["bucket_mb"]`` is the size the engine chose. ``shard_size`` is the shard
+    group of the hybrid :data:`VARIANTS` (guide §14); their compression options are in ``options``.
     """
     if name not in CONTENDERS:
         raise ValueError(f"unknown contender {name!r}; use one of {', '.join(CONTENDERS)}")
@@ -138,8 +197,9 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
         import zerodp
 
         auto = {"profile": profile, "tokens_per_rank": tokens_per_rank} if bucket_mb == "auto" else {}
+        extra = engine_options(name, shard_size)
         engine = zerodp.parallelize(model, optimizer=opt_factory, stage=stage,
-                                    **({} if stage == 3 else {"bucket_mb": bucket_mb, **auto}))
+                                    **({} if stage == 3 else {"bucket_mb": bucket_mb, **auto}), **extra)
 
         def step(x, y, on_backward=None):
             loss = engine(x, y)
@@ -150,6 +210,7 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
             engine.zero_grad()
             return loss.detach()
         options = {} if stage == 3 else {"bucket_mb": engine.config.bucket_mb, "bucket_auto": engine.bucket_auto}
+        options.update(extra)
         return Contender(name, stage, role, label, step, lambda: engine.stats().model_state_bytes,
                          options, engine)
 

@@ -20,6 +20,16 @@ Per stage (what the engine does, see ``zerodp.engine``):
 - stage 3: the FSDP simulation (per-unit AllGather with prefetch, ReduceScatter per unit, the
   kept last unit) + the optimizer over Ψ/N;
 
+Compressed and hybrid (guide §14-§15): ``compress`` (a name of ``zerodp.plan.hybrid.COMPRESSIONS``)
+prices every collective at the planner's bytes per element on the wire
+(:func:`zerodp.plan.hybrid.wire_bytes`: bf16 gradients 2 B, blockwise int8 1 + 4/B B; the int8
+gradient all-to-all at the shape of a ReduceScatter, as the planner counts it), with the same
+calibrated α and W per collective kind; ``shard_size`` g < N runs the AllGathers and
+ReduceScatters over the g ranks of a shard group and adds, after each ReduceScatter, the
+AllReduce of its 1/g shard over the N/g replicas. ``wire_bytes`` of the prediction is the
+planner's bytes per rank per step by leg (:func:`zerodp.plan.hybrid.step_bytes_per_leg`). The
+quantization's own compute is not in the prediction.
+
 and, every stage, the contention: the simulator lets hidden communication cost nothing, which
 holds only where it does not share the processor with compute. The profile's measured overlap
 efficiency η (:mod:`zerodp.bench.overlap`) charges (1 − η) of the hidden communication's time.
@@ -32,7 +42,11 @@ from dataclasses import asdict, dataclass
 from zerodp.bench.compute import compute_times, optimizer_time
 from zerodp.bench.overlap import contention_s, efficiency
 from zerodp.plan.calibrated import LayerShape, PerKindCost, gpt_layer_shapes, split_compute  # noqa: F401
+from zerodp.plan.collectives import RingCost
+from zerodp.plan.hybrid import step_bytes_per_leg, wire_bytes
 from zerodp.plan.timeline import simulate_backward, simulate_fsdp
+
+FP32_BYTES = 4  # the bench trains in fp32: working parameters and gradients
 
 
 
@@ -50,19 +64,79 @@ class Prediction:
     contention_s: float  # (1 − η) of the communication hidden under compute (bench.overlap)
     step_s: float
     comm_s: float  # total time of all collectives of the step
+    compress: str = "none"
+    shard_size: int | None = None
+    wire_bytes: dict | None = None  # planner's bytes per rank per step by leg (intra, inter)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+class WireCost:
+    """The simulator's cost protocol for compressed and hybrid collectives (module docstring).
+
+    The simulator hands full-precision byte counts (fp32 parameters and gradients); each kind is
+    priced at its wire ratio — AllGather at the parameters', ReduceScatter and AllReduce at the
+    gradients' — on the calibrated ring of that kind, over g ranks (AllGather, ReduceScatter) or N
+    (AllReduce of stage 0), plus the replica AllReduce over N/g after a ReduceScatter."""
+
+    def __init__(self, cal: dict, wire, shard_size: int | None = None):
+        n = cal["world_size"]
+        g = shard_size or n
+        fits = {f["kind"]: f for f in cal["fits"]}
+
+        def ring(kind: str, k: int) -> RingCost:
+            return RingCost(alpha=fits[kind]["alpha_s"], bandwidth=fits[kind]["bandwidth"], n=k)
+
+        self.g = g
+        self.scale = {"all_gather": wire.param_ratio, "reduce_scatter": wire.grad_ratio,
+                      "all_reduce": wire.grad_ratio}
+        self.rings = {"all_gather": ring("all_gather", g), "reduce_scatter": ring("reduce_scatter", g),
+                      "all_reduce": ring("all_reduce", n)}
+        self.replica = ring("all_reduce", n // g) if n // g > 1 else None
+
+    def time(self, kind: str, nbytes: float) -> float:
+        b = nbytes * self.scale[kind]
+        t = self.rings[kind].time(kind, b)
+        if kind == "reduce_scatter" and self.replica is not None:
+            t += self.replica.time("all_reduce", b / self.g)
+        return t
+
+
+def root_share(shapes) -> float:
+    """The GPT's root FSDP unit as a share of its parameters: the embeddings and the final norm +
+    head (:func:`gpt_layer_shapes`' first and last), everything outside the blocks. The engine
+    gathers it first in forward and keeps it through backward (guide §10.3)."""
+    total = sum(s.params for s in shapes)
+    return (shapes[0].params + shapes[-1].params) / total if total and len(shapes) > 1 else 0.0
+
+
+def predicted_wire_bytes(stage: int, params: float, world: int, compress: str = "none",
+                         shard_size: int | None = None, block: int = 256,
+                         kept_last_share: float = 0.0) -> dict[str, float]:
+    """Bytes one rank sends per step by leg, from the planner (guide §14): fp32 working bytes
+    narrowed by ``compress``. Stage 3 gathers every unit in forward and again in backward but the
+    one it keeps (``kept_last_share`` of the parameters, :func:`root_share` for the GPT), as the
+    engine does."""
+    wire = wire_bytes(compress, FP32_BYTES, FP32_BYTES, block)
+    kw = dict(param_bytes=wire.wire_param_bytes, grad_bytes=wire.wire_grad_bytes)
+    two = step_bytes_per_leg(stage, params, world, shard_size, gathers_per_step=2, **kw)
+    if stage != 3:
+        return two
+    one = step_bytes_per_leg(stage, params, world, shard_size, gathers_per_step=1, **kw)
+    return {k: one[k] + (two[k] - one[k]) * (1.0 - kept_last_share) for k in two}
+
+
 def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | None = None,
                  bucket_mb: float = 25.0, grad_bytes_per_param: int = 4,
-                 world_size: int | None = None) -> Prediction:
+                 world_size: int | None = None, compress: str = "none", shard_size: int | None = None,
+                 block: int = 256) -> Prediction:
     """Predicted step of the GPT ``cfg`` at ``micro_batch`` × ``seq_len`` tokens per rank.
 
     ``cal`` is the ``calibration`` table of a profile. Compute and optimizer time at this token
     count are interpolated between the calibrated sizes (a fixed part + a part linear in tokens,
-    guide §7.1), measured with the ranks in lock-step as in training.
+    guide §7.1), measured with the ranks in lock-step as in training. ``compress``,
+    ``shard_size`` and ``block``: compressed and hybrid collectives (module docstring, guide §14).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -78,7 +152,11 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     fwd = sum(l.forward_s for l in layers)
     bwd = sum(l.backward_s for l in layers)
     opt_full = optimizer_time(comp, tokens, params)
-    cost = PerKindCost(cal)
+    if shard_size is not None and (stage == 0 or shard_size < 1 or n % shard_size):
+        raise ValueError(f"shard_size {shard_size} must divide the world ({n}) at stages 1-3")
+    wire = wire_bytes(compress, FP32_BYTES, FP32_BYTES, block)
+    plain = compress == "none" and (shard_size is None or shard_size == n)
+    cost = PerKindCost(cal) if plain else WireCost(cal, wire, shard_size)
     bucket_bytes = bucket_mb * 2**20
     if stage == 0:
         tl = simulate_backward(layers, cost, bucket_bytes, "all_reduce", split_layers=False)
@@ -96,15 +174,29 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     # and compute share the processor (measured by zerodp calibrate, bench.overlap).
     contention = contention_s(comm - exposed - sync, efficiency(cal))
     step = fwd + bwd + exposed + opt + sync + contention
-    return Prediction(stage, n, tokens, bucket_bytes, fwd, bwd, exposed, opt, sync, contention, step, comm)
+    sent = predicted_wire_bytes(stage, params, n, compress, shard_size, block, root_share(shapes))
+    return Prediction(stage, n, tokens, bucket_bytes, fwd, bwd, exposed, opt, sync, contention, step, comm,
+                      compress, shard_size, sent)
 
 
 def predictions_table(preds: list[Prediction]) -> str:
     lines = [f"{'stage':>5} {'tokens/rank':>11} {'forward':>9} {'backward':>9} {'exposed':>9} "
              f"{'optimizer':>9} {'param AG':>9} {'contention':>10} {'step':>9}   (ms)"]
+    wide = any(p.compress != "none" or p.shard_size for p in preds)
+    if wide:
+        lines[0] = (f"{'stage':>5} {'compress':<12}{'g':>3} {'tokens/rank':>11} {'forward':>9} {'backward':>9} "
+                    f"{'exposed':>9} {'optimizer':>9} {'param AG':>9} {'contention':>10} {'step':>9}   (ms)"
+                    f"{'sent MiB/step intra + inter':>30}")
     for p in preds:
-        lines.append(f"{p.stage:>5} {p.tokens_per_rank:>11} {p.forward_s * 1e3:>9.1f} "
-                     f"{p.backward_s * 1e3:>9.1f} {p.exposed_comm_s * 1e3:>9.1f} "
-                     f"{p.optimizer_s * 1e3:>9.1f} {p.param_sync_s * 1e3:>9.1f} "
-                     f"{p.contention_s * 1e3:>10.1f} {p.step_s * 1e3:>9.1f}")
+        head = f"{p.stage:>5} "
+        if wide:
+            head += f"{p.compress:<12}{p.shard_size or p.world_size:>3} "
+        line = (f"{head}{p.tokens_per_rank:>11} {p.forward_s * 1e3:>9.1f} "
+                f"{p.backward_s * 1e3:>9.1f} {p.exposed_comm_s * 1e3:>9.1f} "
+                f"{p.optimizer_s * 1e3:>9.1f} {p.param_sync_s * 1e3:>9.1f} "
+                f"{p.contention_s * 1e3:>10.1f} {p.step_s * 1e3:>9.1f}")
+        if wide:
+            w = p.wire_bytes or {}
+            line += f"{w.get('intra', 0) / 2**20:>22.2f} + {w.get('inter', 0) / 2**20:.2f}"
+        lines.append(line)
     return "\n".join(lines)
