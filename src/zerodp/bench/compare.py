@@ -765,14 +765,14 @@ def compressed_table(result: BenchResult) -> str:
     rows = compressed_rows(result)
     if not rows:
         return ""
-    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<36}{'median ms':>10}{'×floor':>8}"
+    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<40}{'median ms':>10}{'×floor':>8}"
              f"{'×ours':>7}{'peak RSS MiB':>13}{'intra MiB':>10}{'inter MiB':>10}{'×fp32 bytes':>12}"
              f"{'planner ×':>10}{'predicted ms':>13}{'error':>7}"]
 
     def f(v, fmt, width):
         return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
     for r in rows:
-        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{r.stage:>6}  {r.label:<36}{r.ms:>10.1f}"
+        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{r.stage:>6}  {r.label:<40}{r.ms:>10.1f}"
                      f"{f(r.over_floor, '.2f', 8)}{r.vs_plain:>7.2f}"
                      f"{_mib(r.peak_rss_bytes):>13}{f(None if r.wire_intra is None else r.wire_intra / MIB, '.2f', 10)}"
                      f"{f(None if r.wire_inter is None else r.wire_inter / MIB, '.2f', 10)}"
