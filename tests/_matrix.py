@@ -44,6 +44,9 @@ import torch.nn.functional as F
 STAGES = (0, 1, 2, 3)
 WORLDS = (1, 2, 3, 4)
 FEATURES = ("tied", "frozen", "buffer", "unused", "groups", "twice", "reduce_once")
+#: flat: one shard group of every rank; hybrid (guide §14): shard groups of 2 ranks at world 4
+#: (2 × 2), of 1 rank at worlds 2-3 (every rank a replica: ReduceScatter over 1, AllReduce across)
+MESHES = ("flat", "hybrid")
 USAGES = ("no_sync", "multi_backward", "two_forwards", "nograd_forward", "clip", "bf16", "reshard")
 ROWS = 12  # global batch rows per micro-batch: divisible by every world size 1-4
 STEPS = 3
@@ -71,19 +74,21 @@ class Case:
     world: int
     usage: str
     features: frozenset = field(default_factory=frozenset)
+    mesh: str = "flat"
 
     def __str__(self) -> str:
         feats = ",".join(sorted(self.features)) or "-"
-        return f"stage={self.stage} world={self.world} usage={self.usage} features={feats}"
+        return f"stage={self.stage} world={self.world} mesh={self.mesh} usage={self.usage} features={feats}"
 
     @classmethod
     def parse(cls, text: str) -> "Case":
         kv = dict(part.split("=", 1) for part in text.split())
         feats = frozenset() if kv["features"] == "-" else frozenset(kv["features"].split(","))
         unknown = feats - set(FEATURES)
-        if unknown or kv["usage"] not in USAGES:
-            raise ValueError(f"unknown features {sorted(unknown)} or usage {kv['usage']!r}")
-        return cls(int(kv["stage"]), int(kv["world"]), kv["usage"], feats)
+        mesh = kv.get("mesh", "flat")
+        if unknown or kv["usage"] not in USAGES or mesh not in MESHES:
+            raise ValueError(f"unknown features {sorted(unknown)}, usage {kv['usage']!r} or mesh {mesh!r}")
+        return cls(int(kv["stage"]), int(kv["world"]), kv["usage"], feats, mesh)
 
     # Resharding: saved at (world, stage), loaded at another world size and stage.
     @property
@@ -101,11 +106,18 @@ class Case:
 
 # ---- which cases ---------------------------------------------------------------------------
 def _columns() -> list[tuple[str, tuple]]:
-    return [("stage", STAGES), ("world", WORLDS), ("usage", USAGES)] + [(f, (False, True)) for f in FEATURES]
+    return ([("stage", STAGES), ("world", WORLDS), ("usage", USAGES), ("mesh", MESHES)]
+            + [(f, (False, True)) for f in FEATURES])
 
 
 def _as_case(row: dict) -> Case:
-    return Case(row["stage"], row["world"], row["usage"], frozenset(f for f in FEATURES if row[f]))
+    return Case(row["stage"], row["world"], row["usage"], frozenset(f for f in FEATURES if row[f]), row["mesh"])
+
+
+def shard_size(mesh: str, world: int, whole_job: bool = True) -> int:
+    """Ranks per shard group of a case's mesh (see :data:`MESHES`). Hybrid sharding needs the
+    engine on every rank of the job: a phase on a subgroup (resharding) runs flat."""
+    return world if mesh == "flat" or not whole_job else (2 if world == 4 else 1)
 
 
 def pairwise_cases(seed: int = 0, candidates: int = 60) -> list[Case]:
@@ -280,7 +292,7 @@ class Reference:
 
 
 # ---- running a case on one rank --------------------------------------------------------------
-def _build(case: Case, seed: int, stage: int, group, device: torch.device):
+def _build(case: Case, seed: int, stage: int, group, device: torch.device, world: int):
     import zerodp
 
     torch.manual_seed(seed)  # the reference is built from the same seed: the same values
@@ -294,7 +306,8 @@ def _build(case: Case, seed: int, stage: int, group, device: torch.device):
     engine = zerodp.parallelize(model, optimizer=make_optimizer, stage=stage,
                                 mixed_precision="bf16" if case.usage == "bf16" else None,
                                 units=list(model.blocks) if stage == 3 else None,
-                                bucket_mb=0.0002, first_bucket_mb=0.0001, group=group, **options)
+                                bucket_mb=0.0002, first_bucket_mb=0.0001, group=group,
+                                shard_size=shard_size(case.mesh, world, group is None), **options)
     return engine
 
 
@@ -343,12 +356,12 @@ def run_case(case: Case, rank: int, device: str | None = None) -> None:
     for phase, (world, stage, steps) in enumerate(phases):
         member = rank < world
         if phase == 0:
-            engine = _build(case, 123, stage, groups[world], dev) if member else None
+            engine = _build(case, 123, stage, groups[world], dev, world) if member else None
         else:
             full, scalars = _gather_state(engine, list(range(phases[0][0])))
             engine = None
             if member:
-                engine = _build(case, 999, stage, groups[world], dev)  # other initial values: loading must win
+                engine = _build(case, 999, stage, groups[world], dev, world)  # other values: loading must win
                 engine.load_scalar_state(scalars)
                 engine.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b].to(dev))
         for step in steps:

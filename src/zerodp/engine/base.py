@@ -145,19 +145,23 @@ def check_device(device: torch.device, group: dist.ProcessGroup | None) -> None:
 
 def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     """This rank's shard group (consecutive ranks [k·g, (k+1)·g)) and replica group (the ranks
-    holding the same slice in every shard group), guide §14. Every rank creates every group, in the
-    same order, as ``torch.distributed.new_group`` requires."""
+    holding the same slice in every shard group), guide §14. ``torch.distributed.new_group`` is
+    collective over the whole job: every rank creates every group, in the same order — so hybrid
+    sharding runs over the default group (every rank of the job builds the engine)."""
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            f"shard_size={shard_size} (hybrid sharding) needs the engine on every rank of the job: "
+            f"this group holds {dist.get_world_size(group)} of {dist.get_world_size()} ranks; pass "
+            "group=None, or shard_size equal to the group's size for flat sharding")
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     me = dist.get_rank(group)
     shard_pg = replica_pg = None
     for k in range(world // shard_size):
-        ranks = [to_global(r) for r in range(k * shard_size, (k + 1) * shard_size)]
-        pg = dist.new_group(ranks)
+        pg = dist.new_group([to_global(r) for r in range(k * shard_size, (k + 1) * shard_size)])
         if me // shard_size == k:
             shard_pg = pg
     for i in range(shard_size):
-        ranks = [to_global(r) for r in range(i, world, shard_size)]
-        pg = dist.new_group(ranks)
+        pg = dist.new_group([to_global(r) for r in range(i, world, shard_size)])
         if me % shard_size == i:
             replica_pg = pg
     return shard_pg, replica_pg
@@ -264,6 +268,7 @@ class StageEngine:
             shard_pg, replica_pg = hybrid_groups(self.world_size, self.shard_size, group)
             self.shard_comm = Collectives(self.recorder, shard_pg, leg="intra")
             self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter")
+            self.comm.leg = "world"  # control values (flags, token counts) cross every rank
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self._inflight = InFlight()  # gradient collectives issued, not yet waited for
         self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step

@@ -382,21 +382,34 @@ class FlatGroup:
                 self._cast = None
             return pending, finish_all_reduce
         overwrite = self.policy.full_grads or self.shard_fresh
+        self.shard_fresh = False
+        if self.replicas is not None and self.replicas.world_size > 1:
+            return self._reduce_hybrid(src, overwrite)
         direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.quant_grads
         if not direct:
             self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
         pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
                                                 scratch=self._scratch, quant_block=self.quant_grads)
-        self.shard_fresh = False
+        return pending, self._finish_reduce
+
+    def _reduce_hybrid(self, src: torch.Tensor, overwrite: bool) -> tuple[Pending, Callable[[], None]]:
+        """Hybrid sharding (guide §14): ReduceScatter inside the shard group into a scratch of the
+        wire dtype, then the scratch — Ψ_g/g elements, this step's contribution only — averaged
+        across the replicas in that dtype, then written or added into ``grad_shard``."""
+        scratch = self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
+        pending = self.comm.reduce_scatter_grad(scratch, src, self.label, overwrite=True,
+                                                quant_block=self.quant_grads)
 
         def finish() -> None:
-            self._scratch = self._cast = None
-            if not self.policy.full_grads:
-                self.grad_full.untyped_storage().resize_(0)  # bounded by the groups in flight
-            if self.replicas is not None and self.replicas.world_size > 1:
-                # Hybrid sharding: every replica holds the same slice r; average it across them.
-                self.replicas.all_reduce_mean(self.grad_shard, f"{self.label} replicas", async_op=False)
+            self.replicas.all_reduce_mean(scratch, f"{self.label} replicas", async_op=False)
+            self.grad_shard.copy_(scratch) if overwrite else self.grad_shard.add_(scratch)
+            self._finish_reduce()
         return pending, finish
+
+    def _finish_reduce(self) -> None:
+        self._scratch = self._cast = None
+        if not self.policy.full_grads:
+            self.grad_full.untyped_storage().resize_(0)  # bounded by the groups in flight
 
     def grad(self) -> torch.Tensor | None:
         """The gradient the master reads (same range as ``master``), None if nothing this step."""

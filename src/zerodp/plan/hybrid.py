@@ -25,7 +25,10 @@ AllGather blockwise to int8 with one fp32 scale per block of B elements (ZeRO++ 
 all-to-all and summed in fp32 by the rank that owns the chunk (ZeRO++ "qgZ"): per rank
 (k−1)/k·Ψ·(1 + 4/B) bytes, the shape of a ReduceScatter at 1 + 4/B bytes per element; an
 AllReduce of gradients (stage 0, the replica AllReduce) is that exchange followed by an int8
-AllGather of the reduced chunks, 2(k−1)/k·Ψ·(1 + 4/B). ``int8`` is both. Compression never widens
+AllGather of the reduced chunks, 2(k−1)/k·Ψ·(1 + 4/B) — the engine does that exchange inside a
+shard group only: under hybrid sharding the averaged 1/g shard crosses the replicas in the reduce
+dtype (:attr:`Wire.wire_replica_grad_bytes`), and at stage 0 it offers bf16-reduce only. ``int8``
+is both. Compression never widens
 the wire: a 1-byte fp8 parameter is not "compressed" to 1 + 4/B bytes.
 
 Placement on hardware (:func:`step_comm`): a shard group of g ≤ GPUs per node p runs on NVLink;
@@ -89,6 +92,9 @@ class Wire(ToDict):
     wire_grad_bytes: float
     param_ratio: float
     grad_ratio: float
+    #: the replica AllReduce of hybrid sharding: int8 only inside the shard group's exchange; the
+    #: averaged shard crosses the replicas in the reduce dtype (2 bytes with bf16-reduce)
+    wire_replica_grad_bytes: float = 0.0
 
 
 def wire_bytes(compress: str = "none", param_bytes: float = BF16, grad_bytes: float = BF16,
@@ -103,7 +109,8 @@ def wire_bytes(compress: str = "none", param_bytes: float = BF16, grad_bytes: fl
     q = int8_bytes(block)
     wp = min(param_bytes, q) if q_params else param_bytes
     wg = min(grad_bytes, q) if q_grads else (min(grad_bytes, BF16) if bf16_grads else grad_bytes)
-    return Wire(compress, block, param_bytes, grad_bytes, wp, wg, wp / param_bytes, wg / grad_bytes)
+    wr = min(grad_bytes, BF16) if bf16_grads else grad_bytes
+    return Wire(compress, block, param_bytes, grad_bytes, wp, wg, wp / param_bytes, wg / grad_bytes, wr)
 
 
 def check_placement(hw: Hardware, g: int) -> None:
@@ -134,7 +141,7 @@ class StepCollective(ToDict):
 
 def step_collectives(stage: int, numel: float, world: int, shard_size: int | None = None, *,
                      param_bytes: float = FP32, grad_bytes: float = FP32,
-                     gathers_per_step: int = 2) -> list[StepCollective]:
+                     gathers_per_step: int = 2, replica_grad_bytes: float | None = None) -> list[StepCollective]:
     """The collectives one rank runs per optimizer step (guide §14; the table in the module
     docstring), each with the bytes it sends in a ring. Flat (``shard_size`` None or ``world``):
     everything over ``world`` ranks, leg "intra"."""
@@ -161,7 +168,8 @@ def step_collectives(stage: int, numel: float, world: int, shard_size: int | Non
         out.append(op("all_gather", group, g, params, leg, gathers))
     out.append(op("reduce_scatter", group, g, grads, leg))
     if not flat:
-        out.append(op("all_reduce", "replica", n // g, grads / g, "inter"))
+        replica = grads if replica_grad_bytes is None else numel * replica_grad_bytes
+        out.append(op("all_reduce", "replica", n // g, replica / g, "inter"))
     if stage in (1, 2):
         out.append(op("all_gather", group, g, params, leg))
     return out
@@ -169,7 +177,7 @@ def step_collectives(stage: int, numel: float, world: int, shard_size: int | Non
 
 def step_bytes_per_leg(stage: int, numel: int, world: int, shard_size: int | None = None, *,
                        param_bytes: float = 4, grad_bytes: float = 4, gathers_per_step: int = 2,
-                       ) -> dict[str, float]:
+                       replica_grad_bytes: float | None = None) -> dict[str, float]:
     """Bytes ONE rank sends per optimizer step (one synchronizing backward), ring algorithm, by
     leg: ``{"intra": ..., "inter": ...}`` (guide §14). ``numel`` = padded elements of the model's
     flat buffers (Ψ); ``param_bytes``/``grad_bytes``: bytes per element of what the parameter
@@ -190,7 +198,8 @@ def step_bytes_per_leg(stage: int, numel: int, world: int, shard_size: int | Non
       stages 1–2.
     """
     out = {"intra": 0.0, "inter": 0.0}
-    for c in step_collectives(stage, numel, world, shard_size, param_bytes=param_bytes,
+    for c in step_collectives(stage, numel, world, shard_size, replica_grad_bytes=replica_grad_bytes,
+                              param_bytes=param_bytes,
                               grad_bytes=grad_bytes, gathers_per_step=gathers_per_step):
         out[c.leg] += c.bytes_per_rank
     return out
@@ -305,7 +314,8 @@ def step_comm(hardware: Hardware | str, n: int, stage: int, params: float,
     prec = PRECISIONS[precision]
     wire = wire_bytes(compress, prec["param_bytes"], prec["grad_bytes"], block)
     ops = step_collectives(stage, params, n, g, param_bytes=wire.wire_param_bytes,
-                           grad_bytes=wire.wire_grad_bytes, gathers_per_step=gathers_per_step)
+                           grad_bytes=wire.wire_grad_bytes, gathers_per_step=gathers_per_step,
+                           replica_grad_bytes=wire.wire_replica_grad_bytes)
     priced = [_on_hardware(c, hw, n, g) for c in ops]
     ring = {"intra": 0.0, "inter": 0.0}
     for c in ops:

@@ -143,7 +143,7 @@ def threshold(hardware: Hardware | str, n: int | None = None, axes: int = 1,
         else:
             replicas = n // g
             inter_factor = (replicas - 1) / replicas
-        replica_bytes = 2 * inter_factor * wire.wire_grad_bytes / g  # AllReduce of the 1/g shard
+        replica_bytes = 2 * inter_factor * wire.wire_replica_grad_bytes / g  # AllReduce of the 1/g shard
         if (n is not None and n <= p) or not has_inter:
             intra_bytes += replica_bytes
         else:
