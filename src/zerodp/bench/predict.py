@@ -1,6 +1,6 @@
 """Predict a training step from a calibration profile, with the planner's simulator.
 
-Closing the loop (guide §12): ``zerodp calibrate`` measured α, W per collective and the model's
+Closing the loop (guide §13): ``zerodp calibrate`` measured α, W per collective and the model's
 compute on this machine; here the planner's event simulation (guide §4 for buckets, §9.3/§10.2
 for FSDP units) turns them into a predicted step per stage, which ``zerodp bench`` prints next to
 the measured one.

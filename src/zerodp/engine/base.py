@@ -1,19 +1,23 @@
-"""What every stage of the engine shares: the public contract and the step template.
+"""What every stage of the engine shares: the public contract, the step template, the flat groups.
 
 Guide §9: stages 0-3 run the same training step — forward, backward with gradient communication,
 an optimizer step on fp32 master values — and differ only in *what* each rank keeps and *which*
-collectives move it (guide §12, the table "one flat buffer, four policies"). This module holds
-the part that does not depend on the stage:
+collectives move it (guide §12.2, "stages as policies"). Every stage holds its parameters in
+:class:`~zerodp.engine.group.FlatGroup` s (``self.groups``: buckets at stages 0-2, units at stage
+3) under one :class:`~zerodp.engine.group.Policy`, so this module does, once for every stage:
 
-- the public API the training app is written against (``engine(x, y)``, ``no_sync``,
-  ``clip_grad_norm_``, ``step``, ``zero_grad``, ``stats``, ``export_chrome_trace``,
-  checkpoint pieces, ``full_state_dict``, ``layout``);
+- the public API (``engine(x, y)``, ``no_sync``, ``clip_grad_norm_``, ``step``, ``zero_grad``,
+  ``stats``, ``export_chrome_trace``, checkpoint pieces, ``full_state_dict``, ``state_dict``,
+  ``layout``);
 - the step template: finish gradient sync → (clip) → master optimizer step → publish params;
-- the bookkeeping every stage needs: process group, device, recorder and collectives, param
-  groups, the start-up consistency check across ranks, the end-of-backward callback, averaging
-  by tokens (guide §2.2), measured memory by kind.
+- over the groups: building them from the module (rank 0's values, or a model built on the meta
+  device, guide §12.6), the master tensors and the optimizer, the one queue of gradient
+  collectives in flight and its bound, the master gradients, publishing parameters, zeroing,
+  memory by kind, and gathering full tensors for state dicts;
+- process groups (hybrid sharding: a shard group and a replica group, guide §14), the start-up
+  consistency check across ranks, the end-of-backward callback, averaging by tokens (§2.2).
 
-Constructor (every stage, including ``zerodp.engine.fsdp.FSDPEngine``)::
+Constructor (every stage)::
 
     StageEngine(module, optimizer_factory, config: EngineConfig,
                 units: list[nn.Module] | None = None, group: ProcessGroup | None = None)
@@ -22,40 +26,11 @@ Constructor (every stage, including ``zerodp.engine.fsdp.FSDPEngine``)::
 optimizer over the engine's fp32 master tensors (see :mod:`zerodp.engine.master`). ``units`` is
 used by stage 3 only (FSDP units, guide §10.3); stages 0-2 ignore it.
 
-What a stage subclass must provide
-----------------------------------
-Set the class attribute ``stage`` (0..3). In ``__init__``: call ``super().__init__(...)`` first,
-then build your flat buffers, then ``self.master = self._build_master(targets)`` with the
-:class:`~zerodp.engine.master.Target` s of each flat buffer (fp32, the full buffer for stage 0,
-the rank's shard for stages 1-3), made by ``self._targets(tensor, layout, flat_start)``: one per
-parameter run, in cache-sized chunks on CPU, frozen parameters and padding left out. Then
-``self._check_consistency(description)`` and ``self._start_clock()``. Then implement:
-
-``_finish_grad_sync()``
-    Block until every gradient collective of this step is done, so that the tensors
-    returned by ``_master_grads`` hold final (averaged) gradients. Called by ``clip_grad_norm_``
-    and ``step``; must be cheap when nothing is pending.
-``_master_grads() -> list[Tensor | None]``
-    One 1-D gradient per ``self.master.targets`` entry, same length as the target (any float
-    dtype: the base casts to fp32 for the optimizer). ``None`` skips the target this step.
-``_publish_params()``
-    After the master step (called by the default ``_optimizer_step``) and after loading a
-    checkpoint: bring the compute parameters up to date (cast fp32 → bf16, copy, AllGather).
-    May launch asynchronous work; then override ``_wait_params``.
-``_zero_grad()``
-    Reset gradient accumulation for the next step.
-``_memory_tensors() -> dict[str, list[Tensor]]``
-    The tensors this rank holds by kind: ``params``, ``grads``, ``gathered`` (stage 3 units),
-    ``comm_buffers`` (buckets in flight). ``master`` and ``optimizer_states`` are added here.
-
-Optional overrides: ``grads_sharded`` (class attribute: True when ``_master_grads`` are this
-rank's disjoint shards, so the gradient norm needs one AllReduce; False for stage 0's replicas),
-``_before_forward()`` / ``_after_forward(out)``, ``_on_backward_end()`` (runs once at the end
-of every backward in which ``_backward_started()`` was called — call it from your gradient
-hooks), ``_wait_params()`` (wait for in-flight parameter collectives), ``_optimizer_step()``
-(the default steps all targets at once, then calls ``_publish_params``), ``_owned_range(target)``
-(what this rank saves),
-``_layout_extra(i, target)``.
+A stage subclass sets ``stage``, then in ``__init__`` (after ``super().__init__``) sets the
+dtypes (``_set_dtypes``), builds ``self.groups`` with ``_new_group``, runs the consistency check
+and ``_init_groups()``, installs its hooks (which call ``FlatGroup.take_grad`` and
+``_launch_reduce``) and calls ``_start_clock()``: :mod:`zerodp.engine.reducer` (stages 0-2) and
+:mod:`zerodp.engine.fsdp` (stage 3) are the two.
 """
 
 from __future__ import annotations
@@ -465,6 +440,27 @@ class StageEngine:
         self._publish_params()
         self._wait_params()
         self._load_buffers(read)
+
+    @torch.no_grad()
+    def load_frozen_pieces(self, read: Callable[[str, int, int], torch.Tensor], names: set[str]) -> set[str]:
+        """Frozen parameters that live in a flat group's fp32 master (stage 3 keeps them in its
+        units' shards, outside the optimizer's pieces): fill this rank's part of each from
+        ``read(name, start, stop)`` (flattened elements) for those in ``names``;
+        ``load_state_pieces`` then publishes them. Returns the names so handled."""
+        done: set[str] = set()
+        for g in self.groups:
+            if FROZEN not in g.groups:
+                continue
+            lo = g.master_start
+            hi = lo + g.master.numel()
+            for slot, grp in zip(g.layout.slots, g.groups):
+                if grp != FROZEN or slot.name not in names:
+                    continue
+                done.add(slot.name)
+                a, b = max(slot.offset, lo), min(slot.stop, hi)
+                if a < b:
+                    g.master[a - lo:b - lo].copy_(read(slot.name, a - slot.offset, b - slot.offset).reshape(-1))
+        return done
 
     @torch.no_grad()
     def _load_buffers(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:

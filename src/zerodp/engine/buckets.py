@@ -43,7 +43,7 @@ def plan_buckets(sizes: list[int], groups: list[int], element_size: int, sync: s
     if sync == "overlap":
         return [[i] for i in reversed(range(len(sizes)))]
     # The first bucket is small so that communication starts early; never larger than the rest
-    # (a first bucket above bucket_mb would also size every staging buffer of stage 2).
+    # (a first bucket above bucket_mb would also size the largest transient gradient buffer).
     first = min(first_bucket_mb, bucket_mb)
     caps = (math.inf, math.inf) if sync == "naive" else (first * MB, bucket_mb * MB)
     closed: list[list[int]] = []

@@ -69,8 +69,8 @@ class Pending:
 
 class InFlight:
     """The collectives issued and not yet waited for, oldest first, each with a finisher to run
-    once it completed (the one queue of the engine: gradient reductions of buckets and units,
-    parameter AllGathers after the step)."""
+    once it completed. The engine keeps one for gradient reductions (buckets and units alike)
+    and one for the parameter AllGathers after the step."""
 
     def __init__(self):
         self._items: deque[tuple[Pending, Callable[[], None] | None]] = deque()

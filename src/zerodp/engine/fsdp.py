@@ -40,7 +40,7 @@ so read weights with ``engine.full_state_dict()`` (a collective), not ``module.s
 ``engine.module(x)`` still runs, gathering unit by unit (under ``torch.no_grad()`` every unit is
 freed again after its forward).
 
-Mechanics: parameters are views into each unit's flat buffer (:mod:`zerodp.engine.unit`);
+Mechanics: parameters are views into each unit's flat buffer (:class:`zerodp.engine.group.FlatGroup`);
 module forward pre/post hooks gather and free; hooks on each unit's outputs start its backward
 (gather, prefetch); a unit's backward is over when post-accumulate-grad hooks have counted all
 its gradients *and* an identity function on its inputs has received their gradient; then its

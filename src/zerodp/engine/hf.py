@@ -229,34 +229,6 @@ def _param_shapes(engine: StageEngine) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_FROZEN = -1  # the group index the flat groups give a parameter without requires_grad
-
-
-@torch.no_grad()
-def _load_frozen_shards(engine: StageEngine, frozen: set[str], key_of: dict[str, str],
-                        reader: SliceReader) -> set[str]:
-    """Frozen parameters that live in a flat group's fp32 master (stage 3 keeps them in its
-    units' shards, not among the optimizer's pieces): read this rank's part of each into the
-    master, which ``load_state_pieces`` then publishes. Returns the names so handled."""
-    done: set[str] = set()
-    holders = list(getattr(engine, "groups", None) or []) + list(getattr(engine, "fsdp_units", None) or [])
-    for h in holders:
-        master, layout, groups = getattr(h, "master", None), getattr(h, "layout", None), getattr(h, "groups", ())
-        if master is None or layout is None or _FROZEN not in groups:
-            continue
-        lo = getattr(h, "master_start", None)
-        lo = layout.shard_range(engine.rank)[0] if lo is None else lo
-        hi = lo + master.numel()
-        for slot, g in zip(layout.slots, groups):
-            if g != _FROZEN or slot.name not in frozen:
-                continue
-            done.add(slot.name)
-            a, b = max(slot.offset, lo), min(slot.stop, hi)
-            if a < b:
-                master[a - lo:b - lo].copy_(reader.read(key_of[slot.name], a - slot.offset, b - slot.offset))
-    return done
-
-
 def load_hf(engine: StageEngine, directory: str | os.PathLike, *, strict: bool = True) -> HFLoad:
     """Collective: load a Hugging Face safetensors directory into ``engine`` at any stage.
 
@@ -301,7 +273,8 @@ def load_hf(engine: StageEngine, directory: str | os.PathLike, *, strict: bool =
         warnings.warn(msg + "; they are ignored", stacklevel=2)
     reader = SliceReader(index)
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    in_master = _load_frozen_shards(engine, frozen, key_of, reader) if frozen else set()
+    in_master = (engine.load_frozen_pieces(lambda name, a, b: reader.read(key_of[name], a, b), frozen)
+                 if frozen else set())
     if frozen - in_master and engine.stage == 3:
         raise HFCheckpointError(f"the model has frozen parameters ({sorted(frozen - in_master)[0]}, ...) that "
                                 "this engine keeps where load_hf cannot reach them: load the weights into the "

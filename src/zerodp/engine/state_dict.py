@@ -57,9 +57,9 @@ class EngineLike(Protocol):
     def load_scalar_state(self, scalars: dict) -> None: ...
     def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None: ...
     def _gather_full(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def load_frozen_pieces(self, read: Callable[[str, int, int], torch.Tensor], names: set[str]) -> set[str]: ...
 
 BUFFER = "buffer"  # the piece kind of a module buffer (zerodp.engine.base.BUFFER)
-FROZEN = -1  # group index of a parameter without requires_grad (zerodp.engine.unit.FROZEN)
 
 #: What ``load_state_dict`` returns, as ``torch.nn.Module.load_state_dict`` does.
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -141,35 +141,14 @@ def _flat(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return value.detach().reshape(-1).to(device=device, dtype=torch.float32)
 
 
-def _holders(engine: EngineLike) -> list[tuple[Any, int]]:
-    """The flat buffers whose fp32 master also holds frozen parameters (stage 3 keeps them in
-    its units' shards, not in the module), with where each master starts in its layout."""
-    out = []
-    for h in list(getattr(engine, "groups", None) or []) + list(getattr(engine, "fsdp_units", None) or []):
-        if hasattr(h, "master") and hasattr(h, "layout") and FROZEN in getattr(h, "groups", ()):
-            start = getattr(h, "master_start", None)
-            out.append((h, h.layout.shard_range(engine.rank)[0] if start is None else start))
-    return out
-
-
 @torch.no_grad()
 def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
     """Copy frozen parameters from ``values`` (full tensors by name) into what this rank holds:
-    its part of a flat buffer's fp32 master where they live there (stage 3; published by
+    its part of a flat group's fp32 master where they live there (stage 3; published by
     ``load_state_pieces`` afterwards), else the module's own tensor (in its compute dtype)."""
     if not values:
         return
-    done = set()
-    for h, lo in _holders(engine):
-        hi = lo + h.master.numel()
-        for slot, g in zip(h.layout.slots, h.groups):
-            if g != FROZEN or slot.name not in values:
-                continue
-            done.add(slot.name)
-            a, b = max(slot.offset, lo), min(slot.stop, hi)
-            if a < b:
-                src = _flat(values[slot.name], h.master.device)
-                h.master[a - lo:b - lo].copy_(src[a - slot.offset:b - slot.offset])
+    done = engine.load_frozen_pieces(lambda name, a, b: _flat(values[name], engine.device)[a:b], set(values))
     params = dict(engine.module.named_parameters())
     for name, value in values.items():
         if name not in done:
