@@ -49,6 +49,17 @@ def test_matrix_pairwise():
     assert not failures, f"{len(failures)} of {ran} matrix cases failed:\n" + "\n".join(failures)
 
 
+#: hybrid sharding at 4 ranks as 2 shard groups × 2 replicas, stages 1-3 (guide §14), besides what
+#: the pairwise table draws
+HYBRID_2X2 = [Case.parse(f"stage={s} world=4 mesh=hybrid usage={u} features={f}") for s, u, f in
+              ((1, "no_sync", "groups,tied"), (2, "multi_backward", "frozen,unused"), (3, "two_forwards", "buffer"))]
+
+
+def test_matrix_hybrid_2x2_stages_1_to_3():
+    failures, ran = _run(HYBRID_2X2)
+    assert not failures, f"{len(failures)} of {ran} hybrid cases failed:\n" + "\n".join(failures)
+
+
 @pytest.mark.fuzz
 def test_matrix_random():
     """A few random cases in make test; ZERODP_MATRIX_RANDOM=N (make fuzz) runs N."""
