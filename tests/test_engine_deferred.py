@@ -144,3 +144,29 @@ def test_meta_misuse_ends_with_one_line(case, words):
     except RankFailure as e:  # pragma: no cover - shows the traceback if the engine raised otherwise
         raise AssertionError(str(e)) from None
     assert msg is not None and words in msg and "\n" not in msg
+
+
+def _batched_step(rank, world, batch_bytes):
+    import zerodp.engine.base as base
+
+    base.STEP_BATCH_BYTES = batch_bytes
+    torch.manual_seed(0)
+    eng = zerodp.parallelize(GPT(NANO), _adamw, stage=3, mixed_precision="bf16")
+    for step in range(2):
+        x, y = _batch(step, 2 * world)
+        loss = F.cross_entropy(eng(x[2 * rank:2 * rank + 2]).flatten(0, 1).float(), y[2 * rank:2 * rank + 2].flatten())
+        loss.backward()
+        eng.step()
+        eng.zero_grad()
+    opt = eng.optimizer_state_dict()
+    return {**eng.full_state_dict(), **{f"{n}/{k}": v for n, st in opt["state"].items() for k, v in st.items()}}
+
+
+def test_the_optimizer_step_over_batches_of_targets_is_bitwise_one_step():
+    """bf16 gradients are cast to fp32 for the optimizer a batch of targets at a time (so 4Ψ/N of
+    fp32 gradients never coexist): with batches of 4 KiB the result is bitwise that of one step."""
+    one = run_local(_batched_step, 2, 1 << 40)[0]
+    many = run_local(_batched_step, 2, 4096)[0]
+    assert set(one) == set(many)
+    for k in one:
+        assert torch.equal(one[k], many[k]), k

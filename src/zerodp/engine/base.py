@@ -66,6 +66,8 @@ CPU_OPTIMIZER_CHUNK = 1 << 17
 _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 #: gradient reductions allowed in flight before the oldest is waited for (bounds transient buffers)
 MAX_REDUCE_IN_FLIGHT = 2
+#: the most fp32 gradient bytes cast at once for the optimizer step (see ``_optimizer_step``)
+STEP_BATCH_BYTES = 64 * 1024 * 1024
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -713,10 +715,30 @@ class StageEngine:
 
     def _optimizer_step(self) -> None:
         """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
-        ``_publish_params``. Override to interleave them (ZeRO: bucket by bucket, guide §9.1)."""
-        self.master.attach_grads(self._master_grads(), self._unused)
-        self.master.step()
-        self.master.zero_grad()
+        ``_publish_params``.
+
+        Gradients kept in bf16 are cast to fp32 for the optimizer: all at once that is 4 bytes per
+        element of the whole shard alive during ``optimizer.step()`` (4Ψ/N at stage 3, more than
+        the gradient shard itself). So the step runs over batches of targets of at most
+        ``STEP_BATCH_BYTES`` of fp32 gradients, one ``optimizer.step()`` each: the update of an
+        elementwise optimizer is per element, so this is bitwise the single step (targets without
+        a gradient are skipped by each call). Only when the optimizer has step hooks (which would
+        then run once per batch) is it done in one call."""
+        grads = self._master_grads()
+        batches = [range(len(grads))]
+        if any(g is not None and g.dtype != torch.float32 for g in grads) and not _has_step_hooks(self.optimizer):
+            batches, start, size = [], 0, 0
+            for i, g in enumerate(grads):
+                size += 0 if g is None else 4 * g.numel()
+                if size >= STEP_BATCH_BYTES:
+                    batches.append(range(start, i + 1))
+                    start, size = i + 1, 0
+            batches.append(range(start, len(grads)))
+        for batch in batches:
+            chosen = set(batch)
+            self.master.attach_grads([g if i in chosen else None for i, g in enumerate(grads)], self._unused)
+            self.master.step()
+            self.master.zero_grad()
         self._publish_params()
 
     def _owned_range(self, target: Target) -> tuple[int, int]:
@@ -865,6 +887,14 @@ class StageEngine:
 
     def _on_backward_end(self) -> None:
         pass
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` runs hooks (its own or torch's global ones)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 def _first_grad_tensor(out: Any) -> torch.Tensor | None:
