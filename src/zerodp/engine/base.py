@@ -51,7 +51,7 @@ from zerodp.engine.comm import Collectives, InFlight
 from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
-from zerodp.engine.group import FROZEN, FlatGroup, Policy
+from zerodp.engine.group import FROZEN, FlatGroup, Policy, StoragePool
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target, param_targets
@@ -249,6 +249,7 @@ class StageEngine:
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self._inflight = InFlight()  # gradient collectives issued, not yet waited for
         self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
+        self._grad_pool = StoragePool(MAX_REDUCE_IN_FLIGHT)  # released transient gradient buffers
         self._comm_peak = 0  # most bytes of transient gradient buffers alive at once, this step
         self.last_comm_peak = 0
         self.mixed_precision = config.mixed_precision
@@ -782,10 +783,12 @@ class StageEngine:
 
     def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
         quant = self.config.quant_block
-        return FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
+        group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
                          reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
                          quant_params=quant if self.config.quantize_params else 0,
                          quant_grads=quant if self.config.quantize_grads else 0)
+        group.pool = self._grad_pool
+        return group
 
     @torch.no_grad()
     def _init_groups(self, extra_broadcast: list[torch.Tensor] = ()) -> None:
@@ -839,7 +842,7 @@ class StageEngine:
 
     def _launch_reduce(self, g: FlatGroup) -> None:
         self._inflight.add(*g.reduce(self._token_factor()))
-        held = sum(t.untyped_storage().nbytes() for h in self.groups for t in h.memory()["comm_buffers"])
+        held = sum(t.untyped_storage().nbytes() for t in self._memory_tensors()["comm_buffers"])
         self._comm_peak = max(self._comm_peak, held)
 
     def _finish_grad_sync(self) -> None:
@@ -876,6 +879,8 @@ class StageEngine:
         for g in self.groups:
             for kind, tensors in g.memory().items():
                 out.setdefault(kind, []).extend(tensors)
+        out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
+                                                  for st in self._grad_pool.free)
         return out
 
     # ---- defaults for optional hooks ----------------------------------------------------------

@@ -87,6 +87,31 @@ class Policy:
                    shard_params=stage == 3, keep_local=not memory_first)
 
 
+class StoragePool:
+    """Released transient gradient storages, kept for the next group of the same size (guide §12.5).
+
+    A group's ``grad_full`` lives from its first gradient to the end of its collective; allocating
+    and freeing it every micro-batch costs fresh pages each time and leaves holes in a CPU heap.
+    Released storages wait here, at most ``capacity`` of them, and the next group whose buffer has
+    the same size takes one over instead of allocating (the buckets of a model, the blocks of a
+    transformer, are mostly of one size). What the pool holds counts as ``comm_buffers``."""
+
+    def __init__(self, capacity: int = 2):
+        self.capacity = capacity
+        self.free: list[torch.UntypedStorage] = []
+
+    def take(self, nbytes: int) -> torch.UntypedStorage | None:
+        for i, storage in enumerate(self.free):
+            if storage.nbytes() == nbytes:
+                return self.free.pop(i)
+        return None
+
+    def give(self, storage: torch.UntypedStorage) -> None:
+        self.free.append(storage)
+        if len(self.free) > self.capacity:
+            self.free.pop(0)  # the oldest is freed
+
+
 @dataclass
 class BackwardState:
     """Where one group is in the current backward.
@@ -142,6 +167,7 @@ class FlatGroup:
         self.quant_params = quant_params  # int8 AllGather with one scale per this many elements (§15)
         self.quant_grads = quant_grads  # int8 all-to-all gradient reduction, same
         self.module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
+        self.pool: StoragePool | None = None  # where released gradient storages wait (the engine's)
         self.bwd = BackwardState()
         self.bwd.reset(len(self.trainable))
         # Set by init_values / init_grads.
@@ -169,7 +195,7 @@ class FlatGroup:
     @property
     def holds_grads(self) -> bool:
         """Whether ``grad_full`` has storage now (always, when full gradients are kept at rest)."""
-        return self.grad_full.untyped_storage().nbytes() > 0
+        return self.grad_full.numel() > 0
 
     @property
     def trainable_params(self) -> list[nn.Parameter]:
@@ -281,16 +307,9 @@ class FlatGroup:
             self.acc_full = (torch.zeros(n, dtype=torch.float32, device=self.device)
                              if self.accum_dtype == torch.float32 and self.param_dtype != torch.float32 else None)
         else:
-            self.grad_full = torch.empty(n, dtype=self.reduce_dtype, device=self.device)
-            self._grad_views = self.views(self.grad_full, self.trainable)
-            self._grad_nbytes = self.grad_full.untyped_storage().nbytes()
+            self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
+            self._grad_nbytes = n * self.grad_full.element_size()
             self.acc_full = None
-            # Where no gradient is ever written: frozen parameters and the padding.
-            self._holes = [self.grad_full[sl.offset:sl.stop] for sl, g in zip(self.layout.slots, self.groups)
-                           if g == FROZEN]
-            if self.layout.padding:
-                self._holes.append(self.grad_full[self.layout.numel:])
-            self.grad_full.untyped_storage().resize_(0)
         if self.policy.shard_master:
             self.grad_shard = torch.zeros(s, dtype=self.accum_dtype, device=self.device)
         for param in self.params:
@@ -299,24 +318,43 @@ class FlatGroup:
         self._cast: torch.Tensor | None = None  # grad_full in the reduce dtype, while in flight
 
     def _ensure_grad_storage(self) -> None:
-        if not self.policy.full_grads and self.grad_full.untyped_storage().nbytes() == 0:
-            self.grad_full.untyped_storage().resize_(self._grad_nbytes)
-            for hole in self._holes:
-                hole.zero_()
-            self.has_local = False
+        """Transient ``grad_full``: a storage from the pool, or a new one; zeros where no gradient
+        is ever written (frozen parameters and the padding)."""
+        if self.policy.full_grads or self.grad_full.numel():
+            return
+        n = self.layout.padded_numel
+        storage = self.pool.take(self._grad_nbytes) if self.pool is not None else None
+        if storage is None:
+            storage = torch.UntypedStorage(self._grad_nbytes, device=self.device)
+        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(storage, 0, (n,))
+        self._grad_views = self.views(self.grad_full, self.trainable)
+        for sl, g in zip(self.layout.slots, self.groups):
+            if g == FROZEN:
+                self.grad_full[sl.offset:sl.stop].zero_()
+        self.grad_full[self.layout.numel:].zero_()
+        self.has_local = False
+
+    def _release_grad_storage(self) -> None:
+        if self.policy.full_grads or not self.grad_full.numel():
+            return
+        if self.pool is not None:
+            self.pool.give(self.grad_full.untyped_storage())
+        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
+        self._grad_views = []
 
     def take_grad(self, j: int, param: nn.Parameter) -> None:
         """The gradient hook's work for trainable parameter ``j`` (index into ``trainable``):
         move its fresh gradient into ``grad_full`` (one copy, or an add onto local gradients of
         earlier micro-batches). With full gradients at rest ``param.grad`` then *is* the view, so
         later micro-batches accumulate in place; otherwise ``.grad`` is dropped at once."""
-        view = self._grad_views[j]
         if self.policy.full_grads:
+            view = self._grad_views[j]
             if param.grad is not view:  # first gradient since zero_grad: move it into the bucket
                 view.copy_(param.grad)
                 param.grad = view
         else:
             self._ensure_grad_storage()
+            view = self._grad_views[j]
             if self.has_local:
                 view.add_(param.grad)
             else:
@@ -409,7 +447,7 @@ class FlatGroup:
     def _finish_reduce(self) -> None:
         self._scratch = self._cast = None
         if not self.policy.full_grads:
-            self.grad_full.untyped_storage().resize_(0)  # bounded by the groups in flight
+            self._release_grad_storage()  # bounded by the groups in flight
 
     def grad(self) -> torch.Tensor | None:
         """The gradient the master reads (same range as ``master``), None if nothing this step."""
@@ -425,8 +463,8 @@ class FlatGroup:
             param.grad = None
         if self.acc_full is not None:
             self.acc_full.zero_()
-        if not self.policy.full_grads and self.grad_full is not None:
-            self.grad_full.untyped_storage().resize_(0)
+        if self.grad_full is not None:
+            self._release_grad_storage()
         self.has_local = False
         self.shard_fresh = True
         self.reduced = False
