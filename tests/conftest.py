@@ -23,13 +23,19 @@ settings.register_profile("fuzz", derandomize=False, max_examples=2000, **_COMMO
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-@pytest.fixture(scope="module")
-def server():
-    """``zerodp ui``'s server on a free loopback port, in a thread, for one test module."""
+def serve(**options):
+    """``zerodp ui``'s server (``make_server`` options) on a free loopback port, in a thread,
+    until the generator is closed: ``yield from serve(...)`` in a fixture."""
     from zerodp.ui.server import make_server, serve_in_thread
 
-    srv = make_server(port=0)
+    srv = make_server(port=0, **options)
     serve_in_thread(srv)
     yield srv
     srv.shutdown()
     srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The page's server without a trace, for one test module."""
+    yield from serve()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zerodp.ui.server import make_server, serve_in_thread
+from conftest import serve
 
 pytestmark = pytest.mark.browser
 
@@ -41,21 +41,13 @@ def server(tmp_path_factory):
         {"name": "all_reduce", "ph": "X", "pid": 0, "tid": 1, "ts": 5e3, "dur": 6e3,
          "args": {"label": "bucket 0", "bytes": 1 << 20}},
     ]}))
-    srv = make_server(port=0, trace=str(trace))
-    serve_in_thread(srv)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    yield from serve(trace=str(trace))
 
 
 @pytest.fixture(scope="module")
 def plain_server():
     """No trace: the page as a first-time user sees it, for the screenshots."""
-    srv = make_server(port=0)
-    serve_in_thread(srv)
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    yield from serve()
 
 
 @pytest.fixture(scope="module")

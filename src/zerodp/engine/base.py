@@ -842,7 +842,8 @@ class StageEngine:
 
     def _launch_reduce(self, g: FlatGroup) -> None:
         self._inflight.add(*g.reduce(self._token_factor()))
-        held = sum(t.untyped_storage().nbytes() for t in self._memory_tensors()["comm_buffers"])
+        held = (sum(t.untyped_storage().nbytes() for g in self.groups for t in g.comm_tensors())
+                + sum(st.nbytes() for st in self._grad_pool.free))
         self._comm_peak = max(self._comm_peak, held)
 
     def _finish_grad_sync(self) -> None:

@@ -471,7 +471,8 @@ class FlatGroup:
 
     def memory(self) -> dict[str, list[torch.Tensor]]:
         """This group's tensors by kind (``master`` and optimizer states are counted elsewhere)."""
-        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [], "comm_buffers": []}
+        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [],
+                                              "comm_buffers": self.comm_tensors()}
         if self.policy.shard_params:
             if self.param_shard is not self.master:
                 out["params"].append(self.param_shard)
@@ -482,10 +483,18 @@ class FlatGroup:
             out["grads"].append(self.grad_full)
             if self.acc_full is not None:
                 out["grads"].append(self.acc_full)
-        else:
-            # Full gradients only in flight to the ReduceScatter (or kept across no_sync).
-            out["grads" if self.policy.keep_local else "comm_buffers"].append(self.grad_full)
-        if self.grad_shard is not None:
-            out["grads" if not self.policy.full_grads else "comm_buffers"].append(self.grad_shard)
-        out["comm_buffers"] += [t for t in (self._scratch, self._cast) if t is not None]
+        elif self.policy.keep_local:  # full local gradients kept across no_sync micro-batches
+            out["grads"].append(self.grad_full)
+        if self.grad_shard is not None and not self.policy.full_grads:
+            out["grads"].append(self.grad_shard)
+        return out
+
+    def comm_tensors(self) -> list[torch.Tensor]:
+        """What serves communication only: full gradients in flight to the ReduceScatter (memory
+        first), the gradient shard beside full gradients (stage 1), scratch and cast copies."""
+        out = [t for t in (self._scratch, self._cast) if t is not None]
+        if not self.policy.full_grads and not self.policy.keep_local:
+            out.append(self.grad_full)
+        if self.grad_shard is not None and self.policy.full_grads:
+            out.append(self.grad_shard)
         return out

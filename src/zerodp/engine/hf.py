@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerodp.engine.base import BUFFER, StageEngine, persistent_buffers
+from zerodp.engine.durable import fsync_dir, write_durable
 from zerodp.engine.master import PARAM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -339,21 +340,6 @@ def _distinct(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_hf(state: Mapping[str, torch.Tensor], directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, config: Mapping | None = None,
              metadata: Mapping[str, object] | None = None) -> Path:
@@ -398,11 +384,11 @@ def write_hf(state: Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
     tmp.mkdir()
     try:
         for name, shard in zip(names, shards):
-            _write_file(tmp / name, st_save(shard, metadata={"format": "pt"}))
+            write_durable(tmp / name, st_save(shard, metadata={"format": "pt"}))
         if config is not None:
-            _write_file(tmp / CONFIG_FILE, (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode())
-        _write_file(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
-        _fsync_dir(tmp)
+            write_durable(tmp / CONFIG_FILE, (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode())
+        write_durable(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
+        fsync_dir(tmp)
         if not out.exists():
             tmp.rename(out)  # the whole directory appears at once
         else:
@@ -417,8 +403,8 @@ def write_hf(state: Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
                 if p.name not in names:
                     p.unlink()
             tmp.rmdir()
-        _fsync_dir(out)
-        _fsync_dir(out.parent)
+        fsync_dir(out)
+        fsync_dir(out.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

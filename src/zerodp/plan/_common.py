@@ -7,7 +7,9 @@ guide (§2.4, §8: "16 GB", "120 GB").
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 
 KB = 1e3
@@ -165,3 +167,15 @@ def table(headers: list[str], rows: list[list], title: str | None = None, align:
     out = [title] if title else []
     out += [line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]]
     return "\n".join(out)
+
+
+def read_json(path: str, what: str, missing: str, invalid: str):
+    """The JSON document at ``path`` (a ``what``: "profile", "trace"). A missing file raises
+    ``FileNotFoundError`` and bad JSON ``ValueError``, each one line ending in the given hint."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {path!r} not found: {missing}")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc}); {invalid}") from None

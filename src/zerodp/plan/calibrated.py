@@ -21,10 +21,10 @@ bucket also costs host work the simulator does not see).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 
+from zerodp.plan._common import read_json
 from zerodp.plan.collectives import RingCost
 from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
 from zerodp.plan.timeline import Layer, sweep_buckets
@@ -39,13 +39,7 @@ _PARTS = ("forward_s", "backward_s", "optimizer_s")
 # ---- the profile -------------------------------------------------------------------------------
 def load_calibration(path: str) -> dict:
     """A profile written by ``zerodp calibrate`` (:func:`zerodp.bench.calibrate.write_profile`)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"profile {path!r} not found: run 'zerodp calibrate --out {path}' first")
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc}); re-run zerodp calibrate") from None
+    data = read_json(path, "profile", f"run 'zerodp calibrate --out {path}' first", "re-run zerodp calibrate")
     if "calibration" not in data or "hardware" not in data:
         raise ValueError(f"{path}: not a zerodp calibration profile (no 'calibration'/'hardware' tables)")
     return data

@@ -42,6 +42,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from zerodp.engine.durable import fsync_dir, write_durable
+
 FORMAT = "zerodp-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -74,14 +76,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -91,10 +85,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    write_durable(path, json.dumps(obj, indent=1).encode())
 
 
 def _rank_world() -> tuple[int, int]:
@@ -254,7 +245,7 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
         try:
             _fs("manifest", step, where)
             _write_json(where, manifest)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             phase("manifest")
             if final.exists():  # the same step saved before (a resumed run redid these steps)
                 if aside.exists():
@@ -266,13 +257,13 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
             _fs("rename", step, final)
             os.rename(tmp, final)
             renamed = True
-            _fsync_dir(root)
+            fsync_dir(root)
             phase("renamed")
             where = final / COMPLETE
             _fs("complete", step, where)
             where.write_text(f"step {step}\n")
             _fsync_file(where)
-            _fsync_dir(final)
+            fsync_dir(final)
             phase("complete")
         except OSError as e:
             problem = _problem(rank, e, where)
@@ -309,7 +300,7 @@ def _put_back_replaced(root: Path) -> None:
         if final.exists():
             shutil.rmtree(final)
         os.rename(aside, final)
-        _fsync_dir(root)
+        fsync_dir(root)
 
 
 def _prune(root: Path, keep: int) -> None:

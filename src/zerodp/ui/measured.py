@@ -13,11 +13,11 @@ from them.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 from zerodp import plan
+from zerodp.plan._common import read_json
 
 #: ranks drawn from a trace (two lanes each); more would not fit a phone screen
 MAX_RANKS = 4
@@ -44,13 +44,7 @@ class Span:
 def read_trace(path: str) -> list[Span]:
     """The complete ("X") events of a Chrome trace, ranks 0..MAX_RANKS−1, sorted by start."""
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"trace {path!r} not found: write one with 'zerodp train --trace'")
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc}); expected a Chrome trace") from None
+    data = read_json(path, "trace", "write one with 'zerodp train --trace'", "expected a Chrome trace")
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: expected a Chrome trace (a list or {{'traceEvents': [...]}})")
