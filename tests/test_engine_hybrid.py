@@ -11,6 +11,7 @@ with the single-process reference is the differential matrix's ``mesh=hybrid`` d
 """
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -36,11 +37,12 @@ def _legs(rank, world):
             F.cross_entropy(engine(x).flatten(0, 1), torch.roll(x, -1, 1).flatten()).backward()
             engine.step()
             engine.zero_grad()
-        legs = {"intra": 0.0, "inter": 0.0}
+        legs, count = {"intra": 0.0, "inter": 0.0}, 0
         for e in engine.recorder.step_events(engine.recorder.step - 1):
             if e.lane == "comm" and e.args.get("leg") in legs:
                 legs[e.args["leg"]] += e.args["sent_bytes"]
-        out[stage] = (legs, sum(d["padded_numel"] for d in engine.layout()))
+                count += 1
+        out[stage] = (legs, sum(d["padded_numel"] for d in engine.layout()), count)
     return out
 
 
@@ -52,13 +54,14 @@ def results():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bytes_per_leg_equal_the_planner(results, stage):
     for r in results:
-        legs, numel = r[stage]
-        assert legs == pytest.approx(step_bytes_per_leg(stage, numel, 4, 2), rel=1e-12)
+        legs, numel, count = r[stage]
+        # float64 sums of ``count`` ring figures in another order: 2·count·ε apart at most
+        assert legs == pytest.approx(step_bytes_per_leg(stage, numel, 4, 2), rel=2 * count * sys.float_info.epsilon)
 
 
 def test_stage3_bytes_per_leg_within_the_gather_count(results):
     for r in results:
-        legs, numel = r[3]
+        legs, numel, count = r[3]
         one, two = (step_bytes_per_leg(3, numel, 4, 2, gathers_per_step=k) for k in (1, 2))
-        assert legs["inter"] == pytest.approx(two["inter"], rel=1e-12)
+        assert legs["inter"] == pytest.approx(two["inter"], rel=2 * count * sys.float_info.epsilon)
         assert one["intra"] < legs["intra"] < two["intra"]
