@@ -67,7 +67,7 @@ _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 #: gradient reductions allowed in flight before the oldest is waited for (bounds transient buffers)
 MAX_REDUCE_IN_FLIGHT = 2
 #: the most fp32 gradient bytes cast at once for the optimizer step (see ``_optimizer_step``)
-STEP_BATCH_BYTES = 64 * 1024 * 1024
+STEP_BATCH_BYTES = 16 * 1024 * 1024
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -849,12 +849,14 @@ class StageEngine:
     def _finish_grad_sync(self) -> None:
         """Wait for every gradient collective; sharded groups still holding local gradients of a
         ``no_sync`` backward (the step's last micro-batch ran inside it) are reduced now, on every
-        rank alike."""
+        rank alike. Then the released gradient storages are freed: the optimizer step creates its
+        states next, and nothing reduces again before the next backward."""
         self._inflight.wait_all()
         pending = [g for g in self.groups if g.has_local and self.policy.shard_master]
         for g in pending:
             self._launch_reduce(g)
         self._inflight.wait_all()
+        self._grad_pool.clear()
 
     def _master_grads(self) -> list[torch.Tensor | None]:
         grads = {id(g): g.grad() for g in self.groups}

@@ -94,7 +94,9 @@ class StoragePool:
     and freeing it every micro-batch costs fresh pages each time and leaves holes in a CPU heap.
     Released storages wait here, at most ``capacity`` of them, and the next group whose buffer has
     the same size takes one over instead of allocating (the buckets of a model, the blocks of a
-    transformer, are mostly of one size). What the pool holds counts as ``comm_buffers``."""
+    transformer, are mostly of one size). The pool is emptied when the step's gradients are all
+    reduced (``clear``), so that the optimizer step and the time between steps hold none of them;
+    while it holds some, they count as ``comm_buffers``."""
 
     def __init__(self, capacity: int = 2):
         self.capacity = capacity
@@ -110,6 +112,9 @@ class StoragePool:
         self.free.append(storage)
         if len(self.free) > self.capacity:
             self.free.pop(0)  # the oldest is freed
+
+    def clear(self) -> None:
+        self.free.clear()
 
 
 @dataclass
@@ -300,8 +305,12 @@ class FlatGroup:
         """Gradient buffers of the policy: a persistent ``grad_full`` that ``param.grad`` views
         (full gradients at rest), or one allocated per reduction; ``grad_shard`` when sharded."""
         n, s = self.layout.padded_numel, self.layout.shard_numel
+        # Left uninitialized where a gradient is always written before it is read (a trainable
+        # parameter's first gradient is copied in, a reduction overwrites the fresh shard), so that
+        # their pages are touched by the first backward, not at construction, as DDP's buckets.
         if self.policy.full_grads:
-            self.grad_full = torch.zeros(n, dtype=self.param_dtype, device=self.device)
+            self.grad_full = torch.empty(n, dtype=self.param_dtype, device=self.device)
+            self._zero_unwritten()
             self._grad_views = self.views(self.grad_full, self.trainable)
             # fp32 accumulation of full gradients (+4Ψ): every filled bucket is added in (guide §9).
             self.acc_full = (torch.zeros(n, dtype=torch.float32, device=self.device)
@@ -311,7 +320,7 @@ class FlatGroup:
             self._grad_nbytes = n * self.grad_full.element_size()
             self.acc_full = None
         if self.policy.shard_master:
-            self.grad_shard = torch.zeros(s, dtype=self.accum_dtype, device=self.device)
+            self.grad_shard = torch.empty(s, dtype=self.accum_dtype, device=self.device)
         for param in self.params:
             param.grad = None
         self._scratch: torch.Tensor | None = None  # shard-sized, while a reduction is in flight
@@ -328,11 +337,15 @@ class FlatGroup:
             storage = torch.UntypedStorage(self._grad_nbytes, device=self.device)
         self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(storage, 0, (n,))
         self._grad_views = self.views(self.grad_full, self.trainable)
+        self._zero_unwritten()
+        self.has_local = False
+
+    def _zero_unwritten(self) -> None:
+        """Zeros in ``grad_full`` where no gradient is ever written: frozen parameters, padding."""
         for sl, g in zip(self.layout.slots, self.groups):
             if g == FROZEN:
                 self.grad_full[sl.offset:sl.stop].zero_()
         self.grad_full[self.layout.numel:].zero_()
-        self.has_local = False
 
     def _release_grad_storage(self) -> None:
         if self.policy.full_grads or not self.grad_full.numel():
