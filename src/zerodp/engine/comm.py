@@ -125,8 +125,14 @@ class Collectives:
             (lambda: tensor.div_(n)) if n > 1 else None, async_op,
         )
 
+    def reduces_in_place(self, full: torch.Tensor, quant_block: int = 0) -> bool:
+        """Whether :meth:`reduce_scatter_grad` with ``clobber=True`` runs as an in-place AllReduce
+        (CPU tensors, more than one rank, no int8): the caller then needs no scratch."""
+        return not quant_block and full.device.type == "cpu" and self.world_size > 1
+
     def reduce_scatter_grad(self, shard: torch.Tensor, full: torch.Tensor, label: str, overwrite: bool,
-                            scratch: torch.Tensor | None = None, quant_block: int = 0) -> Pending:
+                            scratch: torch.Tensor | None = None, quant_block: int = 0,
+                            clobber: bool = False) -> Pending:
         """The gradient ReduceScatter of every stage (guide §9.1-§9.2, §10): ``shard`` ← (its
         value +) the mean over ranks of this rank's 1/N slice of ``full``.
 
@@ -137,8 +143,28 @@ class Collectives:
 
         ``quant_block`` > 0: ZeRO++ qgZ (guide §15) — an all-to-all of int8 chunks with one scale
         per block, each rank averaging its own chunk in fp32 and adding it into ``shard`` (or
-        writing it there); recorded as a ReduceScatter of the bytes on the wire."""
+        writing it there); recorded as a ReduceScatter of the bytes on the wire.
+
+        ``clobber``: ``full`` may be overwritten. On CPU tensors (gloo), whose ReduceScatter is an
+        AllReduce of a copy of the input followed by a copy of the slice (as many bytes on the wire
+        as an AllReduce, and two input-sized buffers more while it runs), the AllReduce then runs in
+        place on ``full`` and this rank's slice is taken from it: the same bytes, no copies.
+        Afterwards ``full`` holds the mean over ranks, as after stage 0's AllReduce."""
         n = self.world_size
+        if clobber and self.reduces_in_place(full, quant_block):
+            lo = self.rank * shard.numel()
+            piece = full[lo:lo + shard.numel()]
+
+            def after_in_place() -> None:
+                full.div_(n)
+                if shard.data_ptr() != piece.data_ptr():  # else the shard is that slice (stage 1)
+                    shard.copy_(piece) if overwrite else shard.add_(piece)
+
+            return self._issue(
+                REDUCE_SCATTER, label, full.numel() * full.element_size(),
+                lambda: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                after_in_place, True,
+            )
         if quant_block:
             return self._issue(
                 REDUCE_SCATTER, label, quant.int8_collective_bytes(full.numel(), n, quant_block),

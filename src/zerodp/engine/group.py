@@ -186,6 +186,7 @@ class FlatGroup:
         self.pending_gather: Pending | None = None
         self.has_local = False  # grad_full holds gradients not yet reduced
         self.shard_fresh = True  # nothing reduced into grad_shard since zero_grad
+        self._shard_in_full = False  # grad_shard is a slice of grad_full (stage 1 on CPU, init_grads)
         self.reduced = False  # a reduction of this step completed (or is in flight)
 
     # ---- bookkeeping --------------------------------------------------------------------------
@@ -319,7 +320,16 @@ class FlatGroup:
             self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
             self._grad_nbytes = n * self.grad_full.element_size()
             self.acc_full = None
-        if self.policy.shard_master:
+        # Stage 1 on CPU: the in-place AllReduce leaves the mean in ``grad_full``, so its own
+        # slice is the gradient shard, no separate Ψ/N buffer (guide §12.5).
+        self._shard_in_full = (self.policy.full_grads and self.policy.shard_master and self.acc_full is None
+                               and self.accum_dtype == self.param_dtype == self.reduce_dtype
+                               and not self.quant_grads and not self._hybrid
+                               and self.comm.reduces_in_place(self.grad_full))
+        if self._shard_in_full:
+            lo, hi = self.shard_range
+            self.grad_shard = self.grad_full[lo:hi]
+        elif self.policy.shard_master:
             self.grad_shard = torch.empty(s, dtype=self.accum_dtype, device=self.device)
         for param in self.params:
             param.grad = None
@@ -434,13 +444,14 @@ class FlatGroup:
             return pending, finish_all_reduce
         overwrite = self.policy.full_grads or self.shard_fresh
         self.shard_fresh = False
-        if self.replicas is not None and self.replicas.world_size > 1:
+        if self._hybrid:
             return self._reduce_hybrid(src, overwrite)
-        direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.quant_grads
+        in_place = self.comm.reduces_in_place(src, self.quant_grads)
+        direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.quant_grads or in_place
         if not direct:
             self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
         pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
-                                                scratch=self._scratch, quant_block=self.quant_grads)
+                                                scratch=self._scratch, quant_block=self.quant_grads, clobber=True)
         return pending, self._finish_reduce
 
     def _reduce_hybrid(self, src: torch.Tensor, overwrite: bool) -> tuple[Pending, Callable[[], None]]:
@@ -449,7 +460,7 @@ class FlatGroup:
         across the replicas in that dtype, then written or added into ``grad_shard``."""
         scratch = self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
         pending = self.comm.reduce_scatter_grad(scratch, src, self.label, overwrite=True,
-                                                quant_block=self.quant_grads)
+                                                quant_block=self.quant_grads, clobber=True)
 
         def finish() -> None:
             self.replicas.all_reduce_mean(scratch, f"{self.label} replicas", async_op=False)
@@ -508,6 +519,10 @@ class FlatGroup:
         out = [t for t in (self._scratch, self._cast) if t is not None]
         if not self.policy.full_grads and not self.policy.keep_local:
             out.append(self.grad_full)
-        if self.grad_shard is not None and self.policy.full_grads:
+        if self.grad_shard is not None and self.policy.full_grads and not self._shard_in_full:
             out.append(self.grad_shard)
         return out
+
+    @property
+    def _hybrid(self) -> bool:
+        return self.replicas is not None and self.replicas.world_size > 1

@@ -17,7 +17,7 @@ How a gradient travels (:meth:`zerodp.engine.reducer.BucketEngine._grad_ready`, 
    straight into the bucket's gradient shard on the first reduction of a step, into a
    shard-sized scratch on later micro-batches (then added to the shard);
 3. when it completes, ``grad_full`` is released: its storage waits in the engine's small pool for
-   the next bucket of the same size.
+   the next bucket of the same size (the pool is emptied when the step's reductions are done).
 
 With ``fp32_grad_accum`` the gradient shard is fp32: the bf16 ReduceScatter lands in a scratch
 that is added to it (+4Ψ/N − 2Ψ/N, guide §9.2: "keep fp32 gradients only for your own 1/N").
