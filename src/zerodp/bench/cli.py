@@ -87,6 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated tokens per rank for --roofline (default 32,...,2048)")
     b.add_argument("--markdown", default=None, help="write this markdown page (e.g. docs/benchmarks.md)")
     b.add_argument("--quick", action="store_true", help="nano model, tiny regimes, 1+2 steps: for tests")
+    b.add_argument("--memory", choices=("fresh", "shared"), default=None,
+                   help="peak memory of each contender alone in a fresh spawned group (fresh, the default) or "
+                        "inside the timing group, contenders one after another (shared, the default with --quick)")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
     b.set_defaults(func=run_bench_cmd)
 
@@ -217,7 +220,8 @@ def bench_command_line(args) -> str:
              ("--steps", args.steps, None), ("--warmup", args.warmup, None), ("--model", args.model, None),
              ("--nproc", args.nproc, 2), ("--bucket-mb", args.bucket_mb, 25.0),
              ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
-             ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None)]
+             ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None),
+             ("--memory", args.memory, None)]
     words = ["zerodp", "bench"]
     words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
                               ("--roofline", args.roofline)) if on]
@@ -258,7 +262,8 @@ def run_bench_cmd(args) -> int:
             print(f"wrote {profile}\n")
     spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
                              warmup=warmup, steps=steps, bucket_mb=args.bucket_mb, profile=profile,
-                             compress=_compressions(args.compress), shard_size=args.shard_size)
+                             compress=_compressions(args.compress), shard_size=args.shard_size,
+                             memory=args.memory or ("shared" if args.quick else "fresh"))
     t0 = time.perf_counter()
     result = compare.run_bench(spec)
     bench_json = compare.write_json(result, os.path.join(args.out, "bench.json"))

@@ -15,10 +15,14 @@ stage, the floor and one stage's contenders alive at once — :func:`stage_group
   does the same per-rank work with no collectives; guide §7: ≈ 1 when compute-bound).
 - **peak memory per rank**: the RSS growth while the contender is built and runs its first step,
   from ``VmHWM`` after a reset (:mod:`zerodp.bench.probe`) — model states + activations + buffers.
-  Before any measurement each rank builds every contender once on the nano model and steps it
-  (:func:`_warm_up_process`): what a process pays once, whoever asks first (lazy imports, the
-  optimizer machinery's first construction, ~70 MiB on CPU; gloo's first collectives; kernels),
-  is then paid before any contender's peak is read, not charged to whichever is built first.
+  By default (``memory="fresh"``) each contender is measured alone, in its own spawned group per
+  regime (:func:`_rank_memory`): contenders built one after another in one process would each find
+  the heap the earlier ones left (glibc keeps freed holes resident), and the figure would depend on
+  the order. Before the reading the group builds the same contender once on the nano model and
+  steps it (:func:`_warm_up_process`): what a process pays once (lazy imports, the optimizer
+  machinery's first construction, ~70 MiB on CPU; gloo's first collectives; kernels) is paid
+  before the peak is read. ``memory="shared"`` reads it in the timing group instead (after the same
+  warm-up of every contender), cheaper, for quick runs.
 - **model-state bytes** per rank: tensor storages of params, grads, optimizer state
   (:mod:`zerodp.bench.peers`).
 - **bytes sent per step** per rank: growth of the process's ``wchar`` over the step, i.e. what
@@ -82,6 +86,7 @@ class Regime:
 
 
 DEVICES = ("cpu", "cuda")
+MEMORY_MODES = ("fresh", "shared")
 REGIMES = {"compute": Regime("compute", 8, 256), "comm": Regime("comm", 1, 32)}
 QUICK_REGIMES = {"compute": Regime("compute", 2, 64), "comm": Regime("comm", 1, 8)}
 
@@ -103,6 +108,10 @@ class BenchSpec:
     # shard-group size g < world_size for hybrid sharding at stages 1-3 (None: no hybrid rows).
     compress: tuple[str, ...] = ("none",)
     shard_size: int | None = None
+    # Peak memory: "fresh" — each contender built and stepped once in its own spawned group, alone
+    # (what a user's job sees); "shared" — inside the timing group, the contenders built one after
+    # another in the same processes (cheaper; the allocator's state then depends on what ran before).
+    memory: str = "fresh"
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -111,6 +120,8 @@ class BenchSpec:
         if self.world_size < least:
             raise ValueError(f"world_size must be >= {least} to compare data-parallel engines on "
                              f"{self.device}, got {self.world_size}")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {self.memory!r}")
         if self.warmup < 1 or self.steps < 1:
             raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={self.warmup}, steps={self.steps}")
         bad = [s for s in self.stages if s not in COMPARISONS]
@@ -500,6 +511,28 @@ def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
     return out
 
 
+def _rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: str,
+                 bucket_mb: "float | str") -> int | None:
+    """One contender alone in a fresh group: warm up, then its peak growth while built and stepped
+    once (module docstring, "peak memory per rank")."""
+    from zerodp.bench.peers import build
+
+    if spec.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(rank)
+    _warm_up_process(rank, world, spec, [name])
+    make = _make_model_factory(spec.model, spec.seed, spec.device)
+    from zerodp.train.model import PRESETS
+
+    x, y = _batches(regime, PRESETS[spec.model].vocab_size, 1, rank, world, spec.seed, spec.device)[0]
+    with (_CudaPeak() if spec.device == "cuda" else probe.PeakMemory()) as mem:
+        c = build(name, make, world, bucket_mb, spec.profile, regime.tokens, spec.shard_size)
+        c.step(x, y)
+        _settle(c)
+    return mem.bytes
+
+
 def _warm_up_process(rank: int, world: int, spec: BenchSpec, names: list[str]) -> None:
     """Build every contender once on the nano model, step it, drop it: the process's one-time
     costs (imports, first optimizer construction, gloo's first collectives, kernels) are paid
@@ -609,6 +642,22 @@ def check_memory(spec: BenchSpec, names: list[str]) -> None:
             f"stage at a time with --stages")
 
 
+def _fresh_peaks(spec: BenchSpec, names: list[str], bucket: dict, timeout: float,
+                 backend: str) -> dict[tuple[str, str], list[int | None]]:
+    """Each contender's peak memory per rank, alone in a fresh spawned group per regime."""
+    from tqdm import tqdm
+
+    from zerodp.spawn import run_local
+
+    out = {}
+    jobs = [(regime, name) for regime in spec.regimes for name in names]
+    for regime, name in tqdm(jobs, desc="peak memory, each contender alone", unit="contender", leave=False):
+        mb = bucket.get(regime.name, {}).get(name, spec.bucket_mb)
+        out[regime.name, name] = run_local(_rank_memory, spec.world_size, spec, regime, name, mb,
+                                           timeout=timeout, backend=backend)
+    return out
+
+
 def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     """Measure every regime of ``spec`` (one spawned group each) and return the results."""
     from zerodp.spawn import run_local
@@ -632,6 +681,12 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
     bucket = {r.name: {"ours0_auto": "auto"} for r in spec.regimes} if "ours0_auto" in names else {}
     per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, timeout=timeout, backend=backend)
+    if spec.memory == "fresh":
+        peaks = _fresh_peaks(spec, names, bucket, timeout, backend)
+        for j, regime in enumerate(spec.regimes):
+            for name in names:
+                for rank, r in enumerate(per_rank):
+                    r[j][0][name]["peak"] = peaks[regime.name, name][rank]
     results, auto = [], {}
     for j, regime in enumerate(spec.regimes):
         ranks = [r[j][0] for r in per_rank]

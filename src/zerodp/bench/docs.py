@@ -147,7 +147,13 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         "always runs right after the same other one), warm-up steps are not timed, each step's time is the "
         "max over ranks, and the figure is the median. The floor is the same per-rank work with no "
         "communication; overhead = step / floor. Peak memory is the rank's RSS growth (Linux `VmHWM` after "
-        "a reset) while the contender is built and runs its first step; model states are the tensor "
+        "a reset) while the contender is built and runs its first step, "
+        + ("each contender alone in its own spawned group per regime (after one warm-up build and step of it "
+           "on the nano model), so that no contender inherits the heap another left behind"
+           if spec.memory == "fresh" else
+           "inside the timing group, contenders built one after another (after one warm-up build and step of "
+           "each on the nano model)")
+        + "; model states are the tensor "
         "storages of params, grads and optimizer state; bytes sent are the growth of the process's "
         "`wchar` (what gloo wrote to its sockets) per step; trace MiB/step (zerodp only) is what the engine's "
         "own trace says it sent, ring-equivalent `sent_bytes` summed over the step's collectives (it is lower "
