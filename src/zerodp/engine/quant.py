@@ -68,7 +68,9 @@ def _quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     if nb * block != n:
         xf = torch.nn.functional.pad(xf, (0, nb * block - n))
     xf = xf.reshape(rows, nb, block)
-    amax = xf.abs().amax(dim=2)  # NaN if the block holds a NaN, inf if it holds an inf
+    # max|x| as max(max x, −min x): two reductions over x, no |x| copy (several times faster on CPU);
+    # NaN if the block holds a NaN (both propagate it), inf if it holds an inf.
+    amax = torch.maximum(xf.amax(dim=2), xf.amin(dim=2).neg_())
     scale = amax / INT8_MAX
     # Make s an fp32 value with 127·s ≥ m (no clamping, which matters where s is subnormal and the
     # division lost most of its digits) and 127·s ≤ fp32 max (no overflow on the way back).
@@ -78,7 +80,9 @@ def _quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # a zero block divides by 1
     t = xf / divisor.unsqueeze(2)
-    t = t.round_().clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0)  # NaN only in non-finite blocks
+    t.round_()  # |x|/s ≤ 127 where s is finite: 127·s ≥ m above, and the division rounds monotonically
+    if x.device.type != "cpu" or not bool(torch.isfinite(scale).all()):  # (no host sync on a GPU)
+        t.clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0)  # NaN only in non-finite blocks
     q = t.to(torch.int8).view(rows, nb * block)
     if nb * block != n:
         q = q[:, :n].contiguous()
