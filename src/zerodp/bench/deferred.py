@@ -47,8 +47,9 @@ The bound per rank, above the baseline, in bytes (Ψ parameters, Ψ_u the larges
 - model states 16Ψ/N, the planner's ``model_state_bytes`` for stage 3, and two gathered units in
   bf16, 2·2Ψ_u, its ``gathered_unit_bytes`` — together the *issue bound* (issue #15);
 - the bf16 gradients of the unit whose backward is running and of the units in flight to their
-  ReduceScatter, at most ``MAX_REDUCE_IN_FLIGHT`` = 2 of them: (2 + 1)·2Ψ_u;
-- gloo's ReduceScatter, which copies its whole input while it runs (measured here): 2·2Ψ_u more;
+  ReduceScatter, at most ``MAX_REDUCE_IN_FLIGHT`` = 2 of them: (2 + 1)·2Ψ_u (on CPU the engine
+  reduces them with an in-place AllReduce, guide §12.5, so gloo's ReduceScatter and its two
+  input-sized copies are not used);
 - the activations of one sequence, :func:`zerodp.plan.memory.activations` (no recomputation);
 - the fp32 gradients handed to the optimizer: the engine keeps the gradient shard in bf16
   (counted in 16Ψ/N) and casts it to fp32 for ``optimizer.step()`` in batches of at most
@@ -58,9 +59,10 @@ PASS when the construction peak and the step peak both stay below baseline + bou
 verdict is on what the issue bounds: the construction peak and the first step peak below
 baseline + 16Ψ/N + 2·2Ψ_u. The terms never all coexist (the optimizer step has no gathered unit,
 the backward no fp32 gradient), so the bound is an upper bound, not a prediction. The construct bound
-is printed beside the construction peak: construction keeps 8Ψ/N (bf16 shard, fp32 master, bf16
-gradient shard; Adam's moments are created at the first step) plus one unit materialized, its fp32
-parameters and the fp32 flat copy that is broadcast, 8Ψ_u.
+is printed beside the construction peak: construction allocates 8Ψ/N (bf16 shard, fp32 master, bf16
+gradient shard — the last left unwritten until the first backward, so not yet resident; Adam's
+moments are created at the first step) plus one unit materialized, its fp32 parameters and the fp32
+flat copy that is broadcast, 8Ψ_u.
 """
 
 from __future__ import annotations
@@ -226,7 +228,6 @@ class Bound:
     model_states: float  # the planner's 16Ψ/N
     gathered: float  # two units in bf16: 2 · 2 · Ψ_u (the planner's gathered_unit_bytes)
     unit_grads: float  # bf16 gradients of the unit in backward and the 2 in flight: (2 + 1) · 2 · Ψ_u
-    rs_scratch: float  # gloo's ReduceScatter copies its input: 2 · 2 · Ψ_u more while they are in flight
     activations: float  # the planner's activations of one sequence (Korthikanti et al., no recomputation)
     fp32_grads: float  # the gradients cast to fp32 for the optimizer: one batch of STEP_BATCH_BYTES
     construct_states: float  # what construction keeps: bf16 shard + fp32 master + bf16 gradient shard, 8Ψ/N
@@ -245,7 +246,7 @@ class Bound:
     @property
     def documented(self) -> float:
         """This benchmark's bound above the baseline: every term above."""
-        return (self.model_states + self.gathered + self.unit_grads + self.rs_scratch + self.activations
+        return (self.model_states + self.gathered + self.unit_grads + self.activations
                 + self.fp32_grads)
 
 
@@ -264,7 +265,7 @@ def bound_terms(params: int, unit_params: int, n: int, cfg=None, param_bytes: in
     fp32_batch = min(4.0 * params / n, STEP_BATCH_BYTES + 4 * CPU_OPTIMIZER_CHUNK)
     return Bound(params=params, unit_params=unit_params, n=n, model_states=ms.model_state_bytes,
                  gathered=ms.gathered_unit_bytes, unit_grads=in_flight + param_bytes * unit_params,
-                 rs_scratch=in_flight, activations=act, fp32_grads=fp32_batch,
+                 activations=act, fp32_grads=fp32_batch,
                  construct_states=(2 * param_bytes + 4.0) * params / n,
                  unit_init=8.0 * unit_params)
 
@@ -333,11 +334,11 @@ def header(cfg, bound: Bound, steps: int, mixed_precision: str, malloc: str) -> 
         f"per rank, MiB: model states 16Ψ/N {_mib(bound.model_states)} (zerodp.plan.memory.model_states) "
         f"+ 2 gathered units 2·2Ψ_u {_mib(bound.gathered)} = issue bound {_mib(bound.issue)}; "
         f"+ unit gradients, the one in backward and 2 in flight (2+1)·2Ψ_u {_mib(bound.unit_grads)} "
-        f"+ gloo's ReduceScatter copies of them "
-        f"2·2Ψ_u {_mib(bound.rs_scratch)} + activations {_mib(bound.activations)} "
+        f"+ activations {_mib(bound.activations)} "
         f"(zerodp.plan.memory.activations) + one batch of fp32 gradients at the step {_mib(bound.fp32_grads)} "
         f"= bound {_mib(bound.documented)}",
-        f"construction keeps 8Ψ/N {_mib(bound.construct_states)} (bf16 shard, fp32 master, bf16 gradient shard; "
+        f"construction allocates 8Ψ/N {_mib(bound.construct_states)} (bf16 shard, fp32 master, "
+        f"bf16 gradient shard unwritten; "
         f"Adam's moments come at the first step) + one unit materialized 8Ψ_u {_mib(bound.unit_init)} "
         f"= construct bound {_mib(bound.construction)}",
         f"for scale: the whole model in fp32, 4Ψ = {_mib(4 * bound.params)} MiB; bounds are above each rank's "
