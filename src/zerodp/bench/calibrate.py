@@ -9,7 +9,9 @@ per-rank bandwidth W, and the compute throughput C. Here they are *measured*:
    rank, all ranks in lock-step (:mod:`zerodp.bench.compute`), giving the achieved FLOP/s
    C = 6·Ψ·tokens / (forward + backward) at the largest count (guide §7.4) and, at every count,
    the times the predictor interpolates between;
-3. how much of a collective really hides behind compute here (:mod:`zerodp.bench.overlap`).
+3. how much of a collective really hides behind compute here (:mod:`zerodp.bench.overlap`);
+4. the throughput of the engine's int8 codec (:func:`measure_quant`), which the compressed
+   collectives run on every rank besides moving fewer bytes (guide §15).
 
 The result is written as a hardware file that every ``zerodp plan`` command accepts
 (``--hardware FILE``): the ``hardware`` table has the planner's schema
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from dataclasses import dataclass
 
 from zerodp.bench import overlap as overlap_mod
@@ -38,6 +41,7 @@ class Calibration:
     compute: ComputeProfile
     host: str
     overlap: overlap_mod.Overlap | None = None  # None: not measured, the simulator's η = 1
+    quant: dict | None = None  # int8 codec throughput (measure_quant); None: not measured, priced 0
 
     def fit(self, kind: str) -> sweep.Fit:
         return next(f for f in self.fits if f.kind == kind)
@@ -68,6 +72,7 @@ class Calibration:
                 "fits": sweep.to_dicts(self.fits),
                 "compute": self.compute.to_dict(),
                 "overlap": self.overlap.to_dict() if self.overlap else None,
+                "quant": self.quant,
             },
         }
 
@@ -82,10 +87,45 @@ def _memory_bytes() -> float:
 DEFAULT_TOKENS = (32, 256, 2048)  # tokens per rank: the bench's two regimes and one between
 
 
+QUANT_NUMEL = 1 << 21  # elements per timed int8 quantize / dequantize (8 MiB of fp32)
+
+
+def measure_quant(numel: int = QUANT_NUMEL, block: int = 256, iters: int = 5) -> dict:
+    """Seconds per element of the engine's int8 codec (guide §15) on this rank, all ranks at once
+    (the collectives' compressed paths run it on every rank together): ``quantize_int8`` of fp32
+    values and ``dequantize_int8`` back to fp32, medians of ``iters`` after one untimed call. The
+    predictor charges them to the compressed contenders' steps (:func:`zerodp.bench.predict.quant_time`)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from zerodp.engine.quant import dequantize_int8, quantize_int8
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=g)
+    times: dict[str, list[float]] = {"quantize": [], "dequantize": []}
+    q, s = quantize_int8(x, block)
+    dequantize_int8(q, s, block)
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        q, s = quantize_int8(x, block)
+        t1 = time.perf_counter()
+        dequantize_int8(q, s, block)
+        t2 = time.perf_counter()
+        times["quantize"].append(t1 - t0)
+        times["dequantize"].append(t2 - t1)
+    return {"block": block, "numel": numel,
+            "quantize_s_per_elem": statistics.median(times["quantize"]) / numel,
+            "dequantize_s_per_elem": statistics.median(times["dequantize"]) / numel}
+
+
 def _rank_calibrate(rank: int, world: int, sizes: list[int], iters: int, model: str, tokens: list[int]):
     points = sweep.measure_collectives(sizes, iters=iters)
     params, compute = measure_compute(model, tokens)
-    return points, params, compute, overlap_mod.measure_overlap(model, min(tokens), max(sizes))
+    return (points, params, compute, overlap_mod.measure_overlap(model, min(tokens), max(sizes)),
+            measure_quant())
 
 
 def calibrate(world_size: int = 2, min_bytes: int = 4096, max_bytes: int = 64 << 20, iters: int = 10,
@@ -111,8 +151,9 @@ def calibrate(world_size: int = 2, min_bytes: int = 4096, max_bytes: int = 64 <<
     points = results[0][0]
     compute = ComputeProfile.from_points(model, results[0][1], lockstep_points([r[2] for r in results], seq_len))
     fits = [sweep.fit_alpha_beta([p for p in points if p.kind == k], world_size) for k in sweep.KINDS]
+    quant = {k: max(r[4][k] for r in results) for k in results[0][4]}  # the slowest rank
     return Calibration(world_size, "gloo", points, fits, compute, platform.node() or "host",
-                       overlap_mod.aggregate([r[3] for r in results]))
+                       overlap_mod.aggregate([r[3] for r in results]), quant)
 
 
 def write_profile(cal: Calibration, path: str) -> str:

@@ -178,8 +178,10 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
                   "optimizer interpolated between the calibrated token counts, plus the communication "
                   "the planner's event simulation leaves exposed (buckets for stages 0-2, per-unit "
                   "AllGather/ReduceScatter with prefetch for stage 3), plus (1 − η) of the communication it "
-                  "hid under compute, η being the overlap efficiency `zerodp calibrate` measured. Nothing "
-                  "in it is fitted to the bench's own times.", "",
+                  "hid under compute, η being the overlap efficiency `zerodp calibrate` measured, plus, for "
+                  "int8 contenders, the codec's quantize and dequantize work at the rates `zerodp calibrate` "
+                  "measured. On gloo a gradient ReduceScatter is priced as the in-place AllReduce the engine "
+                  "runs for it. Nothing in it is fitted to the bench's own times.", "",
                   *_predictions(result), ""]
         if result.auto_bucket_mb:
             lines += ["`bucket_mb=\"auto\"` chose: " + ", ".join(

@@ -28,7 +28,9 @@ calibrated α and W per collective kind; ``shard_size`` g < N runs the AllGather
 ReduceScatters over the g ranks of a shard group and adds, after each ReduceScatter, the
 AllReduce of its 1/g shard over the N/g replicas. ``wire_bytes`` of the prediction is the
 planner's bytes per rank per step by leg (:func:`zerodp.plan.hybrid.step_bytes_per_leg`). The
-quantization's own compute is not in the prediction.
+int8 codec's own work (quantize before, dequantize after each compressed collective) is added to
+the step at the rates ``zerodp calibrate`` measured (:func:`quant_time`). On gloo a gradient
+ReduceScatter is priced as the in-place AllReduce the engine runs for it (guide §12.5).
 
 and, every stage, the contention: the simulator lets hidden communication cost nothing, which
 holds only where it does not share the processor with compute. The profile's measured overlap
@@ -41,9 +43,15 @@ from dataclasses import asdict, dataclass
 
 from zerodp.bench.compute import compute_times, optimizer_time
 from zerodp.bench.overlap import contention_s, efficiency
-from zerodp.plan.calibrated import LayerShape, PerKindCost, gpt_layer_shapes, split_compute  # noqa: F401
+from zerodp.plan.calibrated import (  # noqa: F401
+    LayerShape,
+    PerKindCost,
+    gpt_layer_shapes,
+    gradient_reduce_kind,
+    split_compute,
+)
 from zerodp.plan.collectives import RingCost
-from zerodp.plan.hybrid import step_bytes_per_leg, wire_bytes
+from zerodp.plan.hybrid import COMPRESSIONS, step_bytes_per_leg, wire_bytes
 from zerodp.plan.timeline import simulate_backward, simulate_fsdp
 
 FP32_BYTES = 4  # the bench trains in fp32: working parameters and gradients
@@ -67,6 +75,7 @@ class Prediction:
     compress: str = "none"
     shard_size: int | None = None
     wire_bytes: dict | None = None  # planner's bytes per rank per step by leg (intra, inter)
+    quant_s: float = 0.0  # the int8 codec's work on this rank (quant_time)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,13 +100,15 @@ class WireCost:
         self.g = g
         self.scale = {"all_gather": wire.param_ratio, "reduce_scatter": wire.grad_ratio,
                       "all_reduce": wire.grad_ratio}
-        self.rings = {"all_gather": ring("all_gather", g), "reduce_scatter": ring("reduce_scatter", g),
+        # gloo: the gradient ReduceScatter runs as an in-place AllReduce in the shard group (guide §12.5)
+        self.rs_as = gradient_reduce_kind(cal, int8_grads=COMPRESSIONS[wire.compress][2])
+        self.rings = {"all_gather": ring("all_gather", g), "reduce_scatter": ring(self.rs_as, g),
                       "all_reduce": ring("all_reduce", n)}
         self.replica = ring("all_reduce", n // g) if n // g > 1 else None
 
     def time(self, kind: str, nbytes: float) -> float:
         b = nbytes * self.scale[kind]
-        t = self.rings[kind].time(kind, b)
+        t = self.rings[kind].time(self.rs_as if kind == "reduce_scatter" else kind, b)
         if kind == "reduce_scatter" and self.replica is not None:
             t += self.replica.time("all_reduce", b / self.g)
         return t
@@ -173,10 +184,34 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     # What the simulator hid under compute still costs (1 − η) of its time where communication
     # and compute share the processor (measured by zerodp calibrate, bench.overlap).
     contention = contention_s(comm - exposed - sync, efficiency(cal))
-    step = fwd + bwd + exposed + opt + sync + contention
+    codec = quant_time(cal, stage, params, shard_size or n, compress, root_share(shapes))
+    step = fwd + bwd + exposed + opt + sync + contention + codec
     sent = predicted_wire_bytes(stage, params, n, compress, shard_size, block, root_share(shapes))
     return Prediction(stage, n, tokens, bucket_bytes, fwd, bwd, exposed, opt, sync, contention, step, comm,
-                      compress, shard_size, sent)
+                      compress, shard_size, sent, codec)
+
+
+def quant_time(cal: dict, stage: int, params: float, g: int, compress: str, kept_last_share: float = 0.0) -> float:
+    """Seconds per step of the int8 codec (guide §15) on each rank, from the calibrated rates
+    (``cal["quant"]``, :func:`zerodp.bench.calibrate.measure_quant`; 0 without them or without int8).
+
+    A parameter AllGather quantizes this rank's shard (Ψ/g elements) and dequantizes the gathered
+    whole (Ψ): once per step at stages 1-2, twice at stage 3 but for the unit kept through backward
+    (``kept_last_share`` of Ψ, as :func:`predicted_wire_bytes`). A gradient reduction quantizes the
+    full gradients (Ψ) and dequantizes the g chunks it receives (Ψ in all). The codec runs on the
+    cores that compute, so it adds to the step."""
+    rates = cal.get("quant")
+    if not rates or compress not in COMPRESSIONS:
+        return 0.0
+    _, q_params, q_grads = COMPRESSIONS[compress]
+    tq, td = rates["quantize_s_per_elem"], rates["dequantize_s_per_elem"]
+    gathers = 0.0
+    if q_params and stage >= 1:
+        gathers = 2.0 - kept_last_share if stage == 3 else 1.0
+    t = gathers * (params / g * tq + params * td)
+    if q_grads and stage >= 1:
+        t += params * (tq + td)
+    return t
 
 
 def predictions_table(preds: list[Prediction]) -> str:

@@ -216,13 +216,25 @@ def _fit_cost(cal: dict, kind: str) -> RingCost:
     raise ValueError(f"the profile has no fit for {kind}; re-run zerodp calibrate")
 
 
+def gradient_reduce_kind(cal: dict, int8_grads: bool = False) -> str:
+    """The collective that prices a gradient ReduceScatter on the calibrated backend: on gloo the
+    engine runs it as an in-place AllReduce of the group's buffer (guide §12.5; gloo's own
+    ReduceScatter is an AllReduce of a copy), so it costs an AllReduce of the same bytes; elsewhere,
+    and for int8 gradients (an all-to-all), a ReduceScatter."""
+    return "all_reduce" if cal.get("backend") == "gloo" and not int8_grads else "reduce_scatter"
+
+
 class PerKindCost:
-    """The simulator's cost protocol, with each collective priced by its own measured fit."""
+    """The simulator's cost protocol, with each collective priced by its own measured fit (a
+    gradient ReduceScatter by the collective the engine runs for it, :func:`gradient_reduce_kind`)."""
 
     def __init__(self, cal: dict):
         self.costs = {k: _fit_cost(cal, k) for k in ("all_reduce", "reduce_scatter", "all_gather")}
+        self.reduce_scatter_as = gradient_reduce_kind(cal)
 
     def time(self, kind: str, nbytes: float) -> float:
+        if kind == "reduce_scatter":
+            kind = self.reduce_scatter_as
         return self.costs[kind].time(kind, nbytes)
 
 
