@@ -604,13 +604,23 @@ def check_profile(profile: str, model: str, world_size: int) -> dict:
 #: grads 4 + Adam m, v 8, plus the transients of a step (gathered or staged copies, the optimizer's
 #: temporaries) — measured peaks stay below this (docs/benchmarks.md).
 BYTES_PER_PARAM_BUDGET = 24
+#: what a stage's sharding takes off that budget, times (1 − 1/N): Adam's 8 B at stage 1, its
+#: gradients' 4 more at stage 2, its parameters' 4 more at stage 3 (guide §9)
+SHARDED_BYTES_PER_PARAM = {0: 0, 1: 8, 2: 12, 3: 16}
 RANK_BASELINE_BYTES = 600 * MIB  # a rank's Python, torch and gloo before any model
 
 
+def contender_budget(name: str, world_size: int) -> float:
+    """Bytes per parameter a contender may hold per rank: the unsharded budget less its stage's
+    sharded share (the floor and stage 0 shard nothing)."""
+    stage = CONTENDERS[name][0] if name in CONTENDERS else VARIANTS[name][0]
+    return BYTES_PER_PARAM_BUDGET - SHARDED_BYTES_PER_PARAM[stage or 0] * (1 - 1 / world_size)
+
+
 def memory_needed(spec: BenchSpec, names: list[str], params: int) -> float:
-    """Bytes the bench needs at its peak: every rank holds the largest stage group at once."""
-    largest = max(len([n for n in g if n in names]) for g in stage_groups(names))
-    return spec.world_size * (RANK_BASELINE_BYTES + largest * BYTES_PER_PARAM_BUDGET * params)
+    """Bytes the bench needs at its peak: every rank holds the costliest stage group at once."""
+    largest = max(sum(contender_budget(n, spec.world_size) for n in g if n in names) for g in stage_groups(names))
+    return spec.world_size * (RANK_BASELINE_BYTES + largest * params)
 
 
 def available_bytes() -> float | None:
@@ -636,8 +646,8 @@ def check_memory(spec: BenchSpec, names: list[str]) -> None:
     if have is not None and need > have:
         raise ValueError(
             f"zerodp bench needs about {need / 2**30:.1f} GiB for model {spec.model} ({params / 1e6:.0f}M "
-            f"parameters) on {spec.world_size} ranks ({BYTES_PER_PARAM_BUDGET} B/param for each of the "
-            f"{max(len(g) for g in stage_groups(names))} contenders alive at once), and "
+            f"parameters) on {spec.world_size} ranks (the contenders of a stage are alive at once, each up "
+            f"to {BYTES_PER_PARAM_BUDGET} B/param less what its stage shards), and "
             f"{have / 2**30:.1f} GiB are available: use a smaller --model, fewer --nproc, or bench one "
             f"stage at a time with --stages")
 
