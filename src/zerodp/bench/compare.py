@@ -497,10 +497,7 @@ def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
     """Every regime in one spawned group (a spawn costs seconds): results and wall time each."""
     import gc
 
-    if spec.device == "cuda":
-        import torch
-
-        torch.cuda.set_device(rank)
+    _set_rank_device(spec, rank)
     _warm_up_process(rank, world, spec, names)
     out = []
     for regime in spec.regimes:
@@ -511,20 +508,24 @@ def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
     return out
 
 
+def _set_rank_device(spec: BenchSpec, rank: int) -> None:
+    """On CUDA, rank r runs on cuda:r (module docstring)."""
+    if spec.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(rank)
+
+
 def _rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: str,
                  bucket_mb: "float | str") -> int | None:
     """One contender alone in a fresh group: warm up, then its peak growth while built and stepped
     once (module docstring, "peak memory per rank")."""
     from zerodp.bench.peers import build
-
-    if spec.device == "cuda":
-        import torch
-
-        torch.cuda.set_device(rank)
-    _warm_up_process(rank, world, spec, [name])
-    make = _make_model_factory(spec.model, spec.seed, spec.device)
     from zerodp.train.model import PRESETS
 
+    _set_rank_device(spec, rank)
+    _warm_up_process(rank, world, spec, [name])
+    make = _make_model_factory(spec.model, spec.seed, spec.device)
     x, y = _batches(regime, PRESETS[spec.model].vocab_size, 1, rank, world, spec.seed, spec.device)[0]
     with (_CudaPeak() if spec.device == "cuda" else probe.PeakMemory()) as mem:
         c = build(name, make, world, bucket_mb, spec.profile, regime.tokens, spec.shard_size)

@@ -132,7 +132,7 @@ class Collectives:
 
     def reduce_scatter_grad(self, shard: torch.Tensor, full: torch.Tensor, label: str, overwrite: bool,
                             scratch: torch.Tensor | None = None, quant_block: int = 0,
-                            clobber: bool = False) -> Pending:
+                            clobber: bool = False, average_full: bool = False) -> Pending:
         """The gradient ReduceScatter of every stage (guide §9.1-§9.2, §10): ``shard`` ← (its
         value +) the mean over ranks of this rank's 1/N slice of ``full``.
 
@@ -149,14 +149,15 @@ class Collectives:
         AllReduce of a copy of the input followed by a copy of the slice (as many bytes on the wire
         as an AllReduce, and two input-sized buffers more while it runs), the AllReduce then runs in
         place on ``full`` and this rank's slice is taken from it: the same bytes, no copies.
-        Afterwards ``full`` holds the mean over ranks, as after stage 0's AllReduce."""
+        Afterwards ``full`` holds the sum over ranks, or with ``average_full`` (the caller keeps
+        ``full``: gradients at rest) the mean, as after stage 0's AllReduce."""
         n = self.world_size
         if clobber and self.reduces_in_place(full, quant_block):
             lo = self.rank * shard.numel()
             piece = full[lo:lo + shard.numel()]
 
             def after_in_place() -> None:
-                full.div_(n)
+                (full if average_full else piece).div_(n)
                 if shard.data_ptr() != piece.data_ptr():  # else the shard is that slice (stage 1)
                     shard.copy_(piece) if overwrite else shard.add_(piece)
 

@@ -451,7 +451,8 @@ class FlatGroup:
         if not direct:
             self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
         pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
-                                                scratch=self._scratch, quant_block=self.quant_grads, clobber=True)
+                                                scratch=self._scratch, quant_block=self.quant_grads, clobber=True,
+                                                average_full=self.policy.full_grads)
         return pending, self._finish_reduce
 
     def _reduce_hybrid(self, src: torch.Tensor, overwrite: bool) -> tuple[Pending, Callable[[], None]]:
@@ -460,7 +461,8 @@ class FlatGroup:
         across the replicas in that dtype, then written or added into ``grad_shard``."""
         scratch = self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
         pending = self.comm.reduce_scatter_grad(scratch, src, self.label, overwrite=True,
-                                                quant_block=self.quant_grads, clobber=True)
+                                                quant_block=self.quant_grads, clobber=True,
+                                                average_full=self.policy.full_grads)
 
         def finish() -> None:
             self.replicas.all_reduce_mean(scratch, f"{self.label} replicas", async_op=False)
