@@ -1,5 +1,7 @@
-"""The differential matrix (tests/_matrix.py): every stage 0-3 × world sizes 1-4 × model
-features × usage, against a single-process reference with dtype-derived tolerances.
+"""The differential matrix (tests/_matrix.py): every stage 0-3 × world sizes 1-4 × mesh (flat,
+hybrid) × compression (none, bf16 reduction, int8 qwZ + qgZ) × model features × usage, against a
+single-process reference with dtype-derived tolerances, widened in compressed cases by each
+option's documented bound (guide §15), computed per element from every rank's own gradient.
 
 ``make test`` runs a pairwise covering table (every value of every dimension meets every value
 of every other dimension at least once), seeded so that it is the same list on every machine;
@@ -14,7 +16,7 @@ import time
 
 import pytest
 
-from _matrix import Case, pairwise_cases, random_cases, run_cases
+from _matrix import COMPRESS, Case, pairwise_cases, random_cases, run_cases, valid
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
@@ -39,6 +41,7 @@ def _run(cases: list[Case]) -> tuple[list[str], int]:
 def test_pairwise_table_covers_every_pair():
     cases = pairwise_cases()
     assert {c.stage for c in cases} == {0, 1, 2, 3} and {c.world for c in cases} == {1, 2, 3, 4}
+    assert {(c.stage, c.compress) for c in cases} == {(s, k) for s in range(4) for k in COMPRESS if valid(s, k)}
     assert all(any(c.usage == u and c.stage == s for c in cases) for u in {c.usage for c in cases} for s in range(4))
     assert len(cases) <= 60, len(cases)
     assert Case.parse(str(cases[0])) == cases[0]
@@ -58,6 +61,18 @@ HYBRID_2X2 = [Case.parse(f"stage={s} world=4 mesh=hybrid usage={u} features={f}"
 def test_matrix_hybrid_2x2_stages_1_to_3():
     failures, ran = _run(HYBRID_2X2)
     assert not failures, f"{len(failures)} of {ran} hybrid cases failed:\n" + "\n".join(failures)
+
+
+#: each compression option on the 2 × 2 mesh and at world 3 (shards of uneven blocks), besides
+#: what the pairwise table draws
+COMPRESSED = [Case.parse(f"stage={s} world={w} mesh={m} compress={k} usage={u} features={f}") for s, w, m, k, u, f in
+              ((3, 4, "hybrid", "int8", "no_sync", "frozen,twice"), (2, 4, "hybrid", "bf16", "clip", "groups"),
+               (1, 3, "flat", "int8", "multi_backward", "unused"), (0, 4, "hybrid", "bf16", "two_forwards", "tied"))]
+
+
+def test_matrix_compressed_within_their_bounds():
+    failures, ran = _run(COMPRESSED)
+    assert not failures, f"{len(failures)} of {ran} compressed cases failed:\n" + "\n".join(failures)
 
 
 @pytest.mark.fuzz
