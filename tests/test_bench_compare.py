@@ -232,4 +232,21 @@ def test_contenders_live_one_stage_at_a_time_and_the_bench_refuses_what_would_no
     with pytest.raises(ValueError) as info:
         compare.check_memory(big, big.contenders(with_auto=False))
     msg = str(info.value)
-    assert "GiB" in msg and "--model" in msg and "--stages" in msg and "\n" not in msg
+    assert "GiB" in msg and "--model" in msg and "--nproc" in msg and "\n" not in msg
+
+
+def test_a_stage_that_would_not_fit_whole_runs_ours_and_its_peer_alone_then_the_rest(monkeypatch):
+    from zerodp.bench import compare
+
+    big = compare.BenchSpec(model="gpt2-small", world_size=2, stages=(0, 3))
+    names = big.contenders(with_auto=False)
+    params = 163_110_912
+    pair = compare.memory_needed(big, names, params, [["ours0", "ddp_bucket_view"]])
+    whole = compare.memory_needed(big, names, params, [["floor", "ours0", "ddp_bucket_view", "ddp"]])
+    monkeypatch.setattr(compare, "available_bytes", lambda: (pair + whole) / 2)  # the pair fits, not all four
+    groups = compare.check_memory(big, names)
+    assert groups == [["ours0", "ddp_bucket_view"], ["floor", "ddp"], ["floor", "ours3", "fsdp2"]]
+    assert all(n in sum(groups, []) for n in names)
+    monkeypatch.setattr(compare, "available_bytes", lambda: pair * 0.99)
+    with pytest.raises(ValueError, match="ours and its peer alive at once"):
+        compare.check_memory(big, names)

@@ -1,7 +1,8 @@
 """``zerodp bench``: our engine side by side with its PyTorch peer, stage by stage, in two regimes.
 
 What is measured (one spawned group of gloo ranks for all regimes; within a regime, stage after
-stage, the floor and one stage's contenders alive at once — :func:`stage_groups`):
+stage, the floor and one stage's contenders alive at once — :func:`stage_groups`; where those
+would not fit the machine's memory, ours and its peer alone, then the others):
 
 - **step time**: every training step (forward, backward, optimizer, zero grad; for our engine
   also the wait for any in-flight parameter AllGather, so that no work leaks into the next
@@ -62,6 +63,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from zerodp.bench import probe
 from zerodp.bench.peers import COMPARISONS, CONTENDERS, VARIANTS, variant_applies, variant_name
@@ -385,20 +387,41 @@ def _prime(make, batch) -> None:
     del model, opt
 
 
-def stage_groups(names: list[str]) -> list[list[str]]:
+def stage_groups(names: list[str], fits: Callable[[list[str]], bool] | None = None) -> list[list[str]]:
     """The contenders alive at the same time: the floor with each stage's own (ours + peers + the
     auto row). Stages run one after the other, so the memory needed is the largest group's, not
-    the sum over every contender (a 124M-parameter model at four stages would not fit otherwise)."""
+    the sum over every contender (a 124M-parameter model at four stages would not fit otherwise).
+
+    ``fits``: whether a group fits the machine's memory. A stage group that does not is split:
+    ours with its reference peer alone (the comparison stays alternated step by step), then the
+    floor and the stage's other contenders in as few groups as fit; the floor's times are pooled
+    over the groups it runs in."""
     by_stage: dict[int, list[str]] = {}
     for name in names:
         stage = CONTENDERS[name][0]
         if stage is not None:
             by_stage.setdefault(stage, []).append(name)
-    return [["floor", *group] for _, group in sorted(by_stage.items())] or [["floor"]]
+    out = []
+    for stage, group in sorted(by_stage.items()):
+        whole = ["floor", *group]
+        if fits is None or fits(whole):
+            out.append(whole)
+            continue
+        ours, peers = COMPARISONS[stage]
+        pair = [n for n in (ours, peers[0]) if n in group]
+        out.append(pair)
+        current: list[str] = []
+        for name in ["floor", *(n for n in group if n not in pair)]:
+            if current and not fits(current + [name]):
+                out.append(current)
+                current = []
+            current.append(name)
+        out.append(current)
+    return out or [["floor"]]
 
 
 def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: list[str],
-                bucket_mb: dict[str, "float | str"]) -> dict:
+                bucket_mb: dict[str, "float | str"], groups: list[list[str]] | None = None) -> dict:
     """Per stage group: build its contenders (memory measured), time them alternated, free them
     (module docstring). The floor runs in every group; its times are pooled."""
     import gc
@@ -412,7 +435,7 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
     total = spec.warmup + spec.steps_for(regime)
     batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed, spec.device)
     _prime(make, batches[0])
-    groups = [[n for n in g if n in names] for g in stage_groups(names)]
+    groups = [[n for n in g if n in names] for g in (groups or stage_groups(names))]
     bar = None
     if rank == 0:
         from tqdm import tqdm
@@ -493,7 +516,8 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total
 
 
 def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
-                bucket_mb: dict[str, dict[str, "float | str"]]) -> list[tuple[dict, float]]:
+                bucket_mb: dict[str, dict[str, "float | str"]],
+                groups: list[list[str]] | None = None) -> list[tuple[dict, float]]:
     """Every regime in one spawned group (a spawn costs seconds): results and wall time each."""
     import gc
 
@@ -502,7 +526,7 @@ def _rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
     out = []
     for regime in spec.regimes:
         t0 = time.perf_counter()
-        res = _run_regime(rank, world, spec, regime, names, bucket_mb.get(regime.name, {}))
+        res = _run_regime(rank, world, spec, regime, names, bucket_mb.get(regime.name, {}), groups)
         gc.collect()
         out.append((res, time.perf_counter() - t0))
     return out
@@ -618,10 +642,15 @@ def contender_budget(name: str, world_size: int) -> float:
     return BYTES_PER_PARAM_BUDGET - SHARDED_BYTES_PER_PARAM[stage or 0] * (1 - 1 / world_size)
 
 
-def memory_needed(spec: BenchSpec, names: list[str], params: int) -> float:
-    """Bytes the bench needs at its peak: every rank holds the costliest stage group at once."""
-    largest = max(sum(contender_budget(n, spec.world_size) for n in g if n in names) for g in stage_groups(names))
+def memory_needed(spec: BenchSpec, names: list[str], params: int,
+                  groups: list[list[str]] | None = None) -> float:
+    """Bytes the bench needs at its peak: every rank holds the costliest group at once."""
+    largest = max(_group_budget(spec, g, names) for g in (groups or stage_groups(names)))
     return spec.world_size * (RANK_BASELINE_BYTES + largest * params)
+
+
+def _group_budget(spec: BenchSpec, group: list[str], names: list[str]) -> float:
+    return sum(contender_budget(n, spec.world_size) for n in group if n in names)
 
 
 def available_bytes() -> float | None:
@@ -635,22 +664,28 @@ def available_bytes() -> float | None:
     return None
 
 
-def check_memory(spec: BenchSpec, names: list[str]) -> None:
-    """Refuse, in one line, a bench that would not fit in this machine's memory."""
+def check_memory(spec: BenchSpec, names: list[str]) -> list[list[str]]:
+    """The groups of contenders alive at once that fit this machine's memory (:func:`stage_groups`,
+    split where a stage's whole group would not fit); refuse, in one line, a bench that would not
+    fit even with ours and its peer alone."""
     from zerodp.train.model import GPT, PRESETS
 
     import torch
 
     with torch.device("meta"):
         params = GPT(PRESETS[spec.model]).num_params()
-    need, have = memory_needed(spec, names, params), available_bytes()
-    if have is not None and need > have:
+    have = available_bytes()
+    if have is None:
+        return stage_groups(names)
+    groups = stage_groups(names, lambda g: memory_needed(spec, names, params, [g]) <= have)
+    need = memory_needed(spec, names, params, groups)
+    if need > have:
         raise ValueError(
             f"zerodp bench needs about {need / 2**30:.1f} GiB for model {spec.model} ({params / 1e6:.0f}M "
-            f"parameters) on {spec.world_size} ranks (the contenders of a stage are alive at once, each up "
-            f"to {BYTES_PER_PARAM_BUDGET} B/param less what its stage shards), and "
-            f"{have / 2**30:.1f} GiB are available: use a smaller --model, fewer --nproc, or bench one "
-            f"stage at a time with --stages")
+            f"parameters) on {spec.world_size} ranks (ours and its peer alive at once, each up to "
+            f"{BYTES_PER_PARAM_BUDGET} B/param less what its stage shards), and "
+            f"{have / 2**30:.1f} GiB are available: use a smaller --model or fewer --nproc")
+    return groups
 
 
 def _fresh_peaks(spec: BenchSpec, names: list[str], bucket: dict, timeout: float,
@@ -687,11 +722,12 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
             raise ValueError(f"a CUDA bench on {spec.world_size} ranks needs as many GPUs; "
                              f"{torch.cuda.device_count()} visible")
         backend = "nccl"
-    else:
-        check_memory(spec, names)
+    groups = None
+    if spec.device != "cuda":
+        groups = check_memory(spec, names)
     # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
     bucket = {r.name: {"ours0_auto": "auto"} for r in spec.regimes} if "ours0_auto" in names else {}
-    per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, timeout=timeout, backend=backend)
+    per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, groups, timeout=timeout, backend=backend)
     if spec.memory == "fresh":
         peaks = _fresh_peaks(spec, names, bucket, timeout, backend)
         for j, regime in enumerate(spec.regimes):
