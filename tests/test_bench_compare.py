@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from zerodp.bench import auto, compare, roofline
+from zerodp.bench import auto, compare, probe, roofline
 from zerodp.bench.peers import COMPARISONS, CONTENDERS
 from zerodp.cli import main
 from zerodp.train.model import PRESETS
@@ -139,10 +139,29 @@ def test_roofline_knee_is_the_seed_formula(tmp_path):
     (["bench", "--nproc", "1"], "world_size"),
     (["bench", "--steps", "0"], "steps"),
     (["bench", "--model", "huge"], "unknown model"),
+    (["bench", "--quick", "--malloc", "mmap"], "applies to the fresh memory groups"),
 ])
 def test_bench_cli_bad_input(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_malloc_mmap_keeps_freed_buffers_out_of_the_resident_set():
+    """``--malloc mmap`` in a fresh process: after a 4 MiB buffer is freed, glibc keeps its threshold,
+    so the next 1 MiB buffer is a mapping of its own and leaves the resident set when freed."""
+    import subprocess
+    import sys
+
+    code = ("from zerodp.bench import probe; import torch\n"
+            "assert probe.set_malloc('mmap')\n"
+            "t = torch.ones(1 << 20); del t\n"  # 4 MiB freed: glibc's dynamic threshold would rise to it
+            "base = probe.reset_peak(); u = torch.ones(1 << 18); grown = probe.rss_bytes() - base; del u\n"
+            "print(grown, probe.rss_bytes() - base)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    grown, after = map(int, out)
+    assert grown >= 1 << 20 and after < grown // 2, (grown, after)
+    with pytest.raises(ValueError, match="malloc must be one of"):
+        probe.set_malloc("jemalloc")
 
 
 # ---- one real quick run (spawns ranks) ---------------------------------------------------------

@@ -90,6 +90,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--memory", choices=("fresh", "shared"), default=None,
                    help="peak memory of each contender alone in a fresh spawned group (fresh, the default) or "
                         "inside the timing group, contenders one after another (shared, the default with --quick)")
+    b.add_argument("--malloc", choices=("default", "mmap"), default="default",
+                   help="the fresh memory groups' allocator: glibc as it comes (default), or its mmap threshold "
+                        "fixed at 128 KiB (mmap: freed buffers leave the resident set, RSS follows the live tensors)")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
     b.set_defaults(func=run_bench_cmd)
 
@@ -221,7 +224,7 @@ def bench_command_line(args) -> str:
              ("--nproc", args.nproc, 2), ("--bucket-mb", args.bucket_mb, 25.0),
              ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
              ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None),
-             ("--memory", args.memory, None)]
+             ("--memory", args.memory, None), ("--malloc", args.malloc, "default")]
     words = ["zerodp", "bench"]
     words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
                               ("--roofline", args.roofline)) if on]
@@ -263,7 +266,7 @@ def run_bench_cmd(args) -> int:
     spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
                              warmup=warmup, steps=steps, bucket_mb=args.bucket_mb, profile=profile,
                              compress=_compressions(args.compress), shard_size=args.shard_size,
-                             memory=args.memory or ("shared" if args.quick else "fresh"))
+                             memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc)
     t0 = time.perf_counter()
     result = compare.run_bench(spec)
     bench_json = compare.write_json(result, os.path.join(args.out, "bench.json"))

@@ -114,6 +114,9 @@ class BenchSpec:
     # (what a user's job sees); "shared" — inside the timing group, the contenders built one after
     # another in the same processes (cheaper; the allocator's state then depends on what ran before).
     memory: str = "fresh"
+    # The fresh memory groups' allocator (zerodp.bench.probe.set_malloc): "default", glibc as a
+    # user's job gets it; "mmap", its mmap threshold fixed, so that RSS follows the live tensors.
+    malloc: str = "default"
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -124,6 +127,11 @@ class BenchSpec:
                              f"{self.device}, got {self.world_size}")
         if self.memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {self.memory!r}")
+        if self.malloc not in probe.MALLOC_MODES:
+            raise ValueError(f"malloc must be one of {', '.join(probe.MALLOC_MODES)}, got {self.malloc!r}")
+        if self.malloc != "default" and self.memory != "fresh":
+            raise ValueError(f"malloc={self.malloc!r} applies to the fresh memory groups: use memory='fresh' "
+                             "(the timing group keeps the default allocator)")
         if self.warmup < 1 or self.steps < 1:
             raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={self.warmup}, steps={self.steps}")
         bad = [s for s in self.stages if s not in COMPARISONS]
@@ -548,6 +556,8 @@ def _rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: s
     from zerodp.train.model import PRESETS
 
     _set_rank_device(spec, rank)
+    if not probe.set_malloc(spec.malloc):
+        raise RuntimeError(f"malloc={spec.malloc!r}: glibc's mallopt is not available on this machine")
     _warm_up_process(rank, world, spec, [name])
     make = _make_model_factory(spec.model, spec.seed, spec.device)
     x, y = _batches(regime, PRESETS[spec.model].vocab_size, 1, rank, world, spec.seed, spec.device)[0]
@@ -804,7 +814,9 @@ def contenders_table(result: BenchResult) -> str:
     ranks = "NCCL ranks (one GPU each)" if spec.device == "cuda" else "gloo ranks × 1 thread"
     lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} {ranks}, "
              f"{spec.warmup} warm-up steps, then timed steps alternated; "
-             "times: median of the per-step max over ranks; memory, states, sent: rank 0"]
+             "times: median of the per-step max over ranks; memory, states, sent: rank 0"
+             + ("; peak RSS with glibc's mmap threshold fixed at 128 KiB (--malloc mmap)"
+                if spec.malloc == "mmap" else "")]
     peak = "peak GPU MiB" if spec.device == "cuda" else "peak RSS MiB"
     head = (f"{'stage':>5}  {'contender':<38}{'median ms':>10}{'/floor':>8}{peak:>13}"
             f"{'states MiB':>11}{'sent MiB/step':>14}{'trace MiB/step':>15}")

@@ -68,19 +68,17 @@ flat copy that is broadcast, 8Ψ_u.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import dataclasses
 import gc
+
+from zerodp.bench.probe import set_malloc
 
 MiB = 1 << 20
 CLEAR_REFS = "/proc/self/clear_refs"
 DEFAULT_LAYERS = 24
 DEFAULT_D_MODEL = 1024
 DEFAULT_SEQ_LEN = 64
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept fixed
-MALLOC_MODES = ("mmap", "default")
+MALLOC_MODES = ("mmap", "default")  # this bench's default first (see set_malloc)
 
 
 def read_status() -> dict[str, int]:
@@ -132,21 +130,6 @@ def _adamw(groups):
     import torch
 
     return torch.optim.AdamW(groups, lr=1e-4)
-
-
-def set_malloc(mode: str) -> bool:
-    """``"mmap"``: glibc's ``mallopt(M_MMAP_THRESHOLD, 128 KiB)`` in this process, so that every
-    buffer of 128 KiB or more is its own mapping, returned to the system when freed, and ``VmRSS``
-    follows the live tensors; ``"default"``: glibc as it comes (its threshold then grows with the
-    buffers freed, up to 32 MiB, and later ones come from the heap, whose holes stay resident).
-    False where glibc is not there."""
-    if mode == "default":
-        return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
-        return False
 
 
 def _warm_up(cfg_dict: dict, mixed_precision: str) -> None:

@@ -27,6 +27,9 @@ _IO = "/proc/self/io"
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _RESET_PEAK_RSS = "5"  # proc(5): "5" resets the peak resident set size (VmHWM), Linux >= 4.0
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept fixed by set_malloc("mmap")
+MALLOC_MODES = ("default", "mmap")
 
 
 def bytes_written() -> int | None:
@@ -62,6 +65,23 @@ def peak_rss_bytes() -> int | None:
     """The resident set high-water mark since the process started or the last :func:`reset_peak`."""
     kib = _status_kib("VmHWM")
     return None if kib is None else kib * 1024
+
+
+def set_malloc(mode: str) -> bool:
+    """``"mmap"``: glibc's ``mallopt(M_MMAP_THRESHOLD, 128 KiB)`` in this process, so that every
+    buffer of 128 KiB or more is its own mapping, returned to the system when freed, and ``VmRSS``
+    follows the live tensors; ``"default"``: glibc as it comes (its threshold then grows with the
+    buffers freed, up to 32 MiB, and later ones come from the heap, whose holes stay resident).
+    False where glibc is not there."""
+    if mode not in MALLOC_MODES:
+        raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {mode!r}")
+    if mode == "default":
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
 
 
 def _malloc_trim() -> None:

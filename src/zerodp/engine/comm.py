@@ -67,6 +67,42 @@ class Pending:
         self.done = True
 
 
+def gather_into(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> object:
+    """Launch ``full`` ← every rank's ``shard`` in rank order (asynchronously; returns the work).
+
+    On CPU tensors (gloo), whose AllGather gathers into a new buffer the size of ``full`` and
+    copies it out — a whole group's worth of transient memory per gather in flight — it runs as
+    one in-place broadcast per rank, each rank's slice of ``full`` sent from where it lies: every
+    rank sends the same (N − 1)/N·V bytes as in the ring, and nothing is allocated (guide §12.5).
+    Elsewhere it is one AllGather into ``full``. The calibration sweep times this same function."""
+    n = dist.get_world_size(group)
+    if full.device.type != "cpu" or n == 1:
+        return all_gather_flat(full, shard, group=group, async_op=True)
+    step = shard.numel()
+    if full.numel() != n * step:
+        raise ValueError(f"gathering {n} shards of {step} elements into {full.numel()}")
+    mine = full[dist.get_rank(group) * step:][:step]
+    if mine.data_ptr() != shard.data_ptr():  # (stages 1-2 in fp32: the shard is that slice)
+        mine.copy_(shard)
+    return _Works([dist.broadcast(full[r * step:(r + 1) * step], group=group, async_op=True, group_src=r)
+                   for r in range(n)])
+
+
+class _Works:
+    """Several issued collectives waited for as one (the in-place AllGather's broadcasts)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
 class InFlight:
     """The collectives issued and not yet waited for, oldest first, each with a finisher to run
     once it completed. The engine keeps one for gradient reductions (buckets and units alike)
@@ -192,17 +228,18 @@ class Collectives:
                    async_op: bool = True, quant_block: int = 0) -> Pending:
         """``full`` ← every rank's ``shard`` concatenated in rank order (guide §9.1, §9.3); with
         ``quant_block`` > 0 as int8 blocks with one scale each (ZeRO++ qwZ, guide §15), every
-        rank — this one included — dequantizing every piece, so all ranks compute alike."""
+        rank — this one included — dequantizing every piece, so all ranks compute alike.
+
+        On CPU tensors it runs in place (:func:`gather_into`)."""
+        n = self.world_size
         if quant_block:
-            n = self.world_size
             return self._issue(
                 ALL_GATHER, label, quant.int8_collective_bytes(full.numel(), n, quant_block),
                 lambda: quant.all_gather_int8(full, shard, self.group, block=quant_block, async_op=True),
                 None, async_op)
         return self._issue(
             ALL_GATHER, label, full.numel() * full.element_size(),
-            lambda: all_gather_flat(full, shard, group=self.group, async_op=True),
-            None, async_op,
+            lambda: gather_into(full, shard, self.group), None, async_op,
         )
 
     def all_reduce_max(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
