@@ -747,6 +747,19 @@ def run_cases(rank: int, world: int, cases: list[Case], device: str | None = Non
     return out
 
 
+def run_cases_miscaled(rank: int, world: int, cases: list[Case], factor: float) -> list[tuple[str, str | None]]:
+    """:func:`run_cases` with the int8 codec's dequantization scaled by ``factor``: a check of the
+    checks — a compressed case must fail when the codec is wrong by more than its bound allows."""
+    from zerodp.engine import quant
+
+    exact = quant._dequantize_rows
+    quant._dequantize_rows = lambda q, scales, block: exact(q, scales * factor, block)
+    try:
+        return run_cases(rank, world, cases)
+    finally:
+        quant._dequantize_rows = exact
+
+
 if __name__ == "__main__":
     from zerodp.spawn import run_local
 

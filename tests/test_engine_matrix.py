@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from _matrix import COMPRESS, Case, pairwise_cases, random_cases, run_cases, valid
+from _matrix import COMPRESS, Case, pairwise_cases, random_cases, run_cases, run_cases_miscaled, valid
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
@@ -73,6 +73,17 @@ COMPRESSED = [Case.parse(f"stage={s} world={w} mesh={m} compress={k} usage={u} f
 def test_matrix_compressed_within_their_bounds():
     failures, ran = _run(COMPRESSED)
     assert not failures, f"{len(failures)} of {ran} compressed cases failed:\n" + "\n".join(failures)
+
+
+def test_compressed_checks_fail_on_a_codec_two_percent_off():
+    """The bounds are tight enough to matter: with every dequantized value 2% too large, both the
+    gradient check (stage 2, qgZ) and the used-parameter check (stage 3 hybrid, qwZ) fail."""
+    cases = [Case.parse("stage=2 world=2 mesh=flat compress=int8 usage=no_sync features=-"),
+             Case.parse("stage=3 world=4 mesh=hybrid compress=int8 usage=two_forwards features=buffer")]
+    for case, what in zip(cases, ("within the compression bound", "as forward used it")):
+        results = run_local(run_cases_miscaled, case.ranks_needed, [case], 1.02, timeout=180)
+        errors = [err for rank_results in results for _, err in rank_results if err]
+        assert errors and all(what in e for e in errors), (case, errors[:1])
 
 
 @pytest.mark.fuzz
