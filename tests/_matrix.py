@@ -622,7 +622,7 @@ def compression_bound(layouts: list[dict], local: list[list[dict]], plan, world:
     for layout in layouts:
         chunk = layout["shard_numel"]
         mag = [[_to_flat(layout, {k: v.abs() for k, v in g.items()}) for g in per_rank] for per_rank in local]
-        peak = [[block_max(a, chunk) for a in per_rank] for per_rank in mag]
+        peak = [[block_max(a, chunk) if quantized else a for a in per_rank] for per_rank in mag]  # (int8 only)
         bound = torch.zeros(layout["padded_numel"], dtype=torch.float64)
         seen_mag = [torch.zeros_like(bound) for _ in range(n)]
         seen_peak = [torch.zeros_like(bound) for _ in range(n)]

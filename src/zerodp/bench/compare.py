@@ -731,9 +731,8 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
         if torch.cuda.device_count() < spec.world_size:
             raise ValueError(f"a CUDA bench on {spec.world_size} ranks needs as many GPUs; "
                              f"{torch.cuda.device_count()} visible")
-        backend = "nccl"
-    groups = None
-    if spec.device != "cuda":
+        backend, groups = "nccl", None
+    else:
         groups = check_memory(spec, names)
     # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
     bucket = {r.name: {"ours0_auto": "auto"} for r in spec.regimes} if "ours0_auto" in names else {}

@@ -71,14 +71,13 @@ import argparse
 import dataclasses
 import gc
 
-from zerodp.bench.probe import set_malloc
+from zerodp.bench.probe import MALLOC_MODES, set_malloc
 
 MiB = 1 << 20
 CLEAR_REFS = "/proc/self/clear_refs"
 DEFAULT_LAYERS = 24
 DEFAULT_D_MODEL = 1024
 DEFAULT_SEQ_LEN = 64
-MALLOC_MODES = ("mmap", "default")  # this bench's default first (see set_malloc)
 
 
 def read_status() -> dict[str, int]:

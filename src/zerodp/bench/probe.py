@@ -77,20 +77,30 @@ def set_malloc(mode: str) -> bool:
         raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {mode!r}")
     if mode == "default":
         return True
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-    except (OSError, AttributeError):
+        return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except AttributeError:  # a C library without mallopt
         return False
 
 
-def _malloc_trim() -> None:
+def _libc() -> ctypes.CDLL | None:
+    """The C library (glibc's ``mallopt`` and ``malloc_trim``), or None where it cannot be loaded."""
     name = ctypes.util.find_library("c")
     if not name:
-        return
+        return None
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    try:
+        if libc is not None:
+            libc.malloc_trim(0)
+    except AttributeError:
         pass
 
 

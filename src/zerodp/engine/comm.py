@@ -81,7 +81,8 @@ def gather_into(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGrou
     step = shard.numel()
     if full.numel() != n * step:
         raise ValueError(f"gathering {n} shards of {step} elements into {full.numel()}")
-    mine = full[dist.get_rank(group) * step:][:step]
+    r = dist.get_rank(group)
+    mine = full[r * step:(r + 1) * step]
     if mine.data_ptr() != shard.data_ptr():  # (stages 1-2 in fp32: the shard is that slice)
         mine.copy_(shard)
     return _Works([dist.broadcast(full[r * step:(r + 1) * step], group=group, async_op=True, group_src=r)
