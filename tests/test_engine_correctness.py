@@ -353,14 +353,17 @@ def _misc(rank, world, tmp):
     return out
 
 
+def _every_check(rank, world, tmp):
+    """All of this file's checks in one spawned group (a spawn costs seconds): {check: result}."""
+    return {fn.__name__: fn(rank, world, *args) for fn, args in (
+        (_two_backwards, ()), (_stage3_usage, ()), (_groups, (tmp,)), (_unused, ()), (_layer_drop, ()),
+        (_misc, (tmp,)))}
+
+
 @functools.cache
 def results(world: int, tmp: str = "") -> dict:
-    out = {}
-    for fn, args in ((_two_backwards, ()), (_stage3_usage, ()), (_groups, (tmp,)), (_unused, ()), (_layer_drop, ()),
-                     (_misc, (tmp,))):
-        ranks = run_local(fn, world, *args, timeout=300)
-        out[fn.__name__] = ranks
-    return out
+    ranks = run_local(_every_check, world, tmp, timeout=600)
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
 
 
 WORLD_SIZES = (2, 3)

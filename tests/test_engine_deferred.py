@@ -71,12 +71,17 @@ def _init_and_step(rank, world, stage, init_fn_name):
     return {"before": before, "after": {k: v.clone() for k, v in after.items()}} if rank == 0 else None
 
 
+def _both_inits(rank, world, stage):
+    """Both initializers in one spawned group (a spawn costs seconds)."""
+    return {init: _init_and_step(rank, world, stage, init) for init in ("reset", "gpt")}
+
+
 @pytest.fixture(scope="module")
 def runs():
     out = {}
     for world, stage in ((2, 3), (3, 1), (1, 0)):
-        for init in ("reset", "gpt"):
-            out[(world, stage, init)] = run_local(_init_and_step, world, stage, init)[0]
+        for init, r in run_local(_both_inits, world, stage)[0].items():
+            out[(world, stage, init)] = r
     return out
 
 
