@@ -140,6 +140,8 @@ def test_roofline_knee_is_the_seed_formula(tmp_path):
     (["bench", "--steps", "0"], "steps"),
     (["bench", "--model", "huge"], "unknown model"),
     (["bench", "--quick", "--malloc", "mmap"], "applies to the fresh memory groups"),
+    (["bench", "--turn", "0"], "turn"),
+    (["bench", "--memory-steps", "0"], "memory_steps"),
 ])
 def test_bench_cli_bad_input(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
@@ -274,3 +276,29 @@ def test_a_stage_that_would_not_fit_whole_runs_ours_and_its_peer_alone_then_the_
     monkeypatch.setattr(compare, "available_bytes", lambda: pair * 0.99)
     with pytest.raises(ValueError, match="ours and its peer alive at once"):
         compare.check_memory(big, names)
+
+
+@pytest.mark.parametrize("warmup,steps,turn", [(3, 6, 3), (1, 2, 3), (2, 5, 1), (3, 30, 4)])
+def test_schedule_gives_each_contender_whole_turns_whose_first_step_is_not_timed(warmup, steps, turn):
+    spec = compare.BenchSpec(warmup=warmup, steps=steps, turn=turn, regimes=(compare.REGIMES["compute"],))
+    names = ["floor", "ours0", "ddp"]
+    rounds = spec.rounds_for(compare.REGIMES["compute"])
+    plan = list(compare.schedule(names, warmup, rounds, turn, seed=0))
+    assert plan == list(compare.schedule(names, warmup, rounds, turn, seed=0))  # every rank walks the same
+    for name in names:
+        mine = [(i, timed) for i, n, timed in plan if n == name]
+        assert sum(t for _, t in mine) >= steps  # at least the timed steps asked for
+        assert sum(t for _, t in mine) < steps + max(1, turn - 1)  # and no whole turn more
+        assert len(mine) + 1 == compare.steps_per_contender(warmup, rounds, turn)
+        assert not any(t for i, t in mine if i < warmup)  # warm-up rounds: nothing timed
+        for i in sorted({i for i, _ in mine if i >= warmup}):
+            turn_steps = [t for j, t in mine if j == i]
+            assert turn_steps == ([True] if turn == 1 else [False] + [True] * (turn - 1))
+    # a turn is consecutive: nobody else steps in between
+    for k in range(len(plan) - 1):
+        i, n, timed = plan[k]
+        if plan[k + 1][2] and plan[k + 1][0] == i and turn > 1:
+            assert plan[k + 1][1] == n
+    # the order of the turns changes from round to round
+    orders = {tuple(dict.fromkeys(n for j, n, _ in plan if j == i)) for i in range(warmup, rounds + 1)}
+    assert rounds - warmup < 2 or len(orders) > 1

@@ -67,6 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="timed steps per contender in the costliest regime; cheaper regimes "
                         "time proportionally more, up to 5x (default 6)")
     b.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 3)")
+    b.add_argument("--turn", type=int, default=3,
+                   help="consecutive steps per contender turn, the first untimed: it refills the caches "
+                        "the previous contender filled (default 3; 1 = every step timed, alternated each step)")
+    b.add_argument("--memory-steps", type=int, default=3,
+                   help="steps each contender runs alone while its peak memory is read (default 3: from the "
+                        "second step on, forward holds gradients and optimizer states too)")
     b.add_argument("--model", default=None, help="GPT preset (default small)")
     b.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     b.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for ours and DDP (default 25)")
@@ -224,7 +230,8 @@ def bench_command_line(args) -> str:
              ("--nproc", args.nproc, 2), ("--bucket-mb", args.bucket_mb, 25.0),
              ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
              ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None),
-             ("--memory", args.memory, None), ("--malloc", args.malloc, "default")]
+             ("--memory", args.memory, None), ("--malloc", args.malloc, "default"), ("--turn", args.turn, 3),
+             ("--memory-steps", args.memory_steps, 3)]
     words = ["zerodp", "bench"]
     words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
                               ("--roofline", args.roofline)) if on]
@@ -264,7 +271,8 @@ def run_bench_cmd(args) -> int:
             print(sweep.fits_table(cal.fits))
             print(f"wrote {profile}\n")
     spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
-                             warmup=warmup, steps=steps, bucket_mb=args.bucket_mb, profile=profile,
+                             warmup=warmup, steps=steps, turn=args.turn, memory_steps=args.memory_steps,
+                             bucket_mb=args.bucket_mb, profile=profile,
                              compress=_compressions(args.compress), shard_size=args.shard_size,
                              memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc)
     t0 = time.perf_counter()
@@ -276,7 +284,7 @@ def run_bench_cmd(args) -> int:
         tokens = (_int_list("roofline-tokens", args.roofline_tokens) if args.roofline_tokens else
                   (roofline.QUICK_TOKENS if args.quick else roofline.DEFAULT_TOKENS))
         rspec = roofline.RooflineSpec(model=model, world_size=args.nproc, tokens=tuple(tokens),
-                                      warmup=min(warmup, 2), steps=min(steps, 4),
+                                      warmup=min(warmup, 2), steps=min(steps, 4), turn=args.turn,
                                       bucket_mb=args.bucket_mb, profile=profile)
         rl = roofline.run_roofline(rspec)
         with open(os.path.join(args.out, "roofline.json"), "w") as f:

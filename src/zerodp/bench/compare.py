@@ -8,14 +8,21 @@ would not fit the machine's memory, ours and its peer alone, then the others):
   also the wait for any in-flight parameter AllGather, so that no work leaks into the next
   contender's step) timed on each rank between barriers; a step takes as long as its slowest rank,
   so the figure per step is the max over ranks, and per contender the **median** over the timed
-  steps. Contenders of a stage run **alternated**: step i of each before step i+1 of any, the
-  order shuffled each step (seeded, the same on every rank), so drift of a shared machine hits all
-  alike and no contender always runs right after the same other one (what ran just before leaves
-  caches and allocator state behind). The first ``warmup`` steps are not timed.
+  steps. Contenders of a stage run **alternated**, in turns (:func:`schedule`): each contender
+  in turn runs ``turn`` consecutive steps, of which the first is not timed — it finds the caches
+  and TLBs the previous contender filled with its own 100+ MiB of states and pays to refill them,
+  which a training job, stepping one model, never does; the order of the turns is shuffled each
+  round (seeded, the same on every rank), so drift of a shared machine hits all alike and no
+  contender always runs right after the same other one. The first ``warmup`` rounds (one step
+  each) are not timed.
 - **ratio** ours/peer of the medians, and **overhead** = median / the floor's median (the floor
   does the same per-rank work with no collectives; guide §7: ≈ 1 when compute-bound).
-- **peak memory per rank**: the RSS growth while the contender is built and runs its first step,
-  from ``VmHWM`` after a reset (:mod:`zerodp.bench.probe`) — model states + activations + buffers.
+- **peak memory per rank**: the RSS growth while the contender is built and runs its first
+  ``memory_steps`` steps, from ``VmHWM`` after a reset (:mod:`zerodp.bench.probe`) — model states +
+  activations + buffers. The first step alone would miss the peak of training: its forward runs
+  before any gradient or optimizer state exists (the states are born in its backward and
+  optimizer step), so from the second step on every forward holds them all; and glibc's heap
+  settles only after a few steps (its mmap threshold rises with the buffers the first steps free).
   By default (``memory="fresh"``) each contender is measured alone, in its own spawned group per
   regime (:func:`_rank_memory`): contenders built one after another in one process would each find
   the heap the earlier ones left (glibc keeps freed holes resident), and the figure would depend on
@@ -23,7 +30,7 @@ would not fit the machine's memory, ours and its peer alone, then the others):
   steps it (:func:`_warm_up_process`): what a process pays once (lazy imports, the optimizer
   machinery's first construction, ~70 MiB on CPU; gloo's first collectives; kernels) is paid
   before the peak is read. ``memory="shared"`` reads it in the timing group instead (after the same
-  warm-up of every contender), cheaper, for quick runs.
+  warm-up of every contender, over the build and first step only), cheaper, for quick runs.
 - **model-state bytes** per rank: tensor storages of params, grads, optimizer state
   (:mod:`zerodp.bench.peers`).
 - **bytes sent per step** per rank: growth of the process's ``wchar`` over the step, i.e. what
@@ -101,6 +108,8 @@ class BenchSpec:
     stages: tuple[int, ...] = (0, 1, 2, 3)
     warmup: int = 3
     steps: int = 6
+    turn: int = 3  # consecutive steps per contender turn, the first not timed (module docstring)
+    memory_steps: int = 3  # steps the fresh memory groups run while their peak is read
     bucket_mb: float = 25.0
     seed: int = 0
     profile: str | None = None  # calibration profile: predictions and the auto bucket row
@@ -134,6 +143,9 @@ class BenchSpec:
                              "(the timing group keeps the default allocator)")
         if self.warmup < 1 or self.steps < 1:
             raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={self.warmup}, steps={self.steps}")
+        if self.turn < 1 or self.memory_steps < 1:
+            raise ValueError(f"need turn >= 1 and memory_steps >= 1, got turn={self.turn}, "
+                             f"memory_steps={self.memory_steps}")
         bad = [s for s in self.stages if s not in COMPARISONS]
         if bad or not self.stages:
             raise ValueError(f"stages must be a non-empty subset of {sorted(COMPARISONS)}, got {list(self.stages)}")
@@ -160,6 +172,11 @@ class BenchSpec:
         largest = max(r.tokens for r in self.regimes)
         return self.steps * max(1, min(MAX_STEP_SCALE, largest // regime.tokens))
 
+    def rounds_for(self, regime: Regime) -> int:
+        """Rounds of turns after the build step: ``warmup - 1`` untimed ones, then enough to time
+        :meth:`steps_for` steps (:func:`schedule`)."""
+        return self.warmup - 1 + -(-self.steps_for(regime) // max(1, self.turn - 1))
+
     def variants(self, stage: int) -> list[str]:
         """Our compressed and hybrid contenders at ``stage`` (:data:`zerodp.bench.peers.VARIANTS`)."""
         out = []
@@ -177,6 +194,28 @@ class BenchSpec:
         if with_auto and 0 in self.stages:
             names.append("ours0_auto")
         return names
+
+
+def schedule(names: list[str], warmup: int, rounds: int, turn: int, seed: int):
+    """The bench's order of steps after each contender's first (module docstring): yields
+    ``(round, name, timed)``. Rounds ``1 .. warmup - 1`` are one untimed step per contender; each
+    later round gives every contender a turn of ``turn`` consecutive steps, the first untimed
+    when ``turn`` > 1; the order of the turns is shuffled per round, seeded, so every rank walks
+    the same schedule."""
+    for i in range(1, rounds + 1):
+        order = list(names)
+        random.Random(seed * 1_000_003 + i).shuffle(order)
+        for name in order:
+            if i < warmup:
+                yield i, name, False
+                continue
+            for j in range(turn):
+                yield i, name, turn == 1 or j > 0
+
+
+def steps_per_contender(warmup: int, rounds: int, turn: int) -> int:
+    """Steps each contender runs in :func:`schedule`, its first (build) step included."""
+    return 1 + sum(1 if i < warmup else turn for i in range(1, rounds + 1))
 
 
 @dataclass
@@ -440,7 +479,8 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
     if regime.seq_len > cfg.seq_len:
         raise ValueError(f"regime {regime.name}: seq_len {regime.seq_len} > the model's {cfg.seq_len}")
     make = _make_model_factory(spec.model, spec.seed, spec.device)
-    total = spec.warmup + spec.steps_for(regime)
+    rounds = spec.rounds_for(regime)
+    total = steps_per_contender(spec.warmup, rounds, spec.turn)
     batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed, spec.device)
     _prime(make, batches[0])
     groups = [[n for n in g if n in names] for g in (groups or stage_groups(names))]
@@ -452,7 +492,7 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
                    desc=f"bench {regime.name} ({regime.tokens} tok/rank)")
     out: dict = {}
     for group in groups:
-        res = _run_group(rank, world, spec, regime, group, bucket_mb, make, batches, total, bar)
+        res = _run_group(rank, world, spec, regime, group, bucket_mb, make, batches, bar)
         for name, r in res.items():
             if name in out:  # the floor of another group: pool its times
                 out[name]["times"] += r["times"]
@@ -464,7 +504,7 @@ def _run_regime(rank: int, world: int, spec: BenchSpec, regime: Regime, names: l
     return out
 
 
-def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total, bar) -> dict:
+def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) -> dict:
     import torch.distributed as dist
 
     from zerodp.bench.peers import build
@@ -481,35 +521,35 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, total
     times = {n: [] for n in names}
     sent = {n: [] for n in names}
     wire = {n: [] for n in names}
-    for i in range(1, total):  # step 0 was the first warm-up step, above
-        order = list(names)
-        random.Random(spec.seed * 1_000_003 + i).shuffle(order)  # same order on every rank
-        for name in order:
-            c = contenders[name]
-            # Model states are counted once, after backward of the second step, when grads and
-            # optimizer states both exist; the count's own time is taken out of the step's.
-            hook_s = [0.0]
+    done = {n: 1 for n in names}  # steps each contender ran: its first, above
+    for _, name, timed in schedule(names, spec.warmup, spec.rounds_for(regime), spec.turn, spec.seed):
+        c = contenders[name]
+        k = done[name]
+        done[name] += 1
+        # Model states are counted once, after backward of the second step, when grads and
+        # optimizer states both exist; the count's own time is taken out of the step's.
+        hook_s = [0.0]
 
-            def count_states(c=c, name=name, hook_s=hook_s):
-                h0 = time.perf_counter()
-                states[name] = c.model_state_bytes()
-                hook_s[0] = time.perf_counter() - h0
-            dist.barrier()
-            _device_sync(spec.device)
-            w0 = probe.bytes_written() if spec.device == "cpu" else None
-            t0 = time.perf_counter()
-            c.step(*batches[i], on_backward=count_states if i == 1 else None)
-            _settle(c)
-            _device_sync(spec.device)
-            t1 = time.perf_counter()
-            w1 = probe.bytes_written() if spec.device == "cpu" else None
-            if i >= spec.warmup:
-                times[name].append(t1 - t0 - hook_s[0])
-                sent[name].append(None if w0 is None else w1 - w0)
-                if c.engine is not None:
-                    wire[name].append(trace_sent_bytes(c.engine))
-            if bar is not None:
-                bar.update()
+        def count_states(c=c, name=name, hook_s=hook_s):
+            h0 = time.perf_counter()
+            states[name] = c.model_state_bytes()
+            hook_s[0] = time.perf_counter() - h0
+        dist.barrier()
+        _device_sync(spec.device)
+        w0 = probe.bytes_written() if spec.device == "cpu" else None
+        t0 = time.perf_counter()
+        c.step(*batches[k], on_backward=count_states if k == 1 else None)
+        _settle(c)
+        _device_sync(spec.device)
+        t1 = time.perf_counter()
+        w1 = probe.bytes_written() if spec.device == "cpu" else None
+        if timed:
+            times[name].append(t1 - t0 - hook_s[0])
+            sent[name].append(None if w0 is None else w1 - w0)
+            if c.engine is not None:
+                wire[name].append(trace_sent_bytes(c.engine))
+        if bar is not None:
+            bar.update()
     out = {}
     for name in names:
         c = contenders[name]
@@ -551,7 +591,7 @@ def _set_rank_device(spec: BenchSpec, rank: int) -> None:
 def _rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: str,
                  bucket_mb: "float | str") -> int | None:
     """One contender alone in a fresh group: warm up, then its peak growth while built and stepped
-    once (module docstring, "peak memory per rank")."""
+    ``memory_steps`` times (module docstring, "peak memory per rank")."""
     from zerodp.bench.peers import build
     from zerodp.train.model import PRESETS
 
@@ -560,11 +600,13 @@ def _rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: s
         raise RuntimeError(f"malloc={spec.malloc!r}: glibc's mallopt is not available on this machine")
     _warm_up_process(rank, world, spec, [name])
     make = _make_model_factory(spec.model, spec.seed, spec.device)
-    x, y = _batches(regime, PRESETS[spec.model].vocab_size, 1, rank, world, spec.seed, spec.device)[0]
+    batches = _batches(regime, PRESETS[spec.model].vocab_size, spec.memory_steps, rank, world, spec.seed,
+                       spec.device)
     with (_CudaPeak() if spec.device == "cuda" else probe.PeakMemory()) as mem:
         c = build(name, make, world, bucket_mb, spec.profile, regime.tokens, spec.shard_size)
-        c.step(x, y)
-        _settle(c)
+        for x, y in batches:
+            c.step(x, y)
+            _settle(c)
     return mem.bytes
 
 
@@ -812,7 +854,7 @@ def contenders_table(result: BenchResult) -> str:
     spec = result.spec
     ranks = "NCCL ranks (one GPU each)" if spec.device == "cuda" else "gloo ranks × 1 thread"
     lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} {ranks}, "
-             f"{spec.warmup} warm-up steps, then timed steps alternated; "
+             f"{spec.warmup} warm-up steps, then turns of {spec.turn} steps alternated, the first untimed; "
              "times: median of the per-step max over ranks; memory, states, sent: rank 0"
              + ("; peak RSS with glibc's mmap threshold fixed at 128 KiB (--malloc mmap)"
                 if spec.malloc == "mmap" else "")]

@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from zerodp.bench.compare import Regime, _batches, _make_model_factory, _prime, _settle
+from zerodp.bench.compare import Regime, _batches, _make_model_factory, _prime, _settle, schedule
 
 DEFAULT_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 QUICK_TOKENS = (8, 32, 128)
@@ -36,6 +36,7 @@ class RooflineSpec:
     tokens: tuple[int, ...] = DEFAULT_TOKENS
     warmup: int = 2
     steps: int = 4
+    turn: int = 3  # consecutive steps per turn, the first untimed (zerodp.bench.compare.schedule)
     bucket_mb: float = 25.0
     seed: int = 0
     profile: str | None = None
@@ -44,8 +45,8 @@ class RooflineSpec:
     def __post_init__(self):
         if not self.tokens or any(t < 1 for t in self.tokens):
             raise ValueError(f"tokens per rank must be positive integers, got {list(self.tokens)}")
-        if self.warmup < 1 or self.steps < 1:
-            raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup}, {self.steps}")
+        if self.warmup < 1 or self.steps < 1 or self.turn < 1:
+            raise ValueError(f"need warmup, steps and turn >= 1, got {self.warmup}, {self.steps}, {self.turn}")
         if self.world_size < 2:
             raise ValueError(f"world_size must be >= 2, got {self.world_size}")
 
@@ -101,26 +102,27 @@ def _rank_roofline(rank: int, world: int, spec: RooflineSpec) -> dict:
     regimes = [regime_for(t, cfg.seq_len) for t in spec.tokens]
     _prime(make, _batches(regimes[0], cfg.vocab_size, 1, rank, world, spec.seed)[0])
     contenders = {n: build(n, make, world, spec.bucket_mb) for n in CONTENDERS}
-    total = spec.warmup + spec.steps
+    rounds = spec.warmup + -(-spec.steps // max(1, spec.turn - 1))
+    total = spec.warmup + (rounds - spec.warmup) * spec.turn  # steps per contender and token count
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=total * len(regimes), desc="roofline", unit="step", leave=False)
+        bar = tqdm(total=total * len(CONTENDERS) * len(regimes), desc="roofline", unit="step", leave=False)
     out = {}
     for regime in regimes:
         batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed)
         times = {n: [] for n in CONTENDERS}
-        for i in range(total):
-            order = CONTENDERS if i % 2 == 0 else CONTENDERS[::-1]
-            for name in order:
-                c = contenders[name]
-                dist.barrier()
-                t0 = time.perf_counter()
-                c.step(*batches[i])
-                _settle(c)
-                if i >= spec.warmup:
-                    times[name].append(time.perf_counter() - t0)
+        done = dict.fromkeys(CONTENDERS, 0)
+        for _, name, timed in schedule(list(CONTENDERS), spec.warmup + 1, rounds, spec.turn, spec.seed):
+            c = contenders[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            c.step(*batches[done[name]])
+            _settle(c)
+            done[name] += 1
+            if timed:
+                times[name].append(time.perf_counter() - t0)
             if bar is not None:
                 bar.update()
         out[regime.tokens] = times
@@ -199,7 +201,8 @@ def aggregate(spec: RooflineSpec, per_rank: list[dict], wall: float = 0.0) -> Ro
 def table(result: RooflineResult) -> str:
     pred = result.spec.profile is not None
     lines = [f"stage-0 roofline, model {result.spec.model}, {result.spec.world_size} ranks, "
-             f"median of {result.spec.steps} steps after {result.spec.warmup} warm-up"]
+             f"median of {result.spec.steps}+ steps after {result.spec.warmup} warm-up, "
+             f"in turns of {result.spec.turn} (the first untimed)"]
     if result.knee_tokens is not None:
         lines.append(f"predicted knee b/2·C/W·(N−1)/N = {result.knee_tokens:.0f} tokens per rank "
                      f"(C = {result.flops / 1e9:.2f} GFLOP/s, W = {result.bandwidth / 1e9:.3f} GB/s, "
