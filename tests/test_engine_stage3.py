@@ -107,7 +107,7 @@ def reference_checkpoint(world: int) -> dict:
 
 
 # ---- what runs on every rank -----------------------------------------------------------------
-def _train(rank, world, engine, steps=STEPS, grad_acc=1, clip=None, start=0):
+def _train(rank, world, engine, steps=STEPS, grad_acc=1, clip=None, start=0, set_to_none=True):
     import torch.distributed as dist
 
     losses, norms = [], []
@@ -123,7 +123,7 @@ def _train(rank, world, engine, steps=STEPS, grad_acc=1, clip=None, start=0):
         if clip is not None:
             norms.append(float(engine.clip_grad_norm_(clip)))
         engine.step()
-        engine.zero_grad()
+        engine.zero_grad(set_to_none=set_to_none)
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses, norms
@@ -182,8 +182,8 @@ def _fsdp2(rank, world, mp_dtype=None, steps=STEPS):
         def step(self):
             opt.step()
 
-        def zero_grad(self):
-            opt.zero_grad()
+        def zero_grad(self, set_to_none=True):
+            opt.zero_grad(set_to_none=set_to_none)
 
     losses, _ = _train(rank, world, Wrap(), steps)
     state = {n: p.full_tensor().detach().numpy() for n, p in m.named_parameters()}
@@ -270,7 +270,7 @@ def _scenarios(rank, world, ckpt):
     for accum in (False, True):
         eng = _engine(_model(GPTConfig(**{**CFG.to_dict(), "bias": True})),
                       mixed_precision=MixedPrecision(fp32_grad_accum=accum))
-        _train(rank, world, eng, steps=1)
+        _train(rank, world, eng, steps=1, set_to_none=False)  # the gradient shards stay at rest
         st = eng.stats()
         out[f"memory_accum_{accum}"] = dict(
             memory=st.memory, psi=st.num_params, shard=sum(u.shard_numel for u in st.units),

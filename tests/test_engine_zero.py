@@ -176,8 +176,8 @@ def _memory_and_comm(rank, world, out):
                 with engine.no_sync(m == 0):
                     engine(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)).backward()
             engine.step()
+            s = engine.stats()  # before zero_grad, which frees the gradient shards (set_to_none)
             engine.zero_grad()
-            s = engine.stats()
             engine(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)).backward()  # one micro-batch
             engine.step()
             engine.zero_grad()
@@ -371,3 +371,39 @@ def test_stats_command_prints_formula_vs_measured(capsys):
     for stage in (0, 1, 2, 3):
         assert f"stage {stage}, N = 2" in text
     assert text.count("model states") == 8 and "formula" in text and "measured" in text
+
+
+def _set_to_none(rank, world):
+    """Two runs of three steps per stage, one zeroing with ``set_to_none=True`` (torch's default)
+    and one with False: gradient bytes at rest after zero_grad, and the final parameters."""
+    out = {}
+    for stage in (1, 2, 3):
+        finals = {}
+        for none in (True, False):
+            engine = zerodp.parallelize(make_gpt(), adamw, stage=stage, **({} if stage == 3 else SMALL_BUCKETS))
+            for step in range(3):
+                x, y = gpt_batch(step, world)
+                engine(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)).backward()
+                engine.step()
+                with_grads = engine.stats().memory["grads"]
+                engine.zero_grad(set_to_none=none)
+                out[f"{stage}/{none}/grads"] = (with_grads, engine.stats().memory["grads"])
+            finals[none] = {k: v.clone() for k, v in engine.full_state_dict().items()}
+        out[f"{stage}/equal"] = all(torch.equal(finals[True][k], finals[False][k]) for k in finals[True])
+    return out
+
+
+def test_zero_grad_set_to_none_frees_the_gradient_shards_and_changes_no_value():
+    """Stages 1-3 on CPU: after ``zero_grad()`` the gradient shards are freed (stage 1 keeps only
+    its full gradients, whose slice is its shard); with ``set_to_none=False`` they stay; both runs
+    end bitwise equal."""
+    for r in run_local(_set_to_none, 2):
+        for stage in (1, 2, 3):
+            kept, after = r[f"{stage}/False/grads"]
+            assert after == kept > 0, (stage, kept, after)
+            before, freed = r[f"{stage}/True/grads"]
+            if stage == 1:  # CPU: the shard is a slice of the full gradients, which param.grad views
+                assert freed == before
+            else:
+                assert freed == 0 < before, (stage, before, freed)
+            assert r[f"{stage}/equal"], stage

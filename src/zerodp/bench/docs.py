@@ -142,12 +142,17 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         "",
         "```", command, "```", "",
         "How it measures (see `zerodp.bench.compare`): every contender is built on the same GPT, seed and "
-        "data, on the same spawned gloo ranks (one intra-op thread each); steps alternate between "
-        "contenders (a new seeded random order each step, the same on every rank, so that no contender "
-        "always runs right after the same other one), warm-up steps are not timed, each step's time is the "
+        "data, on the same spawned gloo ranks (one intra-op thread each); contenders alternate in turns of "
+        f"{spec.turn} consecutive steps (a new seeded random order of the turns each round, the same on every "
+        "rank, so that no contender always runs right after the same other one); the first step of a turn and "
+        "the warm-up steps are not timed (the first step after a switch refills the caches the previous "
+        "contender filled, which a training job stepping one model never pays), each step's time is the "
         "max over ranks, and the figure is the median. The floor is the same per-rank work with no "
         "communication; overhead = step / floor. Peak memory is the rank's RSS growth (Linux `VmHWM` after "
-        "a reset) while the contender is built and runs its first step, "
+        "a reset) while the contender is built and runs "
+        + (f"its first {spec.memory_steps} steps (the first step's forward runs before any gradient or "
+           "optimizer state exists; from the second on, forward holds them all), "
+           if spec.memory == "fresh" else "its first step, ")
         + ("each contender alone in its own spawned group per regime (after one warm-up build and step of it "
            "on the nano model), so that no contender inherits the heap another left behind"
            if spec.memory == "fresh" else

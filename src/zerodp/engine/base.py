@@ -404,10 +404,13 @@ class StageEngine:
         self._last_step_end = now
         self.recorder.next_step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 — flat buffers are reused
-        """Reset gradients for the next step (flat buffers are zeroed in place, never freed)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients for the next step. ``param.grad`` becomes None; with ``set_to_none``
+        (torch's default) the gradient shards of stages 1-3 are freed until the next step's first
+        reduction, as torch frees ``.grad`` tensors; full gradients that ``param.grad`` views
+        (stage 0, stage 1 on CPU, like DDP's ``gradient_as_bucket_view``) stay, reused."""
         self._finish_grad_sync()
-        self._zero_grad()
+        self._zero_grad(set_to_none)
 
     def stats(self):
         """Measured bytes per rank by kind, the last step's collectives, exposed comm, step time."""
@@ -873,9 +876,9 @@ class StageEngine:
     def _wait_params(self) -> None:
         self._param_gathers.wait_all()
 
-    def _zero_grad(self) -> None:
+    def _zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.groups:
-            g.zero_grad()
+            g.zero_grad(set_to_none)
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {}

@@ -461,8 +461,8 @@ class FSDPEngine(StageEngine):
         self.last_peak_gathered_bytes = self._peak_bytes
         self._peak_units, self._peak_bytes = self._n_gathered, self._gathered_bytes
 
-    def _zero_grad(self) -> None:
-        super()._zero_grad()
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        super()._zero_grad(set_to_none)
         for u in self.groups:
             u.bwd.reset_inputs()
 
