@@ -407,3 +407,28 @@ def test_zero_grad_set_to_none_frees_the_gradient_shards_and_changes_no_value():
             else:
                 assert freed == 0 < before, (stage, before, freed)
             assert r[f"{stage}/equal"], stage
+
+
+def _deleted_engines(rank, world):
+    """Per stage: is the engine still alive after ``del`` and a collection, with its model gone
+    too? (A hook on a parameter held from C++ and pointing back at the engine would keep it.)"""
+    import gc
+    import weakref
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        engine = zerodp.parallelize(make_gpt(), adamw, stage=stage)
+        x, y = gpt_batch(0, world)
+        engine(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)).backward()
+        engine.step()
+        engine.zero_grad()
+        ref = weakref.ref(engine)
+        del engine
+        gc.collect()
+        out[stage] = ref() is not None
+    return out
+
+
+def test_a_deleted_engine_and_its_buffers_are_freed():
+    for r in run_local(_deleted_engines, 2):
+        assert not any(r.values()), f"engines still alive after del + gc.collect(), by stage: {r}"

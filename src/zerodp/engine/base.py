@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
+import weakref
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
@@ -898,6 +899,21 @@ class StageEngine:
 
     def _on_backward_end(self) -> None:
         pass
+
+
+def grad_hook(engine: "StageEngine", method: str, group: int, j: int) -> Callable[[nn.Parameter], None]:
+    """The post-accumulate-grad hook of trainable parameter ``j`` of ``engine.groups[group]``:
+    calls ``engine.<method>(that group, j, param)``. It holds the engine by a weak reference and
+    the group by its index: a parameter's hooks are held from C++, where Python's garbage collector
+    cannot see a cycle back through them, so a hook holding the engine or a group would keep a
+    deleted engine and its flat buffers alive for the life of the process."""
+    ref = weakref.ref(engine)
+
+    def hook(param: nn.Parameter) -> None:
+        eng = ref()
+        if eng is not None:
+            getattr(eng, method)(eng.groups[group], j, param)
+    return hook
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:

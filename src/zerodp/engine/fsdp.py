@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from zerodp.engine.base import StageEngine
+from zerodp.engine.base import StageEngine, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
@@ -191,7 +191,7 @@ class FSDPEngine(StageEngine):
                 lambda m, a, out, u=u: self._post_forward(u, out)))
             for j, p in enumerate(u.trainable_params):
                 self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda p, u=u, j=j: self._on_grad_final(u, j, p)))
+                    grad_hook(self, "_on_grad_final", u.index, j)))
         self._handles.append(root.register_forward_hook(self._top_post_forward))
 
     def _top_pre_forward(self, module, args):

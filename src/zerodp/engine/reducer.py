@@ -28,12 +28,10 @@ micro-batch into its gradient shard.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn as nn
 
-from zerodp.engine.base import StageEngine
+from zerodp.engine.base import StageEngine, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers, plan_buckets
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.deferred import materialize_module
@@ -75,8 +73,8 @@ class BucketEngine(StageEngine):
         frozen = [p for p in module.parameters() if not p.requires_grad]
         self._init_groups(extra_broadcast=frozen + [b for b in module.buffers()])
         # Hooks: trainable parameter j of bucket g calls _grad_ready(g, j).
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._grad_ready, g, j))
-                       for g in self.groups for j, p in enumerate(g.trainable_params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(grad_hook(self, "_grad_ready", i, j))
+                       for i, g in enumerate(self.groups) for j, p in enumerate(g.trainable_params)]
         self._reset_backward()
         self._start_clock()
 
