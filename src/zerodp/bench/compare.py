@@ -119,9 +119,10 @@ class BenchSpec:
     # shard-group size g < world_size for hybrid sharding at stages 1-3 (None: no hybrid rows).
     compress: tuple[str, ...] = ("none",)
     shard_size: int | None = None
-    # Peak memory: "fresh" — each contender built and stepped once in its own spawned group, alone
-    # (what a user's job sees); "shared" — inside the timing group, the contenders built one after
-    # another in the same processes (cheaper; the allocator's state then depends on what ran before).
+    # Peak memory: "fresh" — each contender built and stepped memory_steps times in its own spawned
+    # group, alone (what a user's job sees); "shared" — inside the timing group, over the build and
+    # first step of the contenders built one after another in the same processes (cheaper; the
+    # allocator's state then depends on what ran before).
     memory: str = "fresh"
     # The fresh memory groups' allocator (zerodp.bench.probe.set_malloc): "default", glibc as a
     # user's job gets it; "mmap", its mmap threshold fixed, so that RSS follows the live tensors.
