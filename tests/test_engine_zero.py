@@ -373,6 +373,11 @@ def test_stats_command_prints_formula_vs_measured(capsys):
     assert text.count("model states") == 8 and "formula" in text and "measured" in text
 
 
+def _grad_storage_bytes(engine) -> int:
+    """Bytes of gradient storage the engine's groups hold right now (0 for a freed storage)."""
+    return sum(t.untyped_storage().nbytes() for g in engine.groups for t in g.memory()["grads"])
+
+
 def _set_to_none(rank, world):
     """Two runs of three steps per stage, one zeroing with ``set_to_none=True`` (torch's default)
     and one with False: gradient bytes at rest after zero_grad, and the final parameters."""
@@ -385,9 +390,10 @@ def _set_to_none(rank, world):
                 x, y = gpt_batch(step, world)
                 engine(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)).backward()
                 engine.step()
-                with_grads = engine.stats().memory["grads"]
+                with_grads = _grad_storage_bytes(engine)
                 engine.zero_grad(set_to_none=none)
-                out[f"{stage}/{none}/grads"] = (with_grads, engine.stats().memory["grads"])
+                out[f"{stage}/{none}/grads"] = (with_grads, _grad_storage_bytes(engine))
+                out[f"{stage}/{none}/stats"] = engine.stats().memory["grads"]  # the step's, at rest or not
             finals[none] = {k: v.clone() for k, v in engine.full_state_dict().items()}
         out[f"{stage}/equal"] = all(torch.equal(finals[True][k], finals[False][k]) for k in finals[True])
     return out
@@ -406,6 +412,7 @@ def test_zero_grad_set_to_none_frees_the_gradient_shards_and_changes_no_value():
                 assert freed == before
             else:
                 assert freed == 0 < before, (stage, before, freed)
+            assert r[f"{stage}/True/stats"] == r[f"{stage}/False/stats"] == kept, stage  # stats: the step's
             assert r[f"{stage}/equal"], stage
 
 

@@ -253,6 +253,7 @@ class StageEngine:
         self._grad_pool = StoragePool(MAX_REDUCE_IN_FLIGHT)  # released transient gradient buffers
         self._comm_peak = 0  # most bytes of transient gradient buffers alive at once, this step
         self.last_comm_peak = 0
+        self.last_grad_bytes = 0
         self.mixed_precision = config.mixed_precision
         if config.reduce_dtype is not None:  # gradients on the wire in another dtype (guide §15)
             self.mixed_precision = dataclasses.replace(
@@ -411,6 +412,9 @@ class StageEngine:
         reduction, as torch frees ``.grad`` tensors; full gradients that ``param.grad`` views
         (stage 0, stage 1 on CPU, like DDP's ``gradient_as_bucket_view``) stay, reused."""
         self._finish_grad_sync()
+        # What the step's gradients held, for stats(): the shards freed here exist again from the
+        # next step's first reduction on (model states are what a step holds, guide §8).
+        self.last_grad_bytes = sum(t.untyped_storage().nbytes() for g in self.groups for t in g.memory()["grads"])
         self._zero_grad(set_to_none)
 
     def stats(self):

@@ -128,6 +128,9 @@ def engine_memory(engine) -> dict[str, int]:
     # Transient gradient buffers (in flight to their collective) are gone at rest: report the
     # most that was alive at once during the last step.
     out["comm_buffers"] = max(out.get("comm_buffers", 0), getattr(engine, "last_comm_peak", 0))
+    # Gradient shards are freed by zero_grad() until the next reduction: report what the last
+    # step's gradients held.
+    out["grads"] = max(out.get("grads", 0), getattr(engine, "last_grad_bytes", 0))
     return out
 
 
