@@ -176,7 +176,7 @@ class BenchSpec:
     def rounds_for(self, regime: Regime) -> int:
         """Rounds of turns after the build step: ``warmup - 1`` untimed ones, then enough to time
         :meth:`steps_for` steps (:func:`schedule`)."""
-        return self.warmup - 1 + -(-self.steps_for(regime) // max(1, self.turn - 1))
+        return self.warmup - 1 + timed_rounds(self.steps_for(regime), self.turn)
 
     def variants(self, stage: int) -> list[str]:
         """Our compressed and hybrid contenders at ``stage`` (:data:`zerodp.bench.peers.VARIANTS`)."""
@@ -195,6 +195,12 @@ class BenchSpec:
         if with_auto and 0 in self.stages:
             names.append("ours0_auto")
         return names
+
+
+def timed_rounds(steps: int, turn: int) -> int:
+    """Rounds of :func:`schedule` that time at least ``steps`` steps of each contender (a turn of
+    ``turn`` > 1 steps times all but its first)."""
+    return -(-steps // max(1, turn - 1))
 
 
 def schedule(names: list[str], warmup: int, rounds: int, turn: int, seed: int):

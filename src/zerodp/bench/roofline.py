@@ -22,7 +22,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from zerodp.bench.compare import Regime, _batches, _make_model_factory, _prime, _settle, schedule
+from zerodp.bench.compare import (Regime, _batches, _make_model_factory, _prime, _settle, schedule,
+                                  steps_per_contender, timed_rounds)
 
 DEFAULT_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 QUICK_TOKENS = (8, 32, 128)
@@ -102,8 +103,9 @@ def _rank_roofline(rank: int, world: int, spec: RooflineSpec) -> dict:
     regimes = [regime_for(t, cfg.seq_len) for t in spec.tokens]
     _prime(make, _batches(regimes[0], cfg.vocab_size, 1, rank, world, spec.seed)[0])
     contenders = {n: build(n, make, world, spec.bucket_mb) for n in CONTENDERS}
-    rounds = spec.warmup + -(-spec.steps // max(1, spec.turn - 1))
-    total = spec.warmup + (rounds - spec.warmup) * spec.turn  # steps per contender and token count
+    # No build step per token count: the first spec.warmup rounds of the schedule are the warm-up.
+    rounds = spec.warmup + timed_rounds(spec.steps, spec.turn)
+    total = steps_per_contender(spec.warmup + 1, rounds, spec.turn) - 1  # per contender and token count
     bar = None
     if rank == 0:
         from tqdm import tqdm

@@ -56,7 +56,7 @@ from zerodp.engine.group import FROZEN, FlatGroup, Policy, StoragePool
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target, param_targets
-from zerodp.engine.stats import MEMORY_KINDS, MODEL_STATE_KINDS, collect_stats  # noqa: F401
+from zerodp.engine.stats import MEMORY_KINDS, MODEL_STATE_KINDS, collect_stats, measured_bytes  # noqa: F401
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
 BUFFER = "buffer"  # checkpoint piece kind of a module buffer (saved whole, by rank 0)
@@ -414,7 +414,7 @@ class StageEngine:
         self._finish_grad_sync()
         # What the step's gradients held, for stats(): the shards freed here exist again from the
         # next step's first reduction on (model states are what a step holds, guide §8).
-        self.last_grad_bytes = sum(t.untyped_storage().nbytes() for g in self.groups for t in g.memory()["grads"])
+        self.last_grad_bytes = measured_bytes({"grads": [t for g in self.groups for t in g.memory()["grads"]]})["grads"]
         self._zero_grad(set_to_none)
 
     def stats(self):

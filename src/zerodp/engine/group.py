@@ -445,7 +445,7 @@ class FlatGroup:
         overwrite = self.policy.full_grads or self.shard_fresh
         self.shard_fresh = False
         if not self.grad_shard.untyped_storage().nbytes():  # freed by zero_grad: written, not added
-            self.grad_shard.untyped_storage().resize_(self.layout.shard_numel * self.grad_shard.element_size())
+            self.grad_shard.untyped_storage().resize_(self.grad_shard.nbytes)
         if self._hybrid:
             return self._reduce_hybrid(src, overwrite)
         in_place = self.comm.reduces_in_place(src, self.quant_grads)
