@@ -378,42 +378,50 @@ def _grad_storage_bytes(engine) -> int:
     return sum(t.untyped_storage().nbytes() for g in engine.groups for t in g.memory()["grads"])
 
 
+#: (key, stage, parallelize options) of the set_to_none test: every stage, plus bf16 with the fp32
+#: accumulator of full gradients (stages 0-1), which is freed and re-zeroed with them
+SET_TO_NONE_CASES = [(str(stage), stage, {} if stage == 3 else SMALL_BUCKETS) for stage in (0, 1, 2, 3)] + [
+    (f"{stage}acc", stage, {**SMALL_BUCKETS, "mixed_precision": MixedPrecision(fp32_grad_accum=True)})
+    for stage in (0, 1)]
+
+
 def _set_to_none(rank, world):
-    """Two runs of three steps per stage, one zeroing with ``set_to_none=True`` (torch's default)
-    and one with False: gradient bytes at rest after zero_grad, and the final parameters."""
+    """Two runs of three steps of two micro-batches (the first under ``no_sync``) per case, one
+    zeroing with ``set_to_none=True`` (torch's default) and one with False: gradient bytes at rest
+    after zero_grad, the stats, and the final parameters."""
     out = {}
-    for stage in (1, 2, 3):
+    for key, stage, options in SET_TO_NONE_CASES:
         finals = {}
         for none in (True, False):
-            engine = zerodp.parallelize(make_gpt(), adamw, stage=stage, **({} if stage == 3 else SMALL_BUCKETS))
+            engine = zerodp.parallelize(make_gpt(), adamw, stage=stage, **options)
             for step in range(3):
-                x, y = gpt_batch(step, world)
-                engine(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)).backward()
+                for m in range(2):
+                    x, y = gpt_batch(2 * step + m, world)
+                    with engine.no_sync(m == 0):
+                        engine(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)).backward()
                 engine.step()
                 with_grads = _grad_storage_bytes(engine)
                 engine.zero_grad(set_to_none=none)
-                out[f"{stage}/{none}/grads"] = (with_grads, _grad_storage_bytes(engine))
-                out[f"{stage}/{none}/stats"] = engine.stats().memory["grads"]  # the step's, at rest or not
+                out[f"{key}/{none}/grads"] = (with_grads, _grad_storage_bytes(engine))
+                out[f"{key}/{none}/stats"] = engine.stats().memory["grads"]  # the step's, at rest or not
             finals[none] = {k: v.clone() for k, v in engine.full_state_dict().items()}
-        out[f"{stage}/equal"] = all(torch.equal(finals[True][k], finals[False][k]) for k in finals[True])
+        out[f"{key}/equal"] = all(torch.equal(finals[True][k], finals[False][k]) for k in finals[True])
     return out
 
 
-def test_zero_grad_set_to_none_frees_the_gradient_shards_and_changes_no_value():
-    """Stages 1-3 on CPU: after ``zero_grad()`` the gradient shards are freed (stage 1 keeps only
-    its full gradients, whose slice is its shard); with ``set_to_none=False`` they stay; both runs
-    end bitwise equal."""
+def test_zero_grad_set_to_none_frees_the_gradients_and_changes_no_value():
+    """Stages 0-3 on CPU, and bf16 with fp32 accumulation at stages 0-1: after ``zero_grad()``
+    every gradient storage is freed (full gradients and their accumulator at stages 0-1, shards at
+    stages 2-3) until the next backward; with ``set_to_none=False`` they stay; both runs end
+    bitwise equal, and stats() reports the step's gradients either way."""
     for r in run_local(_set_to_none, 2):
-        for stage in (1, 2, 3):
-            kept, after = r[f"{stage}/False/grads"]
-            assert after == kept > 0, (stage, kept, after)
-            before, freed = r[f"{stage}/True/grads"]
-            if stage == 1:  # CPU: the shard is a slice of the full gradients, which param.grad views
-                assert freed == before
-            else:
-                assert freed == 0 < before, (stage, before, freed)
-            assert r[f"{stage}/True/stats"] == r[f"{stage}/False/stats"] == kept, stage  # stats: the step's
-            assert r[f"{stage}/equal"], stage
+        for key, _, _ in SET_TO_NONE_CASES:
+            kept, after = r[f"{key}/False/grads"]
+            assert after == kept > 0, (key, kept, after)
+            before, freed = r[f"{key}/True/grads"]
+            assert freed == 0 < before, (key, before, freed)
+            assert r[f"{key}/True/stats"] == r[f"{key}/False/stats"] == kept, key  # stats: the step's
+            assert r[f"{key}/equal"], key
 
 
 def _deleted_engines(rank, world):

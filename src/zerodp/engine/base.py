@@ -408,9 +408,9 @@ class StageEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients for the next step. ``param.grad`` becomes None; with ``set_to_none``
-        (torch's default) the gradient shards of stages 1-3 are freed until the next step's first
-        reduction, as torch frees ``.grad`` tensors; full gradients that ``param.grad`` views
-        (stage 0, stage 1 on CPU, like DDP's ``gradient_as_bucket_view``) stay, reused."""
+        (torch's default) the gradient storages are freed as torch frees ``.grad`` tensors: full
+        gradients (stages 0-1) until their group's first gradient of the next backward, gradient
+        shards (stages 2-3) until the next step's first reduction (guide §12.5 step 6)."""
         self._finish_grad_sync()
         # What the step's gradients held, for stats(): the shards freed here exist again from the
         # next step's first reduction on (model states are what a step holds, guide §8).

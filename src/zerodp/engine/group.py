@@ -15,10 +15,11 @@ tensor          size, dtype          lifetime
                                      1-2) or its own buffer (stage 3); the AllGather's input
 ``master``      Ψ_g or Ψ_g/N, fp32   what the optimizer updates: the whole buffer at stage 0, slice
                                      r at stages 1-3 (= ``param_shard`` when the dtypes agree)
-``grad_full``   Ψ_g, reduce dtype    local gradients. At rest (and ``param.grad`` views into it,
-                                     as DDP's ``gradient_as_bucket_view``) when the policy keeps
-                                     full gradients; otherwise allocated by the first gradient and
-                                     released once its collective completed (guide §9.2)
+``grad_full``   Ψ_g, reduce dtype    local gradients. When the policy keeps full gradients
+                                     ``param.grad`` views into it (as DDP's ``gradient_as_bucket_
+                                     view``) from the group's first gradient of a step until
+                                     ``zero_grad()``; otherwise allocated by the first gradient and
+                                     released once its collective completed (guide §9.2, §12.5)
 ``grad_shard``  Ψ_g/N, accum dtype   the mean over ranks of slice r, accumulated across micro-
                                      batches (stages 1-3; fp32 with ``fp32_grad_accum``)
 ==============  ===================  ================================================================
@@ -311,6 +312,7 @@ class FlatGroup:
         # their pages are touched by the first backward, not at construction, as DDP's buckets.
         if self.policy.full_grads:
             self.grad_full = torch.empty(n, dtype=self.param_dtype, device=self.device)
+            self._grad_nbytes = self.grad_full.untyped_storage().nbytes()
             self._zero_unwritten()
             self._grad_views = self.views(self.grad_full, self.trainable)
             # fp32 accumulation of full gradients (+4Ψ): every filled bucket is added in (guide §9).
@@ -337,9 +339,20 @@ class FlatGroup:
         self._cast: torch.Tensor | None = None  # grad_full in the reduce dtype, while in flight
 
     def _ensure_grad_storage(self) -> None:
-        """Transient ``grad_full``: a storage from the pool, or a new one; zeros where no gradient
-        is ever written (frozen parameters and the padding)."""
-        if self.policy.full_grads or self.grad_full.numel():
+        """``grad_full`` before a gradient is written to it: full gradients get their storage back
+        if ``zero_grad`` freed it (the views stay valid, guide §12); a transient ``grad_full`` takes
+        a storage from the pool, or a new one. Zeros where no gradient is ever written (frozen
+        parameters and the padding), and in a re-allocated fp32 accumulator."""
+        if self.policy.full_grads:
+            storage = self.grad_full.untyped_storage()
+            if not storage.nbytes():
+                storage.resize_(self._grad_nbytes)
+                self._zero_unwritten()
+                if self.acc_full is not None:
+                    self.acc_full.untyped_storage().resize_(self.acc_full.nbytes)
+                    self.acc_full.zero_()
+            return
+        if self.grad_full.numel():
             return
         n = self.layout.padded_numel
         storage = self.pool.take(self._grad_nbytes) if self.pool is not None else None
@@ -371,6 +384,7 @@ class FlatGroup:
         earlier micro-batches). With full gradients at rest ``param.grad`` then *is* the view, so
         later micro-batches accumulate in place; otherwise ``.grad`` is dropped at once."""
         if self.policy.full_grads:
+            self._ensure_grad_storage()
             view = self._grad_views[j]
             if param.grad is not view:  # first gradient since zero_grad: move it into the bucket
                 view.copy_(param.grad)
@@ -393,6 +407,7 @@ class FlatGroup:
         if not missing:
             return missing
         if self.policy.full_grads:
+            self._ensure_grad_storage()
             for j in missing:
                 param = self.params[self.trainable[j]]
                 if param.grad is not self._grad_views[j]:
@@ -422,6 +437,8 @@ class FlatGroup:
         ``factor`` pre-multiplies local gradients (token averaging, guide §2.2). The ReduceScatter
         overwrites ``grad_shard`` when ``grad_full`` holds the step's whole local sum (full
         gradients at rest) or nothing was reduced since ``zero_grad``; otherwise it adds."""
+        if self.policy.full_grads:
+            self._ensure_grad_storage()
         if self.acc_full is not None:
             self.end_local()
             src = self.acc_full
@@ -487,12 +504,18 @@ class FlatGroup:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Next step: gradients are None, the next reduction overwrites the shard. With
-        ``set_to_none`` (torch's default) a gradient shard of its own is freed as well, as torch
-        frees a ``.grad``: until the first reduction of the next step, which allocates it again,
-        forward and backward run without it (Ψ_g/N elements less at the step's peak)."""
+        ``set_to_none`` (torch's default) the gradient storages are freed as well, as torch frees
+        a ``.grad``: full gradients (and their fp32 accumulator) until the group's first gradient
+        of the next backward, a gradient shard of its own until the first reduction. Forward runs
+        without them: Ψ_g elements less at its peak with full gradients (stages 0-1), Ψ_g/N with a
+        shard (stages 2-3). ``set_to_none=False`` keeps them, zeroed where they accumulate."""
         for param in self.trainable_params:
             param.grad = None
-        if self.acc_full is not None:
+        if self.policy.full_grads and set_to_none:
+            for t in (self.grad_full, self.acc_full):  # the shard of stage 1 on CPU is a slice of grad_full
+                if t is not None:
+                    t.untyped_storage().resize_(0)
+        elif self.acc_full is not None:
             self.acc_full.zero_()
         if self.grad_full is not None:
             self._release_grad_storage()
