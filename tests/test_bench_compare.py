@@ -142,6 +142,8 @@ def test_roofline_knee_is_the_seed_formula(tmp_path):
     (["bench", "--quick", "--malloc", "mmap"], "applies to the fresh memory groups"),
     (["bench", "--turn", "0"], "turn"),
     (["bench", "--memory-steps", "0"], "memory_steps"),
+    (["bench", "--memory-repeats", "0"], "memory_repeats"),
+    (["bench", "--quick", "--memory-repeats", "3"], "repeats the fresh memory groups"),
 ])
 def test_bench_cli_bad_input(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
@@ -302,3 +304,25 @@ def test_schedule_gives_each_contender_whole_turns_whose_first_step_is_not_timed
     # the order of the turns changes from round to round
     orders = {tuple(dict.fromkeys(n for j, n, _ in plan if j == i)) for i in range(warmup, rounds + 1)}
     assert rounds - warmup < 2 or len(orders) > 1
+
+
+def test_memory_repeats_take_the_median_per_rank_and_measure_every_contender_before_any_twice(monkeypatch):
+    """``memory_repeats`` R: R fresh groups per contender, repeat-major (ours and peers interleaved),
+    and per rank the median of the R readings; a missing reading (no /proc) stays missing."""
+    import zerodp.spawn
+
+    readings = {("compute", "ours0"): [[300, 310], [100, 110], [200, 210]],
+                ("compute", "ddp"): [[50, 60], [70, None], [60, 70]]}
+    calls = []
+
+    def fake_run_local(fn, world, spec, regime, name, mb, timeout, backend):
+        assert fn is compare._rank_memory and world == spec.world_size == 2
+        calls.append(name)
+        return readings[regime.name, name][sum(c == name for c in calls) - 1]
+
+    monkeypatch.setattr(zerodp.spawn, "run_local", fake_run_local)
+    spec = compare.BenchSpec(regimes=(compare.REGIMES["compute"],), stages=(0,), memory_repeats=3)
+    out = compare._fresh_peaks(spec, ["ours0", "ddp"], {}, 60.0, "gloo")
+    assert calls == ["ours0", "ddp"] * 3
+    assert out[("compute", "ours0")] == [200, 210]
+    assert out[("compute", "ddp")] == [60, None]

@@ -73,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--memory-steps", type=int, default=3,
                    help="steps each contender runs alone while its peak memory is read (default 3: from the "
                         "second step on, forward holds gradients and optimizer states too)")
+    b.add_argument("--memory-repeats", type=int, default=1,
+                   help="fresh groups per contender in which its peak memory is read; the figure is their median "
+                        "(default 1; glibc's heap moves one reading by up to ±20 MiB)")
     b.add_argument("--model", default=None, help="GPT preset (default small)")
     b.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     b.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for ours and DDP (default 25)")
@@ -231,7 +234,7 @@ def bench_command_line(args) -> str:
              ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
              ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None),
              ("--memory", args.memory, None), ("--malloc", args.malloc, "default"), ("--turn", args.turn, 3),
-             ("--memory-steps", args.memory_steps, 3)]
+             ("--memory-steps", args.memory_steps, 3), ("--memory-repeats", args.memory_repeats, 1)]
     words = ["zerodp", "bench"]
     words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
                               ("--roofline", args.roofline)) if on]
@@ -272,6 +275,7 @@ def run_bench_cmd(args) -> int:
             print(f"wrote {profile}\n")
     spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
                              warmup=warmup, steps=steps, turn=args.turn, memory_steps=args.memory_steps,
+                             memory_repeats=args.memory_repeats,
                              bucket_mb=args.bucket_mb, profile=profile,
                              compress=_compressions(args.compress), shard_size=args.shard_size,
                              memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc)

@@ -29,8 +29,11 @@ would not fit the machine's memory, ours and its peer alone, then the others):
   the order. Before the reading the group builds the same contender once on the nano model and
   steps it (:func:`_warm_up_process`): what a process pays once (lazy imports, the optimizer
   machinery's first construction, ~70 MiB on CPU; gloo's first collectives; kernels) is paid
-  before the peak is read. ``memory="shared"`` reads it in the timing group instead (after the same
-  warm-up of every contender, over the build and first step only), cheaper, for quick runs.
+  before the peak is read. With glibc's heap, one reading moves by up to ±20 MiB from group to group
+  (docs/benchmarks-memory.md): ``memory_repeats`` R > 1 measures every contender in R fresh groups,
+  all contenders once before any twice, and takes the median per rank. ``memory="shared"`` reads it
+  in the timing group instead (after the same warm-up of every contender, over the build and first
+  step only), cheaper, for quick runs.
 - **model-state bytes** per rank: tensor storages of params, grads, optimizer state
   (:mod:`zerodp.bench.peers`).
 - **bytes sent per step** per rank: growth of the process's ``wchar`` over the step, i.e. what
@@ -110,6 +113,7 @@ class BenchSpec:
     steps: int = 6
     turn: int = 3  # consecutive steps per contender turn, the first not timed (module docstring)
     memory_steps: int = 3  # steps the fresh memory groups run while their peak is read
+    memory_repeats: int = 1  # fresh memory groups per contender; the peak is their median per rank
     bucket_mb: float = 25.0
     seed: int = 0
     profile: str | None = None  # calibration profile: predictions and the auto bucket row
@@ -139,6 +143,11 @@ class BenchSpec:
             raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {self.memory!r}")
         if self.malloc not in probe.MALLOC_MODES:
             raise ValueError(f"malloc must be one of {', '.join(probe.MALLOC_MODES)}, got {self.malloc!r}")
+        if self.memory_repeats < 1:
+            raise ValueError(f"need memory_repeats >= 1, got {self.memory_repeats}")
+        if self.memory_repeats > 1 and self.memory != "fresh":
+            raise ValueError(f"memory_repeats={self.memory_repeats} repeats the fresh memory groups: use "
+                             "memory='fresh'")
         if self.malloc != "default" and self.memory != "fresh":
             raise ValueError(f"malloc={self.malloc!r} applies to the fresh memory groups: use memory='fresh' "
                              "(the timing group keeps the default allocator)")
@@ -749,18 +758,28 @@ def check_memory(spec: BenchSpec, names: list[str]) -> list[list[str]]:
 
 def _fresh_peaks(spec: BenchSpec, names: list[str], bucket: dict, timeout: float,
                  backend: str) -> dict[tuple[str, str], list[int | None]]:
-    """Each contender's peak memory per rank, alone in a fresh spawned group per regime."""
+    """Each contender's peak memory per rank, alone in a fresh spawned group per regime; the median
+    per rank over ``memory_repeats`` such groups, every contender measured once before any twice
+    (module docstring, "peak memory per rank")."""
     from tqdm import tqdm
 
     from zerodp.spawn import run_local
 
-    out = {}
-    jobs = [(regime, name) for regime in spec.regimes for name in names]
+    samples: dict[tuple[str, str], list[list[int | None]]] = {}
+    jobs = [(regime, name) for _ in range(spec.memory_repeats) for regime in spec.regimes for name in names]
     for regime, name in tqdm(jobs, desc="peak memory, each contender alone", unit="contender", leave=False):
         mb = bucket.get(regime.name, {}).get(name, spec.bucket_mb)
-        out[regime.name, name] = run_local(_rank_memory, spec.world_size, spec, regime, name, mb,
-                                           timeout=timeout, backend=backend)
-    return out
+        samples.setdefault((regime.name, name), []).append(
+            run_local(_rank_memory, spec.world_size, spec, regime, name, mb, timeout=timeout, backend=backend))
+    return {key: [_median_or_none([reading[r] for reading in readings]) for r in range(spec.world_size)]
+            for key, readings in samples.items()}
+
+
+def _median_or_none(values: list[int | None]) -> int | None:
+    """The median of readings (an int: the lower middle one), None if any reading is missing."""
+    if any(v is None for v in values):
+        return None
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:

@@ -155,6 +155,7 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
            if spec.memory == "fresh" else "its first step, ")
         + ("each contender alone in its own spawned group per regime (after one warm-up build and step of it "
            "on the nano model), so that no contender inherits the heap another left behind"
+           + (f", the median of {spec.memory_repeats} such groups" if spec.memory_repeats > 1 else "")
            if spec.memory == "fresh" else
            "inside the timing group, contenders built one after another (after one warm-up build and step of "
            "each on the nano model)")
