@@ -771,15 +771,11 @@ def _fresh_peaks(spec: BenchSpec, names: list[str], bucket: dict, timeout: float
         mb = bucket.get(regime.name, {}).get(name, spec.bucket_mb)
         samples.setdefault((regime.name, name), []).append(
             run_local(_rank_memory, spec.world_size, spec, regime, name, mb, timeout=timeout, backend=backend))
-    return {key: [_median_or_none([reading[r] for reading in readings]) for r in range(spec.world_size)]
-            for key, readings in samples.items()}
-
-
-def _median_or_none(values: list[int | None]) -> int | None:
-    """The median of readings (an int: the lower middle one), None if any reading is missing."""
-    if any(v is None for v in values):
-        return None
-    return sorted(values)[(len(values) - 1) // 2]
+    per_rank = {key: [[reading[r] for reading in readings] for r in range(spec.world_size)]
+                for key, readings in samples.items()}
+    # The lower middle reading (a measured byte count); missing where any reading is (no /proc).
+    return {key: [None if None in values else statistics.median_low(values) for values in ranks]
+            for key, ranks in per_rank.items()}
 
 
 def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:

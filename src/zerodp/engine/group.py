@@ -36,9 +36,10 @@ Its operations are the three collectives of the guide, each written once for eve
   the AllGather where parameters are not sharded.
 
 Freeing is ``untyped_storage().resize_(0)`` and re-allocating ``resize_(n)`` of the same storage
-(guide §12), so tensors that autograd saved in forward (``weight.t()`` …) read the right values
-again in backward, and gradient views stay valid. The :class:`Policy` says which of these a
-stage uses; there is no other difference between a bucket and a unit.
+(:func:`free_storage`, :func:`restore_storage`; guide §12), so tensors that autograd saved in
+forward (``weight.t()`` …) read the right values again in backward, and gradient views stay valid.
+The :class:`Policy` says which of these a stage uses; there is no other difference between a
+bucket and a unit.
 """
 
 from __future__ import annotations
@@ -53,6 +54,21 @@ from zerodp.engine.comm import Collectives, Pending
 from zerodp.engine.layout import FlatLayout
 
 FROZEN = -1  # param-group index of a parameter with requires_grad=False: gathered, never updated
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Drop ``t``'s memory; ``t`` and every view of its storage stay valid, empty (module docstring)."""
+    t.untyped_storage().resize_(0)
+
+
+def restore_storage(t: torch.Tensor) -> bool:
+    """Give ``t`` (a whole buffer, not a slice) its memory back, uninitialized, if
+    :func:`free_storage` dropped it; True if it did."""
+    storage = t.untyped_storage()
+    if storage.nbytes():
+        return False
+    storage.resize_(t.nbytes)
+    return True
 
 
 @dataclass(frozen=True)
@@ -245,9 +261,8 @@ class FlatGroup:
             self.param_shard = self.master if self.param_dtype == torch.float32 else self.master.to(self.param_dtype)
             self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
             self._full_views = self.views(self.full)
-            self._full_nbytes = self.full.untyped_storage().nbytes()
             self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
-            self.full.untyped_storage().resize_(0)
+            free_storage(self.full)
             for param in self.params:
                 param.data = self._empty
 
@@ -255,7 +270,7 @@ class FlatGroup:
         """``full`` ← every rank's ``param_shard`` (guide §9.1 step 5, §9.3). At stage 3 the
         storage is allocated first and the module's parameters pointed at their views."""
         if self.policy.shard_params:
-            self.full.untyped_storage().resize_(self._full_nbytes)
+            restore_storage(self.full)
             for param, view in zip(self.params, self._full_views):
                 param.data = view
             self.gathered = True
@@ -280,7 +295,7 @@ class FlatGroup:
         self.wait_gather()
         for param in self.params:
             param.data = self._empty
-        self.full.untyped_storage().resize_(0)
+        free_storage(self.full)
         self.gathered = False
 
     @torch.no_grad()
@@ -312,7 +327,6 @@ class FlatGroup:
         # their pages are touched by the first backward, not at construction, as DDP's buckets.
         if self.policy.full_grads:
             self.grad_full = torch.empty(n, dtype=self.param_dtype, device=self.device)
-            self._grad_nbytes = self.grad_full.untyped_storage().nbytes()
             self._zero_unwritten()
             self._grad_views = self.views(self.grad_full, self.trainable)
             # fp32 accumulation of full gradients (+4Ψ): every filled bucket is added in (guide §9).
@@ -344,12 +358,10 @@ class FlatGroup:
         a storage from the pool, or a new one. Zeros where no gradient is ever written (frozen
         parameters and the padding), and in a re-allocated fp32 accumulator."""
         if self.policy.full_grads:
-            storage = self.grad_full.untyped_storage()
-            if not storage.nbytes():
-                storage.resize_(self._grad_nbytes)
+            if restore_storage(self.grad_full):
                 self._zero_unwritten()
                 if self.acc_full is not None:
-                    self.acc_full.untyped_storage().resize_(self.acc_full.nbytes)
+                    restore_storage(self.acc_full)
                     self.acc_full.zero_()
             return
         if self.grad_full.numel():
@@ -384,9 +396,9 @@ class FlatGroup:
         earlier micro-batches). With full gradients at rest ``param.grad`` then *is* the view, so
         later micro-batches accumulate in place; otherwise ``.grad`` is dropped at once."""
         if self.policy.full_grads:
-            self._ensure_grad_storage()
             view = self._grad_views[j]
             if param.grad is not view:  # first gradient since zero_grad: move it into the bucket
+                self._ensure_grad_storage()  # zero_grad may have freed it; only a first gradient can follow
                 view.copy_(param.grad)
                 param.grad = view
         else:
@@ -461,8 +473,7 @@ class FlatGroup:
             return pending, finish_all_reduce
         overwrite = self.policy.full_grads or self.shard_fresh
         self.shard_fresh = False
-        if not self.grad_shard.untyped_storage().nbytes():  # freed by zero_grad: written, not added
-            self.grad_shard.untyped_storage().resize_(self.grad_shard.nbytes)
+        restore_storage(self.grad_shard)  # a shard of its own freed by zero_grad: written, not added
         if self._hybrid:
             return self._reduce_hybrid(src, overwrite)
         in_place = self.comm.reduces_in_place(src, self.quant_grads)
@@ -514,13 +525,13 @@ class FlatGroup:
         if self.policy.full_grads and set_to_none:
             for t in (self.grad_full, self.acc_full):  # the shard of stage 1 on CPU is a slice of grad_full
                 if t is not None:
-                    t.untyped_storage().resize_(0)
+                    free_storage(t)
         elif self.acc_full is not None:
             self.acc_full.zero_()
         if self.grad_full is not None:
             self._release_grad_storage()
         if set_to_none and self.grad_shard is not None and not self._shard_in_full:
-            self.grad_shard.untyped_storage().resize_(0)
+            free_storage(self.grad_shard)
         self.has_local = False
         self.shard_fresh = True
         self.reduced = False
