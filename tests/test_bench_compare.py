@@ -144,10 +144,36 @@ def test_roofline_knee_is_the_seed_formula(tmp_path):
     (["bench", "--memory-steps", "0"], "memory_steps"),
     (["bench", "--memory-repeats", "0"], "memory_repeats"),
     (["bench", "--quick", "--memory-repeats", "3"], "repeats the fresh memory groups"),
+    (["bench", "--stage2-bucket-mb", "0"], "--stage2-bucket-mb '0'"),
+    (["bench", "--stage2-bucket-mb", "block"], "give 'unit'"),
 ])
 def test_bench_cli_bad_input(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["nano", "small", "gpt2-small"])
+def test_our_stage_2_takes_buckets_of_one_block_and_every_other_contender_the_bench_bucket(model):
+    """Stage 2 keeps no gradients at rest, so its bucket is memory held in backward: the bench gives
+    it buckets of one block, the unit FSDP2 reduces at. A block of this GPT holds 12·d² + 13·d
+    parameters (qkv 3d²+3d, attention projection d²+d, MLP 2·4d²+4d+d, two LayerNorms 4d) when the
+    MLP is 4d wide and layers have biases."""
+    cfg = PRESETS[model]
+    assert cfg.ffn_mult == 4 and cfg.bias
+    d = cfg.d_model
+    block_mib = (12 * d * d + 13 * d) * 4 / 2**20
+    assert compare.unit_mb(model) == pytest.approx(block_mib, rel=1e-12)
+    spec = compare.BenchSpec(model=model, compress=("none", "bf16-reduce", "int8"))
+    names = spec.contenders(with_auto=True)
+    buckets = compare.contender_buckets(spec, names)
+    stage2 = {n for n in names if CONTENDERS[n][:2] == (2, "ours")}
+    assert stage2 == {"ours2", "ours2_bf16", "ours2_int8"}
+    assert buckets == {"ours0_auto": "auto", **{n: pytest.approx(block_mib) for n in stage2}}
+    fixed = compare.BenchSpec(model=model, stage2_bucket_mb=25)
+    assert compare.contender_buckets(fixed, ["ours0", "ours2", "fsdp2_keep"]) == {"ours2": 25.0}
+    for bad in (0, -1.0, "block", True):
+        with pytest.raises(ValueError, match="stage2_bucket_mb"):
+            compare.BenchSpec(stage2_bucket_mb=bad)
 
 
 def test_malloc_mmap_keeps_freed_buffers_out_of_the_resident_set():
@@ -178,6 +204,7 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
                "--markdown", str(md)])
     assert rc == 0
     printed = capsys.readouterr().out
+    assert f"zerodp stage 2 ({compare.unit_mb('nano'):.3g} MiB buckets)" in printed
     for s in (0, 1, 2, 3):
         ours, peers = COMPARISONS[s]
         for name in (ours, *peers):
@@ -211,6 +238,8 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
         assert chosen["bucket_mb"] == pytest.approx(auto.choose_bucket_mb(
             profile, PRESETS["nano"], reg["micro_batch"] * reg["seq_len"], reg["seq_len"]))
         assert d["auto_bucket_mb"][reg["name"]] == chosen["bucket_mb"]
+        assert cs["ours2"]["options"]["bucket_mb"] == pytest.approx(compare.unit_mb("nano"))
+        assert cs["ours1"]["options"]["bucket_mb"] == 25.0
     for row in d["rows"]:
         assert row["ratio"] == pytest.approx(row["ours_ms"] / row["peer_ms"])
         assert math.isfinite(row["ratio"])

@@ -78,7 +78,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default 1; glibc's heap moves one reading by up to ±20 MiB)")
     b.add_argument("--model", default=None, help="GPT preset (default small)")
     b.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
-    b.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for ours and DDP (default 25)")
+    b.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="bucket size in MiB for our stages 0-1 and DDP (default 25)")
+    b.add_argument("--stage2-bucket-mb", default="unit",
+                   help="bucket size of our stage 2: unit (one transformer block, the unit its peer FSDP2 "
+                        "reduces at; the default) or a number of MiB")
     b.add_argument("--compress", default="none",
                    help="comma-separated compressions to bench beside ours at each stage, the planner's "
                         "names: none, bf16-reduce (stages 0-3), int8-params, int8-grads, int8 (stages 1-3); "
@@ -224,6 +228,20 @@ def _regimes(text: str, quick: bool, model_seq_len: int):
     return tuple(out)
 
 
+def _stage2_bucket(text: str) -> "float | str":
+    """``--stage2-bucket-mb``: "unit" or a positive number of MiB."""
+    if text == "unit":
+        return text
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = float("nan")
+    if not mb > 0:
+        raise ValueError(f"--stage2-bucket-mb {text!r}: give 'unit' (one transformer block) or a positive "
+                         "number of MiB")
+    return mb
+
+
 def bench_command_line(args) -> str:
     """The command that reproduces this run, rebuilt from the parsed options (for the page)."""
     import shlex
@@ -231,6 +249,7 @@ def bench_command_line(args) -> str:
     flags = [("--stages", args.stages, "0,1,2,3"), ("--regimes", args.regimes, "compute,comm"),
              ("--steps", args.steps, None), ("--warmup", args.warmup, None), ("--model", args.model, None),
              ("--nproc", args.nproc, 2), ("--bucket-mb", args.bucket_mb, 25.0),
+             ("--stage2-bucket-mb", args.stage2_bucket_mb, "unit"),
              ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
              ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None),
              ("--memory", args.memory, None), ("--malloc", args.malloc, "default"), ("--turn", args.turn, 3),
@@ -276,8 +295,8 @@ def run_bench_cmd(args) -> int:
     spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
                              warmup=warmup, steps=steps, turn=args.turn, memory_steps=args.memory_steps,
                              memory_repeats=args.memory_repeats,
-                             bucket_mb=args.bucket_mb, profile=profile,
-                             compress=_compressions(args.compress), shard_size=args.shard_size,
+                             bucket_mb=args.bucket_mb, stage2_bucket_mb=_stage2_bucket(args.stage2_bucket_mb),
+                             profile=profile, compress=_compressions(args.compress), shard_size=args.shard_size,
                              memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc)
     t0 = time.perf_counter()
     result = compare.run_bench(spec)

@@ -34,6 +34,14 @@ would not fit the machine's memory, ours and its peer alone, then the others):
   all contenders once before any twice, and takes the median per rank. ``memory="shared"`` reads it
   in the timing group instead (after the same warm-up of every contender, over the build and first
   step only), cheaper, for quick runs.
+- **bucket sizes**: our stages 0-1 and DDP use ``bucket_mb`` (25 MiB, DDP's default); at stage 0-1
+  gradients are kept at rest, so the size changes only how many collectives run. Our stage 2 keeps
+  no gradients at rest: a bucket's full gradients live from its first gradient to the end of its
+  ReduceScatter (guide §12.5), so its size is memory held during backward. Its peer reduces per
+  ``fully_shard`` unit, one transformer block; by default (``stage2_bucket_mb="unit"``) our stage 2
+  takes buckets of one block's parameter bytes (:func:`unit_mb`), the same size and number of
+  gradient collectives as FSDP2's, so time and memory compare like with like. A number of MiB
+  instead (``zerodp bench --stage2-bucket-mb 25``) shows the other trade-off.
 - **model-state bytes** per rank: tensor storages of params, grads, optimizer state
   (:mod:`zerodp.bench.peers`).
 - **bytes sent per step** per rank: growth of the process's ``wchar`` over the step, i.e. what
@@ -82,6 +90,7 @@ from zerodp.plan.units import MIB
 RATIO_TARGET = 1.05  # ours/PyTorch median step time for stages 0 and 3
 PREDICTION_TOLERANCE = 0.25  # predicted within ±25 % of measured
 MAX_STEP_SCALE = 5  # a cheap regime times up to 5× the steps of the costliest (BenchSpec.steps_for)
+UNIT = "unit"  # BenchSpec.stage2_bucket_mb: buckets as large as one FSDP2 unit (one block)
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,10 @@ class BenchSpec:
     memory_steps: int = 3  # steps the fresh memory groups run while their peak is read
     memory_repeats: int = 1  # fresh memory groups per contender; the peak is their median per rank
     bucket_mb: float = 25.0
+    # Our stage 2 (its gradient buffers are transient, so a bucket's size is memory held in
+    # backward, guide §12.5): "unit" — buckets as large as one transformer block's parameters, the
+    # unit its peer FSDP2 reduces at (module docstring, "bucket sizes"); or a number of MiB.
+    stage2_bucket_mb: "float | str" = "unit"
     seed: int = 0
     profile: str | None = None  # calibration profile: predictions and the auto bucket row
     device: str = "cpu"  # "cuda": NCCL, rank r on cuda:r (module docstring)
@@ -163,6 +176,10 @@ class BenchSpec:
             raise ValueError("give at least one regime")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        b2 = self.stage2_bucket_mb
+        if b2 != UNIT and (isinstance(b2, (str, bool)) or not isinstance(b2, (int, float)) or not b2 > 0):
+            raise ValueError(f"stage2_bucket_mb must be {UNIT!r} (one transformer block, FSDP2's unit) or a "
+                             f"positive number of MiB, got {b2!r}")
         from zerodp.plan.hybrid import COMPRESSIONS
 
         bad = [c for c in self.compress if c not in COMPRESSIONS]
@@ -299,6 +316,19 @@ SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_v
 _REFERENCE_PEERS = {peers[0] for _, peers in COMPARISONS.values()}
 
 
+def display_label(c: "ContenderResult") -> str:
+    """A contender's label in the tables, with the bucket size where it is not the bench's
+    ``bucket_mb``: the auto row's choice, our stage 2's (:func:`contender_buckets`)."""
+    label = c.label
+    if "shard_size" in c.options:
+        label = label.replace("hybrid", f"hybrid g={c.options['shard_size']}")
+    if c.name == "ours0_auto":
+        return label + f" ({c.options['bucket_mb']:.3g} MB)"
+    if c.role == "ours" and c.stage == 2 and "bucket_mb" in c.options:
+        return label + f" ({c.options['bucket_mb']:.3g} MiB buckets)"
+    return label
+
+
 def short_label(name: str) -> str:
     """A bar's label: :data:`SHORT_LABELS`, or "zerodp int8", "zerodp hybrid bf16" for the variants."""
     if name in SHORT_LABELS:
@@ -336,6 +366,7 @@ def result_from_dict(d: dict) -> BenchResult:
     spec_d["regimes"] = tuple(Regime(**r) for r in spec_d["regimes"])
     spec_d["stages"] = tuple(spec_d["stages"])
     spec_d["compress"] = tuple(spec_d.get("compress", ("none",)))
+    spec_d.setdefault("stage2_bucket_mb", spec_d.get("bucket_mb", BenchSpec.bucket_mb))  # older: bucket_mb
     spec = BenchSpec(**spec_d)
     regimes = [RegimeResult(Regime(**r["regime"]), {k: ContenderResult(**c) for k, c in r["contenders"].items()},
                             r["wall_s"]) for r in d["regimes"]]
@@ -678,6 +709,33 @@ def planner_wire_bytes(spec: BenchSpec, regime: Regime, name: str) -> dict[str, 
                                 kept_last_share=root_share(shapes))
 
 
+def unit_mb(model: str) -> float:
+    """MiB of one transformer block's parameters (fp32) of preset ``model``: the unit FSDP2 reduces
+    at, one ``fully_shard`` per block (:func:`zerodp.bench.peers.build`)."""
+    import torch
+
+    from zerodp.train.model import GPT, PRESETS
+
+    with torch.device("meta"):
+        block = GPT(PRESETS[model]).blocks[0]
+    return sum(p.numel() * p.element_size() for p in block.parameters()) / MIB
+
+
+def contender_buckets(spec: BenchSpec, names: list[str]) -> dict[str, "float | str"]:
+    """The ``bucket_mb`` of each contender that does not take ``spec.bucket_mb`` (module docstring,
+    "bucket sizes"): the auto row's ``"auto"`` (the engine chooses from the profile when built),
+    and our stage-2 contenders' ``spec.stage2_bucket_mb`` (``"unit"``: :func:`unit_mb`)."""
+    out: dict[str, float | str] = {}
+    for name in names:
+        stage, role, _ = CONTENDERS[name]
+        if name == "ours0_auto":
+            out[name] = "auto"
+        elif role == "ours" and stage == 2:
+            b2 = spec.stage2_bucket_mb
+            out[name] = unit_mb(spec.model) if b2 == UNIT else float(b2)
+    return out
+
+
 def check_profile(profile: str, model: str, world_size: int) -> dict:
     """The profile's calibration table, if it was measured for this model and world size."""
     from zerodp.bench.calibrate import load_calibration
@@ -798,8 +856,7 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
         backend, groups = "nccl", None
     else:
         groups = check_memory(spec, names)
-    # The auto row is the engine's own bucket_mb="auto": it chooses from the profile when built.
-    bucket = {r.name: {"ours0_auto": "auto"} for r in spec.regimes} if "ours0_auto" in names else {}
+    bucket = {r.name: contender_buckets(spec, names) for r in spec.regimes}
     per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, groups, timeout=timeout, backend=backend)
     if spec.memory == "fresh":
         peaks = _fresh_peaks(spec, names, bucket, timeout, backend)
@@ -881,7 +938,8 @@ def contenders_table(result: BenchResult) -> str:
              + ("; peak RSS with glibc's mmap threshold fixed at 128 KiB (--malloc mmap)"
                 if spec.malloc == "mmap" else "")]
     peak = "peak GPU MiB" if spec.device == "cuda" else "peak RSS MiB"
-    head = (f"{'stage':>5}  {'contender':<38}{'median ms':>10}{'/floor':>8}{peak:>13}"
+    width = max([38] + [len(display_label(c)) + 1 for rr in result.regimes for c in rr.contenders.values()])
+    head = (f"{'stage':>5}  {'contender':<{width}}{'median ms':>10}{'/floor':>8}{peak:>13}"
             f"{'states MiB':>11}{'sent MiB/step':>14}{'trace MiB/step':>15}")
     if spec.profile:
         head += f"{'predicted ms':>13}{'error':>8}"
@@ -892,12 +950,10 @@ def contenders_table(result: BenchResult) -> str:
         floor = rr.contenders.get("floor")
         for c in rr.contenders.values():
             stage = "-" if c.stage is None else str(c.stage)
-            label = c.label + (f" ({c.options['bucket_mb']:.3g} MB)" if c.name == "ours0_auto" else "")
-            if "shard_size" in c.options:
-                label = label.replace("hybrid", f"hybrid g={c.options['shard_size']}")
+            label = display_label(c)
             over = f"{c.median_s / floor.median_s:.2f}" if floor else "n/a"
             trace = "" if c.wire_bytes is None else _mib(c.wire_total)
-            line = (f"{stage:>5}  {label:<38}{c.median_s * 1e3:>10.1f}{over:>8}{_mib(c.peak_rss_bytes[0]):>13}"
+            line = (f"{stage:>5}  {label:<{width}}{c.median_s * 1e3:>10.1f}{over:>8}{_mib(c.peak_rss_bytes[0]):>13}"
                     f"{_mib(c.model_state_bytes[0]):>11}{_mib(c.sent_bytes_per_step[0]):>14}{trace:>15}")
             if spec.profile:
                 if c.predicted_s is None:

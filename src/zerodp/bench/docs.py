@@ -53,6 +53,20 @@ def _calibration(profile: str) -> list[str]:
     return lines + ["```"]
 
 
+def _buckets(result: BenchResult) -> str:
+    """One sentence: the bucket sizes the contenders ran with (``zerodp.bench.compare``, "bucket sizes")."""
+    spec = result.spec
+    text = f"Buckets: {spec.bucket_mb:g} MiB for our stages 0-1 and DDP (DDP's default)"
+    ours2 = next((rr.contenders["ours2"] for rr in result.regimes if "ours2" in rr.contenders), None)
+    if ours2 is not None and "bucket_mb" in ours2.options:
+        mb = ours2.options["bucket_mb"]
+        why = ("one transformer block's parameters, the unit FSDP2 reduces at: our stage 2 keeps no gradients "
+               "at rest, so a bucket is memory held in backward, and both then run gradient collectives of the "
+               "same size and number" if spec.stage2_bucket_mb == "unit" else "`--stage2-bucket-mb`")
+        text += f"; {mb:.3g} MiB for our stage 2 ({why})"
+    return text + "."
+
+
 def _misses(result: BenchResult) -> list[str]:
     """For every missed target: where the time goes, from what was measured."""
     out = []
@@ -163,7 +177,8 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         "storages of params, grads and optimizer state; bytes sent are the growth of the process's "
         "`wchar` (what gloo wrote to its sockets) per step; trace MiB/step (zerodp only) is what the engine's "
         "own trace says it sent, ring-equivalent `sent_bytes` summed over the step's collectives (it is lower "
-        "than `wchar` where gloo's algorithm sends more than a ring, e.g. its ReduceScatter).",
+        "than `wchar` where gloo's algorithm sends more than a ring, e.g. its ReduceScatter). "
+        + _buckets(result),
         "",
         "## Machine", "", *_machine(result.machine), "",
     ]
