@@ -78,7 +78,10 @@ class EngineConfig:
     chosen number of MiB and ``engine.bucket_auto`` is True; ``first_bucket_mb`` is capped at it.
     Stage 3 has no gradient buckets (FSDP units, guide §10): ``"auto"`` is accepted and ignored
     there (no profile needed; ``config.bucket_mb`` stays ``"auto"``, ``engine.bucket_auto`` False).
-    ``profile`` and ``tokens_per_rank`` are read only for ``bucket_mb="auto"``.
+    ``profile`` and ``tokens_per_rank`` are read only for ``bucket_mb="auto"``. At stage 2 with
+    ``reduce_every_microbatch`` a bucket's gradients are allocated in backward and released after
+    its ReduceScatter, so ``bucket_mb`` is also memory held in backward (:mod:`zerodp.engine.zero2`,
+    guide §13.4); at stages 0-1 gradients stay at rest and it sets only the number of collectives.
     """
 
     stage: int = 0
