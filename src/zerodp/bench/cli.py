@@ -230,7 +230,9 @@ def _regimes(text: str, quick: bool, model_seq_len: int):
 
 def _stage2_bucket(text: str) -> "float | str":
     """``--stage2-bucket-mb``: "unit" or a positive number of MiB."""
-    if text == "unit":
+    from zerodp.bench.compare import UNIT
+
+    if text == UNIT:
         return text
     try:
         mb = float(text)
@@ -246,10 +248,12 @@ def bench_command_line(args) -> str:
     """The command that reproduces this run, rebuilt from the parsed options (for the page)."""
     import shlex
 
+    from zerodp.bench.compare import UNIT
+
     flags = [("--stages", args.stages, "0,1,2,3"), ("--regimes", args.regimes, "compute,comm"),
              ("--steps", args.steps, None), ("--warmup", args.warmup, None), ("--model", args.model, None),
              ("--nproc", args.nproc, 2), ("--bucket-mb", args.bucket_mb, 25.0),
-             ("--stage2-bucket-mb", args.stage2_bucket_mb, "unit"),
+             ("--stage2-bucket-mb", args.stage2_bucket_mb, UNIT),
              ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
              ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None),
              ("--memory", args.memory, None), ("--malloc", args.malloc, "default"), ("--turn", args.turn, 3),

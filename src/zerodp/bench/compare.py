@@ -177,7 +177,7 @@ class BenchSpec:
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         b2 = self.stage2_bucket_mb
-        if b2 != UNIT and (isinstance(b2, (str, bool)) or not isinstance(b2, (int, float)) or not b2 > 0):
+        if b2 != UNIT and (isinstance(b2, bool) or not isinstance(b2, (int, float)) or not b2 > 0):
             raise ValueError(f"stage2_bucket_mb must be {UNIT!r} (one transformer block, FSDP2's unit) or a "
                              f"positive number of MiB, got {b2!r}")
         from zerodp.plan.hybrid import COMPRESSIONS
@@ -316,12 +316,15 @@ SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_v
 _REFERENCE_PEERS = {peers[0] for _, peers in COMPARISONS.values()}
 
 
-def display_label(c: "ContenderResult") -> str:
-    """A contender's label in the tables, with the bucket size where it is not the bench's
-    ``bucket_mb``: the auto row's choice, our stage 2's (:func:`contender_buckets`)."""
+def display_label(c: "ContenderResult", bucket: bool = True) -> str:
+    """A contender's label in the tables: the shard-group size of a hybrid one and, with
+    ``bucket``, the bucket size where it is not the bench's ``bucket_mb`` (the auto row's choice,
+    our stage 2's, :func:`contender_buckets`)."""
     label = c.label
     if "shard_size" in c.options:
         label = label.replace("hybrid", f"hybrid g={c.options['shard_size']}")
+    if not bucket:
+        return label
     if c.name == "ours0_auto":
         return label + f" ({c.options['bucket_mb']:.3g} MB)"
     if c.role == "ours" and c.stage == 2 and "bucket_mb" in c.options:
@@ -725,14 +728,11 @@ def contender_buckets(spec: BenchSpec, names: list[str]) -> dict[str, "float | s
     """The ``bucket_mb`` of each contender that does not take ``spec.bucket_mb`` (module docstring,
     "bucket sizes"): the auto row's ``"auto"`` (the engine chooses from the profile when built),
     and our stage-2 contenders' ``spec.stage2_bucket_mb`` (``"unit"``: :func:`unit_mb`)."""
-    out: dict[str, float | str] = {}
-    for name in names:
-        stage, role, _ = CONTENDERS[name]
-        if name == "ours0_auto":
-            out[name] = "auto"
-        elif role == "ours" and stage == 2:
-            b2 = spec.stage2_bucket_mb
-            out[name] = unit_mb(spec.model) if b2 == UNIT else float(b2)
+    stage2 = [n for n in names if CONTENDERS[n][:2] == (2, "ours")]
+    out: dict[str, float | str] = {"ours0_auto": "auto"} if "ours0_auto" in names else {}
+    if stage2:
+        b2 = spec.stage2_bucket_mb
+        out.update(dict.fromkeys(stage2, unit_mb(spec.model) if b2 == UNIT else float(b2)))
     return out
 
 
@@ -856,7 +856,8 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
         backend, groups = "nccl", None
     else:
         groups = check_memory(spec, names)
-    bucket = {r.name: contender_buckets(spec, names) for r in spec.regimes}
+    buckets = contender_buckets(spec, names)
+    bucket = {r.name: buckets for r in spec.regimes}
     per_rank = run_local(_rank_bench, spec.world_size, spec, names, bucket, groups, timeout=timeout, backend=backend)
     if spec.memory == "fresh":
         peaks = _fresh_peaks(spec, names, bucket, timeout, backend)
@@ -1002,10 +1003,8 @@ def compressed_rows(result: BenchResult) -> list[CompressedRow]:
             w = c.wire_bytes or {}
             pw, pp = c.predicted_wire_bytes, plain.predicted_wire_bytes if plain else None
             pred = c.predicted_s * 1e3 if c.predicted_s is not None else None
-            label = c.label.replace("hybrid", f"hybrid g={c.options['shard_size']}") if "shard_size" in c.options \
-                else c.label
             rows.append(CompressedRow(
-                rr.regime.name, rr.regime.tokens, c.stage, c.name, label, ms,
+                rr.regime.name, rr.regime.tokens, c.stage, c.name, display_label(c, bucket=False), ms,
                 c.median_s / floor.median_s if floor else None,
                 c.median_s / plain.median_s if plain else float("nan"), c.peak_rss_bytes[0],
                 w.get("intra") if c.wire_bytes else None, w.get("inter") if c.wire_bytes else None,

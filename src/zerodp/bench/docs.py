@@ -14,7 +14,7 @@ import time
 
 from zerodp.bench.peers import VARIANTS
 from zerodp.bench.compare import (MIB, PREDICTION_TOLERANCE, BenchResult, compressed_rows, compressed_table,
-                                  contenders_table, summary_table)
+                                  contenders_table, summary_table, UNIT)
 
 
 def _rel(path: str, md_path: str) -> str:
@@ -62,7 +62,7 @@ def _buckets(result: BenchResult) -> str:
         mb = ours2.options["bucket_mb"]
         why = ("one transformer block's parameters, the unit FSDP2 reduces at: our stage 2 keeps no gradients "
                "at rest, so a bucket is memory held in backward, and both then run gradient collectives of the "
-               "same size and number" if spec.stage2_bucket_mb == "unit" else "`--stage2-bucket-mb`")
+               "same size and number" if spec.stage2_bucket_mb == UNIT else "`--stage2-bucket-mb`")
         text += f"; {mb:.3g} MiB for our stage 2 ({why})"
     return text + "."
 

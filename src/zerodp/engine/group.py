@@ -418,18 +418,16 @@ class FlatGroup:
         missing = [j for j, f in enumerate(self.bwd.fired) if not f]
         if not missing:
             return missing
+        self._ensure_grad_storage()
         if self.policy.full_grads:
-            self._ensure_grad_storage()
             for j in missing:
                 param = self.params[self.trainable[j]]
                 if param.grad is not self._grad_views[j]:
                     self._grad_views[j].zero_()
                     param.grad = self._grad_views[j]
-        else:
-            self._ensure_grad_storage()
-            if not self.has_local:
-                for j in missing:
-                    self._grad_views[j].zero_()
+        elif not self.has_local:
+            for j in missing:
+                self._grad_views[j].zero_()
         return missing
 
     def end_local(self) -> None:

@@ -6,9 +6,9 @@ averaged slice r, and the bucket's full-size gradient buffer is released. What s
 2Ψ params + 2Ψ/N gradient shard + 12Ψ/N master and Adam states = 2Ψ + 14Ψ/N; in flight there
 are only the buckets whose ReduceScatter is not done (at most ``MAX_REDUCE_IN_FLIGHT`` = 2 before
 the oldest is waited for; ``comm_buffers`` in ``stats()`` is their peak). So here ``bucket_mb``
-is memory held during backward, up to about (2 + 1) buckets with the pool's: buckets of one
-transformer block, the unit FSDP2 reduces at, peak lower than DDP's 25 MiB where a bucket is a
-large share of the model (guide §13.4). Traffic is ZeRO-1's: ReduceScatter of the gradients +
+is memory held during backward, up to about 2 + 1 buckets counting the pool's: where 25 MiB (DDP's
+default) is a large share of the model, buckets of one transformer block, the unit FSDP2 reduces
+at, give a lower peak (guide §13.4). Traffic is ZeRO-1's: ReduceScatter of the gradients +
 AllGather of the parameters.
 
 How a gradient travels (:meth:`zerodp.engine.reducer.BucketEngine._grad_ready`, then
