@@ -13,8 +13,9 @@ import statistics
 
 import pytest
 
-from zerodp.bench import auto, compare, probe, roofline
-from zerodp.bench.peers import COMPARISONS, CONTENDERS
+from zerodp.bench import auto, budget, compare, probe, results, roofline, runner, schedule, tables
+from zerodp.bench import spec as bspec
+from zerodp.bench.contenders import COMPARISONS, CONTENDERS
 from zerodp.cli import main
 from zerodp.train.model import PRESETS
 
@@ -58,19 +59,19 @@ def test_choose_bucket_mb_bad_input(tmp_path):
 
 
 # ---- tables from synthetic results -------------------------------------------------------------
-def _fake_result(profile=None) -> compare.BenchResult:
-    spec = compare.quick_spec(profile=profile)
+def _fake_result(profile=None) -> results.BenchResult:
+    spec = bspec.quick_spec(profile=profile)
     regimes = []
     for j, regime in enumerate(spec.regimes):
         cs = {}
         for k, name in enumerate(spec.contenders(with_auto=True)):
             stage, role, label = CONTENDERS[name]
             times = [0.010 * (1 + k) * (1 + j) + d for d in (0.0, 0.004, 0.001)]
-            cs[name] = compare.ContenderResult(name, label, stage, role, times, sorted(times)[1], [1 << 20] * 2,
+            cs[name] = results.ContenderResult(name, label, stage, role, times, sorted(times)[1], [1 << 20] * 2,
                                                [1000] * 2, [2048.0, 2048.0], {"bucket_mb": 25.0},
                                                predicted_s=0.02 if role != "peer" else None)
-        regimes.append(compare.RegimeResult(regime, cs, 1.0))
-    return compare.BenchResult(spec, {"cores": 2, "torch": "x"}, regimes, {"compute": 1.5, "comm": 0.5}, 43904)
+        regimes.append(results.RegimeResult(regime, cs, 1.0))
+    return results.BenchResult(spec, {"cores": 2, "torch": "x"}, regimes, {"compute": 1.5, "comm": 0.5}, 43904)
 
 
 def test_rows_cover_every_stage_and_regime_and_ratios_come_from_medians():
@@ -88,19 +89,19 @@ def test_rows_cover_every_stage_and_regime_and_ratios_come_from_medians():
         paired = sorted(a / b for a, b in zip(cs[row.ours].times_s, cs[row.peer].times_s))
         assert row.paired_q1 == pytest.approx((paired[0] + paired[1]) / 2)  # 3 steps: inclusive quartiles
         assert row.paired_q3 == pytest.approx((paired[1] + paired[2]) / 2)
-    assert "per-step IQR" in compare.summary_table(result)
+    assert "per-step IQR" in tables.summary_table(result)
 
 
 def test_paired_quartiles_need_two_steps():
-    assert compare.paired_quartiles([1.0], [2.0]) == (None, None)
-    assert compare.paired_quartiles([1.0, 3.0, 2.0, 4.0], [1.0] * 4) == pytest.approx((1.75, 3.25))
+    assert results.paired_quartiles([1.0], [2.0]) == (None, None)
+    assert results.paired_quartiles([1.0, 3.0, 2.0, 4.0], [1.0] * 4) == pytest.approx((1.75, 3.25))
 
 
 def test_tables_json_png_markdown(tmp_path):
     profile = synthetic_profile(tmp_path / "p.json")
     result = _fake_result(profile)
-    summary = compare.summary_table(result)
-    table = compare.contenders_table(result)
+    summary = tables.summary_table(result)
+    table = tables.contenders_table(result)
     for rr in result.regimes:
         for c in rr.contenders.values():
             assert c.label in table
@@ -111,7 +112,7 @@ def test_tables_json_png_markdown(tmp_path):
     assert {"ratio", "ours_ms", "peer_ms", "floor_ms", "target", "predicted_ms"} <= set(d["rows"][0])
     c = d["regimes"][0]["contenders"]["ours0"]
     assert {"times_s", "median_s", "peak_rss_bytes", "model_state_bytes", "sent_bytes_per_step"} <= set(c)
-    png = compare.plot(result, str(tmp_path / "bench.png"))
+    png = tables.plot(result, str(tmp_path / "bench.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     from zerodp.bench.docs import write_markdown
@@ -163,17 +164,17 @@ def test_our_stage_2_takes_buckets_of_one_block_and_every_other_contender_the_be
     d = cfg.d_model
     block_mib = (12 * d * d + 13 * d) * 4 / 2**20
     assert compare.unit_mb(model) == pytest.approx(block_mib, rel=1e-12)
-    spec = compare.BenchSpec(model=model, compress=("none", "bf16-reduce", "int8"))
+    spec = bspec.BenchSpec(model=model, compress=("none", "bf16-reduce", "int8"))
     names = spec.contenders(with_auto=True)
     buckets = compare.contender_buckets(spec, names)
     stage2 = {n for n in names if CONTENDERS[n][:2] == (2, "ours")}
     assert stage2 == {"ours2", "ours2_bf16", "ours2_int8"}
     assert buckets == {"ours0_auto": "auto", **{n: pytest.approx(block_mib) for n in stage2}}
-    fixed = compare.BenchSpec(model=model, stage2_bucket_mb=25)
+    fixed = bspec.BenchSpec(model=model, stage2_bucket_mb=25)
     assert compare.contender_buckets(fixed, ["ours0", "ours2", "fsdp2_keep"]) == {"ours2": 25.0}
     for bad in (0, -1.0, "block", True):
         with pytest.raises(ValueError, match="stage2_bucket_mb"):
-            compare.BenchSpec(stage2_bucket_mb=bad)
+            bspec.BenchSpec(stage2_bucket_mb=bad)
 
 
 def test_malloc_mmap_keeps_freed_buffers_out_of_the_resident_set():
@@ -214,7 +215,7 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
     assert len(d["rows"]) == 2 * (sum(len(p) for _, p in COMPARISONS.values()) + 1)  # + auto vs 25 MB
     for r in d["regimes"]:
         cs = r["contenders"]
-        assert set(cs) == set(compare.quick_spec().contenders(with_auto=True))
+        assert set(cs) == set(bspec.quick_spec().contenders(with_auto=True))
         # Same model, data and seed: every first loss is the floor's, an fp32 forward (float32's
         # default tolerances of torch.testing, relative to the loss's magnitude).
         import torch
@@ -222,8 +223,8 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
         floor = torch.tensor(cs["floor"]["first_loss"])
         for n, c in cs.items():
             torch.testing.assert_close(torch.tensor(c["first_loss"]), floor, msg=lambda m, n=n: f"{n}: {m}")
-        steps = 2 if r["regime"]["name"] == "compute" else 2 * compare.MAX_STEP_SCALE  # 128 vs 8 tokens
-        groups = len(compare.stage_groups(list(cs)))  # the floor runs beside every stage
+        steps = 2 if r["regime"]["name"] == "compute" else 2 * bspec.MAX_STEP_SCALE  # 128 vs 8 tokens
+        groups = len(schedule.stage_groups(list(cs)))  # the floor runs beside every stage
         for name, c in cs.items():
             assert len(c["times_s"]) == steps * (groups if name == "floor" else 1)
             assert all(t > 0 for t in c["times_s"])
@@ -268,34 +269,30 @@ def test_bench_refuses_a_profile_of_another_model_or_world(tmp_path, capsys):
 
 def test_result_round_trips_through_json():
     result = _fake_result()
-    back = compare.result_from_dict(json.loads(json.dumps(result.to_dict())))
+    back = results.result_from_dict(json.loads(json.dumps(result.to_dict())))
     assert json.loads(json.dumps(back.to_dict())) == json.loads(json.dumps(result.to_dict()))
-    assert compare.summary_table(back) == compare.summary_table(result)
+    assert tables.summary_table(back) == tables.summary_table(result)
 
 
 def test_contenders_live_one_stage_at_a_time_and_the_bench_refuses_what_would_not_fit(monkeypatch):
-    from zerodp.bench import compare
-
-    spec = compare.BenchSpec(model="small", world_size=2, profile=None)
+    spec = bspec.BenchSpec(model="small", world_size=2, profile=None)
     names = spec.contenders(with_auto=False)
-    groups = compare.stage_groups(names)
+    groups = schedule.stage_groups(names)
     assert groups[0] == ["floor", "ours0", "ddp_bucket_view", "ddp"] and len(groups) == 4
     assert all(g[0] == "floor" for g in groups)
     # 124M parameters, 2 ranks: four contenders at 24 B/param each, plus the ranks' baseline
-    need = compare.memory_needed(spec, names, 124_000_000)
-    assert need == 2 * (compare.RANK_BASELINE_BYTES + 4 * 24 * 124_000_000)
-    monkeypatch.setattr(compare, "available_bytes", lambda: 1e9)
-    big = compare.BenchSpec(model="gpt2-small", world_size=2)
+    need = budget.memory_needed(spec, names, 124_000_000)
+    assert need == 2 * (budget.RANK_BASELINE_BYTES + 4 * 24 * 124_000_000)
+    monkeypatch.setattr(budget, "available_bytes", lambda: 1e9)
+    big = bspec.BenchSpec(model="gpt2-small", world_size=2)
     with pytest.raises(ValueError) as info:
-        compare.check_memory(big, big.contenders(with_auto=False))
+        budget.check_memory(big, big.contenders(with_auto=False))
     msg = str(info.value)
     assert "GiB" in msg and "--model" in msg and "--nproc" in msg and "\n" not in msg
 
 
 def test_a_stage_that_would_not_fit_whole_runs_ours_and_its_peer_alone_then_the_rest(monkeypatch):
-    from zerodp.bench import compare
-
-    big = compare.BenchSpec(model="gpt2-small", world_size=2, stages=(0, 3))
+    big = bspec.BenchSpec(model="gpt2-small", world_size=2, stages=(0, 3))
     names = big.contenders(with_auto=False)
     import torch
 
@@ -303,29 +300,29 @@ def test_a_stage_that_would_not_fit_whole_runs_ours_and_its_peer_alone_then_the_
 
     with torch.device("meta"):
         params = GPT(PRESETS["gpt2-small"]).num_params()  # what check_memory counts
-    pair = compare.memory_needed(big, names, params, [["ours0", "ddp_bucket_view"]])
-    whole = compare.memory_needed(big, names, params, [["floor", "ours0", "ddp_bucket_view", "ddp"]])
-    monkeypatch.setattr(compare, "available_bytes", lambda: (pair + whole) / 2)  # the pair fits, not all four
-    groups = compare.check_memory(big, names)
+    pair = budget.memory_needed(big, names, params, [["ours0", "ddp_bucket_view"]])
+    whole = budget.memory_needed(big, names, params, [["floor", "ours0", "ddp_bucket_view", "ddp"]])
+    monkeypatch.setattr(budget, "available_bytes", lambda: (pair + whole) / 2)  # the pair fits, not all four
+    groups = budget.check_memory(big, names)
     assert groups == [["ours0", "ddp_bucket_view"], ["floor", "ddp"], ["floor", "ours3", "fsdp2"]]
     assert all(n in sum(groups, []) for n in names)
-    monkeypatch.setattr(compare, "available_bytes", lambda: pair * 0.99)
+    monkeypatch.setattr(budget, "available_bytes", lambda: pair * 0.99)
     with pytest.raises(ValueError, match="ours and its peer alive at once"):
-        compare.check_memory(big, names)
+        budget.check_memory(big, names)
 
 
 @pytest.mark.parametrize("warmup,steps,turn", [(3, 6, 3), (1, 2, 3), (2, 5, 1), (3, 30, 4)])
 def test_schedule_gives_each_contender_whole_turns_whose_first_step_is_not_timed(warmup, steps, turn):
-    spec = compare.BenchSpec(warmup=warmup, steps=steps, turn=turn, regimes=(compare.REGIMES["compute"],))
+    spec = bspec.BenchSpec(warmup=warmup, steps=steps, turn=turn, regimes=(bspec.REGIMES["compute"],))
     names = ["floor", "ours0", "ddp"]
-    rounds = spec.rounds_for(compare.REGIMES["compute"])
-    plan = list(compare.schedule(names, warmup, rounds, turn, seed=0))
-    assert plan == list(compare.schedule(names, warmup, rounds, turn, seed=0))  # every rank walks the same
+    rounds = spec.rounds_for(bspec.REGIMES["compute"])
+    plan = list(schedule.schedule(names, warmup, rounds, turn, seed=0))
+    assert plan == list(schedule.schedule(names, warmup, rounds, turn, seed=0))  # every rank walks the same
     for name in names:
         mine = [(i, timed) for i, n, timed in plan if n == name]
         assert sum(t for _, t in mine) >= steps  # at least the timed steps asked for
         assert sum(t for _, t in mine) < steps + max(1, turn - 1)  # and no whole turn more
-        assert len(mine) + 1 == compare.steps_per_contender(warmup, rounds, turn)
+        assert len(mine) + 1 == schedule.steps_per_contender(warmup, rounds, turn)
         assert not any(t for i, t in mine if i < warmup)  # warm-up rounds: nothing timed
         for i in sorted({i for i, _ in mine if i >= warmup}):
             turn_steps = [t for j, t in mine if j == i]
@@ -350,12 +347,12 @@ def test_memory_repeats_take_the_median_per_rank_and_measure_every_contender_bef
     calls = []
 
     def fake_run_local(fn, world, spec, regime, name, mb, timeout, backend):
-        assert fn is compare._rank_memory and world == spec.world_size == 2
+        assert fn is runner.rank_memory and world == spec.world_size == 2
         calls.append(name)
         return readings[regime.name, name][sum(c == name for c in calls) - 1]
 
     monkeypatch.setattr(zerodp.spawn, "run_local", fake_run_local)
-    spec = compare.BenchSpec(regimes=(compare.REGIMES["compute"],), stages=(0,), memory_repeats=3)
+    spec = bspec.BenchSpec(regimes=(bspec.REGIMES["compute"],), stages=(0,), memory_repeats=3)
     out = compare._fresh_peaks(spec, ["ours0", "ddp"], {}, 60.0, "gloo")
     assert calls == ["ours0", "ddp"] * 3
     assert out[("compute", "ours0")] == [200, 210]

@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-from zerodp.bench import compare
-from zerodp.bench.peers import CONTENDERS, VARIANTS, engine_options, variant_name
+from zerodp.bench import schedule
+from zerodp.bench import spec as bspec
+from zerodp.bench.contenders import CONTENDERS, VARIANTS, engine_options, variant_name
 from zerodp.bench.predict import WireCost, predict_step, predicted_wire_bytes
 from zerodp.cli import main
 from zerodp.plan.calibrated import PerKindCost
@@ -23,14 +24,14 @@ from _profiles import synthetic_profile
 
 # ---- names, options, specs (no ranks) ------------------------------------------------------------
 def test_default_spec_has_no_extra_contenders():
-    spec = compare.BenchSpec()
+    spec = bspec.BenchSpec()
     assert spec.compress == ("none",) and spec.shard_size is None
     assert not [n for n in spec.contenders(with_auto=True) if n in VARIANTS]
 
 
 def test_variants_sit_in_their_stage_group_beside_ours():
-    spec = compare.BenchSpec(world_size=4, stages=(0, 3), compress=("none", "bf16-reduce", "int8"), shard_size=2)
-    groups = compare.stage_groups(spec.contenders(with_auto=False))
+    spec = bspec.BenchSpec(world_size=4, stages=(0, 3), compress=("none", "bf16-reduce", "int8"), shard_size=2)
+    groups = schedule.stage_groups(spec.contenders(with_auto=False))
     assert groups[0] == ["floor", "ours0", "ddp_bucket_view", "ddp", "ours0_bf16"]  # stage 0: bf16 only
     assert groups[1] == ["floor", "ours3", "fsdp2", "ours3_bf16", "ours3_int8", "ours3_hybrid",
                          "ours3_hybrid_bf16", "ours3_hybrid_int8"]
@@ -48,7 +49,7 @@ def test_variants_sit_in_their_stage_group_beside_ours():
 ])
 def test_spec_refuses_bad_compress_or_shard_size(kw, message):
     with pytest.raises(ValueError, match=message):
-        compare.BenchSpec(**kw)
+        bspec.BenchSpec(**kw)
 
 
 @pytest.mark.parametrize("argv, message", [

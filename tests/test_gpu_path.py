@@ -251,7 +251,8 @@ def test_every_rank_on_cuda0_is_refused():
 
 # ---- the benches' CUDA options, without CUDA -------------------------------------------------
 def test_bench_spec_device():
-    from zerodp.bench.compare import BenchSpec, result_from_dict
+    from zerodp.bench.results import result_from_dict
+    from zerodp.bench.spec import BenchSpec
 
     assert BenchSpec().device == "cpu"
     with pytest.raises(ValueError, match=">= 2"):

@@ -207,7 +207,7 @@ def _int_list(name: str, text: str) -> list[int]:
 
 
 def _regimes(text: str, quick: bool, model_seq_len: int):
-    from zerodp.bench.compare import QUICK_REGIMES, REGIMES
+    from zerodp.bench.spec import QUICK_REGIMES, REGIMES
     from zerodp.bench.roofline import regime_for
 
     named = QUICK_REGIMES if quick else REGIMES
@@ -230,7 +230,7 @@ def _regimes(text: str, quick: bool, model_seq_len: int):
 
 def _stage2_bucket(text: str) -> "float | str":
     """``--stage2-bucket-mb``: "unit" or a positive number of MiB."""
-    from zerodp.bench.compare import UNIT
+    from zerodp.bench.spec import UNIT
 
     if text == UNIT:
         return text
@@ -248,7 +248,7 @@ def bench_command_line(args) -> str:
     """The command that reproduces this run, rebuilt from the parsed options (for the page)."""
     import shlex
 
-    from zerodp.bench.compare import UNIT
+    from zerodp.bench.spec import UNIT
 
     flags = [("--stages", args.stages, "0,1,2,3"), ("--regimes", args.regimes, "compute,comm"),
              ("--steps", args.steps, None), ("--warmup", args.warmup, None), ("--model", args.model, None),
@@ -273,7 +273,8 @@ def bench_command_line(args) -> str:
 def run_bench_cmd(args) -> int:
     import os
 
-    from zerodp.bench import compare, roofline
+    from zerodp.bench import compare, roofline, tables
+    from zerodp.bench.spec import BenchSpec
     from zerodp.train.model import PRESETS
 
     model = args.model or ("nano" if args.quick else "small")
@@ -296,7 +297,7 @@ def run_bench_cmd(args) -> int:
             print(sweep.points_table(cal.points, cal.world_size))
             print(sweep.fits_table(cal.fits))
             print(f"wrote {profile}\n")
-    spec = compare.BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
+    spec = BenchSpec(model=model, world_size=args.nproc, regimes=regimes, stages=stages,
                              warmup=warmup, steps=steps, turn=args.turn, memory_steps=args.memory_steps,
                              memory_repeats=args.memory_repeats,
                              bucket_mb=args.bucket_mb, stage2_bucket_mb=_stage2_bucket(args.stage2_bucket_mb),
@@ -304,8 +305,8 @@ def run_bench_cmd(args) -> int:
                              memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc)
     t0 = time.perf_counter()
     result = compare.run_bench(spec)
-    bench_json = compare.write_json(result, os.path.join(args.out, "bench.json"))
-    bench_png = compare.plot(result, os.path.join(args.out, "bench.png"))
+    bench_json = tables.write_json(result, os.path.join(args.out, "bench.json"))
+    bench_png = tables.plot(result, os.path.join(args.out, "bench.png"))
     rl = rl_png = None
     if args.roofline:
         tokens = (_int_list("roofline-tokens", args.roofline_tokens) if args.roofline_tokens else
@@ -321,10 +322,10 @@ def run_bench_cmd(args) -> int:
     if args.json:
         print(json.dumps({"bench": result.to_dict(), "roofline": rl.to_dict() if rl else None}, indent=2))
     else:
-        print(compare.contenders_table(result))
+        print(tables.contenders_table(result))
         print()
-        print(compare.summary_table(result))
-        compressed = compare.compressed_table(result)
+        print(tables.summary_table(result))
+        compressed = tables.compressed_table(result)
         if compressed:
             print()
             print(compressed)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import time
 
-from zerodp.bench.peers import VARIANTS
-from zerodp.bench.compare import (MIB, PREDICTION_TOLERANCE, BenchResult, compressed_rows, compressed_table,
-                                  contenders_table, summary_table, UNIT)
+from zerodp.bench.contenders import VARIANTS
+from zerodp.bench.results import PREDICTION_TOLERANCE, BenchResult, compressed_rows
+from zerodp.bench.spec import UNIT
+from zerodp.bench.tables import compressed_table, contenders_table, summary_table
+from zerodp.plan.units import MIB
 
 
 def _rel(path: str, md_path: str) -> str:

@@ -244,7 +244,9 @@ def phase_memory(n: int, preset: str) -> tuple[bool, list[str]]:
 
 # ---- phase 4: zerodp bench against DDP / FSDP2 ---------------------------------------------
 def phase_bench(n: int, preset: str) -> tuple[bool, list[str]]:
-    from zerodp.bench.compare import REGIMES, BenchSpec, contenders_table, run_bench, summary_table
+    from zerodp.bench.compare import run_bench
+    from zerodp.bench.spec import REGIMES, BenchSpec
+    from zerodp.bench.tables import contenders_table, summary_table
 
     ok, lines = True, []
     for stages in ((0, 1), (2, 3)):

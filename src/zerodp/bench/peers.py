@@ -17,8 +17,8 @@ stage  ours                              PyTorch peer(s)
 =====  ================================  =====================================================
 
 Our engine also runs with compressed collectives and hybrid sharding (guide §14-§15,
-:data:`VARIANTS`, ``zerodp bench --compress ... --shard-size G``): ``ours3_int8`` (int8 parameter
-AllGathers and gradient reductions), ``ours0_bf16`` (gradients reduced in bf16), ``ours3_hybrid``
+:class:`zerodp.bench.contenders.Variant`, ``zerodp bench --compress ... --shard-size G``): ``ours3_int8``
+(int8 parameter AllGathers and gradient reductions), ``ours0_bf16`` (gradients reduced in bf16), ``ours3_hybrid``
 (shard groups of G ranks, replicated), and their combinations; they have no PyTorch peer here.
 
 plus the **floor**: the plain model and optimizer on each rank with no collectives at all — the
@@ -40,69 +40,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from zerodp.bench.contenders import CONTENDERS, engine_options
+
 LR = 3e-4
-
-#: name → (stage, role, label). Roles: "ours", "peer", "floor".
-CONTENDERS: dict[str, tuple[int | None, str, str]] = {
-    "floor": (None, "floor", "no communication (floor)"),
-    "ours0": (0, "ours", "zerodp stage 0"),
-    "ddp": (0, "peer", "DDP default"),
-    "ddp_bucket_view": (0, "peer", "DDP gradient_as_bucket_view=True"),
-    "ours1": (1, "ours", "zerodp stage 1"),
-    "zero_ddp": (1, "peer", "ZeroRedundancyOptimizer(AdamW) + DDP"),
-    "ours2": (2, "ours", "zerodp stage 2"),
-    "fsdp2_keep": (2, "peer", "FSDP2 reshard_after_forward=False"),
-    "ours3": (3, "ours", "zerodp stage 3"),
-    "fsdp2": (3, "peer", "FSDP2 reshard_after_forward=True"),
-    "ours0_auto": (0, "ours", "zerodp stage 0, bucket_mb=auto"),
-}
-
-#: ``zerodp bench --compress``: the planner's compression names (``zerodp.plan.hybrid.COMPRESSIONS``)
-#: → (name suffix, the engine options that put it on the wire, guide §15). Stage 0 has no AllGather
-#: nor ReduceScatter to quantize: only ``bf16-reduce`` applies there.
-COMPRESS_OPTIONS: dict[str, tuple[str, dict]] = {
-    "bf16-reduce": ("bf16", {"reduce_dtype": "bf16"}),
-    "int8-params": ("int8p", {"quantize_params": True}),
-    "int8-grads": ("int8g", {"quantize_grads": True}),
-    "int8": ("int8", {"quantize_params": True, "quantize_grads": True}),
-}
-#: name → (stage, compression or "none", hybrid): our contenders with compressed collectives and/or
-#: hybrid sharding (``--shard-size``; stages 1-3, guide §14). Built alongside ``ours{stage}``.
-VARIANTS: dict[str, tuple[int, str, bool]] = {}
-
-
-def variant_name(stage: int, compress: str = "none", hybrid: bool = False) -> str:
-    """``ours3_int8``, ``ours0_bf16``, ``ours3_hybrid``, ``ours3_hybrid_int8``; plain ``ours{stage}``
-    for neither."""
-    parts = [f"ours{stage}"] + (["hybrid"] if hybrid else [])
-    if compress != "none":
-        parts.append(COMPRESS_OPTIONS[compress][0])
-    return "_".join(parts)
-
-
-def variant_applies(stage: int, compress: str, hybrid: bool) -> bool:
-    """Whether the engine accepts this combination: stage 0 shards nothing and quantizes nothing."""
-    return stage != 0 or (not hybrid and compress in ("none", "bf16-reduce"))
-
-
-for _stage in (0, 1, 2, 3):
-    for _hybrid in (False, True):
-        for _compress in ("none", *COMPRESS_OPTIONS):
-            if (_compress == "none" and not _hybrid) or not variant_applies(_stage, _compress, _hybrid):
-                continue
-            _name = variant_name(_stage, _compress, _hybrid)
-            _what = ["hybrid"] if _hybrid else []
-            _what += [] if _compress == "none" else [_compress]
-            VARIANTS[_name] = (_stage, _compress, _hybrid)
-            CONTENDERS[_name] = (_stage, "ours", f"zerodp stage {_stage}, {' + '.join(_what)}")
-
-#: stage → (ours, peers): the comparisons ``zerodp bench`` prints, the first peer is the reference.
-COMPARISONS: dict[int, tuple[str, tuple[str, ...]]] = {
-    0: ("ours0", ("ddp_bucket_view", "ddp")),
-    1: ("ours1", ("zero_ddp",)),
-    2: ("ours2", ("fsdp2_keep",)),
-    3: ("ours3", ("fsdp2",)),
-}
 
 
 @dataclass
@@ -162,30 +102,18 @@ def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool)
     return step
 
 
-def engine_options(name: str, shard_size: int | None = None) -> dict:
-    """The :func:`zerodp.parallelize` keywords of a :data:`VARIANTS` contender ({} otherwise)."""
-    if name not in VARIANTS:
-        return {}
-    _, compress, hybrid = VARIANTS[name]
-    out = dict(COMPRESS_OPTIONS[compress][1]) if compress != "none" else {}
-    if hybrid:
-        if shard_size is None:
-            raise ValueError(f"contender {name} is hybrid: give shard_size (zerodp bench --shard-size G)")
-        out["shard_size"] = shard_size
-    return out
-
-
 def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
           bucket_mb: "float | str" = 25.0, profile=None, tokens_per_rank: int | None = None,
           shard_size: int | None = None) -> Contender:
-    """Build contender ``name`` (a key of :data:`CONTENDERS`) on a fresh model from ``make_model``.
+    """Build contender ``name`` (a key of :data:`zerodp.bench.contenders.CONTENDERS`) on a fresh model
+    from ``make_model``.
 
     Call on every rank of an initialized gloo process group; ``make_model`` must seed itself so
     that every contender starts from the same weights. ``bucket_mb`` applies to our stages 0-2
     and to DDP (``bucket_cap_mb``); ``"auto"`` (ours only) lets the engine choose it from
     ``profile`` at ``tokens_per_rank`` (``zerodp.parallelize(bucket_mb="auto")``), and the
     contender's ``options["bucket_mb"]`` is the size the engine chose. ``shard_size`` is the shard
-    group of the hybrid :data:`VARIANTS` (guide §14); their compression options are in ``options``.
+    group of the hybrid variants (guide §14); their compression options are in ``options``.
     """
     if name not in CONTENDERS:
         raise ValueError(f"unknown contender {name!r}; use one of {', '.join(CONTENDERS)}")

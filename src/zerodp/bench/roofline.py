@@ -22,8 +22,9 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from zerodp.bench.compare import (Regime, _batches, _make_model_factory, _prime, _settle, schedule,
-                                  steps_per_contender, timed_rounds)
+from zerodp.bench.runner import make_batches, make_model_factory, prime, settle
+from zerodp.bench.schedule import schedule, steps_per_contender, timed_rounds
+from zerodp.bench.spec import Regime
 
 DEFAULT_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 QUICK_TOKENS = (8, 32, 128)
@@ -37,7 +38,7 @@ class RooflineSpec:
     tokens: tuple[int, ...] = DEFAULT_TOKENS
     warmup: int = 2
     steps: int = 4
-    turn: int = 3  # consecutive steps per turn, the first untimed (zerodp.bench.compare.schedule)
+    turn: int = 3  # consecutive steps per turn, the first untimed (zerodp.bench.schedule.schedule)
     bucket_mb: float = 25.0
     seed: int = 0
     profile: str | None = None
@@ -99,9 +100,9 @@ def _rank_roofline(rank: int, world: int, spec: RooflineSpec) -> dict:
     from zerodp.train.model import PRESETS
 
     cfg = PRESETS[spec.model]
-    make = _make_model_factory(spec.model, spec.seed)
+    make = make_model_factory(spec.model, spec.seed)
     regimes = [regime_for(t, cfg.seq_len) for t in spec.tokens]
-    _prime(make, _batches(regimes[0], cfg.vocab_size, 1, rank, world, spec.seed)[0])
+    prime(make, make_batches(regimes[0], cfg.vocab_size, 1, rank, world, spec.seed)[0])
     contenders = {n: build(n, make, world, spec.bucket_mb) for n in CONTENDERS}
     # No build step per token count: the first spec.warmup rounds of the schedule are the warm-up.
     rounds = spec.warmup + timed_rounds(spec.steps, spec.turn)
@@ -113,7 +114,7 @@ def _rank_roofline(rank: int, world: int, spec: RooflineSpec) -> dict:
         bar = tqdm(total=total * len(CONTENDERS) * len(regimes), desc="roofline", unit="step", leave=False)
     out = {}
     for regime in regimes:
-        batches = _batches(regime, cfg.vocab_size, total, rank, world, spec.seed)
+        batches = make_batches(regime, cfg.vocab_size, total, rank, world, spec.seed)
         times = {n: [] for n in CONTENDERS}
         done = dict.fromkeys(CONTENDERS, 0)
         for _, name, timed in schedule(list(CONTENDERS), spec.warmup + 1, rounds, spec.turn, spec.seed):
@@ -121,7 +122,7 @@ def _rank_roofline(rank: int, world: int, spec: RooflineSpec) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             c.step(*batches[done[name]])
-            _settle(c)
+            settle(c)
             done[name] += 1
             if timed:
                 times[name].append(time.perf_counter() - t0)

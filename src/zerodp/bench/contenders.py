@@ -1,0 +1,139 @@
+"""Who runs in ``zerodp bench``: the names, roles and labels of the contenders, torch-free.
+
+The builders are in :mod:`zerodp.bench.peers`; this module only says what exists. Three kinds:
+
+- **the fixed contenders** (:data:`CONTENDERS`): the floor, our engine per stage, its PyTorch
+  peers (:data:`COMPARISONS` pairs them, guide §9), and the ``bucket_mb="auto"`` row;
+- **variants of ours** (:class:`Variant`, :data:`VARIANTS`): our engine at a stage with compressed
+  collectives and/or hybrid sharding (guide §14-§15), built and timed beside ``ours{stage}``.
+
+A new kind of variant (say, a compiled model) is one new field of :class:`Variant`: its name,
+label, engine options and where it applies are all read from there, and :func:`variants_for` is
+the one enumeration the bench spec calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: name → (stage, role, label). Roles: "ours", "peer", "floor". The variants are added below.
+CONTENDERS: dict[str, tuple[int | None, str, str]] = {
+    "floor": (None, "floor", "no communication (floor)"),
+    "ours0": (0, "ours", "zerodp stage 0"),
+    "ddp": (0, "peer", "DDP default"),
+    "ddp_bucket_view": (0, "peer", "DDP gradient_as_bucket_view=True"),
+    "ours1": (1, "ours", "zerodp stage 1"),
+    "zero_ddp": (1, "peer", "ZeroRedundancyOptimizer(AdamW) + DDP"),
+    "ours2": (2, "ours", "zerodp stage 2"),
+    "fsdp2_keep": (2, "peer", "FSDP2 reshard_after_forward=False"),
+    "ours3": (3, "ours", "zerodp stage 3"),
+    "fsdp2": (3, "peer", "FSDP2 reshard_after_forward=True"),
+    "ours0_auto": (0, "ours", "zerodp stage 0, bucket_mb=auto"),
+}
+
+#: stage → (ours, peers): the comparisons ``zerodp bench`` prints, the first peer is the reference.
+COMPARISONS: dict[int, tuple[str, tuple[str, ...]]] = {
+    0: ("ours0", ("ddp_bucket_view", "ddp")),
+    1: ("ours1", ("zero_ddp",)),
+    2: ("ours2", ("fsdp2_keep",)),
+    3: ("ours3", ("fsdp2",)),
+}
+
+#: ``zerodp bench --compress``: the planner's compression names (``zerodp.plan.hybrid.COMPRESSIONS``)
+#: → (name suffix, the engine options that put it on the wire, guide §15).
+COMPRESS_OPTIONS: dict[str, tuple[str, dict]] = {
+    "bf16-reduce": ("bf16", {"reduce_dtype": "bf16"}),
+    "int8-params": ("int8p", {"quantize_params": True}),
+    "int8-grads": ("int8g", {"quantize_grads": True}),
+    "int8": ("int8", {"quantize_params": True, "quantize_grads": True}),
+}
+
+SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_view": "DDP bucket view",
+                "ours1": "zerodp", "zero_ddp": "ZeRO-opt + DDP", "ours2": "zerodp", "fsdp2_keep": "FSDP2 keep",
+                "ours3": "zerodp", "fsdp2": "FSDP2", "ours0_auto": "zerodp auto bucket"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Our engine at ``stage`` with ``compress`` (a name of :data:`COMPRESS_OPTIONS`, or "none") on
+    its collectives and, with ``hybrid``, shard groups of ``--shard-size`` ranks (guide §14-§15)."""
+
+    stage: int
+    compress: str = "none"
+    hybrid: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Neither compressed nor hybrid: ``ours{stage}`` itself, not a variant."""
+        return self.compress == "none" and not self.hybrid
+
+    @property
+    def applies(self) -> bool:
+        """Whether the engine accepts it: stage 0 shards nothing and has no AllGather nor
+        ReduceScatter to quantize, so only ``bf16-reduce`` applies there."""
+        return self.stage != 0 or (not self.hybrid and self.compress in ("none", "bf16-reduce"))
+
+    @property
+    def parts(self) -> list[str]:
+        return (["hybrid"] if self.hybrid else []) + ([] if self.compress == "none" else [self.compress])
+
+    @property
+    def name(self) -> str:
+        """``ours3_int8``, ``ours0_bf16``, ``ours3_hybrid``, ``ours3_hybrid_int8``; ``ours{stage}`` when plain."""
+        suffix = (["hybrid"] if self.hybrid else []) + (
+            [COMPRESS_OPTIONS[self.compress][0]] if self.compress != "none" else [])
+        return "_".join([f"ours{self.stage}", *suffix])
+
+    @property
+    def label(self) -> str:
+        return f"zerodp stage {self.stage}, {' + '.join(self.parts)}"
+
+    @property
+    def short_label(self) -> str:
+        return "zerodp " + " ".join(self.name.split("_")[1:])
+
+    def engine_options(self, shard_size: int | None = None) -> dict:
+        """The :func:`zerodp.parallelize` keywords that make this variant."""
+        out = dict(COMPRESS_OPTIONS[self.compress][1]) if self.compress != "none" else {}
+        if self.hybrid:
+            if shard_size is None:
+                raise ValueError(f"contender {self.name} is hybrid: give shard_size (zerodp bench --shard-size G)")
+            out["shard_size"] = shard_size
+        return out
+
+
+def variants_for(stage: int, compress: tuple[str, ...], hybrid: bool) -> list[Variant]:
+    """The variants a bench asking for ``compress`` (and, with ``hybrid``, hybrid sharding) runs at
+    ``stage``: flat ones first, then hybrid ones, each in the order ``compress`` names them."""
+    out = []
+    for h in (False, True) if hybrid else (False,):
+        for c in dict.fromkeys(compress):
+            v = Variant(stage, c, h)
+            if not v.plain and v.applies:
+                out.append(v)
+    return out
+
+
+#: name → :class:`Variant`: every variant any bench can run.
+VARIANTS: dict[str, Variant] = {v.name: v for stage in COMPARISONS
+                                for v in variants_for(stage, ("none", *COMPRESS_OPTIONS), True)}
+CONTENDERS.update({n: (v.stage, "ours", v.label) for n, v in VARIANTS.items()})
+
+
+def variant_name(stage: int, compress: str = "none", hybrid: bool = False) -> str:
+    return Variant(stage, compress, hybrid).name
+
+
+def engine_options(name: str, shard_size: int | None = None) -> dict:
+    """The :func:`zerodp.parallelize` keywords of contender ``name`` ({} for all but the variants)."""
+    return VARIANTS[name].engine_options(shard_size) if name in VARIANTS else {}
+
+
+def variant_of(name: str) -> Variant:
+    """The variant ``name`` is, or the plain ``ours{stage}`` for any other contender of ours."""
+    return VARIANTS.get(name) or Variant(CONTENDERS[name][0])
+
+
+def short_label(name: str) -> str:
+    """A bar's label: :data:`SHORT_LABELS`, or "zerodp int8", "zerodp hybrid bf16" for the variants."""
+    return SHORT_LABELS[name] if name in SHORT_LABELS else VARIANTS[name].short_label

@@ -1,0 +1,146 @@
+"""What ``zerodp bench`` is asked to run: the regimes (tokens per rank) and :class:`BenchSpec`, checked
+when built. How the bench measures is :mod:`zerodp.bench.compare`'s docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from zerodp.bench.contenders import COMPARISONS, variants_for
+from zerodp.bench.probe import MALLOC_MODES
+from zerodp.bench.schedule import timed_rounds
+
+MAX_STEP_SCALE = 5  # a cheap regime times up to 5× the steps of the costliest (BenchSpec.steps_for)
+UNIT = "unit"  # BenchSpec.stage2_bucket_mb: buckets as large as one FSDP2 unit (one block)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Tokens per rank as ``micro_batch`` sequences of ``seq_len`` tokens."""
+
+    name: str
+    micro_batch: int
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+DEVICES = ("cpu", "cuda")
+MEMORY_MODES = ("fresh", "shared")
+REGIMES = {"compute": Regime("compute", 8, 256), "comm": Regime("comm", 1, 32)}
+QUICK_REGIMES = {"compute": Regime("compute", 2, 64), "comm": Regime("comm", 1, 8)}
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    model: str = "small"
+    world_size: int = 2
+    regimes: tuple[Regime, ...] = tuple(REGIMES.values())
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    warmup: int = 3
+    steps: int = 6
+    turn: int = 3  # consecutive steps per contender turn, the first not timed (zerodp.bench.schedule)
+    memory_steps: int = 3  # steps the fresh memory groups run while their peak is read
+    memory_repeats: int = 1  # fresh memory groups per contender; the peak is their median per rank
+    bucket_mb: float = 25.0
+    # Our stage 2 (its gradient buffers are transient, so a bucket's size is memory held in
+    # backward, guide §12.5): "unit" — buckets as large as one transformer block's parameters, the
+    # unit its peer FSDP2 reduces at (zerodp.bench.compare, "bucket sizes"); or a number of MiB.
+    stage2_bucket_mb: "float | str" = "unit"
+    seed: int = 0
+    profile: str | None = None  # calibration profile: predictions and the auto bucket row
+    device: str = "cpu"  # "cuda": NCCL, rank r on cuda:r (zerodp.bench.compare)
+    # Compressed and hybrid contenders of ours (guide §14-§15), beside ours at each stage: the
+    # planner's compression names (zerodp.plan.hybrid.COMPRESSIONS; "none" adds nothing), and a
+    # shard-group size g < world_size for hybrid sharding at stages 1-3 (None: no hybrid rows).
+    compress: tuple[str, ...] = ("none",)
+    shard_size: int | None = None
+    # Peak memory: "fresh" — each contender built and stepped memory_steps times in its own spawned
+    # group, alone (what a user's job sees); "shared" — inside the timing group, over the build and
+    # first step of the contenders built one after another in the same processes (cheaper; the
+    # allocator's state then depends on what ran before).
+    memory: str = "fresh"
+    # The fresh memory groups' allocator (zerodp.bench.probe.set_malloc): "default", glibc as a
+    # user's job gets it; "mmap", its mmap threshold fixed, so that RSS follows the live tensors.
+    malloc: str = "default"
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        least = 1 if self.device == "cuda" else 2
+        if self.world_size < least:
+            raise ValueError(f"world_size must be >= {least} to compare data-parallel engines on "
+                             f"{self.device}, got {self.world_size}")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {self.memory!r}")
+        if self.malloc not in MALLOC_MODES:
+            raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {self.malloc!r}")
+        if self.memory_repeats < 1:
+            raise ValueError(f"need memory_repeats >= 1, got {self.memory_repeats}")
+        if self.memory_repeats > 1 and self.memory != "fresh":
+            raise ValueError(f"memory_repeats={self.memory_repeats} repeats the fresh memory groups: use "
+                             "memory='fresh'")
+        if self.malloc != "default" and self.memory != "fresh":
+            raise ValueError(f"malloc={self.malloc!r} applies to the fresh memory groups: use memory='fresh' "
+                             "(the timing group keeps the default allocator)")
+        if self.warmup < 1 or self.steps < 1:
+            raise ValueError(f"need warmup >= 1 and steps >= 1, got warmup={self.warmup}, steps={self.steps}")
+        if self.turn < 1 or self.memory_steps < 1:
+            raise ValueError(f"need turn >= 1 and memory_steps >= 1, got turn={self.turn}, "
+                             f"memory_steps={self.memory_steps}")
+        bad = [s for s in self.stages if s not in COMPARISONS]
+        if bad or not self.stages:
+            raise ValueError(f"stages must be a non-empty subset of {sorted(COMPARISONS)}, got {list(self.stages)}")
+        if not self.regimes:
+            raise ValueError("give at least one regime")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        b2 = self.stage2_bucket_mb
+        if b2 != UNIT and (isinstance(b2, bool) or not isinstance(b2, (int, float)) or not b2 > 0):
+            raise ValueError(f"stage2_bucket_mb must be {UNIT!r} (one transformer block, FSDP2's unit) or a "
+                             f"positive number of MiB, got {b2!r}")
+        from zerodp.plan.hybrid import COMPRESSIONS
+
+        bad = [c for c in self.compress if c not in COMPRESSIONS]
+        if bad or not self.compress:
+            raise ValueError(f"compress must be a non-empty list of {', '.join(COMPRESSIONS)}, got "
+                             f"{list(self.compress)}")
+        g = self.shard_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1 or g >= self.world_size
+                              or self.world_size % g):
+            raise ValueError(f"shard_size must divide world_size ({self.world_size}) and be smaller (hybrid "
+                             f"sharding: shard groups of g ranks, replicated world/g times), got {g}")
+
+    def steps_for(self, regime: Regime) -> int:
+        """Timed steps in ``regime``: ``steps`` for the most tokens per rank; a cheaper regime gets
+        more, in proportion to its tokens, up to :data:`MAX_STEP_SCALE` times as many (short steps
+        are the noisiest, and cost little to repeat)."""
+        largest = max(r.tokens for r in self.regimes)
+        return self.steps * max(1, min(MAX_STEP_SCALE, largest // regime.tokens))
+
+    def rounds_for(self, regime: Regime) -> int:
+        """Rounds of turns after the build step: ``warmup - 1`` untimed ones, then enough to time
+        :meth:`steps_for` steps (:func:`zerodp.bench.schedule.schedule`)."""
+        return self.warmup - 1 + timed_rounds(self.steps_for(regime), self.turn)
+
+    def variants(self, stage: int) -> list[str]:
+        """Our compressed and hybrid contenders at ``stage`` (:func:`zerodp.bench.contenders.variants_for`)."""
+        return [v.name for v in variants_for(stage, self.compress, self.shard_size is not None)]
+
+    def contenders(self, with_auto: bool) -> list[str]:
+        names = ["floor"]
+        for s in self.stages:
+            ours, peers = COMPARISONS[s]
+            names += [ours, *peers, *self.variants(s)]
+        if with_auto and 0 in self.stages:
+            names.append("ours0_auto")
+        return names
+
+
+
+def quick_spec(**overrides) -> BenchSpec:
+    """A tiny model and two short regimes: seconds, for tests (``zerodp bench --quick``)."""
+    base = BenchSpec(model="nano", regimes=tuple(QUICK_REGIMES.values()), warmup=1, steps=2)
+    return dataclasses.replace(base, **overrides)

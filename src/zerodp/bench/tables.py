@@ -1,0 +1,144 @@
+"""``zerodp bench``'s output: the tables it prints (every contender; ours against each peer; the
+compressed and hybrid rows), ``bench.json`` and ``bench.png``."""
+
+from __future__ import annotations
+
+import json
+
+from zerodp.bench.contenders import COMPARISONS, CONTENDERS, VARIANTS, short_label
+from zerodp.bench.results import BenchResult, compressed_rows, display_label
+from zerodp.plan.units import MIB
+
+
+def _mib(v) -> str:
+    return "n/a" if v is None else f"{v / MIB:.1f}"
+
+
+def contenders_table(result: BenchResult) -> str:
+    """Every contender of every regime: median, overhead, memory, bytes, prediction."""
+    spec = result.spec
+    ranks = "NCCL ranks (one GPU each)" if spec.device == "cuda" else "gloo ranks × 1 thread"
+    lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} {ranks}, "
+             f"{spec.warmup} warm-up steps, then turns of {spec.turn} steps alternated, the first untimed; "
+             "times: median of the per-step max over ranks; memory, states, sent: rank 0"
+             + ("; peak RSS with glibc's mmap threshold fixed at 128 KiB (--malloc mmap)"
+                if spec.malloc == "mmap" else "")]
+    peak = "peak GPU MiB" if spec.device == "cuda" else "peak RSS MiB"
+    width = max([38] + [len(display_label(c)) + 1 for rr in result.regimes for c in rr.contenders.values()])
+    head = (f"{'stage':>5}  {'contender':<{width}}{'median ms':>10}{'/floor':>8}{peak:>13}"
+            f"{'states MiB':>11}{'sent MiB/step':>14}{'trace MiB/step':>15}")
+    if spec.profile:
+        head += f"{'predicted ms':>13}{'error':>8}"
+    for rr in result.regimes:
+        r = rr.regime
+        lines += ["", f"[{r.name}] {r.tokens} tokens per rank ({r.micro_batch} × {r.seq_len}), "
+                      f"{spec.steps_for(r)} timed steps, {rr.wall_s:.0f} s", head]
+        floor = rr.contenders.get("floor")
+        for c in rr.contenders.values():
+            stage = "-" if c.stage is None else str(c.stage)
+            label = display_label(c)
+            over = f"{c.median_s / floor.median_s:.2f}" if floor else "n/a"
+            trace = "" if c.wire_bytes is None else _mib(c.wire_total)
+            line = (f"{stage:>5}  {label:<{width}}{c.median_s * 1e3:>10.1f}{over:>8}{_mib(c.peak_rss_bytes[0]):>13}"
+                    f"{_mib(c.model_state_bytes[0]):>11}{_mib(c.sent_bytes_per_step[0]):>14}{trace:>15}")
+            if spec.profile:
+                if c.predicted_s is None:
+                    line += f"{'':>13}{'':>8}"
+                else:
+                    err = (c.predicted_s - c.median_s) / c.median_s
+                    line += f"{c.predicted_s * 1e3:>13.1f}{err * 100:>+7.0f}%"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+
+def compressed_table(result: BenchResult) -> str:
+    """The compressed and hybrid rows: ms, ×floor, ×ours, MiB per leg, ×fp32 bytes, predicted."""
+    rows = compressed_rows(result)
+    if not rows:
+        return ""
+    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<40}{'median ms':>10}{'×floor':>8}"
+             f"{'×ours':>7}{'peak RSS MiB':>13}{'intra MiB':>10}{'inter MiB':>10}{'×fp32 bytes':>12}"
+             f"{'planner ×':>10}{'predicted ms':>13}{'error':>7}"]
+
+    def f(v, fmt, width):
+        return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+    for r in rows:
+        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{r.stage:>6}  {r.label:<40}{r.ms:>10.1f}"
+                     f"{f(r.over_floor, '.2f', 8)}{r.vs_plain:>7.2f}"
+                     f"{_mib(r.peak_rss_bytes):>13}{f(None if r.wire_intra is None else r.wire_intra / MIB, '.2f', 10)}"
+                     f"{f(None if r.wire_inter is None else r.wire_inter / MIB, '.2f', 10)}"
+                     f"{f(r.bytes_vs_plain, '.3f', 12)}{f(r.planner_vs_plain, '.3f', 10)}"
+                     f"{f(r.predicted_ms, '.1f', 13)}"
+                     f"{'' if r.predicted_error is None else f'{r.predicted_error * 100:+.0f}%':>7}")
+    lines.append("×ours: median / zerodp's uncompressed flat row of the same stage; ×fp32 bytes: traced bytes "
+                 "sent per rank per step / that row's; planner ×: the same ratio from zerodp.plan.hybrid")
+    return "\n".join(lines)
+
+
+def summary_table(result: BenchResult) -> str:
+    """ours/peer per stage and regime, with the issue's targets where they apply."""
+    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'ours vs peer':<60}{'ours ms':>9}{'peer ms':>9}"
+             f"{'ours/peer':>10}{'per-step IQR':>14}{'target':>8}"]
+    for row in result.rows():
+        o, p = CONTENDERS[row.ours][2], CONTENDERS[row.peer][2]
+        target = row.target
+        verdict = "" if target is None else ("ok" if row.ratio <= target else "MISSED")
+        iqr = "" if row.paired_q1 is None else f"{row.paired_q1:.2f}-{row.paired_q3:.2f}"
+        lines.append(f"{row.regime:<8}{row.tokens_per_rank:>9}{row.stage:>6}  {o + ' vs ' + p:<60}"
+                     f"{row.ours_ms:>9.1f}{row.peer_ms:>9.1f}{row.ratio:>10.3f}{iqr:>14}"
+                     f"{'' if target is None else f'≤{target:.2f}':>8} {verdict}")
+    lines.append("per-step IQR: quartiles of ours/peer taken step by step (both ran in the same round): "
+                 "the spread of the ratio")
+    return "\n".join(lines)
+
+
+def write_json(result: BenchResult, path: str) -> str:
+    with open(path, "w") as f:
+        json.dump(result.to_dict(), f, indent=2)
+    return path
+
+
+def plot(result: BenchResult, path: str) -> str:
+    """Bars of step time / floor per stage, ours next to its peers, one panel per regime."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(result.regimes)
+    fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 4.8), squeeze=False)
+    colors = {"ours": "#1f77b4", "peer": "#ff7f0e"}
+    for ax, rr in zip(axes[0], result.regimes):
+        floor = rr.contenders["floor"].median_s
+        x = 0.0
+        ticks, tick_labels = [], []
+        for stage in result.spec.stages:
+            ours, peers = COMPARISONS[stage]
+            group = [ours, *peers] + (["ours0_auto"] if stage == 0 and "ours0_auto" in rr.contenders else [])
+            group += [n for n in result.spec.variants(stage) if n in rr.contenders]
+            for name in group:
+                c = rr.contenders[name]
+                h = c.median_s / floor
+                ax.bar(x, h, width=0.8, color=colors[c.role], alpha=0.55 if name == "ours0_auto" else 1.0,
+                       edgecolor="black", linewidth=0.4, hatch="//" if name in VARIANTS else None)
+                ax.text(x, h, f"{c.median_s * 1e3:.0f}", ha="center", va="bottom", fontsize=7)
+                ticks.append(x)
+                tick_labels.append(f"{stage}: {short_label(name)}")
+                x += 1
+            x += 0.6
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xticks(ticks, tick_labels, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("median step time / no-communication floor")
+        ax.set_title(f"{rr.regime.name}-bound: {rr.regime.tokens} tokens/rank, floor {floor * 1e3:.0f} ms "
+                     "(bar labels: ms)", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in ("ours", "peer")]
+    fig.legend(handles, ["zerodp", "PyTorch"], loc="upper right")
+    fig.suptitle(f"zerodp vs PyTorch, model {result.spec.model}, {result.spec.world_size} ranks "
+                 f"({result.machine.get('cores')} cores, torch {result.machine.get('torch')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
