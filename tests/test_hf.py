@@ -143,7 +143,7 @@ def group(tmp_path_factory):
     from zerodp.train.export import export_hf
 
     gpt = _gpt_checkpoint(tmp / "gpt-run")
-    export_hf(tmp / "gpt-run", tmp / "gpt-hf", log=lambda m: None)
+    export_hf(tmp / "gpt-run", tmp / "gpt-hf", log=lambda m: None, native_names=True)
     results = run_local(_ranks, WORLD, str(tmp), timeout=240, env={"HF_HUB_OFFLINE": "1"})
     return tmp, source, results, gpt
 
@@ -327,9 +327,13 @@ def test_cli_export_hf(tmp_path, capsys):
     index = json.loads((out / INDEX_FILE).read_text())
     assert index["metadata"]["step"] == 5 and index["metadata"]["zerodp_model_config"] == model.cfg.to_dict()
     assert len(set(index["weight_map"].values())) > 1
-    loaded = load_hf_state_dict(out)
-    for name, p in model.named_parameters():
-        assert torch.equal(loaded[name], p.detach()), name
+    loaded = load_hf_state_dict(out)  # under GPT-2's names (test_export_hf.py loads it in transformers)
+    from zerodp.train.export import gpt2_state
+
+    expected = gpt2_state({n: p.detach() for n, p in model.named_parameters()}, model.cfg)
+    assert set(loaded) == set(expected)
+    for name, p in expected.items():
+        assert torch.equal(loaded[name], p), name
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf16"), "--format", "hf", "--dtype", "bfloat16"]) == 0
     assert all(t.dtype == torch.bfloat16 for t in load_hf_state_dict(tmp_path / "hf16").values())
     capsys.readouterr()

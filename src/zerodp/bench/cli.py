@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from zerodp import runconfig
 from zerodp.bench import sweep
 
 
@@ -22,9 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message (default 64 MiB)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size (default 10)")
     p.add_argument("--model", default="small", help="GPT preset whose compute to measure (default small)")
-    p.add_argument("--tokens", default="32,256,2048",
-                   help="comma-separated tokens per rank at which to time the model's compute "
-                        "(default 32,256,2048; predictions interpolate between them)")
+    tokens = p.add_argument("--tokens-per-rank", dest="tokens", default="32,256,2048",
+                            help="comma-separated tokens per rank at which to time the model's compute "
+                                 "(default 32,256,2048; predictions interpolate between them)")
+    runconfig.add_alias(p, "--tokens", tokens)
     p.add_argument("--out", default="profile.json", help="profile to write (default profile.json)")
     p.add_argument("--json", action="store_true", help="print the whole profile as JSON")
     p.set_defaults(func=run_calibrate)
@@ -107,6 +109,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the fresh memory groups' allocator: glibc as it comes (default), or its mmap threshold "
                         "fixed at 128 KiB (mmap: freed buffers leave the resident set, RSS follows the live tensors)")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    runconfig.add_config_options(b, "zerodp bench")
     b.set_defaults(func=run_bench_cmd)
 
 
@@ -140,7 +143,7 @@ def run_calibrate(args) -> int:
         raise ValueError("--nproc must be >= 2: collectives on one rank move nothing")
     t0 = time.perf_counter()
     cal = calibrate(args.nproc, args.min_bytes, args.max_bytes, _positive("iters", args.iters),
-                    args.model, _int_list("tokens", args.tokens))
+                    args.model, _int_list("tokens-per-rank", args.tokens))
     write_profile(cal, args.out)
     if args.json:
         print(json.dumps(cal.to_dict(), indent=2))

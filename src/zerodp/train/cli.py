@@ -6,7 +6,8 @@ import argparse
 import sys
 from dataclasses import fields
 
-from zerodp.train.config import PRESET_NAMES, TrainConfig
+from zerodp import runconfig
+from zerodp.train.config import MIXED_PRECISION_CHOICES, PRESET_NAMES, TrainConfig
 
 _DEFAULTS = TrainConfig()
 
@@ -39,8 +40,9 @@ def _add_train(sub) -> None:
                     "into --out.",
         formatter_class=_Help)
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", default=_d("preset"), type=_preset, metavar="{" + ",".join(PRESET_NAMES) + "}",
-                   help="model size")
+    model = g.add_argument("--model", dest="preset", default=_d("preset"), type=_preset,
+                           metavar="{" + ",".join(PRESET_NAMES) + "}", help="the GPT preset to train")
+    runconfig.add_alias(g, "--preset", model)
     g.add_argument("--data", default=None, metavar="FILE",
                    help="a text file, or a nanoGPT-style uint16 .bin token file (default: Python's "
                         "bundled documentation topics)")
@@ -54,8 +56,9 @@ def _add_train(sub) -> None:
     g.add_argument("--nproc", type=int, default=_d("nproc"), help="local ranks to start")
     g.add_argument("--stage", type=int, default=_d("stage"),
                    help="0 DP, 1 ZeRO-1, 2 ZeRO-2, 3 ZeRO-3/FSDP (guide §9)")
-    g.add_argument("--mixed-precision", default=None, choices=["bf16"],
-                   help="bf16 compute with fp32 master weights (guide §1)")
+    g.add_argument("--mixed-precision", default="fp32", choices=MIXED_PRECISION_CHOICES,
+                   help="fp32 throughout, or bf16 (bfloat16) compute with fp32 master weights (guide §1); "
+                        "the engine refuses fp16, which needs loss scaling")
     g.add_argument("--bucket-mb", type=_bucket_mb, default=_d("bucket_mb"), metavar="MB|auto",
                    help="gradient bucket size in MiB (guide §4), or auto: the simulator's sweet spot for "
                         "this model and machine, from --profile")
@@ -112,7 +115,15 @@ def _add_train(sub) -> None:
                         "(no value: the one in --out)")
     g.add_argument("--trace", action="store_true", help="write the Chrome trace of one step (trace.json)")
     g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar (default: a progress bar on a terminal)")
+                   help="no progress output (default: a bar on a terminal; elsewhere, in pipes, CI and "
+                        "relayed output, one line per --progress-every steps or --progress-every-s seconds)")
+    g.add_argument("--progress-every", type=int, default=_d("progress_every"), metavar="N",
+                   help="without a terminal: a progress line every N steps (0: a twentieth of the run)")
+    g.add_argument("--progress-every-s", type=float, default=_d("progress_every_s"), metavar="S",
+                   help="without a terminal: a progress line at least every S seconds")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard events into OUT/tensorboard (pip install 'zerodp[tensorboard]')")
+    runconfig.add_config_options(p, "zerodp train")
     p.set_defaults(func=run_train)
 
 
@@ -162,7 +173,7 @@ def run_train(args) -> int:
     if cfg.out is None and not launched_by_torchrun():
         cfg = replace(cfg, out=default_out())
     try:
-        out = launch(cfg)
+        out = launch(cfg, before_start=lambda c: keep_config(args, c))
     except Stopped as e:  # SIGTERM / Ctrl-C, or a checkpoint the filesystem refused
         if str(e):
             print(f"\n{e}", file=sys.stderr)
@@ -181,6 +192,18 @@ def run_train(args) -> int:
     if out:
         print(f"\nrun directory: {out}", file=sys.stderr)
     return 0
+
+
+def keep_config(args, cfg: TrainConfig) -> None:
+    """Write the run's resolved settings to OUT/config.toml (rank 0 only under torchrun): the
+    file ``zerodp train --config`` reads to run it again."""
+    import os
+
+    if cfg.out is None or int(os.environ.get("RANK", "0")) != 0:
+        return
+    saved = argparse.Namespace(**vars(args))
+    saved.out = cfg.out
+    runconfig.write(saved, os.path.join(cfg.out, runconfig.CONFIG_FILE))
 
 
 # Failures whose message says everything: no traceback from inside the engine or the backend.
@@ -216,7 +239,9 @@ def _add_sample(sub) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
                    help="checkpoint directory, run directory or exported .safetensors file")
     p.add_argument("--prompt", default="The ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=300, help="tokens (bytes) to generate, >= 1")
+    new = p.add_argument("--max-new-tokens", dest="tokens", type=int, default=300,
+                         help="tokens (bytes) to generate, >= 1")
+    runconfig.add_alias(p, "--tokens", new)
     p.add_argument("--temperature", type=_bounded(float, "temperature", 0, 100, low_open=True),
                    default=0.8, help="sampling temperature, > 0 (lower: more predictable)")
     p.add_argument("--top-k", type=_bounded(int, "top-k", 1, 1_000_000), default=40,

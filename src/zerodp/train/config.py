@@ -22,7 +22,9 @@ PRESET_NAMES = ("nano", "tiny", "small", "medium", "gpt2-small")
 
 STAGES = (0, 1, 2, 3)
 from zerodp.plan.units import AUTO  # noqa: E402 - --bucket-mb auto
-MIXED_PRECISION = (None, "bf16")
+MIXED_PRECISION = (None, "bf16")  # None: fp32 throughout
+#: what --mixed-precision accepts (the engine's names; it refuses fp16, which needs loss scaling) -> the field
+MIXED_PRECISION_CHOICES = {"fp32": None, "bf16": "bf16", "float32": None, "bfloat16": "bf16"}
 ON_SAVE_ERROR = ("stop", "continue")
 
 
@@ -117,6 +119,9 @@ class TrainConfig:
     grace_s: float = 30.0  # SIGTERM / first SIGINT: stop with a checkpoint within this (zerodp.train.stop)
     on_save_error: str = "stop"  # a checkpoint the filesystem refuses: "stop" or "continue" (retry later)
     progress: bool = True
+    progress_every: int = 0  # without a terminal: a progress line every N steps; 0: a twentieth of the run
+    progress_every_s: float = 30.0  # ... and at least every so many seconds
+    tensorboard: bool = False  # also TensorBoard events in OUT/tensorboard (the tensorboard extra)
 
     def __post_init__(self):
         if self.preset not in PRESET_NAMES:
@@ -124,8 +129,11 @@ class TrainConfig:
         if self.stage not in STAGES:
             raise ValueError(f"unknown --stage {self.stage!r}: stages are 0 (DP), 1 (ZeRO-1), "
                              "2 (ZeRO-2), 3 (ZeRO-3/FSDP)")
+        if self.mixed_precision in MIXED_PRECISION_CHOICES:  # the engine's spellings -> None or "bf16"
+            object.__setattr__(self, "mixed_precision", MIXED_PRECISION_CHOICES[self.mixed_precision])
         if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"--mixed-precision must be bf16 or left out, got {self.mixed_precision!r}")
+            raise ValueError(f"--mixed-precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got "
+                             f"{self.mixed_precision!r}")
         if self.quantize not in (None, "params", "grads", "both"):
             raise ValueError(f"unknown --quantize {self.quantize!r}: use params, grads or both")
         if self.reduce_dtype not in (None, "bf16"):
@@ -138,7 +146,7 @@ class TrainConfig:
                      "eval_batches", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "ckpt_every", "warmup_steps", "max_restarts"):
+        for name in ("eval_every", "ckpt_every", "warmup_steps", "max_restarts", "progress_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.stop_after is not None and self.stop_after < 1:
@@ -147,6 +155,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.progress_every_s > 0:
+            raise ValueError(f"--progress-every-s must be a positive number of seconds, got {self.progress_every_s}")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout-s must be a positive number of seconds, got {self.timeout_s}")
         if not 1 <= self.grace_s <= 86400:

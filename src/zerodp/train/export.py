@@ -8,8 +8,11 @@ Formats (``zerodp export --format``):
 - ``safetensors`` (default): one file, the bundled GPT's ``state_dict`` with its config in the
   metadata (:func:`export`);
 - ``hf``: a Hugging Face directory — ``model-0000i-of-0000N.safetensors`` shards and
-  ``model.safetensors.index.json`` — keyed by the model's own names, for any model whose
-  checkpoint holds them (:func:`export_hf`, :func:`zerodp.engine.hf.save_hf`);
+  ``model.safetensors.index.json``. The bundled GPT is GPT-2's architecture (learned positions,
+  pre-LayerNorm blocks, exact GELU), so it is written as a ``GPT2LMHeadModel`` with
+  ``config.json`` and ``generation_config.json``, which ``AutoModelForCausalLM.from_pretrained``
+  loads and which gives the same logits; any other model is keyed by the names its checkpoint
+  holds (:func:`export_hf`, :func:`zerodp.engine.hf.save_hf`);
 - ``dcp``: a ``torch.distributed.checkpoint`` directory (:func:`zerodp.engine.dcp.export_dcp`).
 """
 
@@ -57,8 +60,6 @@ def export(path: str | Path, out: str | Path, log=print) -> Path:
     ``GPT(cfg).load_state_dict(safetensors.torch.load_file(out))`` loads it; the model config is in
     the file's metadata (``zerodp_model_config``) so the file is self-describing.
     """
-    from safetensors.torch import save_file
-
     model, ck = model_from_checkpoint(path, log=log)
     out = Path(out)
     if out.suffix != ".safetensors":
@@ -68,10 +69,28 @@ def export(path: str | Path, out: str | Path, log=print) -> Path:
     kind = ck.manifest.get("data", {}).get("kind", "bytes")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    save_file(sd, str(tmp), metadata={CONFIG_KEY: json.dumps(model.cfg.to_dict()), KIND_KEY: kind,
-                                      "step": str(ck.step)})
+    tmp.write_bytes(safetensors_bytes(sd, {CONFIG_KEY: json.dumps(model.cfg.to_dict(), sort_keys=True),
+                                           KIND_KEY: kind, "step": str(ck.step)}))
     tmp.replace(out)
     return out
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors file whose bytes depend only on the tensors and the metadata.
+
+    safetensors keeps the metadata in a hash map, so its order in the JSON header (and with it the
+    file's bytes) changes from one process to the next. The header is re-written with its keys
+    sorted; the data section and its offsets, which the header gives relative to the data's start,
+    are unchanged, and the header is padded with spaces to a multiple of 8 bytes as the format asks.
+    """
+    from safetensors.torch import save
+
+    raw = save(tensors, metadata=metadata)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
 
 
 def checkpoint_state(path: str | Path, log=print) -> tuple[dict[str, torch.Tensor], "ckpt.Checkpoint"]:
@@ -91,10 +110,16 @@ def checkpoint_state(path: str | Path, log=print) -> tuple[dict[str, torch.Tenso
 
 
 def export_hf(path: str | Path, out: str | Path, dtype: str = "float32",
-              max_shard_bytes: int | None = None, log=print) -> Path:
-    """Write a checkpoint as a Hugging Face directory: sharded safetensors keyed by the model's
-    names plus ``model.safetensors.index.json`` (in its ``metadata``: the step and, for the
-    bundled GPT, its zerodp config; that GPT has no ``transformers`` class, so no config.json)."""
+              max_shard_bytes: int | None = None, log=print, native_names: bool = False) -> Path:
+    """Write a checkpoint as a Hugging Face directory: sharded safetensors plus
+    ``model.safetensors.index.json`` (in its ``metadata``: the step and, for the bundled GPT, its
+    zerodp config).
+
+    The bundled GPT is written as ``transformers``' ``GPT2LMHeadModel`` (:func:`gpt2_state`,
+    :func:`gpt2_config`) with ``config.json`` and ``generation_config.json``, so that
+    ``AutoModelForCausalLM.from_pretrained(out)`` loads it; ``native_names=True`` keeps its own
+    names instead (what ``zerodp.engine.hf.load_hf`` reads back into a GPT engine). Any other
+    model is written by the names its checkpoint holds, without a config."""
     from zerodp.engine.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
 
     if dtype not in HF_DTYPES:
@@ -104,11 +129,72 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32",
         raise ValueError(f"--format hf writes a directory: give a directory path, not {out}")
     state, ck = checkpoint_state(path, log=log)
     meta: dict = {"step": ck.step, "source": str(ck.path)}
+    config = None
     if ck.model_config:
         meta[CONFIG_KEY] = ck.model_config
         meta[KIND_KEY] = ck.manifest.get("data", {}).get("kind", "bytes")
-    return save_hf(state, out, dtype=HF_DTYPES[dtype], metadata=meta,
-                   max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
+        if not native_names:
+            mc = GPTConfig(**ck.model_config)
+            state, config = gpt2_state(state, mc), gpt2_config(mc, dtype)
+    written = save_hf(state, out, dtype=HF_DTYPES[dtype], metadata=meta, config=config,
+                      max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
+    if config is not None:
+        (out / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2, sort_keys=True) + "\n")
+    return written
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def gpt2_config(mc: GPTConfig, dtype: str = "float32") -> dict:
+    """``transformers.GPT2Config`` of the bundled GPT, as config.json holds it. The GPT is GPT-2's
+    architecture: learned positions, pre-LayerNorm blocks (eps 1e-5), exact GELU (GPT-2's own is
+    the tanh approximation, ``gelu_new``, so ``activation_function`` says ``gelu``), a head without
+    bias. There are no special tokens (the byte-level vocabulary has none)."""
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": mc.vocab_size, "n_positions": mc.seq_len, "n_embd": mc.d_model,
+        "n_layer": mc.n_layer, "n_head": mc.n_head, "n_inner": mc.ffn_mult * mc.d_model,
+        "activation_function": "gelu", "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": mc.dropout, "embd_pdrop": mc.dropout, "attn_pdrop": mc.dropout,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": mc.tie_weights, "use_cache": True,
+        "bos_token_id": None, "eos_token_id": None, "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+def generation_config() -> dict:
+    """``zerodp sample``'s defaults as generation_config.json: top-k sampling at temperature 0.8."""
+    return {"do_sample": True, "temperature": 0.8, "top_k": 40, "max_new_tokens": 300}
+
+
+def gpt2_state(state: dict[str, torch.Tensor], mc: GPTConfig) -> dict[str, torch.Tensor]:
+    """The bundled GPT's parameters under GPT-2's names: ``transformers`` keeps GPT-2's linear
+    layers as ``Conv1D``, whose weight is the transpose of ``nn.Linear``'s; a GPT built with
+    ``bias=False`` gets zero biases, which compute the same."""
+    d, ffn = mc.d_model, mc.ffn_mult * mc.d_model
+
+    def get(name: str, shape=None) -> torch.Tensor:
+        if name in state:
+            return state[name]
+        if shape is not None and name.endswith(".bias"):
+            return torch.zeros(shape, dtype=torch.float32)
+        raise ckpt.CheckpointError(f"the checkpoint lacks {name}, which a GPT of this config holds")
+
+    out = {"transformer.wte.weight": get("tok_emb.weight"), "transformer.wpe.weight": get("pos_emb.weight")}
+    for i in range(mc.n_layer):
+        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
+        for a, b, n in (("ln1", "ln_1", d), ("ln2", "ln_2", d)):
+            out[f"{dst}{b}.weight"] = get(f"{src}{a}.weight")
+            out[f"{dst}{b}.bias"] = get(f"{src}{a}.bias", n)
+        for a, b, n in (("attn.qkv", "attn.c_attn", 3 * d), ("attn.proj", "attn.c_proj", d),
+                        ("mlp.fc", "mlp.c_fc", ffn), ("mlp.proj", "mlp.c_proj", d)):
+            out[f"{dst}{b}.weight"] = get(f"{src}{a}.weight").t().contiguous()
+            out[f"{dst}{b}.bias"] = get(f"{src}{a}.bias", n)
+    out["transformer.ln_f.weight"] = get("ln_f.weight")
+    out["transformer.ln_f.bias"] = get("ln_f.bias", d)
+    out["lm_head.weight"] = get("tok_emb.weight") if mc.tie_weights else get("head.weight")
+    return out
 
 
 def export_dcp_dir(path: str | Path, out: str | Path, log=print) -> Path:
@@ -142,7 +228,7 @@ def sample(path: str | Path, prompt: str = "\n", tokens: int = 200, temperature:
            top_k: int | None = 40, seed: int = 0, log=print) -> str:
     """Text generated by the model in a checkpoint (or an exported file), continuing ``prompt``."""
     if tokens < 1:
-        raise ValueError(f"--tokens must be >= 1, got {tokens}")
+        raise ValueError(f"--max-new-tokens must be >= 1, got {tokens}")
     p = Path(path)
     if p.is_file() and p.suffix == ".safetensors":
         model, kind = load_exported(p)

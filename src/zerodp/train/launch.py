@@ -128,8 +128,14 @@ def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
 
     from zerodp.train.checkpoint import checkpoint_step, complete_checkpoints
 
+    from zerodp.train import progress
+
     cfg = TrainConfig.from_dict(cfg_dict)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Relayed output (a pipe, a log file, torchrun's --tee) shows each line when it is printed, not
+    # when a block buffer fills or the rank ends; progress is a bar on a terminal, else lines.
+    sys.stdout.reconfigure(line_buffering=True)
+    progress.configure(cfg.progress_every, cfg.progress_every_s)
     stopper = stopping.install(rank, cfg.grace_s)  # first, so that no SIGTERM finds the default action
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where every thread of this rank is
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -286,11 +292,16 @@ class _LauncherSignals:
         os._exit(stopping.EXIT_FAILED)
 
 
-def launch(cfg: TrainConfig) -> str:
-    """Run ``cfg`` on ``cfg.nproc`` local ranks (or as this torchrun worker); return the run dir."""
+def launch(cfg: TrainConfig, before_start=None) -> str:
+    """Run ``cfg`` on ``cfg.nproc`` local ranks (or as this torchrun worker); return the run dir.
+
+    ``before_start(cfg)``, when given, runs once the input is checked and before any rank starts
+    (under torchrun: in each worker; ``zerodp train`` keeps the resolved config there)."""
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         validate(cfg, world)
+        if before_start is not None:
+            before_start(cfg)
         result = worker(asdict(cfg))
         if result.get("stopped"):
             stop = stopped_outcome(cfg.out, result["stopped"], None, cfg.grace_s)
@@ -304,6 +315,8 @@ def launch(cfg: TrainConfig) -> str:
 
     cfg = cfg if cfg.out else replace(cfg, out=default_out())
     validate(cfg, cfg.nproc)
+    if before_start is not None:
+        before_start(cfg)
     # A failed worker is reported by `zerodp train` itself: in one line when the error explains
     # itself (a peer died or stalled, inf/NaN, a bad checkpoint), with its traceback otherwise.
     # The launcher would log the same traceback once more, from inside its process machinery.
