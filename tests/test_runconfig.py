@@ -213,3 +213,31 @@ def test_a_terminal_gets_a_bar_and_a_pty_without_a_window_does_not():
         os.close(master)
         os.close(slave)
     assert not is_terminal(io.StringIO())
+
+
+def test_tensorboard_events_next_to_the_metrics_or_one_line_without_the_package(tmp_path, capsys):
+    import importlib.util
+    import json
+
+    from zerodp.train.progress import METRICS_FILE, MetricsLog, read_metrics
+
+    log = MetricsLog(tmp_path / METRICS_FILE)
+    log.write("start", step=0, config={"tensorboard": True})
+    for step in (1, 2):
+        log.write("step", step=step, loss=3.0 / step, lr=1e-3, tokens_per_s=100.0, step_s=0.1)
+    log.write("eval", step=2, val_loss=1.25)
+    log.write("end", step=2)
+    log.close()
+    assert sorted(r["event"] for r in read_metrics(tmp_path / METRICS_FILE)) == ["end", "eval", "start", "step", "step"]
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    if importlib.util.find_spec("tensorboard") is None:
+        assert len(err) == 1 and "pip install 'zerodp[tensorboard]'" in err[0]
+        assert not (tmp_path / "tensorboard").exists()
+        return
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 3.0), (2, 1.5)]
+    assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, 1.25)]
+    assert json.loads(json.dumps(err)) == []
