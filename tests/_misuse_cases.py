@@ -153,13 +153,15 @@ def _parallelize(**kw):
     return zerodp.parallelize(_gpt(), optimizer=kw.pop("optimizer", _adamw), **kw)
 
 
-def _optimizer_instance(tmp):
+def _optimizer_subclass(tmp):
     import torch
 
-    model = _gpt()
     import zerodp
 
-    zerodp.parallelize(model, optimizer=torch.optim.AdamW(model.parameters()))
+    class LARS(torch.optim.SGD):
+        pass
+
+    zerodp.parallelize(_gpt(), optimizer=lambda groups: LARS(groups, lr=0.1))
 
 
 def _no_params(tmp):
@@ -272,9 +274,9 @@ CASES: list[Case] = [
     Case("no-process-group", "API", "`zerodp.parallelize(...)` before `torch.distributed.init_process_group()`",
          api(lambda tmp: _parallelize(stage=0), group=False),
          "RuntimeError: torch.distributed is not initialized: launch with torchrun (which sets RANK and WORLD_SIZE) and call torch.distributed.init_process_group(), or use zerodp.spawn.run_local for local ranks"),
-    Case("optimizer-instance", "API", "`parallelize(model, optimizer=torch.optim.AdamW(model.parameters()))`",
-         api(_optimizer_instance),
-         "TypeError: optimizer must be a factory, e.g. optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4): the engine builds the optimizer over its own fp32 master shards"),
+    Case("optimizer-subclass", "API", "`parallelize(..., optimizer=lambda groups: LARS(groups))` with `class LARS(torch.optim.SGD)`",
+         api(_optimizer_subclass),
+         "ValueError: LARS subclasses SGD, and a subclass may read whole tensors: ZeRO runs the optimizer on 1/N slices of flattened parameters, which is exact only when each element's update depends on that element alone (factored or matrix-wise optimizers such as Adafactor, Muon, LARS or LBFGS read whole rows, tensors or matrices). Use one of: Adadelta, Adagrad, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, SGD; or, if its update is elementwise, declare it with parallelize(..., elementwise_optimizer=True)."),
     Case("api-stage", "API", "`parallelize(..., stage=5)`", api(lambda tmp: _parallelize(stage=5)),
          "ValueError: stage=5 is not a ZeRO stage; use 0 (DDP), 1, 2 or 3 (FSDP)"),
     Case("mixed-precision", "API", "`parallelize(..., mixed_precision=\"fp8\")`",

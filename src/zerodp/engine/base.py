@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import os
 import warnings
 import weakref
@@ -52,10 +53,12 @@ from zerodp.engine.comm import Collectives, InFlight
 from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
-from zerodp.engine.group import FROZEN, FlatGroup, Policy, StoragePool
+from zerodp.engine.grads import ShardedGrad
+from zerodp.engine.group import FROZEN, FlatGroup, GradState, Policy, StoragePool
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target, param_targets
+from zerodp.engine.optim import EngineOptimizer, UserGroups, from_built
 from zerodp.engine.stats import MEMORY_KINDS, MODEL_STATE_KINDS, collect_stats, measured_bytes  # noqa: F401
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
@@ -145,14 +148,42 @@ def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     return shard_pg, replica_pg
 
 
+class StepState(enum.Enum):
+    """Where the engine is in a training step (docs/porting.md; guide §12.5). One value per engine;
+    every change goes through ``StageEngine._move``, which refuses what ``STEP_MOVES`` does not list.
+
+    ``IDLE``: no gradient since construction or ``zero_grad``. ``BACKWARD``: a backward pass is
+    running through the engine's hooks; found at the start of any other call, it means that pass
+    raised before its end (the next call then says so, and ``zero_grad`` recovers). ``ACCUMULATED``:
+    backward passes finished, gradients held. ``STEPPED``: ``step`` applied them; they stay until
+    ``zero_grad``, so a second ``step`` applies them again, as torch's optimizers do."""
+
+    IDLE = "idle"
+    BACKWARD = "backward"
+    ACCUMULATED = "accumulated"
+    STEPPED = "stepped"
+
+
+_S = StepState
+STEP_MOVES: dict[StepState, frozenset[StepState]] = {
+    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+    _S.BACKWARD: frozenset({_S.ACCUMULATED, _S.IDLE}),
+    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+    _S.STEPPED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+}
+
+
 def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
                          rule: Callable[[str, nn.Parameter], dict] | None) -> tuple[list[dict], list[int]]:
     """Map each parameter to an optimizer param group (e.g. no weight decay on norms and biases).
 
     ``rule(name, param)`` returns the group's options; parameters with equal options share a
     group, and each group gets its own flat buffers (a bucket never mixes groups). Returns the
-    option dicts and, per parameter, its group index.
+    option dicts and, per parameter, its group index. The groups of an optimizer the user built
+    (:class:`~zerodp.engine.optim.UserGroups`) are kept as they were, in their order.
     """
+    if isinstance(rule, UserGroups):
+        return [dict(o) for o in rule.options], [rule.group_of[id(p)] for _, p in named_params]
     options: list[dict] = []
     index: list[int] = []
     for name, p in named_params:
@@ -211,10 +242,19 @@ class StageEngine:
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"parallelize expects a torch.nn.Module, got {type(module).__name__}")
-        if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
+        if isinstance(optimizer_factory, torch.optim.Optimizer):  # the script's configure_optimizers()
+            if config.param_groups is not None:
+                raise ValueError("parallelize got a built optimizer and param_groups: the optimizer's own param "
+                                 "groups say which options each parameter gets; pass one of the two")
+            built = optimizer_factory
+            optimizer_factory, user_groups = from_built(built, module)
+            config = dataclasses.replace(config, param_groups=user_groups)
+            built.register_step_pre_hook(_rebuilt_optimizer_step)
+        if not callable(optimizer_factory):
             raise TypeError(
-                "optimizer must be a factory, e.g. optimizer=lambda groups: torch.optim.AdamW(groups, "
-                "lr=3e-4): the engine builds the optimizer over its own fp32 master shards"
+                "optimizer must be a torch.optim.Optimizer over model.parameters() or a factory, e.g. "
+                "optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-4): the engine builds the optimizer "
+                "over its own fp32 master shards"
             )
         if config.stage != self.stage:
             raise ValueError(f"{type(self).__name__} runs stage {self.stage}, config asks for {config.stage}")
@@ -237,15 +277,18 @@ class StageEngine:
         module.__dict__["_zerodp_parallelized"] = True
         self.units = units
         self.recorder = Recorder(self.rank, device=self.device)
-        self.comm = Collectives(self.recorder, group)
+        # The bounded wait is the host's (gloo); NCCL's own watchdog bounds CUDA collectives, whose
+        # wait must stay a stream dependency, not a host block.
+        timeout_s = config.timeout_s if self.device.type == "cpu" else None
+        self.comm = Collectives(self.recorder, group, timeout_s=timeout_s)
         self.policy = Policy.of(self.stage, config.reduce_every_microbatch)
         self.shard_comm = self.comm  # where parameters and gradients are sharded
         self.replica_comm: Collectives | None = None  # hybrid sharding: across the replicas
         self.shard_size = self._shard_size()
         if self.shard_size < self.world_size:
             shard_pg, replica_pg = hybrid_groups(self.world_size, self.shard_size, group)
-            self.shard_comm = Collectives(self.recorder, shard_pg, leg="intra")
-            self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter")
+            self.shard_comm = Collectives(self.recorder, shard_pg, leg="intra", timeout_s=timeout_s)
+            self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter", timeout_s=timeout_s)
             self.comm.leg = "world"  # control values (flags, token counts) cross every rank
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self._inflight = InFlight()  # gradient collectives issued, not yet waited for
@@ -273,8 +316,11 @@ class StageEngine:
         self._sync_at_forward = True
         self._tokens = 0.0  # this rank's tokens in this step (average_by_tokens, guide §2.2)
         self._token_factor_value: float | None = None
-        self._backward_armed = False
+        self.step_state = StepState.IDLE
+        self._buffers_stale = True  # DDP's require_forward_param_sync (see forward)
+        self._grads_under_sharded: dict[int, torch.Tensor | None] = {}  # see _attach_sharded_grads
         self._backward_event = None
+        self._facade: EngineOptimizer | None = None
         self._last_step_end: float | None = None
         self.last_step_time_s: float | None = None
         # Non-finite gradients: skip the step on every rank alike (see zerodp.engine.guard).
@@ -289,20 +335,50 @@ class StageEngine:
         return self._module
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The stock optimizer over the fp32 master tensors (e.g. for an LR scheduler)."""
-        return self.master.optimizer
+    def optimizer(self) -> EngineOptimizer:
+        """A ``torch.optim.Optimizer`` whose ``step``, ``zero_grad``, ``state_dict`` and
+        ``load_state_dict`` are the engine's, over the stock optimizer's ``param_groups`` (LR
+        schedulers, ``GradScaler.step``, ``param_groups[i]["lr"] = ...``; see
+        :mod:`zerodp.engine.optim`). The stock optimizer itself is ``engine.master.optimizer``."""
+        if self._facade is None:
+            self._facade = EngineOptimizer(self)
+        return self._facade
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag: False makes the next forward's backward accumulate locally, as inside
+        ``no_sync()`` (guide §5); True again synchronizes."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self._check_not_failed("forward")
+        if torch.is_grad_enabled():
+            self._check_requires_grad()
         self._sync_at_forward = self._sync  # as DDP: no_sync applies to the forward it wraps
-        if self.config.broadcast_buffers and self.buffers and self.world_size > 1:
+        # DDP's rule for buffers (BatchNorm statistics): rank 0's are broadcast at a forward that
+        # follows a grad-enabled, synchronizing forward (and at the first), so the first evaluation
+        # forward after training sees rank 0's, and further no_grad forwards communicate nothing:
+        # ranks may run different numbers of them.
+        if self._buffers_stale and self.config.broadcast_buffers and self.buffers and self.world_size > 1:
             self._broadcast_buffers()
+        self._buffers_stale = torch.is_grad_enabled() and self._sync
+        if self.mixed_precision is not None:  # floating inputs compute in the param dtype, every stage
+            args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
+        self._detach_sharded_grads()  # the next backward accumulates as before
         self._before_forward()
-        with self.recorder.span("forward", COMPUTE):
-            out = self._module(*args, **kwargs)
+        try:
+            with self.recorder.span("forward", COMPUTE):
+                out = self._module(*args, **kwargs)
+        except BaseException:
+            self._abort_forward()
+            raise
         self._after_forward(out)
         first = _first_grad_tensor(out)
         if first is not None:  # the output's gradient is the first thing backward computes
@@ -317,9 +393,15 @@ class StageEngine:
         return self.train(False)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters. Once a step's gradients are reduced, their ``.grad`` is what
+        torch's clipping needs at every stage: the averaged gradient, or at sharded stages a
+        :class:`~zerodp.engine.grads.ShardedGrad` of this rank's slice, so that
+        ``torch.nn.utils.clip_grad_norm_(engine.parameters(), c)`` clips as ``engine.clip_grad_norm_``."""
+        self._attach_sharded_grads()
         return self.module.parameters(recurse)
 
     def named_parameters(self, *args, **kwargs):
+        self._attach_sharded_grads()
         return self.module.named_parameters(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -361,6 +443,7 @@ class StageEngine:
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type}: only the 2-norm is supported across shards")
+        self._check_not_failed("clip_grad_norm_")
         self._finish_grad_sync()
         grads = [g for g in self._master_grads() if g is not None]
         if grads:
@@ -385,18 +468,22 @@ class StageEngine:
         ``overlap_param_gather=True`` (stages 1-2) the parameter AllGathers launched by the step
         are waited for only at the next engine forward (or ``engine.module``), overlapping them
         with what happens in between; reading ``model``'s parameters directly before that sees
-        the old values. A parameter that no rank used in any micro-batch of the step is not
-        touched by the optimizer (its gradient is None, as with DDP; guide §12)."""
+        the old values. Torch's rule decides what is stepped: a parameter whose gradient is None —
+        no rank used it in any backward since ``zero_grad(set_to_none=True)`` — is not touched
+        (as with DDP); after ``zero_grad(set_to_none=False)`` the zeros are applied (momentum,
+        weight decay); a second ``step()`` without ``zero_grad`` applies the gradients again."""
+        self._check_not_failed("step")
         with self.recorder.span("step", COMPUTE):
             self._finish_grad_sync()
             self._unused = self._step_unused()  # collective where parameters may go unused
             if self.guard is not None and self.guard.should_skip(self):  # collective
                 self._zero_grad()  # inf/NaN somewhere: apply nothing, on every rank
+                self._reset_used()
             else:
                 self._optimizer_step()
             if not self.config.overlap_param_gather:
                 self._wait_params()  # step() returns with the model's parameters up to date
-            self._reset_used()
+        self._move(StepState.STEPPED)
         self.last_comm_peak, self._comm_peak = self._comm_peak, 0
         self._tokens = 0.0
         self._token_factor_value = None
@@ -411,11 +498,17 @@ class StageEngine:
         (torch's default) the gradient storages are freed as torch frees ``.grad`` tensors: full
         gradients (stages 0-1) until their group's first gradient of the next backward, gradient
         shards (stages 2-3) until the next step's first reduction (guide §12.5 step 6)."""
+        if self.step_state is StepState.BACKWARD:  # the last backward raised: drop what it left
+            self._abandon_backward()
         self._finish_grad_sync()
         # What the step's gradients held, for stats(): the shards freed here exist again from the
         # next step's first reduction on (model states are what a step holds, guide §8).
         self.last_grad_bytes = measured_bytes({"grads": [t for g in self.groups for t in g.memory()["grads"]]})["grads"]
+        self._detach_sharded_grads()
         self._zero_grad(set_to_none)
+        if set_to_none:
+            self._reset_used()  # torch: every .grad is None; used-flags start again
+        self._move(StepState.IDLE)
 
     def stats(self):
         """Measured bytes per rank by kind, the last step's collectives, exposed comm, step time."""
@@ -605,7 +698,7 @@ class StageEngine:
 
     # ---- helpers for subclasses ---------------------------------------------------------
     def _build_master(self, targets: list[Target]) -> MasterOptimizer:
-        return MasterOptimizer(self._factory, targets, self.group_options)
+        return MasterOptimizer(self._factory, targets, self.group_options, self.config.elementwise_optimizer)
 
     def _targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
         """Optimizer targets over a held range of a flat buffer, in cache-sized chunks on CPU (see
@@ -689,8 +782,8 @@ class StageEngine:
 
     def _backward_started(self) -> None:
         """Call from gradient hooks: arms ``_on_backward_end`` once per backward pass."""
-        if not self._backward_armed:
-            self._backward_armed = True
+        if self.step_state is not StepState.BACKWARD:
+            self._move(StepState.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def _token_factor(self) -> float | None:
@@ -716,11 +809,80 @@ class StageEngine:
         return None
 
     def _backward_end(self) -> None:
-        self._backward_armed = False
+        self._move(StepState.ACCUMULATED)
         if self._backward_event is not None:
             self.recorder.end(self._backward_event)
             self._backward_event = None
         self._on_backward_end()
+
+    # ---- the step's state: checked transitions, a raised backward, changed requires_grad ----------
+    def _move(self, to: StepState) -> None:
+        if to not in STEP_MOVES[self.step_state]:
+            raise RuntimeError(f"engine state {self.step_state.value} -> {to.value} is not a step of the "
+                               "training loop (zerodp internal error: please report it)")
+        self.step_state = to
+
+    def _check_not_failed(self, call: str) -> None:
+        """A backward that raised before its end (anomaly mode, an OOM caught by the script) left
+        this step's gradients partial: say so, and what to call, instead of training on them."""
+        if self.step_state is StepState.BACKWARD:
+            raise RuntimeError(
+                f"engine.{call}(): the last backward raised before it finished, so this step's gradients are "
+                "partial on this rank; call optimizer.zero_grad() (or engine.zero_grad()) to drop them, then run "
+                "the step again")
+
+    def _abandon_backward(self) -> None:
+        """zero_grad after a raised backward: wait for what it launched, reset every group's
+        backward state, and leave the gradients to ``_zero_grad`` (every rank raised alike)."""
+        self._inflight.wait_all()
+        if self._backward_event is not None:
+            self.recorder.end(self._backward_event)
+            self._backward_event = None
+        for g in self.groups:
+            g.reset_backward()
+        self._on_backward_abandoned()
+        self._move(StepState.IDLE)
+
+    def _attach_sharded_grads(self) -> None:
+        """Reduced gradients that no module parameter holds (a shard of its own, stages 1-3) go on
+        the parameters as :class:`ShardedGrad` s until the next forward or ``zero_grad``. Local:
+        nothing is attached while a group still holds unreduced gradients (that would need a
+        collective, and ``parameters()`` is no collective)."""
+        if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED) or not self.policy.shard_master \
+                or self._grads_under_sharded or any(g.has_local for g in self.groups):
+            return
+        self._inflight.wait_all()
+        for g in self.groups:
+            if g._shard_in_full or g.grad_state not in (GradState.REDUCED, GradState.ZEROS):
+                continue
+            lo, hi = g.shard_range
+            for i in g.trainable:
+                slot, p = g.layout.slots[i], g.params[i]
+                a, b = max(slot.offset, lo), min(slot.stop, hi)
+                local = g.grad_shard[a - lo:b - lo] if a < b else g.grad_shard[:0]
+                self._grads_under_sharded[id(p)] = p.grad
+                p.grad = ShardedGrad(p, local, g.comm)
+
+    def _detach_sharded_grads(self) -> None:
+        if not self._grads_under_sharded:
+            return
+        for g in self.groups:
+            for p in g.trainable_params:
+                if id(p) in self._grads_under_sharded:
+                    p.grad = self._grads_under_sharded[id(p)]
+        self._grads_under_sharded = {}
+
+    def _check_requires_grad(self) -> None:
+        """A parameter frozen or unfrozen after ``parallelize``: its flat group and the optimizer
+        were planned without it (or with it), so refuse in one line rather than train it wrong."""
+        for name, p in self._module.named_parameters():
+            planned = name in self._group_by_name
+            if p.requires_grad != planned:
+                raise RuntimeError(
+                    f"parameter {name!r} was {'trainable' if planned else 'frozen'} when parallelize built the engine "
+                    f"and is {'trainable' if p.requires_grad else 'frozen'} now: the engine's buckets and optimizer "
+                    "are planned at parallelize. Set requires_grad before parallelize (a parameter to train later "
+                    "can stay trainable in a param group with lr=0 until then), or parallelize the model again")
 
     def _optimizer_step(self) -> None:
         """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
@@ -735,7 +897,8 @@ class StageEngine:
         then run once per batch) is it done in one call."""
         grads = self._master_grads()
         batches = [range(len(grads))]
-        if any(g is not None and g.dtype != torch.float32 for g in grads) and not _has_step_hooks(self.optimizer):
+        cast = any(g is not None and g.dtype != torch.float32 for g in grads)
+        if cast and not _has_step_hooks(self.master.optimizer):
             batches, start, size = [], 0, 0
             for i, g in enumerate(grads):
                 size += 0 if g is None else 4 * g.numel()
@@ -855,12 +1018,13 @@ class StageEngine:
         self._comm_peak = max(self._comm_peak, held)
 
     def _finish_grad_sync(self) -> None:
-        """Wait for every gradient collective; sharded groups still holding local gradients of a
+        """Wait for every gradient collective; groups still holding local gradients of a
         ``no_sync`` backward (the step's last micro-batch ran inside it) are reduced now, on every
-        rank alike. Then the released gradient storages are freed: the optimizer step creates its
-        states next, and nothing reduces again before the next backward."""
+        rank alike, at every stage — stage 0 included, where DDP would step each replica on its own
+        gradients and let them drift apart. Then the released gradient storages are freed: the
+        optimizer step creates its states next, and nothing reduces again before the next backward."""
         self._inflight.wait_all()
-        pending = [g for g in self.groups if g.has_local and self.policy.shard_master]
+        pending = [g for g in self.groups if g.has_local]
         for g in pending:
             self._launch_reduce(g)
         self._inflight.wait_all()
@@ -903,6 +1067,34 @@ class StageEngine:
 
     def _on_backward_end(self) -> None:
         pass
+
+    def _on_backward_abandoned(self) -> None:
+        """A backward raised: reset what the subclass keeps for the backward in flight."""
+
+    def _abort_forward(self) -> None:
+        """The model's forward raised: reset what the subclass keeps for the forward in flight."""
+
+    def optimizer_index_names(self) -> list[str]:
+        """Trainable parameter names in torch's optimizer index order (:mod:`zerodp.engine.optim`)."""
+        rule = self.config.param_groups
+        names = [n for n, _ in self.named_params]
+        if isinstance(rule, UserGroups):
+            by_id = {id(p): n for n, p in self.named_params}
+            return [by_id[i] for i in rule.order if i in by_id]
+        return [n for g in range(len(self.group_options)) for n, gi in zip(names, self.param_group_of) if gi == g]
+
+
+def _rebuilt_optimizer_step(optimizer, args, kwargs):
+    """Step pre-hook on an optimizer given to ``parallelize``: it was rebuilt over the engine's master."""
+    raise RuntimeError(
+        f"this {type(optimizer).__name__} was given to zerodp.parallelize, which rebuilt it over the engine's fp32 "
+        "master: step the engine's instead (optimizer = engine.optimizer after parallelize)")
+
+
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in a nest, cast to ``dtype`` (mixed precision's inputs, guide §1)."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, x)
 
 
 def grad_hook(engine: "StageEngine", method: str, group: int, j: int) -> Callable[[nn.Parameter], None]:

@@ -17,6 +17,8 @@ on gloo or has been silently wrong there in several releases.
 
 from __future__ import annotations
 
+import datetime
+
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,6 +44,10 @@ def ring_sent_bytes(kind: str, nbytes: int, world_size: int) -> float:
     return bus_factor(kind, world_size) * nbytes
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective of the engine waited longer than its ``timeout_s``: named, with what to do."""
+
+
 @dataclass
 class Pending:
     """An issued collective. :meth:`wait` blocks until done and applies any post-processing once."""
@@ -51,6 +57,7 @@ class Pending:
     work: object | None = None
     after: Callable[[], None] | None = None
     done: bool = field(default=False)
+    timeout_s: float | None = None  # the engine's timeout_s: a collective other ranks never issue
 
     def wait(self) -> None:
         """Block until done (CPU/gloo), or make the current CUDA stream wait for NCCL's (CUDA);
@@ -60,7 +67,21 @@ class Pending:
             return
         mark = self.recorder.mark()
         if self.work is not None:
-            self.work.wait()
+            if self.timeout_s is None:
+                self.work.wait()
+            else:
+                try:
+                    self.work.wait(datetime.timedelta(seconds=self.timeout_s))
+                except RuntimeError as e:
+                    if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                        raise
+                    a = getattr(self.event, "args", None) or {}
+                    raise CollectiveTimeout(
+                        f"{a.get('kind', 'collective')} {a.get('label', '')!r} did not complete within "
+                        f"{self.timeout_s:g} s: another rank never issued it — a forward, evaluation or save run on "
+                        "some ranks only (at stage 3 every forward gathers each unit on every rank; run it on every "
+                        "rank, or under the model outside the engine), or a rank that died or stalled. "
+                        "parallelize(..., timeout_s=...) sets this limit") from e
         if self.after is not None:
             self.after()
         self.recorder.end_wait(self.event, mark)
@@ -95,9 +116,9 @@ class _Works:
     def __init__(self, works: list):
         self.works = works
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         for w in self.works:
-            w.wait()
+            w.wait() if timeout is None else w.wait(timeout)
         return True
 
     def is_completed(self) -> bool:
@@ -132,7 +153,9 @@ class InFlight:
 class Collectives:
     """Collectives on one process group, each recorded. ``async_op=True`` returns a :class:`Pending`."""
 
-    def __init__(self, recorder: Recorder, group: dist.ProcessGroup | None = None, leg: str = "intra"):
+    def __init__(self, recorder: Recorder, group: dist.ProcessGroup | None = None, leg: str = "intra",
+                 timeout_s: float | None = None):
+        self.timeout_s = timeout_s  # how long a wait may take before it ends with CollectiveTimeout
         self.group = group
         self.leg = leg  # hybrid sharding (guide §14): "intra" inside a shard group, "inter" across replicas
         self.recorder = recorder
@@ -148,7 +171,7 @@ class Collectives:
         # Always launched asynchronously, so that a blocking call's whole duration shows as wait_s.
         # On CUDA, begin() recorded the start event on the current stream before the launch: NCCL's
         # stream waits for that point, so the event marks when the collective may start (guide §13.3).
-        pending = Pending(ev, self.recorder, launch(), after)
+        pending = Pending(ev, self.recorder, launch(), after, timeout_s=self.timeout_s)
         if not async_op:
             pending.wait()
         return pending

@@ -102,6 +102,12 @@ class EngineConfig:
     # engine forward (or engine.module), overlapping them with whatever runs in between.
     overlap_param_gather: bool = False
     param_groups: Callable[[str, torch.nn.Parameter], dict[str, Any]] | None = None
+    # Trust an optimizer class outside the stock elementwise list (a subclass, or one of your own)
+    # to update each element from that element alone, so that it runs on flat shards.
+    elementwise_optimizer: bool = False
+    # A collective of the engine that other ranks never issue (a stage-3 forward on rank 0 only)
+    # ends this rank with CollectiveTimeout after this many seconds, not the backend's 30 minutes.
+    timeout_s: float | None = 300.0
     # Skip steps whose gradients hold inf/NaN on any rank; raise after this many in a row
     # (None: no check, the step is applied as torch's optimizers would). See engine.guard.
     max_nonfinite_skips: int | None = None
@@ -141,6 +147,10 @@ class EngineConfig:
             raise ValueError(f"shard_size={self.shard_size!r}: give a positive number of ranks per shard group "
                              "(it must divide the world size), or None for one node")
         parse_dtype(self.reduce_dtype, "reduce_dtype")
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"timeout_s={self.timeout_s!r}: give a positive number of seconds (or None to wait "
+                             "as long as the process group does)")
         if (self.quantize_params or self.quantize_grads) and self.stage == 0:
             raise ValueError("quantize_params / quantize_grads compress the AllGather and ReduceScatter of "
                              "stages 1-3; stage 0 has neither: use reduce_dtype='bf16' to halve its AllReduce")

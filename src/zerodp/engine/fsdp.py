@@ -53,6 +53,8 @@ rank issues the same collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,11 +63,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from zerodp.engine.base import StageEngine, grad_hook
+from zerodp.engine.base import StageEngine, StepState, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
-from zerodp.engine.group import FlatGroup
+from zerodp.engine.group import FlatGroup, Phase
 from zerodp.engine.master import OptimizerFactory
 from zerodp.engine.stats import EngineStats, fmt_bytes
 from zerodp.engine.trace import COMPUTE
@@ -171,6 +173,7 @@ class FSDPEngine(StageEngine):
         self._peak_bytes = 0
         self.last_peak_gathered_units = 0
         self.last_peak_gathered_bytes = 0
+        self._tokens_issued = itertools.count()  # one per watched forward call (BackwardState)
         self._handles = []
         self._install_hooks()
         self._start_clock()
@@ -205,17 +208,24 @@ class FSDPEngine(StageEngine):
         self._kept = None
         self._fwd_order = []
         self._post_order = []
-        # u.bwd.inputs_expected is NOT reset here: a graph of an earlier forward of this step (two
-        # forwards, one backward; or a no_grad forward in between) still counts on its units.
+        # u.bwd.pending_inputs is NOT reset here: a graph of an earlier forward of this step (two
+        # forwards, one backward) still counts on its units while it is alive.
         self._reduce_this_pass = self._sync or self.config.reduce_every_microbatch
         return None
 
     def _pre_forward(self, u: Unit, args, kwargs):
         if not self._forwarding:
             # Called outside the model's own forward (a unit run on its own, or activation
-            # recomputation during backward): just make sure the parameters are there.
+            # recomputation during backward): make sure the parameters are there; when this runs
+            # inside backward (recomputation), the unit's backward is over only once the gradient
+            # of these inputs is computed too, so watch them.
             self._ensure_gathered(u)
-            return self._cast_inputs(args, kwargs)
+            cast = self._cast_inputs(args, kwargs)
+            if cast is not None:
+                args, kwargs = cast
+            if torch.is_grad_enabled() and self.step_state is StepState.BACKWARD:
+                args, kwargs = self._watch_inputs(u, args, kwargs)
+            return args, kwargs
         d = self._deferred
         if d is not None and d is not u:
             self._free(d)
@@ -240,8 +250,9 @@ class FSDPEngine(StageEngine):
         flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
         if not flat:
             return args, kwargs
-        u.bwd.inputs_expected += 1
-        outs = _InputsGradient.apply(self, u, *flat)
+        token = next(self._tokens_issued)
+        u.bwd.pending_inputs.add(token)
+        outs = _InputsGradient.apply(weakref.ref(self), u.index, token, *flat)
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         swap = {id(a): b for a, b in zip(flat, outs)}
@@ -286,14 +297,14 @@ class FSDPEngine(StageEngine):
 
     def _pre_backward(self, u: Unit) -> None:
         i = u.index
-        if u.bwd.started:
+        if u.bwd.phase is not Phase.WAITING:
             return
-        u.bwd.started = True
+        u.bwd.phase = Phase.RUNNING
         self._backward_started()
         self._ensure_gathered(u)
         if self.config.prefetch:
             nxt = self._next_bwd.get(i)
-            if nxt is not None and not nxt.gathered and not nxt.bwd.started:
+            if nxt is not None and not nxt.gathered and nxt.bwd.phase is Phase.WAITING:
                 self._gather(nxt, async_op=True)
         u.bwd.bwd_event = self.recorder.begin(f"backward {u.label}", COMPUTE, unit=u.label)
 
@@ -306,19 +317,21 @@ class FSDPEngine(StageEngine):
         self._backward_started()
         self._bound_in_flight(u)
         u.take_grad(j, param)  # into the unit's gradient buffer; .grad is dropped at once
-        if u.bwd.started and u.bwd.over():
+        if u.bwd.phase is Phase.WAITING:  # no pre-backward hook ran: forward under no_grad, recomputed
+            u.bwd.phase = Phase.RUNNING   # in backward (reentrant activation checkpointing)
+        if u.bwd.over():
             self._post_backward(u)
 
-    def _on_inputs_grad(self, u: Unit) -> None:
-        u.bwd.inputs_fired += 1
-        if u.bwd.started and u.bwd.over():
+    def _on_inputs_grad(self, u: Unit, token: int) -> None:
+        u.bwd.pending_inputs.discard(token)
+        if u.bwd.phase is Phase.RUNNING and u.bwd.over():
             self._post_backward(u)
 
     def _post_backward(self, u: Unit) -> None:
         """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
-        if u.bwd.done:
+        if u.bwd.phase is Phase.DONE:
             return
-        u.bwd.done = True
+        u.bwd.phase = Phase.DONE
         ev = u.bwd.bwd_event
         if ev is not None:
             self.recorder.end(ev)
@@ -336,7 +349,7 @@ class FSDPEngine(StageEngine):
     def _on_backward_end(self) -> None:
         # Units whose parameters got no (or not every) gradient in this backward.
         for u in self.groups:
-            if (u.bwd.started or u.bwd.remaining < len(u.trainable)) and not u.bwd.done:
+            if u.bwd.phase is Phase.RUNNING or (u.bwd.phase is Phase.WAITING and u.bwd.remaining < len(u.trainable)):
                 self._post_backward(u)
         self._record_used()
         for u in self.groups:
@@ -345,7 +358,21 @@ class FSDPEngine(StageEngine):
         self._kept = None
         self._finish_reduces()
         for u in self.groups:
-            u.bwd.reset(len(u.trainable))
+            u.reset_backward()
+
+    def _on_backward_abandoned(self) -> None:
+        """A backward raised: free whatever it had gathered; the next forward starts afresh."""
+        self._abort_forward()
+
+    def _abort_forward(self) -> None:
+        self._forwarding = False
+        self._deferred = self._kept = None
+        for u in self.groups:
+            for ev in (u.bwd.fwd_event, u.bwd.bwd_event):
+                if ev is not None:
+                    self.recorder.end(ev)
+            u.bwd.fwd_event = u.bwd.bwd_event = None
+            self._free(u)
 
     # ---- gather / free / reduce ---------------------------------------------------------------
     def _log_collective(self, kind: str, u: Unit) -> None:
@@ -393,11 +420,6 @@ class FSDPEngine(StageEngine):
     def _local_used(self) -> list[bool]:
         return list(self._step_used)
 
-    def _reset_used(self) -> None:
-        super()._reset_used()
-        self._schedule_hash, self._schedule_log = 0, []
-        for u in self.groups:
-            u.bwd.reset_inputs()
 
     def _step_unused(self) -> set[str]:
         """One small AllReduce at each step serves two checks: which parameters no rank used
@@ -456,15 +478,11 @@ class FSDPEngine(StageEngine):
 
     def step(self) -> None:
         super().step()
+        self._schedule_hash, self._schedule_log = 0, []  # compared across ranks at each step
         # The gathered peak of the step just completed, for stats(); start the next one.
         self.last_peak_gathered_units = self._peak_units
         self.last_peak_gathered_bytes = self._peak_bytes
         self._peak_units, self._peak_bytes = self._n_gathered, self._gathered_bytes
-
-    def _zero_grad(self, set_to_none: bool = True) -> None:
-        super()._zero_grad(set_to_none)
-        for u in self.groups:
-            u.bwd.reset_inputs()
 
     # ---- stage-3 specific views ------------------------------------------------------------------
     def stats(self) -> "FSDPStats":
@@ -491,14 +509,24 @@ class _InputsGradient(torch.autograd.Function):
     """Identity on a unit's inputs; its backward tells the engine the unit's backward is over."""
 
     @staticmethod
-    def forward(ctx, engine: "FSDPEngine", unit: Unit, *inputs: torch.Tensor):
-        ctx.engine, ctx.unit = engine, unit
+    def forward(ctx, engine: "weakref.ref[FSDPEngine]", unit: int, token: int, *inputs: torch.Tensor):
+        ctx.engine, ctx.unit, ctx.token = engine, unit, token
+        # The graph dropped without a backward (its loss discarded): the unit stops waiting for it.
+        weakref.finalize(ctx, _drop_token, engine, unit, token)
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine._on_inputs_grad(ctx.unit)
-        return (None, None) + grads
+        eng = ctx.engine()
+        if eng is not None:
+            eng._on_inputs_grad(eng.groups[ctx.unit], ctx.token)
+        return (None, None, None) + grads
+
+
+def _drop_token(engine: "weakref.ref[FSDPEngine]", unit: int, token: int) -> None:
+    eng = engine()
+    if eng is not None:
+        eng.groups[unit].bwd.pending_inputs.discard(token)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -44,7 +44,8 @@ bucket and a unit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -134,34 +135,78 @@ class StoragePool:
         self.free.clear()
 
 
+class GradState(enum.Enum):
+    """What a group's gradient buffers hold (guide §12.5). One value per group; every change goes
+    through :meth:`FlatGroup._move`, which refuses a transition not in ``GRAD_MOVES``.
+
+    ``NONE``: no gradient since ``zero_grad(set_to_none=True)`` (the master reads None, as torch
+    reads ``.grad is None``). ``ZEROS``: ``zero_grad(set_to_none=False)`` zeroed them: the master
+    reads zeros, which torch's optimizers still apply (momentum, weight decay). ``LOCAL``: local
+    gradients of ``no_sync`` backwards, not reduced. ``REDUCED``: the mean over ranks is where the
+    master reads it. ``REDUCED_LOCAL``: that, plus local gradients of later ``no_sync`` backwards
+    waiting in ``grad_full`` for the next reduction, which adds them."""
+
+    NONE = "none"
+    ZEROS = "zeros"
+    LOCAL = "local"
+    REDUCED = "reduced"
+    REDUCED_LOCAL = "reduced+local"
+
+
+_G = GradState
+GRAD_MOVES: dict[GradState, frozenset[GradState]] = {
+    _G.NONE: frozenset({_G.NONE, _G.LOCAL, _G.REDUCED}),
+    _G.ZEROS: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
+    _G.LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
+    _G.REDUCED: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
+    _G.REDUCED_LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
+}
+#: the states in which ``grad_full`` holds gradients not yet reduced
+HOLDS_LOCAL = frozenset({_G.LOCAL, _G.REDUCED_LOCAL})
+
+
+class Phase(enum.Enum):
+    """Where one group is in the current backward: no gradient yet, running (a gradient arrived
+    or, stage 3, the unit's pre-backward hook ran), done (its reduction launched, or kept local)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
 @dataclass
 class BackwardState:
     """Where one group is in the current backward.
 
     ``fired[i]``: trainable parameter i got its gradient in this backward; ``remaining``: how many
     have not. A unit (stage 3) is also over only when the gradient w.r.t. its inputs was computed
-    for every forward call that fed it inputs needing one (``inputs_fired`` ≥ ``inputs_expected``):
-    a frozen parameter can still be needed after the last trainable one."""
+    for every live graph that fed it inputs needing one (``pending_inputs`` is empty): a frozen
+    parameter can still be needed after the last trainable one. ``pending_inputs`` holds one token
+    per forward call whose graph is alive and not yet backwarded through the unit; a graph that is
+    dropped (a validation loss under grad, a GAN's ``G(z).detach()``) takes its token with it."""
 
     remaining: int = 0
     fired: list[bool] | None = None
-    started: bool = False
-    done: bool = False
-    inputs_expected: int = 0
-    inputs_fired: int = 0
+    phase: Phase = Phase.WAITING
+    pending_inputs: set[int] = field(default_factory=set)
     fwd_event: object = None  # the trace's open "forward <unit>" span
     bwd_event: object = None
 
     def over(self) -> bool:
-        return self.remaining <= 0 and self.inputs_fired >= self.inputs_expected
+        return self.remaining <= 0 and not self.pending_inputs
 
     def reset(self, trainable: int) -> None:
         self.remaining = trainable
         self.fired = [False] * trainable
-        self.started = self.done = False
+        self.phase = Phase.WAITING
 
-    def reset_inputs(self) -> None:
-        self.inputs_expected = self.inputs_fired = 0
+    def fire(self, j: int) -> None:
+        """Trainable parameter ``j`` got its gradient (once per backward; a second is an error)."""
+        if self.fired[j]:
+            raise RuntimeError("a parameter received two gradients in one backward pass through its group: "
+                               "a parameter used twice must be reached by one autograd path per backward")
+        self.fired[j] = True
+        self.remaining -= 1
 
 
 class FlatGroup:
@@ -201,12 +246,25 @@ class FlatGroup:
         self.grad_shard: torch.Tensor | None = None
         self.gathered = False
         self.pending_gather: Pending | None = None
-        self.has_local = False  # grad_full holds gradients not yet reduced
-        self.shard_fresh = True  # nothing reduced into grad_shard since zero_grad
+        self.grad_state = GradState.NONE  # what the gradient buffers hold (GradState)
         self._shard_in_full = False  # grad_shard is a slice of grad_full (stage 1 on CPU, init_grads)
-        self.reduced = False  # a reduction of this step completed (or is in flight)
 
     # ---- bookkeeping --------------------------------------------------------------------------
+    def _move(self, to: GradState) -> None:
+        if to not in GRAD_MOVES[self.grad_state]:
+            raise RuntimeError(f"{self.label}: gradient state {self.grad_state.value} -> {to.value} is not a "
+                               "step of the training loop (zerodp internal error: please report it)")
+        self.grad_state = to
+
+    @property
+    def has_local(self) -> bool:
+        """``grad_full`` holds gradients not yet reduced (``GradState.LOCAL`` or ``REDUCED_LOCAL``)."""
+        return self.grad_state in HOLDS_LOCAL
+
+    def reset_backward(self) -> None:
+        """A backward is over (or was abandoned when it raised): the next one starts afresh."""
+        self.bwd.reset(len(self.trainable))
+
     @property
     def numel(self) -> int:
         return self.layout.numel
@@ -373,7 +431,6 @@ class FlatGroup:
         self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(storage, 0, (n,))
         self._grad_views = self.views(self.grad_full, self.trainable)
         self._zero_unwritten()
-        self.has_local = False
 
     def _zero_unwritten(self) -> None:
         """Zeros in ``grad_full`` where no gradient is ever written: frozen parameters, padding."""
@@ -409,8 +466,7 @@ class FlatGroup:
             else:
                 view.copy_(param.grad)
             param.grad = None
-        self.bwd.fired[j] = True
-        self.bwd.remaining -= 1
+        self.bwd.fire(j)
 
     def fill_missing(self) -> list[int]:
         """Trainable parameters that got no gradient in this backward contribute zeros (their
@@ -433,7 +489,8 @@ class FlatGroup:
     def end_local(self) -> None:
         """A backward filled this group but does not reduce it (``no_sync``): the gradients stay
         local. With an fp32 accumulator they are added into it now, so the next micro-batch copies."""
-        self.has_local = True
+        self._move(GradState.REDUCED_LOCAL if self.grad_state in (GradState.REDUCED, GradState.REDUCED_LOCAL)
+                   else GradState.LOCAL)
         if self.acc_full is not None:
             self.fill_missing()
             self.acc_full.add_(self.grad_full)
@@ -458,8 +515,9 @@ class FlatGroup:
             src.mul_(factor)
         if self.acc_full is None and src.dtype != self.reduce_dtype:  # e.g. fp32 gradients sent in bf16
             src = self._cast = src.to(self.reduce_dtype)
-        self.reduced = True
-        self.has_local = False
+        # Nothing reduced into the shard since zero_grad (or only zeros): the collective writes it.
+        fresh = self.grad_state in (GradState.NONE, GradState.ZEROS, GradState.LOCAL)
+        self._move(GradState.REDUCED)  # in flight now; the master reads it after the wait
         if not self.policy.shard_master:
             pending = self.comm.all_reduce_mean(src, self.label)
             back = src is self._cast
@@ -469,8 +527,7 @@ class FlatGroup:
                     (self.acc_full if self.acc_full is not None else self.grad_full).copy_(src)
                 self._cast = None
             return pending, finish_all_reduce
-        overwrite = self.policy.full_grads or self.shard_fresh
-        self.shard_fresh = False
+        overwrite = self.policy.full_grads or fresh
         restore_storage(self.grad_shard)  # a shard of its own freed by zero_grad: written, not added
         if self._hybrid:
             return self._reduce_hybrid(src, overwrite)
@@ -504,35 +561,59 @@ class FlatGroup:
             self._release_grad_storage()  # bounded by the groups in flight
 
     def grad(self) -> torch.Tensor | None:
-        """The gradient the master reads (same range as ``master``), None if nothing this step."""
-        if not self.reduced and not (self.policy.full_grads and self.has_local):
+        """The gradient the master reads (same range as ``master``): None in ``GradState.NONE``,
+        zeros in ``ZEROS``, the mean over ranks in ``REDUCED``. Local gradients are reduced before
+        anything reads them (``StageEngine._finish_grad_sync``)."""
+        if self.grad_state is GradState.NONE:
             return None
+        if self.has_local:
+            raise RuntimeError(f"{self.label}: local gradients were read before their reduction (zerodp internal "
+                               "error: please report it)")
         if not self.policy.shard_master:
             return self.acc_full if self.acc_full is not None else self.grad_full
         return self.grad_shard
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Next step: gradients are None, the next reduction overwrites the shard. With
-        ``set_to_none`` (torch's default) the gradient storages are freed as well, as torch frees
-        a ``.grad``: full gradients (and their fp32 accumulator) until the group's first gradient
-        of the next backward, a gradient shard of its own until the first reduction. Forward runs
-        without them: Ψ_g elements less at its peak with full gradients (stages 0-1), Ψ_g/N with a
-        shard (stages 2-3). ``set_to_none=False`` keeps them, zeroed where they accumulate."""
+        """Next step's gradients. With ``set_to_none`` (torch's default) they are None and their
+        storages are freed, as torch frees a ``.grad``: full gradients (and their fp32 accumulator)
+        until the group's first gradient of the next backward, a gradient shard of its own until the
+        first reduction. Forward runs without them: Ψ_g elements less at its peak with full
+        gradients (stages 0-1), Ψ_g/N with a shard (stages 2-3). ``set_to_none=False`` zeroes them
+        in place, as ``torch.optim.Optimizer.zero_grad(set_to_none=False)`` does: the next step
+        applies those zeros to every parameter that had a gradient (``GradState.ZEROS``), and
+        ``param.grad`` keeps viewing the bucket where full gradients stay at rest."""
+        if not set_to_none and self.grad_state is not GradState.NONE:
+            self._zero_in_place()
+            return
         for param in self.trainable_params:
             param.grad = None
-        if self.policy.full_grads and set_to_none:
+        if self.policy.full_grads:
             for t in (self.grad_full, self.acc_full):  # the shard of stage 1 on CPU is a slice of grad_full
                 if t is not None:
                     free_storage(t)
-        elif self.acc_full is not None:
-            self.acc_full.zero_()
         if self.grad_full is not None:
             self._release_grad_storage()
-        if set_to_none and self.grad_shard is not None and not self._shard_in_full:
+        if self.grad_shard is not None and not self._shard_in_full:
             free_storage(self.grad_shard)
-        self.has_local = False
-        self.shard_fresh = True
-        self.reduced = False
+        self._move(GradState.NONE)
+
+    @torch.no_grad()
+    def _zero_in_place(self) -> None:
+        if self.policy.full_grads:
+            self._ensure_grad_storage()
+            self.grad_full.zero_()
+            for param, view in zip(self.trainable_params, self._grad_views):
+                param.grad = view if self.acc_full is None else None
+        else:
+            self._release_grad_storage()  # local gradients of no_sync backwards: now zeros
+            for param in self.trainable_params:
+                param.grad = None
+        if self.acc_full is not None:
+            self.acc_full.zero_()
+        if self.grad_shard is not None and not self._shard_in_full:
+            restore_storage(self.grad_shard)
+            self.grad_shard.zero_()
+        self._move(GradState.ZEROS)
 
     def memory(self) -> dict[str, list[torch.Tensor]]:
         """This group's tensors by kind (``master`` and optimizer states are counted elsewhere)."""

@@ -94,16 +94,24 @@ class Piece:
     tensor: torch.Tensor  # 1-D view of stop - start elements
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizers whose update is not elementwise: their sharded update would be wrong."""
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
-        raise ValueError(
-            f"{type(optimizer).__name__} is not known to be elementwise: ZeRO runs the optimizer on "
-            f"1/N slices of flattened parameters, which is exact only when each element's update "
-            f"depends on that element alone (factored or matrix-wise optimizers such as Adafactor, "
-            f"Muon or LBFGS read whole rows or matrices). Use one of: {known}."
-        )
+def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool = False) -> None:
+    """Refuse optimizers not known to be elementwise: their sharded update would be wrong.
+
+    Known means one of the stock classes themselves (``type(optimizer) in ELEMENTWISE_OPTIMIZERS``):
+    a subclass may couple elements (LARS over SGD scales by a per-tensor trust ratio, and a target
+    here spans several parameters), so it is trusted only when declared with
+    ``parallelize(..., elementwise_optimizer=True)``."""
+    if declared or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+        return
+    known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
+    base = next((c.__name__ for c in ELEMENTWISE_OPTIMIZERS if isinstance(optimizer, c)), None)
+    what = (f"{type(optimizer).__name__} subclasses {base}, and a subclass may read whole tensors"
+            if base else f"{type(optimizer).__name__} is not known to be elementwise")
+    raise ValueError(
+        f"{what}: ZeRO runs the optimizer on 1/N slices of flattened parameters, which is exact only when each "
+        f"element's update depends on that element alone (factored or matrix-wise optimizers such as Adafactor, "
+        f"Muon, LARS or LBFGS read whole rows, tensors or matrices). Use one of: {known}; or, if its update is "
+        f"elementwise, declare it with parallelize(..., elementwise_optimizer=True).")
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -118,7 +126,8 @@ class MasterOptimizer:
     index-based LR changes and checkpoints see the same groups on every rank.
     """
 
-    def __init__(self, factory: OptimizerFactory, targets: list[Target], group_options: list[dict]):
+    def __init__(self, factory: OptimizerFactory, targets: list[Target], group_options: list[dict],
+                 declared_elementwise: bool = False):
         self.targets = targets
         param_groups = [{"params": [t.tensor for t in targets if t.group == g], **opts}
                         for g, opts in enumerate(group_options)]
@@ -129,7 +138,7 @@ class MasterOptimizer:
                 f"torch.optim.Optimizer, e.g. lambda groups: torch.optim.AdamW(groups, lr=3e-4); "
                 f"it returned {type(self.optimizer).__name__}"
             )
-        check_elementwise(self.optimizer)
+        check_elementwise(self.optimizer, declared_elementwise)
         given = {id(p) for grp in self.optimizer.param_groups for p in grp["params"]}
         if given != {id(t.tensor) for t in targets}:
             raise ValueError(

@@ -194,10 +194,10 @@ class QuantizedWork:
         self.nbytes = nbytes
         self.sent_bytes = sent_bytes
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         if self._finish is not None:
             if self.work is not None:
-                self.work.wait()
+                self.work.wait() if timeout is None else self.work.wait(timeout)
             finish, self._finish = self._finish, None
             finish()
             self._keep = ()

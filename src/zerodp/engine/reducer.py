@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerodp.engine.base import StageEngine, grad_hook
+from zerodp.engine.base import StageEngine, StepState, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers, plan_buckets
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.deferred import materialize_module
@@ -81,7 +81,7 @@ class BucketEngine(StageEngine):
     # ---- hooks (the hot path) -----------------------------------------------------------------
     def _grad_ready(self, g: FlatGroup, j: int, param: nn.Parameter) -> None:
         """Hook of trainable parameter ``j`` of bucket ``g``: take its gradient, count down."""
-        if not self._backward_armed:
+        if self.step_state is not StepState.BACKWARD:
             self._backward_started()
         if self._reducing and not g.policy.full_grads:
             self._bound_in_flight(g)
@@ -134,9 +134,12 @@ class BucketEngine(StageEngine):
         finally:
             self._reset_backward()
 
+    def _on_backward_abandoned(self) -> None:
+        self._reset_backward()
+
     def _reset_backward(self) -> None:
         for g in self.groups:
-            g.bwd.reset(len(g.trainable))
+            g.reset_backward()
         self._ready = [False] * len(self.groups)
         self._next = 0
         self._reducing = False

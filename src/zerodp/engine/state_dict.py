@@ -112,6 +112,28 @@ class _Names:
         return None
 
 
+#: Name segments that wrappers add to a module's state-dict keys: DDP / DataParallel (``module.``),
+#: ``torch.compile`` (``_orig_mod.``), activation-checkpoint wrappers.
+WRAPPER_SEGMENTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def plain_name(key: str) -> str:
+    """``key`` without the segments wrappers add (``module._orig_mod.blocks.0.w`` → ``blocks.0.w``)."""
+    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def match_names(keys, known) -> dict:
+    """Map each of ``keys`` to the name in ``known`` it means: itself, or the known name with the same
+    :func:`plain_name` — so a checkpoint of a DDP-wrapped or compiled model loads into this one, and
+    back. Keys that mean nothing here map to themselves."""
+    known = list(known)
+    plain = {}
+    for k in known:
+        plain.setdefault(plain_name(k), k)
+    known_set = set(known)
+    return {k: k if k in known_set else plain.get(plain_name(k), k) for k in keys}
+
+
 def _agree(engine: EngineLike, problem: str | None, what: str) -> None:
     """Raise the same error on every rank when any rank found ``problem`` (a rank that raised
     alone would leave the others waiting in the next collective)."""
@@ -203,6 +225,8 @@ def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
     if not isinstance(state, Mapping):
         raise TypeError(f"load_state_dict expects a dict of tensors by name, got {type(state).__name__}")
     names = _Names(engine)
+    renamed = match_names(state, names.canonical)
+    state = {renamed[k]: v for k, v in state.items()}
     missing = [key for key, name in names.canonical.items() if names.lookup(state, name) is None]
     unexpected = [key for key in state if key not in names.canonical]
     problems = []
@@ -342,8 +366,11 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
     names = _Names(engine)
     optimizer = engine.master.optimizer
     group_of = dict(zip(names.trainable, engine.param_group_of))
-    saved_state = {names.canonical.get(k, k): v for k, v in state["state"].items()}  # tied: any name
-    saved_groups = state["param_groups"]
+    listed = [n for g in state["param_groups"] if isinstance(g, Mapping) for n in g.get("params", [])]
+    renamed = match_names(list(state["state"]) + [n for n in listed if isinstance(n, str)], names.canonical)
+    saved_state = {names.canonical.get(renamed[k], renamed[k]): v for k, v in state["state"].items()}  # tied: any name
+    saved_groups = [{**g, "params": [renamed.get(n, n) if isinstance(n, str) else n for n in g.get("params", [])]}
+                    if isinstance(g, Mapping) else g for g in state["param_groups"]]
     problem = _check_optimizer_state(names, group_of, len(optimizer.param_groups), saved_state, saved_groups)
     _agree(engine, problem, "load_optimizer_state_dict: the optimizer state does not fit this engine")
 

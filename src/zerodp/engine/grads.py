@@ -1,0 +1,74 @@
+"""``param.grad`` where the averaged gradient lives in shards, for torch's own clipping.
+
+A DDP script clips with ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)``. At stages 2-3
+(and wherever the gradient shard is a buffer of its own beside full local gradients) no module
+parameter holds the averaged gradient: rank r holds slice r of it (guide §9.2-§9.3), so torch's
+function would read None (norm 0, nothing clipped) or local sums. FSDP2 answers with DTensor
+gradients; here :class:`ShardedGrad` is the smallest such answer: a tensor of the parameter's
+shape whose data is this rank's slice of the gradient shard, and which implements what torch's
+``clip_grad_norm_``, ``get_total_norm`` and ``clip_grads_with_norm_`` call on a gradient:
+
+- ``torch.linalg.vector_norm(g, p)``: the *global* p-norm of the parameter's gradient, from the
+  local slices with one AllReduce over the shard group (MAX for p = inf, else Σ|x|^p);
+- ``g.mul_(c)``: scales the local slice, i.e. the gradient shard the optimizer step reads.
+
+Anything else raises one line naming ``engine.full_grad_dict()`` (the gathered gradients) and
+``engine.clip_grad_norm_`` (one AllReduce for the whole model instead of one per parameter).
+``engine.parameters()`` puts these on the parameters while the step's gradients are reduced;
+the next forward or ``zero_grad`` takes them off again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+
+class ShardedGrad(torch.Tensor):
+    """A parameter's averaged gradient as this rank holds it (module docstring)."""
+
+    _local: torch.Tensor
+    _comm: object  # zerodp.engine.comm.Collectives of the shard group
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, local: torch.Tensor, comm) -> "ShardedGrad":
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                                                requires_grad=False)
+        t._local = local
+        t._comm = comm
+        return t
+
+    def __repr__(self) -> str:  # noqa: D105
+        return (f"ShardedGrad(shape={tuple(self.shape)}, this rank's slice: {self._local.numel()} elements; "
+                "engine.full_grad_dict() gathers the whole gradient)")
+
+    def _norm(self, p: float) -> torch.Tensor:
+        local = self._local.detach().float()
+        if math.isinf(p):
+            value = (local.abs().max() if local.numel() else torch.zeros((), device=local.device)).reshape(1)
+            if self._comm.world_size > 1:
+                self._comm.all_reduce_max(value, "grad_norm")
+            return value[0]
+        value = local.abs().pow(p).sum().reshape(1)
+        if self._comm.world_size > 1:
+            self._comm.all_reduce_sum(value, "grad_norm")
+        return value[0].pow(1.0 / p)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.linalg_vector_norm.default and not kwargs.get("dim") and len(args) <= 2:
+            p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
+            return args[0]._norm(p)
+        if func in (aten.mul_.Tensor, aten.mul_.Scalar) and isinstance(args[0], ShardedGrad):
+            other = args[1]
+            args[0]._local.mul_(other.to(args[0]._local.dtype) if isinstance(other, torch.Tensor) else other)
+            return args[0]
+        if func is aten.detach.default:
+            return args[0]
+        raise NotImplementedError(
+            f"{func}: this gradient is sharded across ranks (zerodp stage 2-3): torch.nn.utils.clip_grad_norm_ works "
+            "on it; to read gradients use engine.full_grad_dict(), to clip faster engine.clip_grad_norm_(max_norm)")
