@@ -241,3 +241,20 @@ def test_tensorboard_events_next_to_the_metrics_or_one_line_without_the_package(
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 3.0), (2, 1.5)]
     assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, 1.25)]
     assert json.loads(json.dumps(err)) == []
+
+
+def test_help_and_config_resolution_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io, zerodp.cli as c\n"
+            "for argv in (['--help'], ['train', '--help'], ['train', '--config', 'examples/nano.toml', "
+            "'--print-config'], ['bench', '--quick', '--print-config']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        try:\n"
+            "            c.main(argv)\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.stdout.strip() == "False", r.stderr
