@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
             args = runconfig.resolve(args, _sub_argv(list(sys.argv[1:] if argv is None else argv), args.command))
             if args.print_config:
+                check = getattr(args, "_config_check", None)
+                if check is not None:  # a setting the run would refuse is refused here too
+                    check(args)
                 print(runconfig.to_toml(args), end="")
                 return 0
         return int(args.func(args) or 0)

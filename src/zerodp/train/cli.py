@@ -124,7 +124,7 @@ def _add_train(sub) -> None:
     g.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard events into OUT/tensorboard (pip install 'zerodp[tensorboard]')")
     runconfig.add_config_options(p, "zerodp train")
-    p.set_defaults(func=run_train)
+    p.set_defaults(func=run_train, _config_check=config_from_args)
 
 
 def _preset(name: str) -> str:
