@@ -260,3 +260,14 @@ def test_help_and_config_resolution_import_no_torch():
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_bench_keeps_its_resolved_config_in_its_output_folder(capsys, tmp_path):
+    path = tmp_path / "bench.toml"
+    path.write_text('stages = [0, 1]\nregimes = "nothing"\n')
+    out = tmp_path / "b"
+    # a regime the bench refuses: it stops at once, after the folder got the resolved settings
+    line = _one_line_error(capsys, ["bench", "--config", str(path), "--out", str(out)])
+    assert "--regimes: 'nothing'" in line
+    kept = tomllib.loads((out / "config.toml").read_text())
+    assert kept["stages"] == "0,1" and kept["out"] == str(out) and kept["regimes"] == "nothing"

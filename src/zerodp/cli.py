@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                     check(args)
                 print(runconfig.to_toml(args), end="")
                 return 0
+            keep = getattr(args, "_config_out", None)  # the option naming the command's output folder
+            if keep and getattr(args, keep, None):
+                import os
+
+                runconfig.write(args, os.path.join(getattr(args, keep), runconfig.CONFIG_FILE))
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:  # user errors: one clear line, no traceback
         print(f"{command_name(args)}: error: {exc}", file=sys.stderr)

@@ -110,7 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "fixed at 128 KiB (mmap: freed buffers leave the resident set, RSS follows the live tensors)")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
     runconfig.add_config_options(b, "zerodp bench")
-    b.set_defaults(func=run_bench_cmd)
+    b.set_defaults(func=run_bench_cmd, _config_out="out")  # OUT/config.toml: the resolved settings
 
 
 def trainer_model(name: str, trainer_presets) -> str:
