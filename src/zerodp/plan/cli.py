@@ -1,4 +1,4 @@
-"""``zerodp plan memory|comm|roofline|batch|simulate|report``: the planner on the command line.
+"""``zerodp plan memory|comm|roofline|batch|simulate|recommend|report``: the planner on the command line.
 
 Every subcommand prints a table with units, or with ``--json`` the result's ``to_dict()``, and
 accepts ``--hardware NAME_OR_FILE`` (a preset or a TOML/JSON hardware file).
@@ -130,6 +130,24 @@ def _model(args, default=None):
 
 
 NODE = "node"
+
+
+def _alias(p, canonical, old, **kw):
+    """``canonical`` (shown) and ``old`` (a hidden alias kept for a release), one ``dest``."""
+    p.add_argument(canonical, **kw)
+    hidden = {k: v for k, v in kw.items() if k not in ("help", "default", "required")}
+    p.add_argument(old, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **hidden)
+
+
+def _cluster_options(p, gpus_default=None):
+    """--nodes, --gpus-per-node and --gpus (their product), as ``zerodp train`` names them."""
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=_int_qty("nodes", 1, **_GPUS),
+                   help="nodes (default 1, or --gpus / --gpus-per-node)")
+    g.add_argument("--gpus-per-node", type=_int_qty("gpus-per-node", 1, 100_000),
+                   help="GPUs per node (default: the hardware's, 8 on H100)")
+    g.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=gpus_default,
+                   help="GPUs in all (default: nodes x GPUs per node)")
 
 
 def _shard_size_type(text):
@@ -443,6 +461,39 @@ def cmd_simulate(args) -> int:
     return _emit(args, {"timeline": t.to_dict(), "sweep": sweep.to_dict() if sweep else None}, text)
 
 
+def _cluster(args, hw):
+    """(nodes, GPUs per node) from --nodes/--gpus-per-node/--gpus (guide §14)."""
+    gpn = args.gpus_per_node or hw.devices_per_node
+    if args.gpus is not None:
+        if args.nodes is not None and args.nodes * gpn != args.gpus:
+            raise ValueError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node "
+                             f"{gpn}: give --gpus, or --nodes and --gpus-per-node")
+        if args.gpus <= gpn and args.gpus_per_node is None:
+            return 1, args.gpus
+        if args.gpus % gpn:
+            raise ValueError(f"--gpus {args.gpus} does not fill nodes of {gpn} GPUs: give a multiple "
+                             f"of --gpus-per-node {gpn}")
+        return args.gpus // gpn, gpn
+    return args.nodes or 1, gpn
+
+
+def cmd_recommend(args) -> int:
+    """The fastest configuration that fits (guide §6.1, §7, §9, §14)."""
+    from zerodp.plan.recommend import BUCKET_MB, SEARCH_COMPRESSIONS, recommend, text
+    hw = get_hardware(args.hardware)
+    model = _model(args, default="llama3-8b")
+    nodes, gpn = _cluster(args, hw)
+    r = recommend(model, hw, nodes, gpn, args.global_batch_tokens, args.seq,
+                  precision=args.precision, efficiency=args.efficiency,
+                  stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3),
+                  recompute=(args.recompute,) if args.recompute else RECOMPUTE,
+                  compress=(args.compress,) if args.compress else SEARCH_COMPRESSIONS,
+                  bucket_mb=(args.bucket_mb,) if args.bucket_mb else BUCKET_MB,
+                  micro_batches=(args.mbs,) if args.mbs else None, top=args.top,
+                  headroom=args.headroom)
+    return _emit(args, r.to_dict(), text(r))
+
+
 def cmd_report(args) -> int:
     r = build_report()
     return _emit(args, r.to_dict(), r.text())
@@ -568,6 +619,40 @@ def add_parser(subparsers) -> None:
     ring_options(p)
     p.add_argument("--plot", metavar="FILE.png", help="draw the timeline (and sweep) to a PNG")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("recommend", help="the fastest configuration that fits, ranked",
+                       description="Search stage x shard group x micro-batch x grad_acc x "
+                                   "recomputation x compression x bucket size for a model on a "
+                                   "cluster and a target global batch; keep what fits with "
+                                   "headroom; rank by predicted step time (docs/planner.md).",
+                       formatter_class=_Help)
+    _common(p, model=True)
+    _cluster_options(p)
+    _alias(p, "--global-batch-tokens", "--tokens", dest="global_batch_tokens",
+           type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
+           default=4 * 2**20, help="target global batch in tokens, e.g. 4M or 4Mi")
+    _alias(p, "--seq-len", "--seq", dest="seq", type=_int_qty("seq-len", 1, MAX_SEQ,
+                                                            "ten million tokens at most"),
+           default=4096, help="sequence length")
+    _alias(p, "--mixed-precision", "--precision", dest="precision", choices=list(PRECISIONS),
+           default="bf16", help="; ".join(f"{k}: {v['about']}" for k, v in PRECISIONS.items()))
+    p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
+                   default=0.5, help="fraction of peak FLOP/s the compute reaches")
+    p.add_argument("--headroom", type=_qty("headroom", 0, 0.99, "a fraction of HBM",
+                                           allow_zero=True), default=0.1,
+                   help="fraction of HBM kept free: CUDA context, NCCL buffers, allocator slack")
+    p.add_argument("--top", type=_int_qty("top", 1, 100), default=5, help="configurations shown")
+    s = p.add_argument_group("fix one lever instead of searching it")
+    s.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one stage (default: all)")
+    s.add_argument("--recompute", choices=RECOMPUTE,
+                   help="one recomputation (default: all; 'selective' is what FlashAttention "
+                        "stores)")
+    s.add_argument("--compress", choices=list(COMPRESSIONS), help="one compression (default: all)")
+    s.add_argument("--bucket-mb", type=_qty("bucket-mb", 0.001, 1e6, "a TB at most"),
+                   help="one bucket size in MiB (default: 25, 100, 400)")
+    _alias(s, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
+           help="one micro-batch (default: powers of two up to 64)")
+    p.set_defaults(func=cmd_recommend)
 
     p = sub.add_parser("report", help="the guide's worked examples, recomputed", formatter_class=_Help)
     _common(p, hardware=False)

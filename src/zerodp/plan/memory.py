@@ -44,6 +44,22 @@ ADAM_K = 12
 #: ZeRO-3 keeps the unit in use plus the prefetched one (guide §9.3)
 GATHERED_UNITS = 2
 RECOMPUTE = ("none", "selective", "full")
+#: the default recomputation when a sequence is given: "selective" stores everything but the
+#: a·s² attention scores, which is what FlashAttention / SDPA kernels keep (they never store
+#: the scores, and recompute them in backward); "none" is the paper's eager attention
+DEFAULT_RECOMPUTE = "selective"
+#: fraction of HBM a plan leaves free (docs/planner.md, "fits and tight"): the CUDA context
+#: (~0.5 GB), NCCL's buffers (~1 GB on 8 GPUs), the caching allocator's fragmentation and
+#: temporaries (the cross entropy, optimizer steps); a total above HBM × (1 − HEADROOM) is "tight"
+HEADROOM = 0.10
+
+
+def verdict(total_bytes: float, hbm_bytes: float, headroom: float = HEADROOM) -> str:
+    """"fits" (≤ HBM × (1 − headroom)), "tight" (above that, ≤ HBM) or "no" (above HBM); bytes
+    are bytes, GB in tables is 1e9 of them (guide §8)."""
+    if total_bytes <= hbm_bytes * (1 - headroom):
+        return "fits"
+    return "tight" if total_bytes <= hbm_bytes else "no"
 
 
 @dataclass(frozen=True)
@@ -76,13 +92,15 @@ class ModelStates(ToDict):
 
 def model_states(params: float, n: int, stage: int, k: float = ADAM_K, fp32_grad_acc: bool = False,
                  unit_params: float = 0.0, layers: int | None = None, param_bytes: float = BF16,
-                 grad_bytes: float = BF16) -> ModelStates:
+                 grad_bytes: float = BF16, root_params: float = 0.0) -> ModelStates:
     """Model-state bytes per GPU for ``stage`` (guide §9; table in the module docstring).
 
     ``unit_params``: parameters of one ZeRO-3 unit (two gathered units are added for stage 3);
     ``layers``: number of units L, for the 2L−1 AllGathers of stage 3; ``param_bytes`` and
     ``grad_bytes``: bytes of one working parameter and one gradient (bf16: 2, see
-    :data:`PRECISIONS`).
+    :data:`PRECISIONS`); ``root_params``: the engine's root unit (embedding, head, final norm:
+    what is not in a block), gathered for the whole forward and backward (guide §10.3), so
+    stage 3 holds 2·unit + root parameters gathered.
     """
     check_positive("params", params)
     n = check_count("n (data-parallel GPUs)", n)
@@ -99,7 +117,8 @@ def model_states(params: float, n: int, stage: int, k: float = ADAM_K, fp32_grad
     g = grad_bytes * params * (shard if stage >= 2 else 1.0)
     o = k * params * (shard if stage >= 1 else 1.0)
     acc = (FP32 * params * (shard if stage >= 2 else 1.0)) if fp32_grad_acc else 0.0
-    gathered = GATHERED_UNITS * param_bytes * unit_params if stage == 3 else 0.0
+    check_positive("root_params", root_params, allow_zero=True)
+    gathered = (param_bytes * (GATHERED_UNITS * unit_params + root_params)) if stage == 3 else 0.0
     states = p + g + o + acc
     return ModelStates(
         stage=stage, stage_name=STAGE_NAMES[stage], params=params, n=n, k=k,
@@ -112,10 +131,10 @@ def model_states(params: float, n: int, stage: int, k: float = ADAM_K, fp32_grad
 
 def all_stages(params: float, n: int, k: float = ADAM_K, fp32_grad_acc: bool = False,
                unit_params: float = 0.0, layers: int | None = None, param_bytes: float = BF16,
-               grad_bytes: float = BF16) -> list[ModelStates]:
+               grad_bytes: float = BF16, root_params: float = 0.0) -> list[ModelStates]:
     """:func:`model_states` for stages 0, 1, 2, 3."""
     return [model_states(params, n, s, k, fp32_grad_acc, unit_params, layers, param_bytes,
-                         grad_bytes) for s in STAGES]
+                         grad_bytes, root_params) for s in STAGES]
 
 
 @dataclass(frozen=True)
@@ -296,12 +315,17 @@ class MemoryPlan(ToDict):
 
 def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | None = None,
                 fp32_grad_acc: bool = False, seq: int | None = None, micro_batch: int = 1,
-                recompute: str = "none", shard_size: int | None = None) -> MemoryPlan:
+                recompute: str | None = None, shard_size: int | None = None,
+                headroom: float = HEADROOM) -> MemoryPlan:
     """Model states, ZeRO-3's two gathered units (from the model's largest block) and the
     activations of one micro-batch (when ``seq`` is given), per GPU, for stages 0–3, against the
     HBM of ``hardware`` (a :class:`~zerodp.plan.Hardware` or preset name). ``shard_size``: hybrid
     sharding (guide §14), stages 1–3 shard over groups of g GPUs, a divisor of ``n``; the
-    states are the flat ones with N → g. None: flat, g = n."""
+    states are the flat ones with N → g. None: flat, g = n. ``recompute``: None is
+    :data:`DEFAULT_RECOMPUTE` with a ``seq``, "none" without. Each stage's ``verdict`` is
+    :func:`verdict` with ``headroom``; ``fits`` is verdict == "fits"."""
+    if recompute is None:
+        recompute = "none" if seq is None else DEFAULT_RECOMPUTE
     from zerodp.plan.hardware import get_hardware
     from zerodp.plan.models import assumed_shape, get_model
 
@@ -330,6 +354,7 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     warnings, warnings_zh = [], []
     shape = None
     layers, unit = m.layers, m.unit_params
+    root = m.embedding_params if m.layers else 0.0
     if not m.layers:
         layers, hidden = assumed_shape(m.params)
         shape = [layers, hidden]
@@ -361,17 +386,19 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     act_bytes = act.total_bytes if act else 0.0
     rows = []
     for s in all_stages(m.params, g, k, fp32_grad_acc, unit or 0.0, layers,
-                        prec["param_bytes"], prec["grad_bytes"]):
+                        prec["param_bytes"], prec["grad_bytes"], root):
         d = s.to_dict()
         total = s.total_bytes + act_bytes
+        v = verdict(total, hw.hbm_bytes, headroom)
         d.update(n=n, shard_size=g, activation_bytes=act_bytes, total_bytes=total,
-                 fits=bool(total <= hw.hbm_bytes))
+                 fits=v == "fits", verdict=v)
         rows.append(d)
     includes = [f"parameters ({prec['param_bytes']:g} B)", f"gradients ({prec['grad_bytes']:g} B)",
                 f"optimizer states (k = {k:g} B)"]
     if fp32_grad_acc:
         includes.append("fp32 gradient accumulation (4 B)")
-    includes.append("2 gathered units at ZeRO-3")
+    includes.append("2 gathered blocks + the root unit (embedding, head) at ZeRO-3"
+                    if root else "2 gathered units at ZeRO-3")
     if act:
         includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute})")
     zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算"}
@@ -379,7 +406,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                    f"优化器状态（k = {k:g} B）"]
     if fp32_grad_acc:
         includes_zh.append("fp32 梯度累积缓冲（4 B）")
-    includes_zh.append("ZeRO-3 的 2 个聚合单元")
+    includes_zh.append("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root
+                       else "ZeRO-3 的 2 个聚合单元")
     if act:
         includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}）")
     return MemoryPlan(model=m.to_dict(), n=n, hardware=hw.name, hbm_bytes=hw.hbm_bytes,

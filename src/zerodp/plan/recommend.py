@@ -1,0 +1,415 @@
+"""From estimates to a decision: the fastest configuration that fits (guide §6.1, §7, §9, §14).
+
+:func:`recommend` searches stage × shard-group size g × micro-batch × recomputation ×
+compression × bucket size for a model on ``nodes`` × ``gpus_per_node`` GPUs and a target global
+batch in tokens, keeps what fits with the headroom of :data:`~zerodp.plan.memory.HEADROOM`, and
+ranks by predicted time per token. Every figure of a candidate comes from one planner function:
+
+* batch: :func:`~zerodp.plan.batch.plan_batch` (gbs rounded to a power of two, guide §6.1);
+* memory: :func:`~zerodp.plan.memory.memory_plan` (states, ZeRO-3's gathered units, activations);
+* communication: :func:`~zerodp.plan.hybrid.step_comm` (each collective by leg, guide §14);
+* roofline: :func:`~zerodp.plan.roofline.threshold` (communication-bound below it, guide §7).
+
+The step model (docs/planner.md, "recommend"), per GPU, ``t`` = micro-batch × seq tokens:
+
+* forward FLOPs F = 2·A·t + 2·L·seq·q·t (A active parameters; the causal attention scores and
+  their product with V); backward 2F; recomputation adds the attention core's forward
+  (selective, 2·L·seq·q·t) or a whole forward (full, F); compute = FLOPs / (C · efficiency);
+* gradient collectives of stages 0-2 run in buckets of ``bucket_mb`` MiB: each bucket pays the
+  collective's latency again; stage 3 runs one AllGather per unit (L blocks, the root unit);
+* what is hidden: stages 0-1 reduce once per step, behind the last micro-batch's backward;
+  stage 2 ReduceScatters every micro-batch behind its backward; stage 3 gathers and reduces every
+  micro-batch behind its forward and backward; the parameter AllGather after the optimizer step
+  of stages 1-2 is exposed. A window's exposed time is max(comm − hidden compute, comm / buckets):
+  the last bucket (unit) cannot start before the compute it waits for is done;
+* step = grad_acc × compute + exposed communication; MFU = model FLOPs (forward + backward,
+  no recomputation) / (step × C).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from zerodp.plan._common import InputError, ToDict, check_count, fmt_bytes, fmt_count, parse_quantity
+from zerodp.plan.batch import plan_batch
+from zerodp.plan.hardware import Hardware, get_hardware
+from zerodp.plan.hybrid import step_comm
+from zerodp.plan.memory import HEADROOM, RECOMPUTE, memory_plan
+from zerodp.plan.models import get_model
+from zerodp.plan.roofline import threshold
+from zerodp.plan.units import MIB, STAGE_NAMES
+
+#: the bucket sizes searched for stages 0-2, MiB (25: PyTorch DDP's bucket_cap_mb)
+BUCKET_MB = (25, 100, 400)
+#: compressions searched by default: every one that changes the wire in bf16
+SEARCH_COMPRESSIONS = ("none", "int8-params", "int8-grads", "int8")
+#: micro-batches searched: powers of two up to this
+MAX_SEARCH_MICRO_BATCH = 64
+#: configurations this close in time per token to the fastest count as a tie: the simplest wins
+TIE = 0.01
+#: fraction of peak FLOP/s a step's compute reaches (guide §7.4 uses the peak; calibration gives
+#: the real one: ``zerodp calibrate``)
+DEFAULT_EFFICIENCY = 0.5
+
+
+@dataclass(frozen=True)
+class Candidate(ToDict):
+    """One configuration and its prediction. ``to_dict()`` keys: ``stage``, ``stage_name``,
+    ``shard_size`` (g), ``replicas`` (n/g), ``micro_batch``, ``grad_acc``, ``recompute``,
+    ``compress``, ``bucket_mb`` (stages 0-2; null at stage 3, whose units are the blocks),
+    ``memory_bytes`` (per GPU, :func:`memory_plan`'s total), ``verdict``, ``compute_s`` (the
+    step's compute), ``comm_s`` (its collectives, slower leg), ``exposed_comm_s``, ``step_s``,
+    ``tokens_per_step`` (all GPUs), ``tokens_per_s_per_gpu``, ``mfu``, ``bottleneck`` (leg),
+    ``comm_bound`` (tokens per GPU per window below the roofline threshold) and ``lost_because``
+    (for runners-up: why the first pick beats it)."""
+
+    stage: int
+    stage_name: str
+    shard_size: int
+    replicas: int
+    micro_batch: int
+    grad_acc: int
+    recompute: str
+    compress: str
+    bucket_mb: float | None
+    memory_bytes: float
+    verdict: str
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_s: float
+    tokens_per_step: int
+    tokens_per_s_per_gpu: float
+    mfu: float
+    bottleneck: str
+    comm_bound: bool
+    lost_because: str = ""
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.step_s / self.tokens_per_step
+
+
+@dataclass(frozen=True)
+class Recommendation(ToDict):
+    """The answer of :func:`recommend`. ``to_dict()`` keys: ``model`` (name), ``params``,
+    ``active_params``, ``hardware``, ``nodes``, ``gpus_per_node``, ``n``, ``global_batch_tokens``
+    (the target), ``seq``, ``samples`` (gbs), ``precision``, ``efficiency``, ``headroom``
+    (fraction of HBM kept free), ``hbm_bytes``, ``searched`` (configurations tried),
+    ``candidates`` (the top ones, fastest first), ``rejected`` (one entry per reason: ``reason``,
+    ``count``, ``example``), ``notes`` and ``elapsed_s``."""
+
+    model: str
+    params: float
+    active_params: float
+    hardware: str
+    nodes: int
+    gpus_per_node: int
+    n: int
+    global_batch_tokens: float
+    seq: int
+    samples: int
+    precision: str
+    efficiency: float
+    headroom: float
+    hbm_bytes: float
+    searched: int
+    candidates: list = field(default_factory=list)
+    rejected: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+
+def shard_sizes(n: int, gpus_per_node: int) -> list[int]:
+    """g searched on n GPUs: n (flat), and past one node every power-of-two multiple of a node
+    below n that divides it (guide §14: groups fill whole nodes)."""
+    out = {n}
+    g = gpus_per_node
+    while g < n:
+        if n % g == 0:
+            out.add(g)
+        g *= 2
+    return sorted(out)
+
+
+def flops_per_micro_batch(model, seq: int, micro_batch: int, recompute: str) -> tuple[float, float]:
+    """(model FLOPs, FLOPs actually run) of one micro-batch's forward + backward per GPU (module
+    docstring): 3F, and 3F plus what ``recompute`` runs again."""
+    t = seq * micro_batch
+    attn = 2.0 * model.layers * seq * (model.q_dim or model.hidden) * t
+    fwd = 2.0 * model.active * t + attn
+    extra = {"none": 0.0, "selective": attn, "full": fwd}[recompute]
+    return 3 * fwd, 3 * fwd + extra
+
+
+def _window(comm: float, hidden: float, pieces: int) -> float:
+    """Exposed time of ``comm`` seconds of collectives behind ``hidden`` seconds of compute, in
+    ``pieces`` buckets or units: the last one waits for the compute to end."""
+    if comm <= 0:
+        return 0.0
+    return max(comm - hidden, comm / max(pieces, 1))
+
+
+@dataclass(frozen=True)
+class _Comm:
+    """A step's collectives split by when they run: ``per_micro`` (every micro-batch),
+    ``per_step`` (once, behind the last backward), ``after_step`` (the parameter AllGather after
+    the optimizer of stages 1-2), each (intra, inter) seconds of bandwidth, and the latency of
+    one gradient collective and one parameter collective."""
+
+    per_micro: tuple
+    per_step: tuple
+    after_step: tuple
+    grad_latency: float
+    param_latency: float
+    grad_bytes: float
+
+
+def _split_comm(hw, n, stage, params, g, precision, compress) -> _Comm:
+    full = step_comm(hw, n, stage, params, g, precision, compress, gathers_per_step=2)
+    tiny = step_comm(hw, n, stage, 1.0, g, precision, compress, gathers_per_step=2)
+    buckets = {"per_micro": [0.0, 0.0], "per_step": [0.0, 0.0], "after_step": [0.0, 0.0]}
+    grad_lat = param_lat = 0.0
+    for c, z in zip(full.collectives, tiny.collectives):
+        lat = max(z["intra_s"], z["inter_s"]) / max(c["count"], 1)
+        if c["kind"] == "all_gather":
+            when = "per_micro" if stage == 3 else "after_step"
+            param_lat = max(param_lat, lat)
+        else:
+            when = "per_micro" if stage >= 2 else "per_step"
+            grad_lat += lat
+        buckets[when][0] += c["intra_s"]
+        buckets[when][1] += c["inter_s"]
+    wire = full.wire
+    return _Comm(tuple(buckets["per_micro"]), tuple(buckets["per_step"]),
+                 tuple(buckets["after_step"]), grad_lat, param_lat,
+                 params * wire["wire_grad_bytes"])
+
+
+def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None = None,
+              global_batch_tokens: float | str = 4 * 2**20, seq: int = 4096,
+              precision: str = "bf16", efficiency: float = DEFAULT_EFFICIENCY,
+              stages=(0, 1, 2, 3), recompute=RECOMPUTE, compress=SEARCH_COMPRESSIONS,
+              bucket_mb=BUCKET_MB, micro_batches=None, top: int = 5,
+              headroom: float = HEADROOM) -> Recommendation:
+    """The fastest configurations that fit, ranked (module docstring; docs/planner.md).
+
+    ``model``: a preset name or :class:`~zerodp.plan.Model` with a shape; ``hardware``: a preset,
+    a file or :class:`~zerodp.plan.Hardware` (``gpus_per_node`` overrides its
+    ``devices_per_node``); ``global_batch_tokens``: the target (a number or "4M"); ``seq``: the
+    sequence length. Raises ValueError (one line naming the input) on bad input.
+    """
+    start = time.perf_counter()
+    m = get_model(model)
+    if not (m.layers and m.hidden and m.heads):
+        raise InputError(f"recommend needs the model's shape and {m.name} has none: give a "
+                         "config.json (--config) or a preset with a shape", "model")
+    hw = get_hardware(hardware)
+    nodes = check_count("nodes", nodes)
+    gpn = hw.devices_per_node if gpus_per_node is None else check_count("gpus_per_node", gpus_per_node)
+    if gpn != hw.devices_per_node:
+        hw = replace(hw, devices_per_node=gpn)
+    n = nodes * gpn
+    if nodes > 1 and hw.inter_bw <= 0:
+        raise InputError(f"{hw.name} has no inter-node network: use --nodes 1", "nodes")
+    target = parse_quantity(global_batch_tokens, "global_batch_tokens", count=True)
+    seq = check_count("seq", seq)
+    if not 0 < efficiency <= 1:
+        raise InputError(f"efficiency must be in (0, 1], got {efficiency!r}", "efficiency")
+    if not 0 <= headroom < 1:
+        raise InputError(f"headroom must be a fraction of HBM in [0, 1), got {headroom!r}",
+                         "headroom")
+    bad = [s for s in stages if s not in STAGE_NAMES]
+    if bad:
+        raise InputError(f"stages must be among 0, 1, 2, 3; got {bad[0]!r}", "stages")
+    if micro_batches is None:
+        micro_batches = [2**i for i in range(int(math.log2(MAX_SEARCH_MICRO_BATCH)) + 1)]
+    c_eff = hw.flops * efficiency
+    rejected: dict = {}
+    kept: list[Candidate] = []
+    comm_bound: list[Candidate] = []
+    searched = 0
+    samples = None
+    comm_cache: dict = {}
+    thr_cache: dict = {}
+    units = m.layers + (1 if m.embedding_params else 0)
+    for mbs in micro_batches:
+        b = plan_batch(target, seq, mbs, n)
+        samples = b.samples
+        for g in shard_sizes(n, gpn):
+            for rc in recompute:
+                if b.gpu_rich:
+                    count = sum(1 for s in stages if g == n or s > 0)
+                    searched += count
+                    r = rejected.setdefault("grad_acc < 1", {
+                        "reason": "grad_acc < 1", "count": 0,
+                        "example": f"micro-batch {mbs} on {n:,} GPUs needs {mbs * n:,} samples, "
+                                   f"the global batch is {b.samples:,}"})
+                    r["count"] += count
+                    continue
+                mp = memory_plan(m, n, hw, precision, seq=seq, micro_batch=mbs, recompute=rc,
+                                 shard_size=g if g < n else None, headroom=headroom)
+                for s in stages:
+                    if s == 0 and g < n:
+                        continue  # hybrid sharding changes nothing at stage 0
+                    row = mp.stages[s]
+                    comps = [c for c in compress if s > 0 or c == "none"]
+                    bks = list(bucket_mb) if s < 3 else [None]
+                    searched += len(comps) * len(bks)
+                    label = (f"{STAGE_NAMES[s]}, g {g}, micro-batch {mbs}, recompute {rc}: "
+                             f"{fmt_bytes(row['total_bytes'])} of {fmt_bytes(hw.hbm_bytes)}")
+                    if row["verdict"] != "fits":
+                        reason = ("does not fit in HBM" if row["verdict"] == "no" else
+                                  f"tight: within the {headroom:.0%} headroom of HBM")
+                        r = rejected.setdefault(reason, {"reason": reason, "count": 0,
+                                                         "example": label})
+                        r["count"] += len(comps) * len(bks)
+                        continue
+                    model_flops, run_flops = flops_per_micro_batch(m, seq, mbs, rc)
+                    micro_s = run_flops / c_eff
+                    fwd_s = micro_s / 3 if rc == "none" else (model_flops / 3) / c_eff
+                    bwd_s = micro_s - fwd_s
+                    for cp in comps:
+                        key = (s, g, cp)
+                        if key not in comm_cache:
+                            comm_cache[key] = _split_comm(hw, n, s, m.params, g if g < n else None,
+                                                          precision, cp)
+                        cm = comm_cache[key]
+                        tkey = (g, cp)
+                        if tkey not in thr_cache:
+                            thr_cache[tkey] = threshold(
+                                hw, n, model=m, shard_size=g if g < n else None,
+                                compress=cp).threshold_tokens
+                        window_tokens = mbs * seq * (1 if s == 3 else b.grad_acc)
+                        bound = window_tokens < thr_cache[tkey]
+                        for bk in bks:
+                            pieces = units if bk is None else max(
+                                1, math.ceil(cm.grad_bytes / (bk * MIB)))
+                            lat = (pieces - 1) * (cm.param_latency * 2 + cm.grad_latency
+                                                  if s == 3 else cm.grad_latency)
+                            per_micro = max(cm.per_micro) + (lat if s >= 2 else 0.0)
+                            per_step = max(cm.per_step) + (lat if s < 2 else 0.0)
+                            after = max(cm.after_step)
+                            hide = (fwd_s + bwd_s) if s == 3 else bwd_s
+                            exposed = (b.grad_acc * _window(per_micro, hide, pieces)
+                                       + _window(per_step, bwd_s, pieces) + after)
+                            comm = b.grad_acc * per_micro + per_step + after
+                            compute = b.grad_acc * micro_s
+                            step = compute + exposed
+                            tokens = b.effective_samples * seq
+                            legs = [sum(x) for x in zip(cm.per_micro, cm.per_step, cm.after_step)]
+                            cand = Candidate(
+                                stage=s, stage_name=STAGE_NAMES[s], shard_size=g, replicas=n // g,
+                                micro_batch=mbs, grad_acc=b.grad_acc, recompute=rc, compress=cp,
+                                bucket_mb=bk, memory_bytes=row["total_bytes"],
+                                verdict=row["verdict"], compute_s=compute, comm_s=comm,
+                                exposed_comm_s=exposed, step_s=step, tokens_per_step=tokens,
+                                tokens_per_s_per_gpu=tokens / n / step,
+                                mfu=b.grad_acc * model_flops / (step * hw.flops),
+                                bottleneck="inter" if legs[1] > legs[0] else "intra",
+                                comm_bound=bound)
+                            (comm_bound if bound else kept).append(cand)
+    notes = []
+    if comm_bound and kept:
+        ex = min(comm_bound, key=lambda c: c.seconds_per_token)
+        reason = "communication-bound: tokens per GPU below the roofline threshold (guide §7)"
+        rejected[reason] = {"reason": reason, "count": len(comm_bound), "example": (
+            f"{ex.stage_name}, g {ex.shard_size}, micro-batch {ex.micro_batch}, grad_acc "
+            f"{ex.grad_acc}: {ex.tokens_per_s_per_gpu:,.0f} tokens/s/GPU")}
+    elif comm_bound:
+        kept = comm_bound
+        notes.append("every configuration that fits is communication-bound (below the roofline "
+                     "threshold of guide §7): a larger global batch or fewer GPUs would help")
+    kept.sort(key=lambda c: (c.seconds_per_token, c.memory_bytes))
+    best = None
+    if kept:  # within TIE of the fastest, the simplest wins (no compression, less recomputation)
+        close = [c for c in kept if c.seconds_per_token <= kept[0].seconds_per_token * (1 + TIE)]
+        best = min(close, key=lambda c: (_complexity(c), c.seconds_per_token))
+        kept.remove(best)
+        kept.insert(0, best)
+    ranked = [best] if best else []
+    seen = {_shape(best)} if best else set()
+    for c in kept[1:]:
+        if len(ranked) >= top:
+            break
+        if _shape(c) in seen:
+            continue
+        seen.add(_shape(c))
+        ranked.append(replace(c, lost_because=lost_because(c, best)))
+    if not kept:
+        notes.append("nothing fits: more GPUs, a shorter sequence, recomputation or a smaller "
+                     "model")
+    if samples is not None and abs(samples * seq - target) > 0.01 * target:
+        notes.append(f"global batch rounded to {samples:,} samples of {seq:,} tokens "
+                     f"({fmt_count(samples * seq)} tokens; guide §6.1)")
+    return Recommendation(
+        model=m.name, params=m.params, active_params=m.active, hardware=hw.name, nodes=nodes,
+        gpus_per_node=gpn, n=n, global_batch_tokens=target, seq=seq, samples=samples or 0,
+        precision=precision, efficiency=efficiency, headroom=headroom, hbm_bytes=hw.hbm_bytes,
+        searched=searched, candidates=ranked,
+        rejected=sorted(rejected.values(), key=lambda r: -r["count"]), notes=notes,
+        elapsed_s=time.perf_counter() - start)
+
+
+def _complexity(c: Candidate) -> tuple:
+    """What a configuration asks of the run beyond plain training: compression (changes the
+    numbers, guide §15), recomputation (more compute), hybrid sharding, a higher stage."""
+    return (c.compress != "none", RECOMPUTE.index(c.recompute), c.shard_size < c.replicas * c.shard_size,
+            c.stage)
+
+
+def _shape(c: Candidate) -> tuple:
+    """Runners-up differ from each other in more than the bucket size."""
+    return (c.stage, c.shard_size, c.micro_batch, c.recompute, c.compress)
+
+
+def lost_because(c: Candidate, best: Candidate) -> str:
+    """Why ``best`` beats ``c``, per token: the larger of the compute and exposed-communication
+    differences."""
+    if c.seconds_per_token <= best.seconds_per_token:
+        return (f"within {TIE:.0%} of it, and the first pick needs "
+                + ("no compression" if c.compress != "none" and best.compress == "none" else
+                   "less recomputation" if RECOMPUTE.index(c.recompute) > RECOMPUTE.index(best.recompute)
+                   else "a simpler layout"))
+    per = best.tokens_per_step / c.tokens_per_step
+    d_compute = c.compute_s * per - best.compute_s
+    d_exposed = c.exposed_comm_s * per - best.exposed_comm_s
+    if d_compute >= d_exposed:
+        why = "recomputation" if c.recompute != best.recompute else "smaller micro-batches"
+        return f"+{d_compute * 1e3:.3g} ms of compute ({why})"
+    return f"+{d_exposed * 1e3:.3g} ms of exposed communication"
+
+
+def text(r: Recommendation, hardware: Hardware | None = None) -> str:
+    """The ranked table, the rejected regions and the notes, as the CLI prints them."""
+    from zerodp.plan._common import fmt_time, table
+    head = (f"Fastest configurations that fit: {r.model} (Ψ = {fmt_count(r.params)}"
+            + (f", {fmt_count(r.active_params)} active" if r.active_params != r.params else "")
+            + f") on {r.nodes} × {r.gpus_per_node} {r.hardware} = {r.n:,} GPUs, global batch "
+            f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, compute at {r.efficiency:.0%} of "
+            f"peak; fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} GB (1 GB = 1e9 B)")
+    rows = []
+    for i, c in enumerate(r.candidates, 1):
+        rows.append([i, c.stage_name, c.shard_size, c.micro_batch, c.grad_acc, c.recompute,
+                     c.compress, "unit" if c.bucket_mb is None else f"{c.bucket_mb:g}",
+                     f"{c.memory_bytes / 1e9:.1f}", fmt_time(c.step_s), fmt_time(c.exposed_comm_s),
+                     f"{c.tokens_per_s_per_gpu:,.0f}", f"{100 * c.mfu:.1f}%",
+                     "first pick" if i == 1 else c.lost_because])
+    out = [table(["#", "stage", "G", "mbs", "grad_acc", "recompute", "compress", "bucket MiB",
+                  "GB/GPU", "step", "exposed", "tok/s/GPU", "MFU", "why not first"], rows,
+                 title=head, align="rllrrlllrrrrrl")]
+    if r.rejected:
+        out.append("")
+        out.append(f"rejected ({r.searched:,} configurations searched):")
+        for x in r.rejected:
+            out.append(f"  {x['count']:>6,}  {x['reason']}" + (f" — e.g. {x['example']}"
+                                                              if x["example"] else ""))
+    out += [f"note: {x}" for x in r.notes]
+    out.append(f"searched in {r.elapsed_s:.2f} s")
+    return "\n".join(out)

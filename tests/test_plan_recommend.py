@@ -1,0 +1,106 @@
+"""plan recommend (docs/planner.md, "recommend"): the first pick's figures recomputed from the
+individual planner functions, the rejected regions, the CLI and its refusals."""
+
+import json
+import math
+
+import pytest
+
+from zerodp import plan
+from zerodp.plan import recommend as rec
+from zerodp.plan.cli import add_parser  # noqa: F401 - the CLI is importable without torch
+
+LLAMA = "tests/data/llama-3-8b"
+
+
+def _run(capsys, *argv):
+    from zerodp.cli import main
+    rc = main(["plan", "recommend", *argv])
+    return rc, capsys.readouterr()
+
+
+@pytest.fixture(scope="module")
+def llama_64():
+    m = plan.load_config(LLAMA)
+    return m, rec.recommend(m, "H100", nodes=8, gpus_per_node=8, global_batch_tokens="4M",
+                            seq=8192)
+
+
+def test_first_pick_is_the_planner_functions_arithmetic(llama_64):
+    m, r = llama_64
+    c = r.best
+    n = 64
+    g = c.shard_size
+    # batch: gbs rounded to a power of two, grad_acc = gbs / (mbs · n)  (guide §6.1)
+    b = plan.plan_batch(4e6, 8192, c.micro_batch, n)
+    assert (c.grad_acc, r.samples) == (b.grad_acc, 512)
+    assert c.grad_acc * c.micro_batch * n == 512
+    # memory: memory_plan's total for that stage, and it leaves the headroom free
+    mp = plan.memory_plan(m, n, "H100", seq=8192, micro_batch=c.micro_batch,
+                          recompute=c.recompute, shard_size=g if g < n else None)
+    row = mp.stages[c.stage]
+    assert c.memory_bytes == row["total_bytes"] and row["fits"]
+    assert c.memory_bytes <= 0.9 * 80e9
+    # compute: 3·(2·A·t + 2·L·s·q·t) + recomputation, at 50 % of 989 TFLOP/s
+    t = 8192 * c.micro_batch
+    attn = 2 * m.layers * 8192 * m.q_dim * t
+    fwd = 2 * m.active * t + attn
+    extra = {"none": 0, "selective": attn, "full": fwd}[c.recompute]
+    assert c.compute_s == pytest.approx(c.grad_acc * (3 * fwd + extra) / (0.5 * 9.9e14))
+    # communication: step_comm's collectives, each once or per micro-batch by stage
+    sc = plan.step_comm("H100", n, c.stage, m.params, g if g < n else None, "bf16", c.compress)
+    once = max(sum(x["intra_s"] for x in sc.collectives), sum(x["inter_s"] for x in sc.collectives))
+    assert c.comm_s >= once * 0.999  # buckets add latency, never take bytes away
+    assert c.exposed_comm_s <= c.comm_s + 1e-12
+    # the step and its rates
+    assert c.step_s == pytest.approx(c.compute_s + c.exposed_comm_s)
+    assert c.tokens_per_s_per_gpu == pytest.approx(512 * 8192 / n / c.step_s)
+    assert c.mfu == pytest.approx(c.grad_acc * 3 * fwd / (c.step_s * 9.9e14))
+
+
+def test_ranked_fastest_first_and_runners_up_say_why(llama_64):
+    _, r = llama_64
+    best = r.best
+    assert len(r.candidates) == 5
+    for c in r.candidates[1:]:
+        assert c.lost_because
+        # a runner-up is slower, or within the 1 % tie and more complicated
+        assert c.seconds_per_token >= best.seconds_per_token * (1 - rec.TIE) - 1e-15
+    reasons = {x["reason"].split(":")[0] for x in r.rejected}
+    assert {"does not fit in HBM", "grad_acc < 1"} <= reasons
+    assert sum(x["count"] for x in r.rejected) < r.searched
+
+
+def test_nothing_that_fits_says_so():
+    r = rec.recommend("llama3-405b", "H100", nodes=1, global_batch_tokens="1M", seq=4096)
+    assert not r.candidates and any("nothing fits" in x for x in r.notes)
+
+
+def test_70b_on_1024_gpus_answers_quickly():
+    r = rec.recommend("llama3-70b", "H100", nodes=128, gpus_per_node=8,
+                      global_batch_tokens="16M", seq=8192)
+    assert r.best is not None and r.n == 1024
+    assert r.elapsed_s < 10  # a figure in the docs, not a benchmark: about 0.1 s here
+
+
+def test_cli_table_and_json(capsys):
+    rc, out = _run(capsys, "--config", LLAMA, "--hardware", "H100", "--nodes", "8",
+                   "--gpus-per-node", "8", "--global-batch-tokens", "4M", "--seq", "8192")
+    assert rc == 0 and "first pick" in out.out and "rejected" in out.out
+    rc, out = _run(capsys, "--config", LLAMA, "--gpus", "16", "--seq-len", "4096", "--json")
+    d = json.loads(out.out)
+    assert d["n"] == 16 and d["nodes"] == 2 and d["candidates"][0]["stage"] in (0, 1, 2, 3)
+    assert math.isclose(d["headroom"], 0.1)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpus", "12", "--gpus-per-node", "8"], "does not fill nodes"),
+    (["--gpus", "16", "--nodes", "3"], "is not --nodes 3"),
+    (["--params", "8e9"], "needs the model's shape"),
+])
+def test_cli_refusals_are_one_line(capsys, argv, needle):
+    from zerodp.cli import main
+    rc = main(["plan", "recommend", *argv])
+    err = capsys.readouterr().err
+    assert rc != 0 and needle in err and len(err.strip().splitlines()) == 1
+
