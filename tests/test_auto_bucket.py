@@ -21,9 +21,10 @@ import torch.nn.functional as F
 import zerodp
 from _engine_common import NANO, PER_RANK, gpt_batch, make_gpt, max_rel, norm_rel, shard, worst
 from zerodp.bench import auto
-from zerodp.bench.predict import LayerShape, gpt_layer_shapes
+from zerodp.plan import calibrated
+from zerodp.plan.calibrated import LayerShape, gpt_layer_shapes
 from zerodp.cli import main
-from zerodp.engine.config import EngineConfig, resolve_auto_bucket
+from zerodp.engine.config import EngineConfig, module_layer_shapes, resolve_auto_bucket
 from zerodp.spawn import run_local
 from zerodp.train.config import TrainConfig
 
@@ -66,7 +67,7 @@ def embed_batch(step: int, world: int, per_rank: int = PER_RANK, seq: int = 16):
 
 # ---- the simulator's layers of any module ------------------------------------------------------
 def test_generic_layer_shapes_one_layer_per_module_owning_trainable_params():
-    shapes = auto.module_layer_shapes(EmbedMLP())
+    shapes = module_layer_shapes(EmbedMLP())
     assert shapes == [
         LayerShape("emb", 64 * 32, 0),  # a lookup: no matmul FLOPs
         LayerShape("mlp.0", 32 * 128 + 128, 32 * 128 + 128),
@@ -86,7 +87,7 @@ def test_generic_layer_shapes_count_a_tied_parameter_once():
             self.head = nn.Linear(4, 10, bias=False)
             self.head.weight = self.emb.weight
 
-    shapes = auto.module_layer_shapes(Tied())
+    shapes = module_layer_shapes(Tied())
     # communicated once (at its first owner), multiplied by the head all the same
     assert shapes == [LayerShape("emb", 40, 0), LayerShape("head", 0, 40)]
 
@@ -98,16 +99,16 @@ def test_gpt_module_uses_the_gpt_shapes_and_the_same_choice_as_its_config(tmp_pa
     assert auto.choose_bucket_mb(path, model, TOKENS) == auto.choose_bucket_mb(path, NANO, TOKENS)
     # a GPT wrapped in another module is just a module
     wrapped = nn.Sequential(model)
-    assert auto.layer_shapes(wrapped, TOKENS) == auto.module_layer_shapes(wrapped)
+    assert auto.layer_shapes(wrapped, TOKENS) == module_layer_shapes(wrapped)
 
 
 def test_choice_for_a_generic_module_is_in_the_simulated_sweet_spot(tmp_path):
     path = _profile(tmp_path / "p.json")
     sweep = auto.bucket_sweep(path, EmbedMLP(), TOKENS)
     mb = auto.choose_bucket_mb(path, EmbedMLP(), TOKENS)
-    assert mb == expected_choice_mib(sweep.points, 1.0, auto.ETA_UNCERTAINTY, auto.REGRET_TOLERANCE,
-                                     auto.SWEET_SPOT_SLACK_S)
-    total = sum(s.params for s in auto.module_layer_shapes(EmbedMLP())) * 4 / auto.MIB
+    assert mb == expected_choice_mib(sweep.points, 1.0, calibrated.ETA_UNCERTAINTY, calibrated.REGRET_TOLERANCE,
+                                     calibrated.SWEET_SPOT_SLACK_S)
+    total = sum(s.params for s in module_layer_shapes(EmbedMLP())) * 4 / calibrated.MIB
     assert mb < total  # this profile makes overlap pay: more than one bucket
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from zerodp.bench import sweep
 from zerodp.cli import main
-from zerodp.plan import load_hardware
+from zerodp.plan import calibrated, load_hardware
 from zerodp.plan.collectives import RingCost
 
 from _profiles import collective_sweep
@@ -77,7 +77,7 @@ def _table(points):
 
 
 def test_compute_is_exact_at_measured_sizes_and_linear_between():
-    from zerodp.bench.compute import compute_part, compute_times, optimizer_time
+    from zerodp.plan.calibrated import compute_part, compute_times, optimizer_time
 
     c = _table([(32, 0.03, 0.06, 0.10), (256, 0.14, 0.28, 0.07), (2048, 1.1, 2.2, 0.068)])
     assert c["tokens"] == 2048 and c["forward_s"] == 1.1  # the main size is the largest
@@ -94,7 +94,7 @@ def test_compute_is_exact_at_measured_sizes_and_linear_between():
 
 
 def test_compute_from_an_older_profile_with_one_small_size():
-    from zerodp.bench.compute import compute_times
+    from zerodp.plan.calibrated import compute_times
 
     old = {"model": "small", "params": 1000, "tokens": 2048, "forward_s": 1.0, "backward_s": 2.0,
            "optimizer_s": 0.1, "small_tokens": 32, "small_forward_s": 0.03, "small_backward_s": 0.05}
@@ -130,7 +130,8 @@ def test_calibrate_refuses_bad_token_counts():
 
 # ---- overlap efficiency: what hidden communication still costs ----------------------------------
 def test_overlap_efficiency_from_the_three_times():
-    from zerodp.bench.overlap import Overlap, aggregate, contention_s, efficiency
+    from zerodp.bench.overlap import aggregate
+    from zerodp.plan.calibrated import Overlap, contention_s, efficiency
 
     assert Overlap(1, 8, 0.100, 0.060, 0.100).efficiency == 1.0  # the AllReduce hid entirely
     assert Overlap(1, 8, 0.100, 0.060, 0.160).efficiency == 0.0  # one after the other
@@ -145,7 +146,7 @@ def test_overlap_efficiency_from_the_three_times():
 
 
 def test_prediction_charges_hidden_communication_by_overlap_efficiency():
-    from zerodp.bench.overlap import Overlap
+    from zerodp.plan.calibrated import Overlap
     from zerodp.bench.predict import predict_step
     from zerodp.train.model import PRESETS
 
@@ -164,7 +165,7 @@ def test_prediction_charges_hidden_communication_by_overlap_efficiency():
 
 def test_auto_bucket_with_serialized_communication_takes_few_buckets():
     from zerodp.bench import auto
-    from zerodp.bench.overlap import Overlap
+    from zerodp.plan.calibrated import Overlap
     from zerodp.train.model import PRESETS
 
     cal = _synthetic_calibration()
@@ -172,10 +173,10 @@ def test_auto_bucket_with_serialized_communication_takes_few_buckets():
     cfg = PRESETS["small"]
     sweep = auto.bucket_sweep(serial, cfg, 2048)
     mb = auto.choose_bucket_mb(serial, cfg, 2048)
-    assert mb == expected_choice_mib(sweep.points, 0.0, auto.ETA_UNCERTAINTY, auto.REGRET_TOLERANCE,
-                                     auto.SWEET_SPOT_SLACK_S)
+    assert mb == expected_choice_mib(sweep.points, 0.0, calibrated.ETA_UNCERTAINTY, calibrated.REGRET_TOLERANCE,
+                                     calibrated.SWEET_SPOT_SLACK_S)
     least = min(p.comm_s for p in sweep.points)
-    chosen = next(p for p in sweep.points if p.bucket_bytes / auto.MIB == mb)
+    chosen = next(p for p in sweep.points if p.bucket_bytes / calibrated.MIB == mb)
     assert chosen.comm_s <= 1.1 * least  # with η near 0 the total communication is what counts
     assert mb >= auto.choose_bucket_mb(cal, cfg, 2048)  # fewer, larger buckets than with free overlap
 

@@ -17,6 +17,7 @@ from zerodp.bench import auto, budget, compare, probe, results, roofline, runner
 from zerodp.bench import spec as bspec
 from zerodp.bench.contenders import COMPARISONS, CONTENDERS
 from zerodp.cli import main
+from zerodp.plan import calibrated
 from zerodp.train.model import PRESETS
 
 from _profiles import synthetic_profile
@@ -29,11 +30,11 @@ def test_choose_bucket_mb_is_in_the_simulated_sweet_spot(tmp_path):
     cfg = PRESETS["small"]
     sweep = auto.bucket_sweep(path, cfg, 2048)
     mb = auto.choose_bucket_mb(path, cfg, 2048)
-    assert mb == expected_choice_mib(sweep.points, 1.0, auto.ETA_UNCERTAINTY, auto.REGRET_TOLERANCE,
-                                     auto.SWEET_SPOT_SLACK_S)
+    assert mb == expected_choice_mib(sweep.points, 1.0, calibrated.ETA_UNCERTAINTY, calibrated.REGRET_TOLERANCE,
+                                     calibrated.SWEET_SPOT_SLACK_S)
     # no η measured: communication hides (η = 1), so the choice leaves only a small tail exposed
-    chosen = next(p for p in sweep.points if p.bucket_bytes / auto.MIB == mb)
-    assert chosen.exposed_comm_s <= 1.5 * sweep.best_exposed_comm_s + auto.SWEET_SPOT_SLACK_S
+    chosen = next(p for p in sweep.points if p.bucket_bytes / calibrated.MIB == mb)
+    assert chosen.exposed_comm_s <= 1.5 * sweep.best_exposed_comm_s + calibrated.SWEET_SPOT_SLACK_S
     assert 1 < chosen.num_buckets
     # same answer from the profile dict and from its calibration table
     with open(path) as f:

@@ -33,6 +33,12 @@ def test_engine_imports_nothing_from_the_apps():
     assert not any(up.values()), {m: d for m, d in up.items() if d}
 
 
+def test_the_training_app_imports_nothing_from_the_benchmarks():
+    up = {m: sorted(d for d in deps if d.startswith("zerodp.bench"))
+          for m, deps in _imports().items() if m.startswith("zerodp.train")}
+    assert not any(up.values()), {m: d for m, d in up.items() if d}
+
+
 def test_no_import_cycles_between_files():
     graph = _imports()
     # package __init__ files re-export their children; an edge into a package is not a cycle

@@ -35,63 +35,41 @@ from __future__ import annotations
 import json
 import sys
 
-from zerodp.plan.calibrated import (ETA_UNCERTAINTY, MIB, REGRET_TOLERANCE, SWEET_SPOT_SLACK_S,  # noqa: F401
-                                    LayerShape, _calibration_table, calibration_for, efficiency, eta_band,
-                                    step_costs, worst_regrets)
 from zerodp.plan import calibrated
-
-
-def _is_module(model) -> bool:
-    """True for a ``torch.nn.Module`` (without importing torch for a config: no torch, no module)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(model, torch.nn.Module)
-
-
-def module_layer_shapes(module) -> list[LayerShape]:
-    """The simulator's layers of any ``nn.Module`` (:func:`zerodp.engine.config.module_layer_shapes`)."""
-    from zerodp.engine.config import module_layer_shapes as shapes
-
-    return shapes(module)
+from zerodp.plan.calibrated import MIB, LayerShape, efficiency, eta_band, step_costs, worst_regrets
 
 
 def layer_shapes(model, tokens_per_rank: int, seq_len: int | None = None) -> list[LayerShape]:
     """The simulator's layers of ``model``: a GPTConfig, a :class:`zerodp.train.model.GPT`, or
-    any other ``nn.Module`` (:func:`module_layer_shapes`).
+    any other ``nn.Module`` (:func:`zerodp.engine.config.module_layer_shapes`).
 
-    A GPT (config or module) is cut by :func:`zerodp.plan.calibrated.gpt_layer_shapes` at
-    ``seq_len`` tokens per sequence (default: the model's, at most ``tokens_per_rank``).
+    A GPT config is cut by :func:`zerodp.plan.calibrated.gpt_layer_shapes` at ``seq_len`` tokens
+    per sequence (default: the model's, at most ``tokens_per_rank``).
     """
-    if _is_module(model):
-        from zerodp.train.model import GPTConfig
-
+    torch = sys.modules.get("torch")  # a config needs no torch; a module means torch is loaded
+    if torch is not None and isinstance(model, torch.nn.Module):
         cfg = getattr(model, "cfg", None)
-        if not isinstance(cfg, GPTConfig):
-            return module_layer_shapes(model)
+        if seq_len is None or cfg is None:
+            from zerodp.engine.config import module_layer_shapes
+
+            return module_layer_shapes(model, tokens_per_rank)
         model = cfg
     return calibrated.gpt_layer_shapes(model, seq_len or min(model.seq_len, tokens_per_rank))
 
 
-def bucket_sweep(profile, model_cfg, tokens_per_rank: int, seq_len: int | None = None,
-                 grad_bytes_per_param: int = 4, collective: str = "all_reduce",
-                 world_size: int | None = None):
-    """The simulator's bucket sweep for ``model_cfg`` (anything :func:`layer_shapes` accepts);
-    a profile calibrated on another ``world_size`` than given is refused."""
-    cal = calibration_for(profile, world_size)
-    if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
-        raise ValueError(f"tokens_per_rank must be a positive integer, got {tokens_per_rank!r}")
-    return calibrated.bucket_sweep(cal, layer_shapes(model_cfg, tokens_per_rank, seq_len), tokens_per_rank,
-                                   grad_bytes_per_param, collective)
+def bucket_sweep(profile, model, tokens_per_rank: int, seq_len: int | None = None, grad_bytes_per_param: int = 4,
+                 collective: str = "all_reduce", world_size: int | None = None):
+    """The simulator's bucket sweep for ``model`` (anything :func:`layer_shapes` accepts)."""
+    return calibrated.bucket_sweep(profile, layer_shapes(model, tokens_per_rank, seq_len), tokens_per_rank,
+                                   grad_bytes_per_param, collective, world_size)
 
 
-def choose_bucket_mb(profile, model_cfg, tokens_per_rank: int, seq_len: int | None = None,
+def choose_bucket_mb(profile, model, tokens_per_rank: int, seq_len: int | None = None,
                      grad_bytes_per_param: int = 4, collective: str = "all_reduce",
                      world_size: int | None = None) -> float:
-    """Bucket size in MiB at the simulated sweet spot for ``model_cfg`` (guide §4)."""
-    cal = calibration_for(profile, world_size)
-    if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
-        raise ValueError(f"tokens_per_rank must be a positive integer, got {tokens_per_rank!r}")
-    return calibrated.choose_bucket_mb(cal, layer_shapes(model_cfg, tokens_per_rank, seq_len), tokens_per_rank,
-                                       grad_bytes_per_param, collective)
+    """What ``bucket_mb="auto"`` gives ``model`` (:func:`zerodp.plan.calibrated.choose_bucket_mb`)."""
+    return calibrated.choose_bucket_mb(profile, layer_shapes(model, tokens_per_rank, seq_len), tokens_per_rank,
+                                       grad_bytes_per_param, collective, world_size)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     cfg = PRESETS[args.model]
-    cal = _calibration_table(args.profile)
+    cal = calibrated.calibration_for(args.profile)
     sweep = bucket_sweep(cal, cfg, args.tokens)
     chosen = choose_bucket_mb(cal, cfg, args.tokens)
     eta = efficiency(cal)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from zerodp.bench import overlap as overlap_mod
 from zerodp.bench import sweep
-from zerodp.plan.calibrated import load_calibration  # noqa: F401
 from zerodp.bench.compute import ComputeProfile, lockstep_points, measure_compute, split_tokens
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def run_calibrate(args) -> int:
 
 
 def run_predict(args) -> int:
-    from zerodp.bench.calibrate import load_calibration
+    from zerodp.plan.calibrated import load_calibration
     from zerodp.bench.predict import predict_step, predictions_table
     from zerodp.train.model import PRESETS
 

@@ -203,7 +203,7 @@ def unit_mb(model: str) -> float:
 
 def check_profile(profile: str, model: str, world_size: int) -> dict:
     """The profile's calibration table, if it was measured for this model and world size."""
-    from zerodp.bench.calibrate import load_calibration
+    from zerodp.plan.calibrated import load_calibration
 
     cal = load_calibration(profile)["calibration"]
     measured = cal["compute"]["model"]

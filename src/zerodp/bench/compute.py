@@ -16,7 +16,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from zerodp.plan.calibrated import _measured, compute_part, compute_times, optimizer_time  # noqa: F401
+from zerodp.plan.calibrated import _measured
 from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_PER_TOKEN_PARAM
 
 FLOPS_PER_TOKEN_PARAM = FORWARD_FLOPS_PER_TOKEN_PARAM + BACKWARD_FLOPS_PER_TOKEN_PARAM  # 2 + 4 (guide §7.4)

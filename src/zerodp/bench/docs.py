@@ -40,9 +40,9 @@ def _machine(m: dict) -> list[str]:
 
 def _calibration(profile: str) -> list[str]:
     from zerodp.bench import sweep
-    from zerodp.bench.calibrate import load_calibration
+    from zerodp.plan.calibrated import load_calibration
     from zerodp.bench.compute import compute_table
-    from zerodp.bench.overlap import Overlap
+    from zerodp.plan.calibrated import Overlap
 
     cal = load_calibration(profile)["calibration"]
     points = [sweep.Point(**p) for p in cal["sweep"]]

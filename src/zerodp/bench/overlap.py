@@ -26,7 +26,7 @@ import statistics
 import time
 
 
-from zerodp.plan.calibrated import Overlap, contention_s, efficiency  # noqa: E402,F401
+from zerodp.plan.calibrated import Overlap
 
 
 def measure_overlap(model_name: str, tokens: int, max_bytes: int, iters: int = 8,

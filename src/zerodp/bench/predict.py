@@ -41,10 +41,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zerodp.bench.compute import compute_times, optimizer_time
-from zerodp.bench.overlap import contention_s, efficiency
-from zerodp.plan.calibrated import (  # noqa: F401
-    LayerShape,
+from zerodp.plan.calibrated import compute_times, contention_s, efficiency, optimizer_time
+from zerodp.plan.calibrated import (
     PerKindCost,
     gpt_layer_shapes,
     gradient_reduce_kind,

@@ -136,7 +136,7 @@ def _rank_roofline(rank: int, world: int, spec: RooflineSpec) -> dict:
 
 def knee(profile: str, grad_bytes_per_param: int = 4, world_size: int | None = None) -> tuple[float, float, float]:
     """Predicted knee in tokens per rank, with the profile's C (FLOP/s) and AllReduce W (B/s)."""
-    from zerodp.bench.calibrate import load_calibration
+    from zerodp.plan.calibrated import load_calibration
 
     cal = load_calibration(profile)["calibration"]
     n = world_size or cal["world_size"]
@@ -172,7 +172,7 @@ def aggregate(spec: RooflineSpec, per_rank: list[dict], wall: float = 0.0) -> Ro
     regimes = [regime_for(t, cfg.seq_len) for t in spec.tokens]
     cal = None
     if spec.profile:
-        from zerodp.bench.calibrate import load_calibration
+        from zerodp.plan.calibrated import load_calibration
 
         cal = load_calibration(spec.profile)["calibration"]
     for rank, out in enumerate(per_rank):

@@ -191,13 +191,12 @@ def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_siz
     """
     if config.bucket_mb != AUTO or config.stage not in BUCKET_COLLECTIVE:
         return config
-    from zerodp.plan.calibrated import calibration_for, choose_bucket_mb
+    from zerodp.plan.calibrated import choose_bucket_mb
 
     grad_bytes = grad_dtype.itemsize
-    cal = calibration_for(config.profile, world_size)
     shapes = module_layer_shapes(module, config.tokens_per_rank)
-    mb = choose_bucket_mb(cal, shapes, config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
-                          collective=BUCKET_COLLECTIVE[config.stage])
+    mb = choose_bucket_mb(config.profile, shapes, config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
+                          collective=BUCKET_COLLECTIVE[config.stage], world_size=world_size)
     mb = float(mb) * param_dtype.itemsize / grad_bytes
     # The simulator prices equal buckets; a first bucket larger than the rest would defeat its
     # purpose (small, so that communication starts early), so it is capped at the chosen size.

@@ -239,10 +239,12 @@ class PerKindCost:
 
 
 # ---- bucket_mb="auto" ------------------------------------------------------------------------------
-def bucket_sweep(cal: dict, shapes: list[LayerShape], tokens_per_rank: int, grad_bytes_per_param: int = 4,
-                 collective: str = "all_reduce"):
+def bucket_sweep(profile, shapes: list[LayerShape], tokens_per_rank: int, grad_bytes_per_param: int = 4,
+                 collective: str = "all_reduce", world_size: int | None = None):
     """The simulator's bucket sweep (:class:`zerodp.plan.timeline.BucketSweep`) for layers
-    ``shapes`` at ``tokens_per_rank``, priced by the profile's fits and compute times."""
+    ``shapes`` at ``tokens_per_rank``, priced by the fits and compute times of ``profile`` (a path,
+    a profile dict or its table, :func:`calibration_for`, checked for ``world_size``)."""
+    cal = calibration_for(profile, world_size)
     if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
         raise ValueError(f"tokens_per_rank must be a positive integer, got {tokens_per_rank!r}")
     layers = split_compute(shapes, tokens_per_rank, *compute_times(cal["compute"], tokens_per_rank),
@@ -250,9 +252,12 @@ def bucket_sweep(cal: dict, shapes: list[LayerShape], tokens_per_rank: int, grad
     return sweep_buckets(layers, PerKindCost(cal), collective=collective, split_layers=False)
 
 
-def choose_bucket_mb(cal: dict, shapes: list[LayerShape], tokens_per_rank: int, grad_bytes_per_param: int = 4,
-                     collective: str = "all_reduce") -> float:
-    """Bucket size in MiB at the simulated sweet spot (module docstring, guide §4)."""
+def choose_bucket_mb(profile, shapes: list[LayerShape], tokens_per_rank: int, grad_bytes_per_param: int = 4,
+                     collective: str = "all_reduce", world_size: int | None = None) -> float:
+    """Bucket size in MiB at the simulated sweet spot (module docstring, guide §4): what
+    ``bucket_mb="auto"`` resolves to, here and nowhere else (the engine's
+    :func:`zerodp.engine.config.resolve_auto_bucket` and ``python -m zerodp.bench.auto`` call it)."""
+    cal = calibration_for(profile, world_size)
     sweep = bucket_sweep(cal, shapes, tokens_per_rank, grad_bytes_per_param, collective)
     regret = worst_regrets(sweep, efficiency(cal))
     limit = min(regret) + REGRET_TOLERANCE

@@ -94,7 +94,7 @@ def check_profile(cfg: TrainConfig, world: int) -> None:
     """``--bucket-mb auto``: the profile must load and be calibrated on ``world`` ranks (the engine
     chooses the size from it on every rank; checked here before any rank starts)."""
     if cfg.bucket_mb == AUTO and cfg.stage != 3:
-        from zerodp.bench.auto import calibration_for
+        from zerodp.plan.calibrated import calibration_for
 
         calibration_for(cfg.profile, world)
 
