@@ -20,7 +20,7 @@ from zerodp.engine.config import EngineConfig, MixedPrecision
 from zerodp.engine.master import OptimizerFactory
 
 
-def engine_class(stage: int, reduce_every_microbatch: bool = True) -> type[StageEngine]:
+def engine_class(stage: int) -> type[StageEngine]:
     """The engine class of a stage (stage 3 is imported only when asked for)."""
     if stage == 0:
         from zerodp.engine.ddp import DDPEngine
@@ -72,4 +72,4 @@ def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
     if unknown:
         raise TypeError(f"parallelize got unknown option(s) {unknown}; known options: {sorted(known)}")
     config = EngineConfig(stage=stage, mixed_precision=MixedPrecision.parse(mixed_precision), **options)
-    return engine_class(stage, config.reduce_every_microbatch)(model, optimizer, config, units=units, group=group)
+    return engine_class(stage)(model, optimizer, config, units=units, group=group)

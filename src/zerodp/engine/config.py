@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -129,7 +129,6 @@ class EngineConfig:
     # drawn from init_seed and the module's name (the same values at any world size and stage).
     init_fn: "Callable[[torch.nn.Module], None] | None" = None
     init_seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.stage not in STAGES:

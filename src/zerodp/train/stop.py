@@ -74,18 +74,12 @@ class StopRequest:
         self._first_int: float | None = None
         self._exit, self._out, self._clock = exit, out, clock
         self._done = threading.Event()
-        self._previous: dict = {}
 
     # -- handler
     def install(self) -> "StopRequest":
         for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self.handle)
+            signal.signal(sig, self.handle)
         return self
-
-    def uninstall(self) -> None:
-        for sig, old in self._previous.items():
-            signal.signal(sig, old)
-        self._previous.clear()
 
     def _say(self, text: str) -> None:
         print(f"zerodp: rank {self.rank}: {text}", file=self._out or sys.stderr, flush=True)
