@@ -180,19 +180,41 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / (TMP_PREFIX + final.name)
+    _agree(_make_tmp(rank, root, step, tmp) if rank == 0 else None, step, root)  # the barrier, too
+    info, problem = _write_shard(rank, step, tmp / rank_file(rank), *_cpu_tensors(pieces))
+    phase("files")
+    everyone = _gather((info, problem))
+    if any(p for _, p in everyone):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _agree(problem, step, root)  # raises the same sentence on every rank
     problem = None
     if rank == 0:
-        try:
-            _fs("mkdir", step, tmp)
-            _put_back_replaced(root)
-            root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a save that was killed
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        except OSError as e:
-            problem = _problem(rank, e, tmp)
-    _agree(problem, step, root)  # also the barrier: the directory exists before anyone writes
+        manifest = dict(format=FORMAT, version=VERSION, step=int(step), world_size=world, **meta,
+                        files=[{k: r[k] for k in ("rank", "file", "bytes", "sha256")} for r, _ in everyone],
+                        pieces=[dict(file=r["file"], **rec) for r, _ in everyone for rec in r["pieces"]])
+        problem = _complete(rank, root, step, tmp, final, manifest, keep, phase)
+    _agree(problem, step, root)
+    return final
 
+
+def _make_tmp(rank: int, root: Path, step: int, tmp: Path) -> dict | None:
+    """Rank 0: an empty ``tmp`` directory for the new checkpoint (None, or the problem met)."""
+    try:
+        _fs("mkdir", step, tmp)
+        _put_back_replaced(root)
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a save that was killed
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        return _problem(rank, e, tmp)
+    return None
+
+
+def _cpu_tensors(pieces: Iterable) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """CPU copies of this rank's pieces and RNG state, keyed for the shard file, and the pieces'
+    records for the manifest."""
     tensors: dict[str, torch.Tensor] = {}
     records = []
     for i, p in enumerate(pieces):
@@ -206,10 +228,14 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
                             shape=[int(s) for s in p.shape], dtype=str(t.dtype).replace("torch.", "")))
     for k, v in rng_state().items():
         tensors[k] = v.clone()
+    return tensors, records
+
+
+def _write_shard(rank: int, step: int, path: Path, tensors: dict, records: list[dict]
+                 ) -> tuple[dict | None, dict | None]:
+    """This rank's shard file, fsynced: (its manifest entry, None) or (None, the problem met)."""
     from safetensors.torch import save as to_bytes
 
-    path = tmp / rank_file(rank)
-    info, problem = None, None
     try:
         # serialised in memory and written with plain file calls, so that a filesystem error
         # arrives as an OSError with its errno and path
@@ -220,68 +246,57 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
             f.flush()
             _fs("fsync", step, path)
             os.fsync(f.fileno())
-        info = dict(rank=rank, file=path.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                    pieces=records)
-        del data
+        return dict(rank=rank, file=path.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                    pieces=records), None
     except Exception as e:  # noqa: BLE001 - reported to every rank below, never left unmatched
-        problem = _problem(rank, e, path)
-    del tensors
-    phase("files")
-    everyone = _gather((info, problem))
-    problems = [p for _, p in everyone if p]
-    if problems:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _agree(problem, step, root)  # raises the same sentence on every rank
+        return None, _problem(rank, e, path)
 
-    problem = None
-    if rank == 0:
-        manifest = dict(format=FORMAT, version=VERSION, step=int(step), world_size=world, **meta,
-                        files=[{k: r[k] for k in ("rank", "file", "bytes", "sha256")} for r, _ in everyone],
-                        pieces=[dict(file=r["file"], **rec) for r, _ in everyone for rec in r["pieces"]])
-        aside = root / (REPLACED_PREFIX + final.name)
-        moved = renamed = False
-        where = tmp / MANIFEST
-        try:
-            _fs("manifest", step, where)
-            _write_json(where, manifest)
-            fsync_dir(tmp)
-            phase("manifest")
-            if final.exists():  # the same step saved before (a resumed run redid these steps)
-                if aside.exists():
-                    shutil.rmtree(aside)
-                where = final
-                os.rename(final, aside)
-                moved = True
+
+def _complete(rank: int, root: Path, step: int, tmp: Path, final: Path, manifest: dict, keep: int,
+              phase: Callable[[str], None]) -> dict | None:
+    """Rank 0: the manifest, the rename of ``tmp`` to ``final`` (a checkpoint of the same step moved
+    aside first, put back on failure), the completion marker, then pruning to ``keep``."""
+    aside = root / (REPLACED_PREFIX + final.name)
+    moved = renamed = False
+    where = tmp / MANIFEST
+    try:
+        _fs("manifest", step, where)
+        _write_json(where, manifest)
+        fsync_dir(tmp)
+        phase("manifest")
+        if final.exists():  # the same step saved before (a resumed run redid these steps)
+            if aside.exists():
+                shutil.rmtree(aside)
             where = final
-            _fs("rename", step, final)
-            os.rename(tmp, final)
-            renamed = True
-            fsync_dir(root)
-            phase("renamed")
-            where = final / COMPLETE
-            _fs("complete", step, where)
-            where.write_text(f"step {step}\n")
-            _fsync_file(where)
-            fsync_dir(final)
-            phase("complete")
-        except OSError as e:
-            problem = _problem(rank, e, where)
-            shutil.rmtree(final if renamed else tmp, ignore_errors=True)
-            if moved:  # put back the complete checkpoint of the same step that was moved aside
-                try:
-                    os.rename(aside, final)
-                except OSError:
-                    pass
-        else:
+            os.rename(final, aside)
+            moved = True
+        where = final
+        _fs("rename", step, final)
+        os.rename(tmp, final)
+        renamed = True
+        fsync_dir(root)
+        phase("renamed")
+        where = final / COMPLETE
+        _fs("complete", step, where)
+        where.write_text(f"step {step}\n")
+        _fsync_file(where)
+        fsync_dir(final)
+        phase("complete")
+    except OSError as e:
+        shutil.rmtree(final if renamed else tmp, ignore_errors=True)
+        if moved:  # put back the complete checkpoint of the same step that was moved aside
             try:
-                if aside.exists():
-                    shutil.rmtree(aside)
-                _prune(root, keep)
-            except OSError:  # the new checkpoint is complete; old ones go at the next save
+                os.rename(aside, final)
+            except OSError:
                 pass
-    _agree(problem, step, root)
-    return final
+        return _problem(rank, e, where)
+    try:
+        if aside.exists():
+            shutil.rmtree(aside)
+        _prune(root, keep)
+    except OSError:  # the new checkpoint is complete; old ones go at the next save
+        pass
+    return None
 
 
 def _put_back_replaced(root: Path) -> None:
