@@ -1,14 +1,16 @@
 """plan recommend (docs/planner.md, "recommend"): the first pick's figures recomputed from the
 individual planner functions, the rejected regions, the CLI and its refusals."""
 
+import importlib
 import json
 import math
 
 import pytest
 
 from zerodp import plan
-from zerodp.plan import recommend as rec
 from zerodp.plan.cli import add_parser  # noqa: F401 - the CLI is importable without torch
+
+rec = importlib.import_module("zerodp.plan.recommend")  # the module, not plan.recommend()
 
 LLAMA = "tests/data/llama-3-8b"
 
@@ -104,3 +106,25 @@ def test_cli_refusals_are_one_line(capsys, argv, needle):
     err = capsys.readouterr().err
     assert rc != 0 and needle in err and len(err.strip().splitlines()) == 1
 
+
+
+def test_refusals_name_the_field(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24, '
+                   '"num_attention_heads": 12, "vocab_size": 50280}')
+    with pytest.raises(ValueError, match="model_type 'mamba'"):
+        plan.load_config(str(bad))
+    with pytest.raises(ValueError, match=r"multiple of num_key_value_heads \(5\)"):
+        plan.custom_model(layers=32, hidden=4096, heads=32, kv_heads=5)
+
+
+def test_moe_factor_both_ways():
+    m = plan.load_config("tests/data/deepseek-v2-lite")
+    assert m.moe_factor == pytest.approx(64 / 6)
+    assert m.active_factor == pytest.approx(m.params / m.active) and 5.5 < m.active_factor < 6.3
+
+
+def test_tight_inside_the_headroom():
+    assert plan.memory.verdict(71e9, 80e9) == "fits"
+    assert plan.memory.verdict(75e9, 80e9) == "tight"
+    assert plan.memory.verdict(81e9, 80e9) == "no"

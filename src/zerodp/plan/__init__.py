@@ -12,6 +12,7 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
 - hybrid:      past one node (guide §14): shard groups of g, bytes per element on the wire,
                :func:`step_bytes_per_leg` (what the engine measures), :func:`step_comm` by leg
 - batch:       gbs = mbs × grad_acc × dp
+- recommend:   the fastest configuration that fits, ranked (docs/planner.md, "recommend")
 - timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
 - models:      model presets (shipped as config.json files) and custom shapes
 - report:      the guide's worked examples, recomputed
@@ -33,6 +34,7 @@ from zerodp.plan.memory import (ADAM_K, PRECISIONS, Activations, MaxParams, Memo
                                 model_states)
 from zerodp.plan.models import PRESETS as MODEL_PRESETS, Model, custom_model, get_model, model_names
 from zerodp.plan.plot import plot_timeline
+from zerodp.plan.recommend import Candidate, Recommendation, recommend
 from zerodp.plan.report import Report, ReportRow, build_report
 from zerodp.plan.roofline import (LayerPrefetch, MaxDevices, Roofline, WholeModel, layer_prefetch,
                                   max_devices, threshold, whole_model)
@@ -56,4 +58,5 @@ __all__ = [
     "sweep_buckets", "uniform_layers", "whole_model",
     "COMPRESSIONS", "QUANT_BLOCK", "StepComm", "StepCollective", "Wire", "hybrid_model_states",
     "int8_bytes", "step_bytes_per_leg", "step_collectives", "step_comm", "wire_bytes",
+    "Candidate", "Recommendation", "recommend",
 ]

@@ -224,7 +224,8 @@ def cmd_memory(args) -> int:
                   max_params=limit.to_dict() if limit else None)
     rows = [[s["stage_name"], _gb(s["param_bytes"]), _gb(s["grad_bytes"]), _gb(s["optimizer_bytes"]),
              _gb(s["grad_acc_bytes"]), _gb(s["gathered_unit_bytes"]), _gb(s["activation_bytes"]),
-             _gb(s["model_state_bytes"]), _gb(s["total_bytes"]), "yes" if s["fits"] else "no"]
+             _gb(s["model_state_bytes"]), _gb(s["total_bytes"]),
+             {"fits": "yes", "tight": "tight", "no": "no"}[s["verdict"]]]
             for s in stages]
     act = mp.activations
     lines = [table(["stage", "params GB", "grads GB", "optim GB", "fp32 acc GB", "gathered GB",
@@ -235,7 +236,9 @@ def cmd_memory(args) -> int:
                             if mp.shard_size != args.gpus else "") + f", {args.precision} "
                          f"(k = {mp.k:g}), fp32 grad accumulation: "
                          f"{'yes' if args.fp32_grad_acc else 'no'} ({hw.name})")]
-    lines.append("total = " + " + ".join(mp.includes) + "; fits: total <= HBM")
+    lines.append("total = " + " + ".join(mp.includes) + "; GB = 1e9 bytes; fits: total <= 90% of "
+                 "HBM (10% headroom: CUDA context, NCCL buffers, allocator slack); tight: above "
+                 "that, <= HBM")
     if act:
         lines.append(f"activations (Korthikanti et al. 2022, recompute={act['recompute']}, seq "
                      f"{act['seq']:,}, micro-batch {act['micro_batch']}): "
@@ -361,7 +364,9 @@ def cmd_roofline(args) -> int:
             ["(g-1)/g, (R-1)/R" if r.shard_size else "(g-1)/g, (m-1)/m", f"{r.intra_factor:.3f}, " + (
                 "-" if r.inter_factor is None else f"{r.inter_factor:.3f}"), ""],
             [f"dense threshold ({r.bottleneck} leg)", f"{r.dense_threshold_tokens:,.0f}", "tokens/device"],
-            ["MoE factor E/k", f"{r.moe_factor:g}", "x"],
+            ["MoE factor E/k (routed experts only)", f"{r.moe_factor:g}", "x"],
+            ["MoE: total / active parameters (shared experts, dense layers)",
+             "-" if named is None else f"{get_model(named).active_factor:.3g}", "x"],
             [f"wire bytes/element: gradients, parameters ({r.compress})",
              f"{r.wire_grad_bytes:.4g}, {r.wire_param_bytes:.4g}", "B"],
             ["sync bytes/param per GPU: NVLink, NIC share",
@@ -522,12 +527,15 @@ def add_parser(subparsers) -> None:
                                     allow_zero=True),
                    help="optimizer bytes per parameter (default: the precision's, 12 for bf16)")
     p.add_argument("--fp32-grad-acc", action="store_true", help="add the fp32 gradient accumulation buffer")
-    p.add_argument("--seq", type=_int_qty("seq", 1, MAX_SEQ, "ten million tokens at most"),
-                   help="sequence length: adds activations (default: none counted)")
-    p.add_argument("--mbs", type=_int_qty("mbs", 1, MAX_MICRO_BATCH), default=1,
-                   help="micro-batch size (with --seq)")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
-                   help="activation recomputation (with --seq)")
+    _alias(p, "--seq-len", "--seq", dest="seq",
+           type=_int_qty("seq", 1, MAX_SEQ, "ten million tokens at most"),
+           help="sequence length: adds activations (default: none counted)")
+    _alias(p, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("mbs", 1, MAX_MICRO_BATCH),
+           default=1, help="micro-batch size (with --seq-len)")
+    p.add_argument("--recompute", choices=RECOMPUTE,
+                   help="activation recomputation (with --seq). default: selective, what "
+                        "FlashAttention/SDPA training stores (no s x s attention scores); none: "
+                        "eager attention storing them; full: only each block's input")
     p.add_argument("--bytes-per-param", type=_qty("bytes-per-param", 0, MAX_K),
                    help="also print the largest model at this many bytes/param (default: not shown)")
     _levers(p)

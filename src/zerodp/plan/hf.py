@@ -33,6 +33,12 @@ MAX_CONFIG_BYTES = 1_000_000
 MAX_DIM = 1_000_000_000
 MAX_LAYERS = 100_000
 _GPT2 = ("gpt2", "zerodp-gpt")
+#: model_type values counted here (module docstring); "" for a config without one, and the
+#: shapes typed by hand. Anything else (mamba, rwkv, t5, ...) is refused: its parameters are not
+#: a decoder's blocks
+KNOWN_TYPES = ("", "llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral",
+               "deepseek_v2", "deepseek_v3", "gpt_oss", "gpt2", "zerodp-gpt", "shape",
+               "shape-gelu", "config")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,10 @@ def model_from_config(cfg: dict, name: str | None = None, source: str = "") -> M
         raise ValueError("config.json must hold a JSON object (the model's configuration)")
     meta = cfg.get("_zerodp", {}) or {}
     mt = str(cfg.get("model_type", "")).lower()
+    if mt not in KNOWN_TYPES:
+        raise ValueError(f"config.json: model_type {mt!r} is not a decoder this planner counts "
+                         f"(known: {', '.join(t for t in KNOWN_TYPES[1:13])}); give a shape with "
+                         "--params/--layers/--hidden instead")
     name = name or str(_get(cfg, "_name_or_path", default="") or mt or "config")
     source = meta.get("source", source)
     if "params" in meta and not any(k in cfg for k in ("hidden_size", "n_embd", "d_model")):
@@ -92,8 +102,9 @@ def model_from_config(cfg: dict, name: str | None = None, source: str = "") -> M
                          "Hugging Face config?")
     gpt2 = mt in _GPT2
     kv = _int(cfg, "num_key_value_heads", default=heads)
-    if kv > heads:
-        raise ValueError(f"config.json: num_key_value_heads ({kv}) > num_attention_heads ({heads})")
+    if kv > heads or heads % kv:
+        raise ValueError(f"config.json: num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv}) (grouped-query attention)")
     head_dim = _int(cfg, "head_dim", default=None)
     if head_dim is None:
         if h % heads:

@@ -66,6 +66,10 @@ class Model(ToDict):
             raise ValueError(f"experts_per_token ({self.experts_per_token}) > experts ({self.experts})")
         if self.heads and self.kv_heads and self.kv_heads > self.heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) > heads ({self.heads})")
+        if self.heads and self.kv_heads and self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) is not a multiple of kv_heads ({self.kv_heads}): "
+                             "grouped-query attention shares each key/value head among "
+                             "heads/kv_heads query heads; give a divisor of heads")
         if self.layers and self.embedding_params >= self.params:
             raise ValueError(f"embedding parameters ({self.embedding_params:g}) exceed params "
                              f"({self.params:g}): check hidden/vocab")
@@ -79,6 +83,13 @@ class Model(ToDict):
     def moe_factor(self) -> float:
         """E/k: the roofline threshold grows by this factor for MoE (guide §7.3)."""
         return self.experts / self.experts_per_token
+
+    @property
+    def active_factor(self) -> float:
+        """Ψ / active parameters: what a token's compute is to the parameters every step
+        communicates; unlike E/k it counts shared experts, dense layers, attention and
+        embeddings (DeepSeek-V2-Lite: 5.9 where E/k is 10.7; docs/planner.md)."""
+        return self.params / self.active
 
     @property
     def embedding_params(self) -> float:
@@ -125,7 +136,7 @@ class Model(ToDict):
 
     def to_dict(self) -> dict:
         d = super().to_dict()
-        d.update(active=self.active, moe_factor=self.moe_factor,
+        d.update(active=self.active, moe_factor=self.moe_factor, active_factor=self.active_factor,
                  embedding_params=self.embedding_params, block_params=self.block_params,
                  unit_params=self.unit_params, active_block_params=self.active_block_params)
         return d
