@@ -163,9 +163,9 @@ def test_meta_misuse_ends_with_one_line(case, words):
 
 
 def _batched_step(rank, world, batch_bytes):
-    import zerodp.engine.base as base
+    import zerodp.engine.step as step_machine
 
-    base.STEP_BATCH_BYTES = batch_bytes
+    step_machine.STEP_BATCH_BYTES = batch_bytes
     torch.manual_seed(0)
     eng = zerodp.parallelize(GPT(NANO), _adamw, stage=3, mixed_precision="bf16")
     for step in range(2):

@@ -1,21 +1,22 @@
-"""What every stage of the engine shares: the public contract, the step template, the flat groups.
+"""What every stage of the engine shares: the public face of :class:`StageEngine`.
 
 Guide §9: stages 0-3 run the same training step — forward, backward with gradient communication,
 an optimizer step on fp32 master values — and differ only in *what* each rank keeps and *which*
 collectives move it (guide §12.2, "stages as policies"). Every stage holds its parameters in
 :class:`~zerodp.engine.group.FlatGroup` s (``self.groups``: buckets at stages 0-2, units at stage
-3) under one :class:`~zerodp.engine.group.Policy`, so this module does, once for every stage:
+3) under one :class:`~zerodp.engine.group.Policy`. :class:`StageEngine` is three parts, one file
+each, read in this order:
 
-- the public API (``engine(x, y)``, ``no_sync``, ``clip_grad_norm_``, ``step``, ``zero_grad``,
-  ``stats``, ``export_chrome_trace``, checkpoint pieces, ``full_state_dict``, ``state_dict``,
-  ``layout``);
-- the step template: finish gradient sync → (clip) → master optimizer step → publish params;
-- over the groups: building them from the module (rank 0's values, or a model built on the meta
-  device, guide §12.6), the master tensors and the optimizer, the one queue of gradient
-  collectives in flight and its bound, the master gradients, publishing parameters, zeroing,
-  memory by kind, and gathering full tensors for state dicts;
-- process groups (hybrid sharding: a shard group and a replica group, guide §14), the start-up
-  consistency check across ranks, the end-of-backward callback, averaging by tokens (§2.2).
+- this file: the public API a training script calls (``engine(x, y)``, ``no_sync``,
+  ``require_backward_grad_sync``, ``clip_grad_norm_``, ``step``, ``zero_grad``, ``optimizer``,
+  ``parameters``, ``stats``, ``export_chrome_trace``), the process groups (hybrid sharding, guide
+  §14) and the hooks a stage fills in;
+- :mod:`zerodp.engine.step` (:class:`~zerodp.engine.step.StepMachine`): the step's state and
+  everything that moves it — backward start and end, the queue of collectives in flight, the
+  gradient sync, the master step, publishing, zeroing, torch's ``.grad is None`` rule;
+- :mod:`zerodp.engine.construct` (:class:`~zerodp.engine.construct.Construction`): building the
+  flat groups once, at ``parallelize``; and :mod:`zerodp.engine.state_dict`
+  (:class:`~zerodp.engine.state_dict.StateContract`): checkpoint pieces and state dicts.
 
 Constructor (every stage)::
 
@@ -37,9 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import os
-import warnings
 import weakref
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -48,30 +47,21 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from zerodp.engine import state_dict as standard_state
 from zerodp.engine.comm import Collectives, InFlight
 from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
+from zerodp.engine.construct import Construction
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
-from zerodp.engine.grads import ShardedGrad
-from zerodp.engine.group import FROZEN, FlatGroup, GradState, Policy, StoragePool
+from zerodp.engine.group import FlatGroup, Policy, StoragePool
 from zerodp.engine.guard import NonFiniteGuard
-from zerodp.engine.layout import FlatLayout
-from zerodp.engine.master import MasterOptimizer, OptimizerFactory, Piece, Target, param_targets
+from zerodp.engine.master import MasterOptimizer, OptimizerFactory
 from zerodp.engine.optim import EngineOptimizer, UserGroups, from_built
-from zerodp.engine.stats import MEMORY_KINDS, MODEL_STATE_KINDS, collect_stats, measured_bytes  # noqa: F401
+from zerodp.engine.state_dict import BUFFER, StateContract  # noqa: F401 - BUFFER: zerodp.engine.hf reads it here
+from zerodp.engine.stats import collect_stats, measured_bytes
+from zerodp.engine.step import MAX_REDUCE_IN_FLIGHT, StepMachine, StepState
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
-BUFFER = "buffer"  # checkpoint piece kind of a module buffer (saved whole, by rank 0)
-#: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
-#: chunks of this many elements (512 KiB of fp32) those passes stay in cache, where over one flat
-#: buffer of millions of elements each pass goes to memory (AdamW on 11M elements: ~2-3x faster).
-CPU_OPTIMIZER_CHUNK = 1 << 17
 _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
-#: gradient reductions allowed in flight before the oldest is waited for (bounds transient buffers)
-MAX_REDUCE_IN_FLIGHT = 2
-#: the most fp32 gradient bytes cast at once for the optimizer step (see ``_optimizer_step``)
-STEP_BATCH_BYTES = 16 * 1024 * 1024
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -148,31 +138,6 @@ def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     return shard_pg, replica_pg
 
 
-class StepState(enum.Enum):
-    """Where the engine is in a training step (docs/porting.md; guide §12.5). One value per engine;
-    every change goes through ``StageEngine._move``, which refuses what ``STEP_MOVES`` does not list.
-
-    ``IDLE``: no gradient since construction or ``zero_grad``. ``BACKWARD``: a backward pass is
-    running through the engine's hooks; found at the start of any other call, it means that pass
-    raised before its end (the next call then says so, and ``zero_grad`` recovers). ``ACCUMULATED``:
-    backward passes finished, gradients held. ``STEPPED``: ``step`` applied them; they stay until
-    ``zero_grad``, so a second ``step`` applies them again, as torch's optimizers do."""
-
-    IDLE = "idle"
-    BACKWARD = "backward"
-    ACCUMULATED = "accumulated"
-    STEPPED = "stepped"
-
-
-_S = StepState
-STEP_MOVES: dict[StepState, frozenset[StepState]] = {
-    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-    _S.BACKWARD: frozenset({_S.ACCUMULATED, _S.IDLE}),
-    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-    _S.STEPPED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-}
-
-
 def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
                          rule: Callable[[str, nn.Parameter], dict] | None) -> tuple[list[dict], list[int]]:
     """Map each parameter to an optimizer param group (e.g. no weight decay on norms and biases).
@@ -201,30 +166,7 @@ def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
     return options, index
 
 
-def describe_difference(mine: Any, other: Any, path: str = "") -> str | None:
-    """The first place where two nested descriptions differ, in words (None when equal)."""
-    if type(mine) is not type(other):
-        return f"{path or 'value'}: {mine!r} vs {other!r}"
-    if isinstance(mine, dict):
-        for key in list(mine) + [k for k in other if k not in mine]:
-            if key not in mine or key not in other:
-                return f"{path}{key}: present on {'rank 0' if key in mine else 'the other rank'} only"
-            diff = describe_difference(mine[key], other[key], f"{path}{key}.")
-            if diff:
-                return diff
-        return None
-    if isinstance(mine, (list, tuple)):
-        for i, (a, b) in enumerate(zip(mine, other)):
-            diff = describe_difference(a, b, f"{path}[{i}]")
-            if diff:
-                return diff
-        if len(mine) != len(other):
-            return f"{path.rstrip('.') or 'list'}: {len(mine)} entries vs {len(other)}"
-        return None
-    return None if mine == other else f"{path.rstrip('.')}: {mine!r} vs {other!r}"
-
-
-class StageEngine:
+class StageEngine(StepMachine, StateContract, Construction):
     """Base class of the stage engines; see the module docstring for the subclass contract."""
 
     stage: ClassVar[int] = -1
@@ -327,7 +269,6 @@ class StageEngine:
         skips = getattr(config, "max_nonfinite_skips", None)
         self.guard = None if skips is None else NonFiniteGuard(skips)
 
-    # ---- public API ---------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
         """The wrapped model, with its parameters complete (waits for in-flight AllGathers)."""
@@ -523,540 +464,11 @@ class StageEngine:
             return None
         return write_chrome_trace(path, [e for rank_events in gathered for e in rank_events])
 
-    # ---- checkpoint contract ------------------------------------------------------------
-    def state_pieces(self) -> list[Piece]:
-        """The master values and optimizer states this rank saves: disjoint across ranks, and
-        together they cover every element of every parameter (padding excluded)."""
-        self._finish_grad_sync()
-        pieces = self.master.pieces(ranges=self._owned_range)
-        if self.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
-            for name, sub, local in self.buffers:
-                buf = getattr(sub, local)
-                pieces.append(Piece(name, BUFFER, 0, buf.numel(), tuple(buf.shape), buf.detach().reshape(-1)))
-        return pieces
-
-    def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
-        """Fill master values and optimizer states from ``read(name, kind, start, stop)``, then
-        publish the parameters (collective for sharded stages). Call ``load_scalar_state`` first."""
-        self._finish_grad_sync()
-        self._wait_params()
-        self.master.load_pieces(read)
-        self._publish_params()
-        self._wait_params()
-        self._load_buffers(read)
-
-    @torch.no_grad()
-    def load_frozen_pieces(self, read: Callable[[str, int, int], torch.Tensor], names: set[str]) -> set[str]:
-        """Frozen parameters that live in a flat group's fp32 master (stage 3 keeps them in its
-        units' shards, outside the optimizer's pieces): fill this rank's part of each from
-        ``read(name, start, stop)`` (flattened elements) for those in ``names``;
-        ``load_state_pieces`` then publishes them. Returns the names so handled."""
-        done: set[str] = set()
-        for g in self.groups:
-            if FROZEN not in g.groups:
-                continue
-            lo = g.master_start
-            hi = lo + g.master.numel()
-            for slot, grp in zip(g.layout.slots, g.groups):
-                if grp != FROZEN or slot.name not in names:
-                    continue
-                done.add(slot.name)
-                a, b = max(slot.offset, lo), min(slot.stop, hi)
-                if a < b:
-                    g.master[a - lo:b - lo].copy_(read(slot.name, a - slot.offset, b - slot.offset).reshape(-1))
-        return done
-
-    @torch.no_grad()
-    def _load_buffers(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
-        """Every rank reads every buffer (checkpoints written before buffers were saved hold
-        none: the model's buffers are then left as they are, with a warning)."""
-        missing = []
-        for name, sub, local in self.buffers:
-            buf = getattr(sub, local)
-            try:
-                src = read(name, BUFFER, 0, buf.numel())
-            except Exception:  # noqa: BLE001 - absent from this checkpoint
-                missing.append(name)
-                continue
-            buf.copy_(src.reshape(buf.shape))
-        if missing:
-            warnings.warn(f"the checkpoint holds no values for the buffers {missing}; they keep "
-                          "their current values", stacklevel=3)
-
-    def scalar_state(self) -> dict:
-        """Collective: the optimizer's scalars (per parameter and per group) from every rank."""
-        mine = self.master.scalar_state()
-        if self.world_size > 1 and self.stage > 0:
-            gathered: list = [None] * self.world_size
-            dist.all_gather_object(gathered, mine, group=self.group)
-            for other in gathered:
-                for name, scalars in other.get("params", {}).items():
-                    mine["params"].setdefault(name, scalars)
-                for g, scalars in enumerate(other["groups"]):
-                    if scalars and not mine["groups"][g]:
-                        mine["groups"][g] = scalars
-                mine["kinds"] = sorted(set(mine["kinds"]) | set(other["kinds"]))
-        return {"stage": self.stage, **mine}
-
-    def load_scalar_state(self, scalars: dict) -> None:
-        self.master.load_scalar_state(scalars)
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
-        every persistent buffer (rank 0's values; floating-point ones as fp32)."""
-        self._finish_grad_sync()
-        out = self._gather_full([t.tensor for t in self.master.targets], frozen_from_params=True)
-        for name, p in self._module.named_parameters():  # frozen parameters outside the buffers
-            if name not in out and p.numel() > 0:
-                out[name] = p.detach().float().clone()
-        out.update(self._buffer_dict())
-        return out
-
-    @torch.no_grad()
-    def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every rank gets the averaged gradient the next ``step`` would apply, as
-        fp32 tensors by parameter name (gathered from the shards; for inspection and tests)."""
-        self._finish_grad_sync()
-        grads = self._master_grads()
-        return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
-                                  for t, g in zip(self.master.targets, grads)])
-
     # ---- standard state dicts, keyed by the model's own names (zerodp.engine.state_dict) ----
-    def state_dict(self, **options) -> dict[str, torch.Tensor]:
-        """Collective: the model's parameters and persistent buffers by name, like
-        ``module.state_dict()`` (see :func:`zerodp.engine.state_dict.state_dict` for options)."""
-        return standard_state.state_dict(self, **options)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], **options):
-        """Collective: load parameters and buffers by name (each rank copies what it holds)."""
-        return standard_state.load_state_dict(self, state, **options)
-
-    def optimizer_state_dict(self, **options) -> dict:
-        """Collective: the optimizer's state keyed by parameter name, in the shape
-        ``torch.optim.Optimizer.state_dict()`` uses."""
-        return standard_state.optimizer_state_dict(self, **options)
-
-    def load_optimizer_state_dict(self, state: dict, **options) -> None:
-        """Collective: load an :meth:`optimizer_state_dict` saved at any stage and world size."""
-        return standard_state.load_optimizer_state_dict(self, state, **options)
-
-    @torch.no_grad()
-    def _buffer_dict(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, sub, local in self.buffers:
-            buf = getattr(sub, local).detach().clone()
-            if self.world_size > 1:
-                self._broadcast_from_rank0([buf])
-            out[name] = buf.float() if buf.is_floating_point() else buf
-        return out
-
-    def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
-        """Per-target values (aligned with ``master.targets``) → full tensors by parameter name.
-
-        Each flat group is rebuilt from what this rank holds — the whole buffer (stage 0) or its
-        shard (stages 1-3), gathered — iterating every group in the same order on every rank,
-        whether or not this rank's part holds a target."""
-        out: dict[str, torch.Tensor] = {}
-        by_group: dict[int, list[int]] = {}
-        for i, t in enumerate(self.master.targets):
-            by_group.setdefault(id(t.layout), []).append(i)
-        sharded = self.policy.shard_master
-        for g in self.groups:
-            layout = g.layout
-            lo, hi = g.shard_range if sharded else (0, layout.padded_numel)
-            local = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
-            for i in by_group.get(id(layout), []):
-                t = self.master.targets[i]
-                local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i])
-            if frozen_from_params:  # frozen parameters of a unit live in its master shard only
-                for slot, grp in zip(layout.slots, g.groups):
-                    a, b = max(slot.offset, lo), min(slot.stop, hi)
-                    if grp == FROZEN and a < b:
-                        local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
-            if sharded and g.comm.world_size > 1:
-                flat = torch.empty(layout.padded_numel, dtype=torch.float32, device=self.device)
-                g.comm.all_gather(flat, local, "gather_full", async_op=False)
-            else:
-                flat = local
-            for slot in layout.slots:
-                out[slot.name] = flat[slot.offset:slot.stop].view(slot.shape).clone()
-        return out
-
-    def layout(self) -> list[dict]:
-        """The flat groups as data: which parameter sits at which offset, padding, owners."""
-        out = []
-        for i, g in enumerate(self.groups):
-            d = g.layout.to_dict()
-            trainable = [grp for grp in g.groups if grp != FROZEN]
-            d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
-                     options=self.group_options[trainable[0]] if trainable else None,
-                     dtype=str(g.param_dtype), sharded=self.policy.shard_master,
-                     owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)])
-            out.append(d)
-        return out
-
-    # ---- helpers for subclasses ---------------------------------------------------------
-    def _build_master(self, targets: list[Target]) -> MasterOptimizer:
-        return MasterOptimizer(self._factory, targets, self.group_options, self.config.elementwise_optimizer)
-
-    def _targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
-        """Optimizer targets over a held range of a flat buffer, in cache-sized chunks on CPU (see
-        :func:`zerodp.engine.master.param_targets`): per parameter where a parameter may go unused
-        in a step (stage 3, or ``find_unused_parameters=True``), so that the optimizer can skip it
-        whole; otherwise across parameters, fewer tensors for the optimizer's per-tensor work."""
-        chunk = CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
-        per_param = self.stage == 3 or self.config.find_unused_parameters
-        return param_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1), chunk,
-                             per_param=per_param)
-
-    @torch.no_grad()
-    def _broadcast_buffers(self) -> None:
-        """DDP's ``broadcast_buffers=True``: at each forward every rank takes rank 0's buffers
-        (e.g. BatchNorm's running statistics), one flat broadcast per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, sub, local in self.buffers:
-            buf = getattr(sub, local)
-            by_dtype.setdefault(buf.dtype, []).append(buf)
-        for bufs in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in bufs]) if len(bufs) > 1 else bufs[0].reshape(-1).clone()
-            self._broadcast_from_rank0([flat])
-            offset = 0
-            for b in bufs:
-                new = flat[offset:offset + b.numel()].view_as(b)
-                if not torch.equal(b, new):  # leave unchanged buffers alone: a graph may hold them
-                    b.copy_(new)
-                offset += b.numel()
 
     # ---- parameters no rank used (DDP's find_unused_parameters semantics) --------------------
-    def _local_used(self) -> list[bool] | None:
-        """Per trainable parameter (``named_params`` order): did this rank compute a gradient
-        for it in any backward of this step? None when every parameter must be used (an unused
-        one is an error raised at backward), so no exchange is needed."""
-        return None
-
-    def _reset_used(self) -> None:
-        """Start a new step's record of used parameters."""
-
-    def _step_unused(self) -> set[str]:
-        """Names of the parameters no rank used this step (one small AllReduce, MAX = OR)."""
-        used = self._local_used()
-        if used is None:
-            return set()
-        flags = torch.tensor([1.0 if u else 0.0 for u in used], device=self.device)
-        if self.world_size > 1:
-            self.comm.all_reduce_max(flags, "used_params")
-        return {n for (n, _), f in zip(self.named_params, flags.tolist()) if f == 0.0}
-
-    def _check_consistency(self, description: dict) -> None:
-        """Start-up check: every rank must describe the same model and the same flat layout.
-
-        Gathers each rank's description (names, shapes, dtypes, buckets, stage, world) and
-        compares it with rank 0's on every rank, so that all ranks raise the same clear error
-        instead of hanging in a mismatched collective or silently mixing gradients.
-        """
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, description, group=self.group)
-        for r, other in enumerate(gathered):
-            diff = describe_difference(gathered[0], other)
-            if diff:
-                raise RuntimeError(
-                    f"ranks disagree on the model or its layout (rank 0 vs rank {r}): {diff}. Every "
-                    "rank must build the same model (same parameter names, shapes, dtypes, "
-                    "requires_grad) with the same engine options before parallelize()"
-                )
-
-    def _start_clock(self) -> None:
-        """Align trace time zero across ranks (call right after a collective such as the check)."""
-        self.recorder.t0 = self.recorder.clock()
-        self._last_step_end = None
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """DDP's start: every replica begins with rank 0's values."""
-        if self.world_size == 1:
-            return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for t in tensors:
-            dist.broadcast(t, src=src, group=self.group)
-
-    def _backward_started(self) -> None:
-        """Call from gradient hooks: arms ``_on_backward_end`` once per backward pass."""
-        if self.step_state is not StepState.BACKWARD:
-            self._move(StepState.BACKWARD)
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-
-    def _token_factor(self) -> float | None:
-        """Guide §2.2: factor to pre-multiply local gradients with before a mean reduction, so that
-        the mean over ranks becomes Σ_r n_r g_r / Σ_r n_r. None when averaging plainly."""
-        if not self.config.average_by_tokens:
-            return None
-        if self._token_factor_value is None:
-            if self._tokens <= 0:
-                raise RuntimeError(
-                    "average_by_tokens=True but this rank counted no tokens this step: call "
-                    "engine.count_tokens(n) for every micro-batch before its backward"
-                )
-            total = self.comm.all_reduce_sum(torch.tensor([self._tokens], dtype=torch.float64,
-                                                          device=self.device), "token_count")
-            self._token_factor_value = self._tokens * self.world_size / float(total[0])
-        return self._token_factor_value
-
-    # ---- internal machinery ---------------------------------------------------------------
-    def _on_output_grad(self, grad):
-        if self._backward_event is None:
-            self._backward_event = self.recorder.begin("backward", COMPUTE)
-        return None
-
-    def _backward_end(self) -> None:
-        self._move(StepState.ACCUMULATED)
-        if self._backward_event is not None:
-            self.recorder.end(self._backward_event)
-            self._backward_event = None
-        self._on_backward_end()
 
     # ---- the step's state: checked transitions, a raised backward, changed requires_grad ----------
-    def _move(self, to: StepState) -> None:
-        if to not in STEP_MOVES[self.step_state]:
-            raise RuntimeError(f"engine state {self.step_state.value} -> {to.value} is not a step of the "
-                               "training loop (zerodp internal error: please report it)")
-        self.step_state = to
-
-    def _check_not_failed(self, call: str) -> None:
-        """A backward that raised before its end (anomaly mode, an OOM caught by the script) left
-        this step's gradients partial: say so, and what to call, instead of training on them."""
-        if self.step_state is StepState.BACKWARD:
-            raise RuntimeError(
-                f"engine.{call}(): the last backward raised before it finished, so this step's gradients are "
-                "partial on this rank; call optimizer.zero_grad() (or engine.zero_grad()) to drop them, then run "
-                "the step again")
-
-    def _abandon_backward(self) -> None:
-        """zero_grad after a raised backward: wait for what it launched, reset every group's
-        backward state, and leave the gradients to ``_zero_grad`` (every rank raised alike)."""
-        self._inflight.wait_all()
-        if self._backward_event is not None:
-            self.recorder.end(self._backward_event)
-            self._backward_event = None
-        for g in self.groups:
-            g.reset_backward()
-        self._on_backward_abandoned()
-        self._move(StepState.IDLE)
-
-    def _attach_sharded_grads(self) -> None:
-        """Reduced gradients that no module parameter holds (a shard of its own, stages 1-3) go on
-        the parameters as :class:`ShardedGrad` s until the next forward or ``zero_grad``. Local:
-        nothing is attached while a group still holds unreduced gradients (that would need a
-        collective, and ``parameters()`` is no collective)."""
-        if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED) or not self.policy.shard_master \
-                or self._grads_under_sharded or any(g.has_local for g in self.groups):
-            return
-        self._inflight.wait_all()
-        for g in self.groups:
-            if g._shard_in_full or g.grad_state not in (GradState.REDUCED, GradState.ZEROS):
-                continue
-            lo, hi = g.shard_range
-            for i in g.trainable:
-                slot, p = g.layout.slots[i], g.params[i]
-                a, b = max(slot.offset, lo), min(slot.stop, hi)
-                local = g.grad_shard[a - lo:b - lo] if a < b else g.grad_shard[:0]
-                self._grads_under_sharded[id(p)] = p.grad
-                p.grad = ShardedGrad(p, local, g.comm)
-
-    def _detach_sharded_grads(self) -> None:
-        if not self._grads_under_sharded:
-            return
-        for g in self.groups:
-            for p in g.trainable_params:
-                if id(p) in self._grads_under_sharded:
-                    p.grad = self._grads_under_sharded[id(p)]
-        self._grads_under_sharded = {}
-
-    def _check_requires_grad(self) -> None:
-        """A parameter frozen or unfrozen after ``parallelize``: its flat group and the optimizer
-        were planned without it (or with it), so refuse in one line rather than train it wrong."""
-        for name, p in self._module.named_parameters():
-            planned = name in self._group_by_name
-            if p.requires_grad != planned:
-                raise RuntimeError(
-                    f"parameter {name!r} was {'trainable' if planned else 'frozen'} when parallelize built the engine "
-                    f"and is {'trainable' if p.requires_grad else 'frozen'} now: the engine's buckets and optimizer "
-                    "are planned at parallelize. Set requires_grad before parallelize (a parameter to train later "
-                    "can stay trainable in a param group with lr=0 until then), or parallelize the model again")
-
-    def _optimizer_step(self) -> None:
-        """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
-        ``_publish_params``.
-
-        Gradients kept in bf16 are cast to fp32 for the optimizer: all at once that is 4 bytes per
-        element of the whole shard alive during ``optimizer.step()`` (4Ψ/N at stage 3, more than
-        the gradient shard itself). So the step runs over batches of targets of at most
-        ``STEP_BATCH_BYTES`` of fp32 gradients, one ``optimizer.step()`` each: the update of an
-        elementwise optimizer is per element, so this is bitwise the single step (targets without
-        a gradient are skipped by each call). Only when the optimizer has step hooks (which would
-        then run once per batch) is it done in one call."""
-        grads = self._master_grads()
-        batches = [range(len(grads))]
-        cast = any(g is not None and g.dtype != torch.float32 for g in grads)
-        if cast and not _has_step_hooks(self.master.optimizer):
-            batches, start, size = [], 0, 0
-            for i, g in enumerate(grads):
-                size += 0 if g is None else 4 * g.numel()
-                if size >= STEP_BATCH_BYTES:
-                    batches.append(range(start, i + 1))
-                    start, size = i + 1, 0
-            batches.append(range(start, len(grads)))
-        for batch in batches:
-            chosen = set(batch)
-            self.master.attach_grads([g if i in chosen else None for i, g in enumerate(grads)], self._unused)
-            self.master.step()
-            self.master.zero_grad()
-        self._publish_params()
-
-    def _owned_range(self, target: Target) -> tuple[int, int]:
-        """Flat range of ``target.layout`` whose state this rank saves: slice r of stage 0's
-        replicas, everything a sharded rank holds — on the first replica only under hybrid
-        sharding (the others hold the same shards), so that saved pieces are disjoint."""
-        if not self.policy.shard_master:
-            return target.layout.shard_range(self.rank)
-        if self.replica_comm is not None and self.replica_comm.rank > 0:
-            return target.flat_start, target.flat_start
-        return target.flat_start, target.flat_start + target.tensor.numel()
-
-    # ---- flat groups: what every stage does the same way (guide §12) ------------------------
-    def _set_dtypes(self, param_dtype: torch.dtype) -> None:
-        """The compute dtype, the dtype gradients travel in (``reduce_dtype``), and the one they
-        are accumulated in: fp32 when parameters are fp32, with ``fp32_grad_accum``, or when
-        gradients travel in fp32 anyway (guide §1, §9)."""
-        if not param_dtype.is_floating_point:
-            raise ValueError(f"parameters of dtype {param_dtype} cannot be trained")
-        mp = self.mixed_precision
-        self.param_dtype = param_dtype
-        self.reduce_dtype = mp.comm_dtype if mp else param_dtype
-        fp32 = torch.float32
-        self.accum_dtype = fp32 if fp32 in (param_dtype, self.reduce_dtype) or (mp and mp.fp32_grad_accum) \
-            else self.reduce_dtype
-
-    def _shard_size(self) -> int:
-        """Ranks per shard group (guide §14): ``config.shard_size``, else one node (torchrun's
-        ``LOCAL_WORLD_SIZE``) when it divides the world, else every rank. Stage 0 shards nothing."""
-        g = self.config.shard_size
-        if self.stage == 0:
-            return self.world_size
-        if g is None:
-            local = os.environ.get("LOCAL_WORLD_SIZE", "")
-            g = int(local) if local.isdigit() and int(local) > 0 and self.world_size % int(local) == 0 \
-                else self.world_size
-        if self.world_size % g:
-            raise ValueError(f"shard_size={g} does not divide the {self.world_size} ranks: use a divisor of the "
-                             "world size (usually the GPUs per node)")
-        return g
-
-    def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
-        quant = self.config.quant_block
-        group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
-                         reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
-                         quant_params=quant if self.config.quantize_params else 0,
-                         quant_grads=quant if self.config.quantize_grads else 0)
-        group.pool = self._grad_pool
-        return group
-
-    @torch.no_grad()
-    def _init_groups(self, extra_broadcast: list[torch.Tensor] = ()) -> None:
-        """Fill every group from the module's values — rank 0's, broadcast as DDP does at
-        construction — build its gradient buffers, and the optimizer over the master tensors."""
-        for g in self.groups:
-            if self.deferred:
-                self._materialize(g)
-            values = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=self.device)
-            for slot, p in zip(g.layout.slots, g.params):
-                values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
-            self._broadcast_from_rank0([values])
-            g.init_values(values)
-            g.init_grads()
-            del values
-        self._broadcast_from_rank0(list(extra_broadcast))
-        targets: list[Target] = []
-        self._target_slices: list[tuple[FlatGroup, int, int]] = []  # the gradient each target reads
-        for g in self.groups:
-            for t in self._targets(g.master, g.layout, g.master_start):
-                lo = t.flat_start - g.master_start
-                targets.append(t)
-                self._target_slices.append((g, lo, lo + t.tensor.numel()))
-        self.master = self._build_master(targets)
-        position = {n: i for i, (n, _) in enumerate(self.named_params)}
-        # Per group, per trainable parameter: its index in named_params (used-flags at step()).
-        self._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.groups]
-        self._step_used = [False] * len(self.named_params)
-
-    def _materialize(self, g: FlatGroup) -> None:
-        """A model built on the meta device: give ``g``'s parameters values (stage 3, per unit)."""
-
-    def _record_used(self) -> None:
-        """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
-        used = self._step_used
-        for g, index in zip(self.groups, self._used_index):
-            for fired, i in zip(g.bwd.fired, index):
-                if fired:
-                    used[i] = True
-
-    def _reset_used(self) -> None:
-        self._step_used = [False] * len(self.named_params)
-
-    def _bound_in_flight(self, g: FlatGroup) -> None:
-        """Before a group allocates gradients for a reduction: wait for the oldest collectives
-        while ``MAX_REDUCE_IN_FLIGHT`` are in flight, so that transient gradient buffers are
-        bounded by the groups in flight, not by the model (guide §9.2)."""
-        if not g.holds_grads:
-            while len(self._inflight) >= MAX_REDUCE_IN_FLIGHT:
-                self._inflight.wait_oldest()
-
-    def _launch_reduce(self, g: FlatGroup) -> None:
-        self._inflight.add(*g.reduce(self._token_factor()))
-        held = (sum(t.untyped_storage().nbytes() for g in self.groups for t in g.comm_tensors())
-                + sum(st.nbytes() for st in self._grad_pool.free))
-        self._comm_peak = max(self._comm_peak, held)
-
-    def _finish_grad_sync(self) -> None:
-        """Wait for every gradient collective; groups still holding local gradients of a
-        ``no_sync`` backward (the step's last micro-batch ran inside it) are reduced now, on every
-        rank alike, at every stage — stage 0 included, where DDP would step each replica on its own
-        gradients and let them drift apart. Then the released gradient storages are freed: the
-        optimizer step creates its states next, and nothing reduces again before the next backward."""
-        self._inflight.wait_all()
-        pending = [g for g in self.groups if g.has_local]
-        for g in pending:
-            self._launch_reduce(g)
-        self._inflight.wait_all()
-        self._grad_pool.clear()
-
-    def _master_grads(self) -> list[torch.Tensor | None]:
-        grads = {id(g): g.grad() for g in self.groups}
-        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self._target_slices]
-
-    def _publish_params(self) -> None:
-        """After the step, the compute parameters ← the master, in the order the next forward
-        needs them (the last bucket holds the first layers; guide §9.1 step 5)."""
-        for g in reversed(self.groups):
-            pending = g.publish()
-            if pending is not None:
-                self._param_gathers.add(pending)
-
-    def _wait_params(self) -> None:
-        self._param_gathers.wait_all()
-
-    def _zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.groups:
-            g.zero_grad(set_to_none)
-
-    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        out: dict[str, list[torch.Tensor]] = {}
-        for g in self.groups:
-            for kind, tensors in g.memory().items():
-                out.setdefault(kind, []).extend(tensors)
-        out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
-                                                  for st in self._grad_pool.free)
-        return out
 
     # ---- defaults for optional hooks ----------------------------------------------------------
     def _before_forward(self) -> None:
@@ -1074,14 +486,6 @@ class StageEngine:
     def _abort_forward(self) -> None:
         """The model's forward raised: reset what the subclass keeps for the forward in flight."""
 
-    def optimizer_index_names(self) -> list[str]:
-        """Trainable parameter names in torch's optimizer index order (:mod:`zerodp.engine.optim`)."""
-        rule = self.config.param_groups
-        names = [n for n, _ in self.named_params]
-        if isinstance(rule, UserGroups):
-            by_id = {id(p): n for n, p in self.named_params}
-            return [by_id[i] for i in rule.order if i in by_id]
-        return [n for g in range(len(self.group_options)) for n, gi in zip(names, self.param_group_of) if gi == g]
 
 
 def _rebuilt_optimizer_step(optimizer, args, kwargs):
@@ -1110,14 +514,6 @@ def grad_hook(engine: "StageEngine", method: str, group: int, j: int) -> Callabl
         if eng is not None:
             getattr(eng, method)(eng.groups[group], j, param)
     return hook
-
-
-def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` runs hooks (its own or torch's global ones)."""
-    from torch.optim import optimizer as torch_optimizer
-
-    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 def _first_grad_tensor(out: Any) -> torch.Tensor | None:

@@ -32,7 +32,9 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 import torch
 import torch.distributed as dist
 
-from zerodp.engine.master import PARAM
+from zerodp.engine.group import FROZEN
+from zerodp.engine.master import PARAM, Piece, Target
+from zerodp.engine.optim import UserGroups
 
 
 class EngineLike(Protocol):
@@ -451,3 +453,201 @@ def _check_optimizer_state(names: _Names, group_of: dict[str, int], n_groups: in
                 return (f"state[{name!r}][{k!r}] has {v.numel()} elements, the parameter has {numel} "
                         f"(shape {names.shapes[name]})")
     return None
+
+
+# ---- the engine's side of the contract ------------------------------------------------------------
+class StateContract:
+    """The checkpoint and state-dict contract of every stage engine (mixed into
+    :class:`~zerodp.engine.base.StageEngine`): the pieces each rank saves and loads, the
+    optimizer's scalars, full tensors gathered from the shards, the flat layout as data, and
+    the standard state dicts by name (the functions above)."""
+
+    def state_pieces(self) -> list[Piece]:
+        """The master values and optimizer states this rank saves: disjoint across ranks, and
+        together they cover every element of every parameter (padding excluded)."""
+        self._finish_grad_sync()
+        pieces = self.master.pieces(ranges=self._owned_range)
+        if self.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
+            for name, sub, local in self.buffers:
+                buf = getattr(sub, local)
+                pieces.append(Piece(name, BUFFER, 0, buf.numel(), tuple(buf.shape), buf.detach().reshape(-1)))
+        return pieces
+
+    def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
+        """Fill master values and optimizer states from ``read(name, kind, start, stop)``, then
+        publish the parameters (collective for sharded stages). Call ``load_scalar_state`` first."""
+        self._finish_grad_sync()
+        self._wait_params()
+        self.master.load_pieces(read)
+        self._publish_params()
+        self._wait_params()
+        self._load_buffers(read)
+
+    @torch.no_grad()
+    def load_frozen_pieces(self, read: Callable[[str, int, int], torch.Tensor], names: set[str]) -> set[str]:
+        """Frozen parameters that live in a flat group's fp32 master (stage 3 keeps them in its
+        units' shards, outside the optimizer's pieces): fill this rank's part of each from
+        ``read(name, start, stop)`` (flattened elements) for those in ``names``;
+        ``load_state_pieces`` then publishes them. Returns the names so handled."""
+        done: set[str] = set()
+        for g in self.groups:
+            if FROZEN not in g.groups:
+                continue
+            lo = g.master_start
+            hi = lo + g.master.numel()
+            for slot, grp in zip(g.layout.slots, g.groups):
+                if grp != FROZEN or slot.name not in names:
+                    continue
+                done.add(slot.name)
+                a, b = max(slot.offset, lo), min(slot.stop, hi)
+                if a < b:
+                    g.master[a - lo:b - lo].copy_(read(slot.name, a - slot.offset, b - slot.offset).reshape(-1))
+        return done
+
+    @torch.no_grad()
+    def _load_buffers(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
+        """Every rank reads every buffer (checkpoints written before buffers were saved hold
+        none: the model's buffers are then left as they are, with a warning)."""
+        missing = []
+        for name, sub, local in self.buffers:
+            buf = getattr(sub, local)
+            try:
+                src = read(name, BUFFER, 0, buf.numel())
+            except Exception:  # noqa: BLE001 - absent from this checkpoint
+                missing.append(name)
+                continue
+            buf.copy_(src.reshape(buf.shape))
+        if missing:
+            warnings.warn(f"the checkpoint holds no values for the buffers {missing}; they keep "
+                          "their current values", stacklevel=3)
+
+    def scalar_state(self) -> dict:
+        """Collective: the optimizer's scalars (per parameter and per group) from every rank."""
+        mine = self.master.scalar_state()
+        if self.world_size > 1 and self.stage > 0:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, mine, group=self.group)
+            for other in gathered:
+                for name, scalars in other.get("params", {}).items():
+                    mine["params"].setdefault(name, scalars)
+                for g, scalars in enumerate(other["groups"]):
+                    if scalars and not mine["groups"][g]:
+                        mine["groups"][g] = scalars
+                mine["kinds"] = sorted(set(mine["kinds"]) | set(other["kinds"]))
+        return {"stage": self.stage, **mine}
+
+    def load_scalar_state(self, scalars: dict) -> None:
+        self.master.load_scalar_state(scalars)
+
+    def _owned_range(self, target: Target) -> tuple[int, int]:
+        """Flat range of ``target.layout`` whose state this rank saves: slice r of stage 0's
+        replicas, everything a sharded rank holds — on the first replica only under hybrid
+        sharding (the others hold the same shards), so that saved pieces are disjoint."""
+        if not self.policy.shard_master:
+            return target.layout.shard_range(self.rank)
+        if self.replica_comm is not None and self.replica_comm.rank > 0:
+            return target.flat_start, target.flat_start
+        return target.flat_start, target.flat_start + target.tensor.numel()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
+        every persistent buffer (rank 0's values; floating-point ones as fp32)."""
+        self._finish_grad_sync()
+        out = self._gather_full([t.tensor for t in self.master.targets], frozen_from_params=True)
+        for name, p in self._module.named_parameters():  # frozen parameters outside the buffers
+            if name not in out and p.numel() > 0:
+                out[name] = p.detach().float().clone()
+        out.update(self._buffer_dict())
+        return out
+
+    @torch.no_grad()
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank gets the averaged gradient the next ``step`` would apply, as
+        fp32 tensors by parameter name (gathered from the shards; for inspection and tests)."""
+        self._finish_grad_sync()
+        grads = self._master_grads()
+        return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
+                                  for t, g in zip(self.master.targets, grads)])
+
+    @torch.no_grad()
+    def _buffer_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, sub, local in self.buffers:
+            buf = getattr(sub, local).detach().clone()
+            if self.world_size > 1:
+                self._broadcast_from_rank0([buf])
+            out[name] = buf.float() if buf.is_floating_point() else buf
+        return out
+
+    def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
+        """Per-target values (aligned with ``master.targets``) → full tensors by parameter name.
+
+        Each flat group is rebuilt from what this rank holds — the whole buffer (stage 0) or its
+        shard (stages 1-3), gathered — iterating every group in the same order on every rank,
+        whether or not this rank's part holds a target."""
+        out: dict[str, torch.Tensor] = {}
+        by_group: dict[int, list[int]] = {}
+        for i, t in enumerate(self.master.targets):
+            by_group.setdefault(id(t.layout), []).append(i)
+        sharded = self.policy.shard_master
+        for g in self.groups:
+            layout = g.layout
+            lo, hi = g.shard_range if sharded else (0, layout.padded_numel)
+            local = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+            for i in by_group.get(id(layout), []):
+                t = self.master.targets[i]
+                local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i])
+            if frozen_from_params:  # frozen parameters of a unit live in its master shard only
+                for slot, grp in zip(layout.slots, g.groups):
+                    a, b = max(slot.offset, lo), min(slot.stop, hi)
+                    if grp == FROZEN and a < b:
+                        local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
+            if sharded and g.comm.world_size > 1:
+                flat = torch.empty(layout.padded_numel, dtype=torch.float32, device=self.device)
+                g.comm.all_gather(flat, local, "gather_full", async_op=False)
+            else:
+                flat = local
+            for slot in layout.slots:
+                out[slot.name] = flat[slot.offset:slot.stop].view(slot.shape).clone()
+        return out
+
+    def layout(self) -> list[dict]:
+        """The flat groups as data: which parameter sits at which offset, padding, owners."""
+        out = []
+        for i, g in enumerate(self.groups):
+            d = g.layout.to_dict()
+            trainable = [grp for grp in g.groups if grp != FROZEN]
+            d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
+                     options=self.group_options[trainable[0]] if trainable else None,
+                     dtype=str(g.param_dtype), sharded=self.policy.shard_master,
+                     owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)])
+            out.append(d)
+        return out
+
+    def state_dict(self, **options) -> dict[str, torch.Tensor]:
+        """Collective: the model's parameters and persistent buffers by name, like
+        ``module.state_dict()`` (see :func:`zerodp.engine.state_dict.state_dict` for options)."""
+        return state_dict(self, **options)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], **options):
+        """Collective: load parameters and buffers by name (each rank copies what it holds)."""
+        return load_state_dict(self, state, **options)
+
+    def optimizer_state_dict(self, **options) -> dict:
+        """Collective: the optimizer's state keyed by parameter name, in the shape
+        ``torch.optim.Optimizer.state_dict()`` uses."""
+        return optimizer_state_dict(self, **options)
+
+    def load_optimizer_state_dict(self, state: dict, **options) -> None:
+        """Collective: load an :meth:`optimizer_state_dict` saved at any stage and world size."""
+        return load_optimizer_state_dict(self, state, **options)
+
+    def optimizer_index_names(self) -> list[str]:
+        """Trainable parameter names in torch's optimizer index order (:mod:`zerodp.engine.optim`)."""
+        rule = self.config.param_groups
+        names = [n for n, _ in self.named_params]
+        if isinstance(rule, UserGroups):
+            by_id = {id(p): n for n, p in self.named_params}
+            return [by_id[i] for i in rule.order if i in by_id]
+        return [n for g in range(len(self.group_options)) for n, gi in zip(names, self.param_group_of) if gi == g]

@@ -1,0 +1,265 @@
+"""The step machine of every stage: where a step is, and what moves it on (guide §12.4, §12.5, §12.9).
+
+:class:`StepMachine` is the part of :class:`~zerodp.engine.base.StageEngine` that runs a step
+over ``self.groups`` once they exist: the step's state (:class:`StepState`, one value, checked
+transitions), the start and end of a backward (an autograd-engine callback), a backward that
+raised, the one queue of gradient collectives in flight and its bound, finishing the gradient
+sync, the master optimizer step on fp32 gradients, publishing parameters, zeroing, the
+used-parameter flags that implement torch's ``.grad is None`` rule, and the
+:class:`~zerodp.engine.grads.ShardedGrad` s that torch's clipping reads. The stage classes fill
+in ``_on_backward_end``, ``_local_used`` and friends (:mod:`zerodp.engine.reducer`,
+:mod:`zerodp.engine.fsdp`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from zerodp.engine.grads import ShardedGrad
+from zerodp.engine.group import FlatGroup, GradState
+from zerodp.engine.trace import COMPUTE
+
+#: gradient reductions allowed in flight before the oldest is waited for (bounds transient buffers)
+MAX_REDUCE_IN_FLIGHT = 2
+#: the most fp32 gradient bytes cast at once for the optimizer step (see ``_optimizer_step``)
+STEP_BATCH_BYTES = 16 * 1024 * 1024
+
+
+class StepState(enum.Enum):
+    """Where the engine is in a training step (docs/porting.md; guide §12.9). One value per engine;
+    every change goes through ``StepMachine._move``, which refuses what ``STEP_MOVES`` does not list.
+
+    ``IDLE``: no gradient since construction or ``zero_grad``. ``BACKWARD``: a backward pass is
+    running through the engine's hooks; found at the start of any other call, it means that pass
+    raised before its end (the next call then says so, and ``zero_grad`` recovers). ``ACCUMULATED``:
+    backward passes finished, gradients held. ``STEPPED``: ``step`` applied them; they stay until
+    ``zero_grad``, so a second ``step`` applies them again, as torch's optimizers do."""
+
+    IDLE = "idle"
+    BACKWARD = "backward"
+    ACCUMULATED = "accumulated"
+    STEPPED = "stepped"
+
+
+_S = StepState
+STEP_MOVES: dict[StepState, frozenset[StepState]] = {
+    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+    _S.BACKWARD: frozenset({_S.ACCUMULATED, _S.IDLE}),
+    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+    _S.STEPPED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+}
+
+
+class StepMachine:
+    """The step over the flat groups (module docstring); mixed into every stage engine."""
+
+    def _move(self, to: StepState) -> None:
+        if to not in STEP_MOVES[self.step_state]:
+            raise RuntimeError(f"engine state {self.step_state.value} -> {to.value} is not a step of the "
+                               "training loop (zerodp internal error: please report it)")
+        self.step_state = to
+
+    def _check_not_failed(self, call: str) -> None:
+        """A backward that raised before its end (anomaly mode, an OOM caught by the script) left
+        this step's gradients partial: say so, and what to call, instead of training on them."""
+        if self.step_state is StepState.BACKWARD:
+            raise RuntimeError(
+                f"engine.{call}(): the last backward raised before it finished, so this step's gradients are "
+                "partial on this rank; call optimizer.zero_grad() (or engine.zero_grad()) to drop them, then run "
+                "the step again")
+
+    def _backward_started(self) -> None:
+        """Call from gradient hooks: arms ``_on_backward_end`` once per backward pass."""
+        if self.step_state is not StepState.BACKWARD:
+            self._move(StepState.BACKWARD)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _on_output_grad(self, grad):
+        if self._backward_event is None:
+            self._backward_event = self.recorder.begin("backward", COMPUTE)
+        return None
+
+    def _backward_end(self) -> None:
+        self._move(StepState.ACCUMULATED)
+        if self._backward_event is not None:
+            self.recorder.end(self._backward_event)
+            self._backward_event = None
+        self._on_backward_end()
+
+    def _abandon_backward(self) -> None:
+        """zero_grad after a raised backward: wait for what it launched, reset every group's
+        backward state, and leave the gradients to ``_zero_grad`` (every rank raised alike)."""
+        self._inflight.wait_all()
+        if self._backward_event is not None:
+            self.recorder.end(self._backward_event)
+            self._backward_event = None
+        for g in self.groups:
+            g.reset_backward()
+        self._on_backward_abandoned()
+        self._move(StepState.IDLE)
+
+    def _token_factor(self) -> float | None:
+        """Guide §2.2: factor to pre-multiply local gradients with before a mean reduction, so that
+        the mean over ranks becomes Σ_r n_r g_r / Σ_r n_r. None when averaging plainly."""
+        if not self.config.average_by_tokens:
+            return None
+        if self._token_factor_value is None:
+            if self._tokens <= 0:
+                raise RuntimeError(
+                    "average_by_tokens=True but this rank counted no tokens this step: call "
+                    "engine.count_tokens(n) for every micro-batch before its backward"
+                )
+            total = self.comm.all_reduce_sum(torch.tensor([self._tokens], dtype=torch.float64,
+                                                          device=self.device), "token_count")
+            self._token_factor_value = self._tokens * self.world_size / float(total[0])
+        return self._token_factor_value
+
+    def _bound_in_flight(self, g: FlatGroup) -> None:
+        """Before a group allocates gradients for a reduction: wait for the oldest collectives
+        while ``MAX_REDUCE_IN_FLIGHT`` are in flight, so that transient gradient buffers are
+        bounded by the groups in flight, not by the model (guide §9.2)."""
+        if not g.holds_grads:
+            while len(self._inflight) >= MAX_REDUCE_IN_FLIGHT:
+                self._inflight.wait_oldest()
+
+    def _launch_reduce(self, g: FlatGroup) -> None:
+        self._inflight.add(*g.reduce(self._token_factor()))
+        held = (sum(t.untyped_storage().nbytes() for g in self.groups for t in g.comm_tensors())
+                + sum(st.nbytes() for st in self._grad_pool.free))
+        self._comm_peak = max(self._comm_peak, held)
+
+    def _finish_grad_sync(self) -> None:
+        """Wait for every gradient collective; groups still holding local gradients of a
+        ``no_sync`` backward (the step's last micro-batch ran inside it) are reduced now, on every
+        rank alike, at every stage — stage 0 included, where DDP would step each replica on its own
+        gradients and let them drift apart. Then the released gradient storages are freed: the
+        optimizer step creates its states next, and nothing reduces again before the next backward."""
+        self._inflight.wait_all()
+        pending = [g for g in self.groups if g.has_local]
+        for g in pending:
+            self._launch_reduce(g)
+        self._inflight.wait_all()
+        self._grad_pool.clear()
+
+    def _master_grads(self) -> list[torch.Tensor | None]:
+        grads = {id(g): g.grad() for g in self.groups}
+        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self._target_slices]
+
+    def _optimizer_step(self) -> None:
+        """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
+        ``_publish_params``.
+
+        Gradients kept in bf16 are cast to fp32 for the optimizer: all at once that is 4 bytes per
+        element of the whole shard alive during ``optimizer.step()`` (4Ψ/N at stage 3, more than
+        the gradient shard itself). So the step runs over batches of targets of at most
+        ``STEP_BATCH_BYTES`` of fp32 gradients, one ``optimizer.step()`` each: the update of an
+        elementwise optimizer is per element, so this is bitwise the single step (targets without
+        a gradient are skipped by each call). Only when the optimizer has step hooks (which would
+        then run once per batch) is it done in one call."""
+        grads = self._master_grads()
+        batches = [range(len(grads))]
+        cast = any(g is not None and g.dtype != torch.float32 for g in grads)
+        if cast and not _has_step_hooks(self.master.optimizer):
+            batches, start, size = [], 0, 0
+            for i, g in enumerate(grads):
+                size += 0 if g is None else 4 * g.numel()
+                if size >= STEP_BATCH_BYTES:
+                    batches.append(range(start, i + 1))
+                    start, size = i + 1, 0
+            batches.append(range(start, len(grads)))
+        for batch in batches:
+            chosen = set(batch)
+            self.master.attach_grads([g if i in chosen else None for i, g in enumerate(grads)], self._unused)
+            self.master.step()
+            self.master.zero_grad()
+        self._publish_params()
+
+    def _publish_params(self) -> None:
+        """After the step, the compute parameters ← the master, in the order the next forward
+        needs them (the last bucket holds the first layers; guide §9.1 step 5)."""
+        for g in reversed(self.groups):
+            pending = g.publish()
+            if pending is not None:
+                self._param_gathers.add(pending)
+
+    def _wait_params(self) -> None:
+        self._param_gathers.wait_all()
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.groups:
+            g.zero_grad(set_to_none)
+
+    def _record_used(self) -> None:
+        """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
+        used = self._step_used
+        for g, index in zip(self.groups, self._used_index):
+            for fired, i in zip(g.bwd.fired, index):
+                if fired:
+                    used[i] = True
+
+    def _reset_used(self) -> None:
+        self._step_used = [False] * len(self.named_params)
+
+    def _local_used(self) -> list[bool] | None:
+        """Per trainable parameter (``named_params`` order): did this rank compute a gradient
+        for it in any backward of this step? None when every parameter must be used (an unused
+        one is an error raised at backward), so no exchange is needed."""
+        return None
+
+    def _step_unused(self) -> set[str]:
+        """Names of the parameters no rank used this step (one small AllReduce, MAX = OR)."""
+        used = self._local_used()
+        if used is None:
+            return set()
+        flags = torch.tensor([1.0 if u else 0.0 for u in used], device=self.device)
+        if self.world_size > 1:
+            self.comm.all_reduce_max(flags, "used_params")
+        return {n for (n, _), f in zip(self.named_params, flags.tolist()) if f == 0.0}
+
+    def _attach_sharded_grads(self) -> None:
+        """Reduced gradients that no module parameter holds (a shard of its own, stages 1-3) go on
+        the parameters as :class:`ShardedGrad` s until the next forward or ``zero_grad``. Local:
+        nothing is attached while a group still holds unreduced gradients (that would need a
+        collective, and ``parameters()`` is no collective)."""
+        if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED) or not self.policy.shard_master \
+                or self._grads_under_sharded or any(g.has_local for g in self.groups):
+            return
+        self._inflight.wait_all()
+        for g in self.groups:
+            if g._shard_in_full or g.grad_state not in (GradState.REDUCED, GradState.ZEROS):
+                continue
+            lo, hi = g.shard_range
+            for i in g.trainable:
+                slot, p = g.layout.slots[i], g.params[i]
+                a, b = max(slot.offset, lo), min(slot.stop, hi)
+                local = g.grad_shard[a - lo:b - lo] if a < b else g.grad_shard[:0]
+                self._grads_under_sharded[id(p)] = p.grad
+                p.grad = ShardedGrad(p, local, g.comm)
+
+    def _detach_sharded_grads(self) -> None:
+        if not self._grads_under_sharded:
+            return
+        for g in self.groups:
+            for p in g.trainable_params:
+                if id(p) in self._grads_under_sharded:
+                    p.grad = self._grads_under_sharded[id(p)]
+        self._grads_under_sharded = {}
+
+    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for g in self.groups:
+            for kind, tensors in g.memory().items():
+                out.setdefault(kind, []).extend(tensors)
+        out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
+                                                  for st in self._grad_pool.free)
+        return out
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` runs hooks (its own or torch's global ones)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
