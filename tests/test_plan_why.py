@@ -5,7 +5,6 @@ Expected figures are published ones (model cards and papers), not the planner's 
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
@@ -176,12 +175,6 @@ def test_planner_and_trainer_models_are_one_list():
             built = GPT(cfg).num_params()
         assert plan.get_model(name).params == built, name
 
-
-def test_readme_says_what_the_seed_is():
-    text = (ROOT / "README.md").read_text()
-    m = re.search(r'What "the seed" is\.\*\*(.{0,600})', text, re.S)
-    assert m, "the README should say in two sentences what the seed is"
-    assert "article" in m.group(1) and "docs/guide.md" in m.group(1), m.group(1)
 
 
 def test_tied_embeddings_count_once():
