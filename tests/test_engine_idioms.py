@@ -99,6 +99,15 @@ def ref_step(ref: nn.Module, opt: torch.optim.Optimizer, step: int, use_extra: b
     opt.step()
 
 
+def refused(call, words: str, silent: str) -> str | None:
+    """None when ``call()`` raises a RuntimeError whose message holds ``words``; else what happened."""
+    try:
+        call()
+        return silent
+    except RuntimeError as e:
+        return None if words in str(e) else f"unclear message: {e}"
+
+
 # ---- the checks: each returns None (as the reference) or what differed ---------------------------
 def optimizer_step_and_grad_scaler(rank, stage):
     """The script's ``scaler.step(optimizer)``, ``optimizer.zero_grad()`` on engine.optimizer."""
@@ -240,12 +249,10 @@ def raised_backward_is_recoverable(rank, stage):
         return "the hook did not raise"
     except Boom:
         pass
-    try:
-        engine(mine(x, rank), mine(y, rank))
-        return "the forward after a raised backward ran without a word"
-    except RuntimeError as e:
-        if "zero_grad" not in str(e):
-            return f"unclear message: {e}"
+    problem = refused(lambda: engine(mine(x, rank), mine(y, rank)), "zero_grad",
+                      "the forward after a raised backward ran without a word")
+    if problem:
+        return problem
     engine.zero_grad()
     for step in (1, 2):
         x, y = batch(step)
@@ -309,12 +316,10 @@ def unfreezing_later_is_refused(rank, stage):
                                 find_unused_parameters=stage < 3)
     model.extra.weight.requires_grad_(True)
     x, y = batch(0)
-    try:
-        engine(mine(x, rank), mine(y, rank))
-        return "a parameter unfrozen after parallelize was trained silently"
-    except RuntimeError as e:
-        if "extra.weight" not in str(e):
-            return f"message does not name the parameter: {e}"
+    problem = refused(lambda: engine(mine(x, rank), mine(y, rank)), "extra.weight",
+                      "a parameter unfrozen after parallelize was trained silently")
+    if problem:
+        return problem
     try:
         engine.optimizer.add_param_group({"params": [model.extra.weight]})
         return "add_param_group was accepted"
