@@ -114,3 +114,19 @@ def test_console_script_subprocess():
                           "--gpus", "512", "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["grad_acc"] == 1
+
+
+def test_simulate_names_its_units(capsys):
+    """A 32-layer model is "32 blocks + embedding + head", not "34 layers"."""
+    assert main(["plan", "simulate", "--config", "tests/data/llama-3.1-8b/config.json"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "32 blocks + embedding + head" in head and "34" not in head, head
+
+
+@pytest.mark.parametrize("command", ["comm", "roofline", "batch", "simulate", "memory", "recommend"])
+def test_every_plan_command_has_a_description(capsys, command):
+    with pytest.raises(SystemExit):
+        main(["plan", command, "-h"])
+    out = capsys.readouterr().out
+    body = out.split("\n\n")[1]  # after the usage block: the description
+    assert not body.startswith(("options:", "optional arguments:")) and len(body) > 80, out[:600]

@@ -128,3 +128,23 @@ def test_tight_inside_the_headroom():
     assert plan.memory.verdict(71e9, 80e9) == "fits"
     assert plan.memory.verdict(75e9, 80e9) == "tight"
     assert plan.memory.verdict(81e9, 80e9) == "no"
+
+
+def test_calibrated_compute_comes_from_the_profile(tmp_path):
+    """With a calibration profile a micro-batch costs its measured forward + backward at its token
+    count, the optimizer its measured time over the parameters a rank steps (docs/planner.md)."""
+    from _profiles import synthetic_profile
+    from zerodp.plan.calibrated import compute_times, load_calibration, optimizer_time
+
+    prof = synthetic_profile(tmp_path / "p.json")
+    comp = load_calibration(prof)["calibration"]["compute"]
+    m = plan.get_model("nano")
+    r = rec.recommend(m, prof, nodes=1, gpus_per_node=2, global_batch_tokens=1024, seq=32,
+                      precision="fp32", recompute=("none",), compress=("none",), bucket_mb=(0.5,),
+                      calibration=prof)
+    assert r.efficiency == 1.0 and r.candidates
+    for c in r.candidates:
+        f, b = compute_times(comp, c.micro_batch * 32)
+        opt = optimizer_time(comp, c.micro_batch * 32, m.params / (2 if c.stage else 1))
+        assert c.compute_s == pytest.approx(c.grad_acc * (f + b) * m.active / comp["params"] + opt)
+        assert c.step_s == pytest.approx(c.compute_s + c.exposed_comm_s)

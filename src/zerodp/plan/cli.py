@@ -426,7 +426,7 @@ def cmd_simulate(args) -> int:
             raise ValueError("--alpha/--latency need --bandwidth (a flat ring); or change --hardware")
         cost = network_cost(hw, args.gpus)
     head = (f"{model.name} on {args.gpus}x{hw.name}, {fmt_count(args.tokens_per_gpu)} tokens/GPU, "
-            f"{len(layers)} layers, {fmt_bytes(sum(l.param_bytes for l in layers))} of gradients")
+            f"{_units_words(layers)}, {fmt_bytes(sum(l.param_bytes for l in layers))} of gradients")
     if args.fsdp:
         f = simulate_fsdp(layers, cost, prefetch=not args.no_prefetch)
         rows = [["compute (fwd + bwd)", fmt_time(f.compute_s)], ["step", fmt_time(f.step_s)],
@@ -464,6 +464,13 @@ def cmd_simulate(args) -> int:
         plot_timeline(t, args.plot, sweep)
         text += f"\nplot written to {args.plot}"
     return _emit(args, {"timeline": t.to_dict(), "sweep": sweep.to_dict() if sweep else None}, text)
+
+
+def _units_words(layers) -> str:
+    """What the simulator runs, in words: "32 blocks + embedding + head" (not "34 layers")."""
+    blocks = sum(1 for l in layers if l.name.startswith("block"))
+    extra = [l.name for l in layers if not l.name.startswith("block")]
+    return " + ".join([f"{blocks} block{'s' if blocks != 1 else ''}"] + extra)
 
 
 def _cluster(args, hw):
@@ -553,6 +560,10 @@ def add_parser(subparsers) -> None:
                        help="flat ring: bytes/s per rank, one way (default: from --hardware)")
 
     p = sub.add_parser("comm", help="AllReduce/ReduceScatter/AllGather time (alpha-beta, ring, two legs)",
+                       description="Time of one collective of --bytes (AllReduce, ReduceScatter, AllGather) on --gpus "
+                                   "ranks with the alpha-beta ring model (guide §2.4), each leg priced separately past"
+                                   " one node; or, with --params/--model, every collective of one step per stage, with"
+                                   " hybrid sharding and compression (guide §14, §15).",
                        formatter_class=_Help)
     _common(p)
     p.add_argument("--bytes", type=_qty("bytes", 0, 1e15, "1 PB at most", allow_zero=True),
@@ -574,6 +585,10 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_comm)
 
     p = sub.add_parser("roofline", help="tokens per GPU to stay compute-bound; min batch; max GPUs",
+                       description="The roofline of guide §7: tokens each GPU must run per step for its compute to "
+                                   "hide the gradient traffic (C/W, times the MoE factor), the smallest global batch "
+                                   "that keeps N GPUs compute-bound, and with --batch-tokens the most GPUs a batch can"
+                                   " use.",
                        formatter_class=_Help)
     _common(p)
     p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS),
@@ -595,6 +610,9 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_roofline)
 
     p = sub.add_parser("batch", help="samples and grad_acc from a global batch in tokens (guide §6.1)",
+                       description="Guide §6.1: the global batch in samples (tokens / seq, rounded to a power of two "
+                                   "unless --no-round) and the gradient accumulation that reaches it, gbs = micro-"
+                                   "batch x grad_acc x dp; warns when grad_acc would be below 1 (GPU-rich).",
                        formatter_class=_Help)
     _common(p, hardware=False)
     p.add_argument("--tokens", type=_qty("tokens", 1, 1e15, "a quadrillion at most", count=True),
@@ -608,6 +626,11 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("simulate", help="event simulation of bucketed overlap or FSDP prefetch",
+                       description="Event simulation of one backward (guide §4): gradient buckets of --bucket bytes "
+                                   "reduced while the rest of backward runs, the exposed communication, and with "
+                                   "--sweep the bucket sizes around the sweet spot; with --fsdp, ZeRO-3/FSDP per-unit "
+                                   "AllGathers and ReduceScatters with or without prefetch. The units are the model's "
+                                   "blocks plus its embedding and head.",
                        formatter_class=_Help)
     _common(p, model=True)
     p.add_argument("--gpus", type=_int_qty("gpus", 2, **_GPUS), default=8,

@@ -10,7 +10,8 @@ import os
 
 from zerodp.plan.timeline import BackwardTimeline, BucketSweep, FsdpTimeline
 
-_COLORS = ("#4C72B0", "#DD8452")
+_COMPUTE = ("#4C72B0", "#8FAADC")  # backward compute, alternate layers (units) in two blues
+_COMM = ("#DD8452", "#F2B98F")  # bucket collectives, alternate buckets in two oranges
 _KIND_COLORS = {"all_gather": "#8172B3", "reduce_scatter": "#C44E52"}
 _MS = 1e3
 
@@ -30,11 +31,11 @@ def plot_timeline(timeline: BackwardTimeline | FsdpTimeline, path: str,
     fig, axes = plt.subplots(rows, 1, figsize=(11, 3.2 * rows), squeeze=False)
     ax = axes[0][0]
     for i, span in enumerate(timeline.compute):
-        color = "#55A868" if span.phase == "forward" else _COLORS[i % 2]
+        color = "#55A868" if span.phase == "forward" else _COMPUTE[i % 2]
         ax.broken_barh([(span.start_s * _MS, (span.end_s - span.start_s) * _MS)], (10, 8),
                        facecolors=color, edgecolors="none")
     if isinstance(timeline, BackwardTimeline):
-        bars = [(r.start_s, r.end_s, _COLORS[(i + 1) % 2]) for i, r in enumerate(timeline.runs)]
+        bars = [(r.start_s, r.end_s, _COMM[i % 2]) for i, r in enumerate(timeline.runs)]
         end = timeline.backward_s
         label = (f"{timeline.num_buckets:,} buckets of {timeline.bucket_bytes / 1e6:g} MB, "
                  f"exposed {timeline.exposed_comm_s * _MS:.1f} ms")
@@ -45,12 +46,19 @@ def plot_timeline(timeline: BackwardTimeline | FsdpTimeline, path: str,
                  f"ReduceScatters, exposed {timeline.exposed_comm_s * _MS:.1f} ms")
     for s, e, color in bars:
         ax.broken_barh([(s * _MS, (e - s) * _MS)], (0, 8), facecolors=color, edgecolors="none")
-    if isinstance(timeline, FsdpTimeline):
-        from matplotlib.patches import Patch
+    from matplotlib.patches import Patch
 
-        ax.legend(handles=[Patch(color=c, label=k) for k, c in _KIND_COLORS.items()]
-                  + [Patch(color="#55A868", label="forward compute")], fontsize=8, ncol=3,
-                  loc="upper center", bbox_to_anchor=(0.5, -0.28))
+    if isinstance(timeline, FsdpTimeline):
+        handles = ([Patch(color=c, label=k) for k, c in _KIND_COLORS.items()]
+                   + [Patch(color="#55A868", label="forward compute"),
+                      Patch(color=_COMPUTE[0], label="backward compute (units alternate dark/light)")])
+    else:
+        handles = [Patch(color=_COMPUTE[0], label="backward compute (layers alternate dark/light)"),
+                   Patch(color=_COMM[0], label="bucket's collective (buckets alternate dark/light)")]
+    handles.append(plt.Line2D([], [], color="k", linestyle="--", linewidth=1,
+                              label="end of compute"))
+    ax.legend(handles=handles, fontsize=8, ncol=len(handles), loc="upper center",
+              bbox_to_anchor=(0.5, -0.28))
     ax.axvline(end * _MS, color="k", linestyle="--", linewidth=1)
     ax.set_yticks([4, 14], ["communication", "compute"])
     ax.set_xlabel("time (ms)")

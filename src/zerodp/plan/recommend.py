@@ -34,7 +34,9 @@ from dataclasses import dataclass, field, replace
 
 from zerodp.plan._common import InputError, ToDict, check_count, fmt_bytes, fmt_count, parse_quantity
 from zerodp.plan.batch import plan_batch
-from zerodp.plan.hardware import Hardware, get_hardware
+from zerodp.plan.calibrated import calibration_for, compute_times, contention_s, optimizer_time
+from zerodp.plan.calibrated import efficiency as efficiency_of
+from zerodp.plan.hardware import Hardware, get_hardware, hardware_from_dict
 from zerodp.plan.hybrid import step_comm
 from zerodp.plan.memory import HEADROOM, RECOMPUTE, memory_plan
 from zerodp.plan.models import get_model
@@ -197,19 +199,34 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
               precision: str = "bf16", efficiency: float = DEFAULT_EFFICIENCY,
               stages=(0, 1, 2, 3), recompute=RECOMPUTE, compress=SEARCH_COMPRESSIONS,
               bucket_mb=BUCKET_MB, micro_batches=None, top: int = 5,
-              headroom: float = HEADROOM) -> Recommendation:
+              headroom: float = HEADROOM, calibration=None) -> Recommendation:
     """The fastest configurations that fit, ranked (module docstring; docs/planner.md).
 
     ``model``: a preset name or :class:`~zerodp.plan.Model` with a shape; ``hardware``: a preset,
     a file or :class:`~zerodp.plan.Hardware` (``gpus_per_node`` overrides its
     ``devices_per_node``); ``global_batch_tokens``: the target (a number or "4M"); ``seq``: the
     sequence length. Raises ValueError (one line naming the input) on bad input.
+
+    ``calibration``: a profile written by ``zerodp calibrate`` (path, dict or its table) on this
+    many ranks. The compute of a micro-batch is then the measured forward + backward at its token
+    count (interpolated, :func:`~zerodp.plan.calibrated.compute_times`; scaled by active
+    parameters when the profile measured another model), the optimizer step its measured time
+    over the parameters a rank steps (Ψ at stage 0, Ψ/g above), and (1 − η) of the communication
+    that hides behind compute is added back, η the measured overlap efficiency
+    (:func:`~zerodp.plan.calibrated.efficiency`). ``efficiency`` is then 1 (C is measured).
     """
     start = time.perf_counter()
+    cal = None
+    if calibration is not None:
+        cal = calibration_for(calibration)
+        efficiency = 1.0
     m = get_model(model)
     if not (m.layers and m.hidden and m.heads):
         raise InputError(f"recommend needs the model's shape and {m.name} has none: give a "
                          "config.json (--config) or a preset with a shape", "model")
+    if hardware is None and calibration is not None:
+        hardware = (hardware_from_dict(calibration, "calibration profile")
+                    if isinstance(calibration, dict) else calibration)
     hw = get_hardware(hardware)
     nodes = check_count("nodes", nodes)
     gpn = hw.devices_per_node if gpus_per_node is None else check_count("gpus_per_node", gpus_per_node)
@@ -231,6 +248,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     if micro_batches is None:
         micro_batches = [2**i for i in range(int(math.log2(MAX_SEARCH_MICRO_BATCH)) + 1)]
     c_eff = hw.flops * efficiency
+    eta = efficiency_of(cal) if cal is not None else 1.0
     rejected: dict = {}
     kept: list[Candidate] = []
     comm_bound: list[Candidate] = []
@@ -272,8 +290,17 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                         r["count"] += len(comps) * len(bks)
                         continue
                     model_flops, run_flops = flops_per_micro_batch(m, seq, mbs, rc)
-                    micro_s = run_flops / c_eff
-                    fwd_s = micro_s / 3 if rc == "none" else (model_flops / 3) / c_eff
+                    opt_s = 0.0
+                    if cal is None:
+                        micro_s = run_flops / c_eff
+                        fwd_s = micro_s / 3 if rc == "none" else (model_flops / 3) / c_eff
+                    else:
+                        f_s, b_s = compute_times(cal["compute"], mbs * seq)
+                        scale = m.active / cal["compute"]["params"]
+                        fwd_s = f_s * scale
+                        micro_s = (f_s + b_s) * scale * run_flops / model_flops
+                        opt_s = optimizer_time(cal["compute"], mbs * seq,
+                                               m.params / (g if s > 0 else 1))
                     bwd_s = micro_s - fwd_s
                     for cp in comps:
                         key = (s, g, cp)
@@ -300,7 +327,9 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                             exposed = (b.grad_acc * _window(per_micro, hide, pieces)
                                        + _window(per_step, bwd_s, pieces) + after)
                             comm = b.grad_acc * per_micro + per_step + after
-                            compute = b.grad_acc * micro_s
+                            compute = b.grad_acc * micro_s + opt_s
+                            if cal is not None:  # what hid still shared the processor
+                                exposed += contention_s(comm - exposed, eta)
                             step = compute + exposed
                             tokens = b.effective_samples * seq
                             legs = [sum(x) for x in zip(cm.per_micro, cm.per_step, cm.after_step)]
@@ -381,7 +410,11 @@ def lost_because(c: Candidate, best: Candidate) -> str:
     d_compute = c.compute_s * per - best.compute_s
     d_exposed = c.exposed_comm_s * per - best.exposed_comm_s
     if d_compute >= d_exposed:
-        why = "recomputation" if c.recompute != best.recompute else "smaller micro-batches"
+        why = ("recomputation" if c.recompute != best.recompute else
+               "smaller micro-batches" if c.micro_batch < best.micro_batch else
+               "larger micro-batches" if c.micro_batch > best.micro_batch else
+               "the optimizer steps all of Ψ on every GPU" if c.stage == 0 < best.stage else
+               "the optimizer step")
         return f"+{d_compute * 1e3:.3g} ms of compute ({why})"
     return f"+{d_exposed * 1e3:.3g} ms of exposed communication"
 
