@@ -7,8 +7,8 @@ that fits (step 3), and the number of ranks; gradient accumulation makes up the 
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields, replace
-
 from typing import TYPE_CHECKING
 
 from zerodp.plan.batch import plan_batch as planner_batch
@@ -22,10 +22,77 @@ PRESET_NAMES = ("nano", "tiny", "small", "medium", "gpt2-small")
 
 STAGES = (0, 1, 2, 3)
 from zerodp.plan.units import AUTO  # noqa: E402 - --bucket-mb auto
-MIXED_PRECISION = (None, "bf16")  # None: fp32 throughout
+
+
+class Mode(str, enum.Enum):
+    """A setting given as a word, parsed once where it enters (a flag, a TOML key, a dict read
+    back): the code behind compares members, never strings. A member still equals, hashes, prints
+    and serialises (JSON, TOML, pickle) as its spelling, so logs, manifests and configs read as before."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value, flag: str, aliases: dict | None = None, optional: bool = True):
+        """``value`` as a member (None stays None where ``optional``); one sentence naming ``flag``
+        and the choices when it is none of them. ``aliases``: the spellings accepted → a member or None."""
+        if isinstance(value, cls) or (value is None and optional):
+            return value
+        if aliases is not None and value in aliases:
+            return aliases[value]
+        try:
+            return cls(value)
+        except ValueError:
+            words = list(aliases) if aliases is not None else [m.value for m in cls]
+            raise ValueError(f"{flag} must be one of {', '.join(words)}, got {value!r}") from None
+
+
+class Precision(Mode):
+    """``--mixed-precision`` and ``--reduce-dtype``: bf16, or None for fp32 throughout (guide §1, §15)."""
+
+    BF16 = "bf16"
+
+
+class Quantize(Mode):
+    """``--quantize``: which collectives travel in int8 (guide §15)."""
+
+    PARAMS = "params"
+    GRADS = "grads"
+    BOTH = "both"
+
+    @property
+    def params(self) -> bool:
+        return self in (Quantize.PARAMS, Quantize.BOTH)
+
+    @property
+    def grads(self) -> bool:
+        return self in (Quantize.GRADS, Quantize.BOTH)
+
+
+class OnSaveError(Mode):
+    """``--on-save-error``: a checkpoint the filesystem refuses stops the run, or the run goes on."""
+
+    STOP = "stop"
+    CONTINUE = "continue"
+
+
+class Backend(Mode):
+    """``--backend``: auto (nccl when CUDA is available, else gloo), gloo or nccl."""
+
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
 #: what --mixed-precision accepts (the engine's names; it refuses fp16, which needs loss scaling) -> the field
-MIXED_PRECISION_CHOICES = {"fp32": None, "bf16": "bf16", "float32": None, "bfloat16": "bf16"}
-ON_SAVE_ERROR = ("stop", "continue")
+MIXED_PRECISION_CHOICES = {"fp32": None, "bf16": Precision.BF16, "float32": None, "bfloat16": Precision.BF16}
+ON_SAVE_ERROR = tuple(m.value for m in OnSaveError)
 
 
 @dataclass(frozen=True)
@@ -93,11 +160,11 @@ class TrainConfig:
     seq_len: int = 128
     micro_batch: int = 16
     stage: int = 2
-    mixed_precision: str | None = None
+    mixed_precision: Precision | None = None  # None: fp32 throughout
     bucket_mb: float | str = 0.5  # MiB, or "auto": the simulator's sweet spot from --profile (guide §4)
     shard_size: int | None = None  # hybrid sharding (guide §14): ranks per shard group; None: one node
-    reduce_dtype: str | None = None  # "bf16": gradients travel in bf16 (guide §15)
-    quantize: str | None = None  # "params", "grads" or "both": int8 collectives (guide §15)
+    reduce_dtype: Precision | None = None  # bf16: gradients travel in bf16 (guide §15)
+    quantize: Quantize | None = None  # params, grads or both: int8 collectives (guide §15)
     profile: str | None = None  # calibration profile (zerodp calibrate) for --bucket-mb auto
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -112,12 +179,12 @@ class TrainConfig:
     resume: str | None = None  # a checkpoint directory or a run directory (its latest checkpoint)
     trace: bool = False
     nproc: int = 2
-    backend: str = "auto"  # auto: nccl when CUDA is available, else gloo
+    backend: Backend = Backend.AUTO  # auto: nccl when CUDA is available, else gloo
     max_restarts: int = 0
     timeout_s: float = 600.0  # collective timeout; the watchdog allows 1.5x this + 2 s (issue 9)
     max_skipped_steps: int = 3  # stop after this many consecutive steps with inf/NaN gradients
     grace_s: float = 30.0  # SIGTERM / first SIGINT: stop with a checkpoint within this (zerodp.train.stop)
-    on_save_error: str = "stop"  # a checkpoint the filesystem refuses: "stop" or "continue" (retry later)
+    on_save_error: OnSaveError = OnSaveError.STOP  # a checkpoint the filesystem refuses: stop, or continue
     progress: bool = True
     progress_every: int = 0  # without a terminal: a progress line every N steps; 0: a twentieth of the run
     progress_every_s: float = 30.0  # ... and at least every so many seconds
@@ -129,19 +196,9 @@ class TrainConfig:
         if self.stage not in STAGES:
             raise ValueError(f"unknown --stage {self.stage!r}: stages are 0 (DP), 1 (ZeRO-1), "
                              "2 (ZeRO-2), 3 (ZeRO-3/FSDP)")
-        if self.mixed_precision in MIXED_PRECISION_CHOICES:  # the engine's spellings -> None or "bf16"
-            object.__setattr__(self, "mixed_precision", MIXED_PRECISION_CHOICES[self.mixed_precision])
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"--mixed-precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, got "
-                             f"{self.mixed_precision!r}")
-        if self.quantize not in (None, "params", "grads", "both"):
-            raise ValueError(f"unknown --quantize {self.quantize!r}: use params, grads or both")
-        if self.reduce_dtype not in (None, "bf16"):
-            raise ValueError(f"unknown --reduce-dtype {self.reduce_dtype!r}: use bf16")
+        self._parse_modes()
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"--shard-size must be >= 1 (ranks per shard group), got {self.shard_size}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         for name in ("steps", "seq_len", "micro_batch", "global_batch_tokens", "nproc",
                      "eval_batches", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, name) < 1:
@@ -161,10 +218,18 @@ class TrainConfig:
             raise ValueError(f"--timeout-s must be a positive number of seconds, got {self.timeout_s}")
         if not 1 <= self.grace_s <= 86400:
             raise ValueError(f"--grace-s must be a number of seconds from 1 to 86400, got {self.grace_s}")
-        if self.on_save_error not in ON_SAVE_ERROR:
-            raise ValueError(f"--on-save-error must be one of {', '.join(ON_SAVE_ERROR)}, got "
-                             f"{self.on_save_error!r}")
         self._check_bucket()
+
+    def _parse_modes(self) -> None:
+        """The settings given as words, as :class:`Mode` members (the one place they are parsed)."""
+        def put(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
+        put("mixed_precision", Precision.parse(self.mixed_precision, "--mixed-precision", MIXED_PRECISION_CHOICES))
+        put("reduce_dtype", Precision.parse(self.reduce_dtype, "--reduce-dtype"))
+        put("quantize", Quantize.parse(self.quantize, "--quantize"))
+        put("backend", Backend.parse(self.backend, "--backend", optional=False))
+        put("on_save_error", OnSaveError.parse(self.on_save_error, "--on-save-error", optional=False))
 
     def _check_bucket(self) -> None:
         """``--bucket-mb``: a positive number of MiB, or ``auto`` with ``--profile`` (guide §4)."""
