@@ -20,6 +20,7 @@ import torch
 from zerodp.spawn import RankFailure, run_local
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
+from zerodp.train.hooks import Hooks
 
 from test_train_checkpoint import MODEL, pieces_for, reference_state
 
@@ -76,13 +77,14 @@ def test_a_shard_that_breaks_after_validation_is_applied_on_no_rank(tmp_path):
 
 
 def _save_twice_and_kill(rank, world, root, victim, phase):
-    def on_phase(name):
-        if rank == victim and name == phase:
-            os._exit(17)  # as abrupt as a kill
+    class DieAt(Hooks):
+        def save_phase(self, step, name):
+            if rank == victim and name == phase:
+                os._exit(17)  # as abrupt as a kill
 
     ckpt.save(pieces_for(reference_state(seed=1), rank, world), root, 1, {"model": MODEL}, keep=1)
     ckpt.save(pieces_for(reference_state(seed=2), rank, world), root, 2, {"model": MODEL}, keep=1,
-              on_phase=on_phase)
+              hooks=DieAt())
     return True
 
 

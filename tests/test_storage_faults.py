@@ -5,9 +5,10 @@ loadable; and training stops cleanly (the default, ``--on-save-error stop``: exi
 with ``--on-save-error continue``, goes on and saves at the next interval, ending bitwise where a
 run without the fault ends.
 
-The faults come from the checkpoint writer's test hook (``zerodp.train.checkpoint.fault_hook``),
-set from ``ZERODP_TEST_FAULT`` (``enospc:R:S`` and so on, zerodp.train.faults). ENOSPC, EACCES and
-EIO are raised by the hook at the write (or the fsync) of rank R's shard — a test cannot fill the
+The faults come from the run's hooks object, which the loop passes to the checkpoint writer
+(``Hooks.before_fs``, zerodp.train.hooks), built from ``ZERODP_TEST_FAULT`` (``enospc:R:S`` and so
+on, zerodp.train.faults). ENOSPC, EACCES and EIO are raised by the hook at the write (or the fsync)
+of rank R's shard — a test cannot fill the
 disk or, as root, be refused permission — while ``rmdir`` really removes the directory and the
 write that follows really fails.
 """

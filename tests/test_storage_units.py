@@ -11,20 +11,20 @@ import pytest
 import torch
 
 from zerodp.train import checkpoint as ckpt
+from zerodp.train.hooks import NO_HOOKS, Hooks
 
 from test_train_checkpoint import MODEL, pieces_for, reference_state
 
 
-@pytest.fixture
-def fault():
-    """Set the writer's test hook to raise ``code`` at ``point``; reset afterwards."""
-    def arm(point, code):
-        def hook(p, step, path):
-            if p == point:
-                raise OSError(code, os.strerror(code), str(path))
-        ckpt.fault_hook = hook
-    yield arm
-    ckpt.fault_hook = None
+class FailAt(Hooks):
+    """Hooks that make the writer meet ``code`` at filesystem operation ``point``."""
+
+    def __init__(self, point, code):
+        self.point, self.code = point, code
+
+    def before_fs(self, point, step, path):
+        if point == self.point:
+            raise OSError(self.code, os.strerror(self.code), str(path))
 
 
 def _same(path, seed):
@@ -35,12 +35,12 @@ def _same(path, seed):
 @pytest.mark.parametrize("point,code", [("mkdir", errno.EACCES), ("shard", errno.ENOSPC),
                                         ("fsync", errno.EIO), ("manifest", errno.ENOSPC),
                                         ("rename", errno.EACCES), ("complete", errno.EIO)])
-def test_an_error_at_any_point_of_a_save_leaves_the_previous_checkpoint(tmp_path, fault, point, code):
+def test_an_error_at_any_point_of_a_save_leaves_the_previous_checkpoint(tmp_path, point, code):
     root = tmp_path / "checkpoints"
     ckpt.save(pieces_for(reference_state(seed=1), 0, 1), root, 1, {"model": MODEL}, keep=1)
-    fault(point, code)
     with pytest.raises(ckpt.CheckpointWriteError) as info:
-        ckpt.save(pieces_for(reference_state(seed=2), 0, 1), root, 2, {"model": MODEL}, keep=1)
+        ckpt.save(pieces_for(reference_state(seed=2), 0, 1), root, 2, {"model": MODEL}, keep=1,
+                  hooks=FailAt(point, code))
     text = str(info.value)
     assert text.startswith("the checkpoint of step 2 was not saved: rank 0 met ")
     assert f"({errno.errorcode[code]})" in text and str(root) in text
@@ -49,21 +49,25 @@ def test_an_error_at_any_point_of_a_save_leaves_the_previous_checkpoint(tmp_path
     assert _same(root / "step_00000001", seed=1)
 
 
-def test_a_failed_save_of_the_same_step_puts_the_old_one_back(tmp_path, fault):
+def test_a_failed_save_of_the_same_step_puts_the_old_one_back(tmp_path):
     """A resumed run that redoes a step saves it again: if that fails after the old checkpoint of
     the step was moved aside, the old one is put back."""
     root = tmp_path / "checkpoints"
     ckpt.save(pieces_for(reference_state(seed=1), 0, 1), root, 3, {"model": MODEL}, keep=2)
-    fault("complete", errno.EIO)
     with pytest.raises(ckpt.CheckpointWriteError, match="Input/output error") as info:
-        ckpt.save(pieces_for(reference_state(seed=2), 0, 1), root, 3, {"model": MODEL}, keep=2)
+        ckpt.save(pieces_for(reference_state(seed=2), 0, 1), root, 3, {"model": MODEL}, keep=2,
+                  hooks=FailAt("complete", errno.EIO))
     assert str(info.value).endswith(f"the previous checkpoint {root / 'step_00000003'} is intact")
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
     assert _same(root / "step_00000003", seed=1)
 
 
-def test_without_faults_the_hook_changes_nothing(tmp_path):
-    assert ckpt.fault_hook is None
+def test_without_faults_the_hooks_change_nothing(tmp_path):
+    """The default hooks are stateless no-ops, and the writer keeps no hook of its own between saves."""
+    assert not vars(NO_HOOKS) and type(NO_HOOKS) is Hooks
+    failing = FailAt("shard", errno.ENOSPC)
+    with pytest.raises(ckpt.CheckpointWriteError):
+        ckpt.save(pieces_for(reference_state(seed=3), 0, 1), tmp_path, 6, {"model": MODEL}, hooks=failing)
     path = ckpt.save(pieces_for(reference_state(seed=4), 0, 1), tmp_path, 7, {"model": MODEL})
     assert _same(path, seed=4)
 

@@ -15,6 +15,7 @@ import torch
 from zerodp.engine.master import Piece
 from zerodp.spawn import run_local
 from zerodp.train import checkpoint as ckpt
+from zerodp.train.hooks import Hooks
 
 KINDS = ("param", "exp_avg")
 MODEL = {"d_model": 8, "n_layer": 1}
@@ -118,12 +119,13 @@ def test_world4_pieces_assemble_anywhere_and_bad_files_are_named(tmp_path):
 def _save_then_die(root, step, phase):
     import os
 
-    def on_phase(name):
-        if name == phase:
-            os._exit(17)  # as abrupt as a kill: no cleanup, no exception handlers
+    class DieAt(Hooks):
+        def save_phase(self, step, name):
+            if name == phase:
+                os._exit(17)  # as abrupt as a kill: no cleanup, no exception handlers
 
     ckpt.save(pieces_for(reference_state(seed=step), 0, 1), root, step, {"model": MODEL},
-              keep=1, on_phase=on_phase)
+              keep=1, hooks=DieAt())
 
 
 @pytest.mark.parametrize("phase", ["files", "manifest", "renamed", "complete"])

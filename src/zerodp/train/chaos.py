@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerodp.train.faults import ENV, SAVE_PHASES
+from zerodp.train.faults import ENV
+from zerodp.train.hooks import SAVE_PHASES
 
 # A tiny run: two ranks of the nano model on CPU (gloo). Stage 2 shards gradients and optimizer
 # states, so a checkpoint holds pieces of every rank.

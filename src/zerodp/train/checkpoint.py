@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.engine.durable import fsync_dir, write_durable
+from zerodp.train.hooks import NO_HOOKS, Hooks
 
 FORMAT = "zerodp-checkpoint"
 VERSION = 1
@@ -115,20 +116,6 @@ class CheckpointWriteError(CheckpointError):
     every rank with the same sentence; the checkpoints saved before are untouched."""
 
 
-# TEST HOOK, not a user setting: when set, ``fault_hook(point, step, path)`` is called right before
-# each filesystem operation of a save — ``point`` is "mkdir" (rank 0 creates the temporary
-# directory), "shard" (a rank writes its file), "fsync" (a rank flushes it), "manifest", "rename"
-# and "complete" (rank 0) — and may raise ``OSError`` (or change the filesystem) to make the writer
-# meet ENOSPC, EACCES, EIO or a vanished directory. zerodp.train.faults sets it from
-# ``ZERODP_TEST_FAULT``; nothing else does.
-fault_hook: Callable[[str, int, Path], None] | None = None
-
-
-def _fs(point: str, step: int, path: Path) -> None:
-    if fault_hook is not None:
-        fault_hook(point, step, path)
-
-
 def _problem(rank: int, exc: BaseException, path: Path) -> dict:
     """What went wrong on this rank, picklable, for the other ranks to report."""
     if isinstance(exc, OSError):
@@ -161,13 +148,15 @@ def _agree(problem: dict | None, step: int, root: Path) -> None:
 
 
 def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 2,
-         on_phase: Callable[[str], None] | None = None) -> Path:
+         hooks: Hooks = NO_HOOKS) -> Path:
     """Write this rank's ``pieces`` into checkpoint ``root/step_…``; collective on every rank.
 
     ``meta`` (JSON-able: model/run config, stage, scalar optimizer state, data position) goes into
-    the manifest. ``keep`` complete checkpoints are kept, counting the new one. ``on_phase(name)``
-    is called at each phase of the protocol ("files", "manifest", "renamed", "complete") — tests
-    use it to kill the writer at chosen points.
+    the manifest. ``keep`` complete checkpoints are kept, counting the new one. ``hooks``
+    (:class:`zerodp.train.hooks.Hooks`) hears of each phase of the protocol (``save_phase``:
+    "files", "manifest", "renamed", "complete") and of each filesystem operation before it runs
+    (``before_fs``) — the tests' seams to kill the writer or make the filesystem fail at chosen
+    points.
 
     A filesystem error on any rank (a full disk, no permission, an I/O error, a directory removed
     meanwhile) ends the save on every rank with the same :class:`CheckpointWriteError`, which
@@ -175,14 +164,13 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
     files and again after rank 0 completes the checkpoint, so none is left waiting in a collective.
     What the failed save wrote is removed (best effort); older checkpoints are never touched.
     """
-    phase = on_phase or (lambda name: None)
     rank, world = _rank_world()
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / (TMP_PREFIX + final.name)
-    _agree(_make_tmp(rank, root, step, tmp) if rank == 0 else None, step, root)  # the barrier, too
-    info, problem = _write_shard(rank, step, tmp / rank_file(rank), *_cpu_tensors(pieces))
-    phase("files")
+    _agree(_make_tmp(rank, root, step, tmp, hooks) if rank == 0 else None, step, root)  # the barrier, too
+    info, problem = _write_shard(rank, step, tmp / rank_file(rank), *_cpu_tensors(pieces), hooks)
+    hooks.save_phase(step, "files")
     everyone = _gather((info, problem))
     if any(p for _, p in everyone):
         if rank == 0:
@@ -193,15 +181,15 @@ def save(pieces: Iterable, root: str | Path, step: int, meta: dict, keep: int = 
         manifest = dict(format=FORMAT, version=VERSION, step=int(step), world_size=world, **meta,
                         files=[{k: r[k] for k in ("rank", "file", "bytes", "sha256")} for r, _ in everyone],
                         pieces=[dict(file=r["file"], **rec) for r, _ in everyone for rec in r["pieces"]])
-        problem = _complete(rank, root, step, tmp, final, manifest, keep, phase)
+        problem = _complete(rank, root, step, tmp, final, manifest, keep, hooks)
     _agree(problem, step, root)
     return final
 
 
-def _make_tmp(rank: int, root: Path, step: int, tmp: Path) -> dict | None:
+def _make_tmp(rank: int, root: Path, step: int, tmp: Path, hooks: Hooks) -> dict | None:
     """Rank 0: an empty ``tmp`` directory for the new checkpoint (None, or the problem met)."""
     try:
-        _fs("mkdir", step, tmp)
+        hooks.before_fs("mkdir", step, tmp)
         _put_back_replaced(root)
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # left by a save that was killed
@@ -231,7 +219,7 @@ def _cpu_tensors(pieces: Iterable) -> tuple[dict[str, torch.Tensor], list[dict]]
     return tensors, records
 
 
-def _write_shard(rank: int, step: int, path: Path, tensors: dict, records: list[dict]
+def _write_shard(rank: int, step: int, path: Path, tensors: dict, records: list[dict], hooks: Hooks
                  ) -> tuple[dict | None, dict | None]:
     """This rank's shard file, fsynced: (its manifest entry, None) or (None, the problem met)."""
     from safetensors.torch import save as to_bytes
@@ -240,11 +228,11 @@ def _write_shard(rank: int, step: int, path: Path, tensors: dict, records: list[
         # serialised in memory and written with plain file calls, so that a filesystem error
         # arrives as an OSError with its errno and path
         data = to_bytes(tensors, metadata={"format": FORMAT, "rank": str(rank)})
-        _fs("shard", step, path)
+        hooks.before_fs("shard", step, path)
         with open(path, "wb") as f:
             f.write(data)
             f.flush()
-            _fs("fsync", step, path)
+            hooks.before_fs("fsync", step, path)
             os.fsync(f.fileno())
         return dict(rank=rank, file=path.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
                     pieces=records), None
@@ -253,17 +241,17 @@ def _write_shard(rank: int, step: int, path: Path, tensors: dict, records: list[
 
 
 def _complete(rank: int, root: Path, step: int, tmp: Path, final: Path, manifest: dict, keep: int,
-              phase: Callable[[str], None]) -> dict | None:
+              hooks: Hooks) -> dict | None:
     """Rank 0: the manifest, the rename of ``tmp`` to ``final`` (a checkpoint of the same step moved
     aside first, put back on failure), the completion marker, then pruning to ``keep``."""
     aside = root / (REPLACED_PREFIX + final.name)
     moved = renamed = False
     where = tmp / MANIFEST
     try:
-        _fs("manifest", step, where)
+        hooks.before_fs("manifest", step, where)
         _write_json(where, manifest)
         fsync_dir(tmp)
-        phase("manifest")
+        hooks.save_phase(step, "manifest")
         if final.exists():  # the same step saved before (a resumed run redid these steps)
             if aside.exists():
                 shutil.rmtree(aside)
@@ -271,17 +259,17 @@ def _complete(rank: int, root: Path, step: int, tmp: Path, final: Path, manifest
             os.rename(final, aside)
             moved = True
         where = final
-        _fs("rename", step, final)
+        hooks.before_fs("rename", step, final)
         os.rename(tmp, final)
         renamed = True
         fsync_dir(root)
-        phase("renamed")
+        hooks.save_phase(step, "renamed")
         where = final / COMPLETE
-        _fs("complete", step, where)
+        hooks.before_fs("complete", step, where)
         where.write_text(f"step {step}\n")
         _fsync_file(where)
         fsync_dir(final)
-        phase("complete")
+        hooks.save_phase(step, "complete")
     except OSError as e:
         shutil.rmtree(final if renamed else tmp, ignore_errors=True)
         if moved:  # put back the complete checkpoint of the same step that was moved aside

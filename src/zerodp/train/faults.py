@@ -28,7 +28,11 @@ not meet the same fault again:
                left on device") or EACCES ("Permission denied"), its fsync with EIO
                ("Input/output error"), or (``rmdir``) rank R removes the save's directory just
                before writing its shard, so the write meets a directory that is gone. They go
-               through the checkpoint writer's test hook (``zerodp.train.checkpoint.fault_hook``).
+               through the ``before_fs`` seam the checkpoint writer calls
+               (:class:`zerodp.train.hooks.Hooks`).
+
+:class:`Faults` is the run's :class:`~zerodp.train.hooks.Hooks` object: the training loop passes it
+to every seam, the checkpoint writer's included; no module global is set.
 
 Example: ``ZERODP_TEST_FAULT=inf:1:2-3,exit:1:5,kill:0:9@1 zerodp train ...``.
 """
@@ -43,10 +47,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from zerodp.train.hooks import SAVE_PHASES, Hooks
+
 ENV = "ZERODP_TEST_FAULT"
 EXIT_CODE = 13
 STALL_S = 3600.0
-SAVE_PHASES = ("files", "manifest", "renamed", "complete")
 STORAGE = {"enospc": ("shard", errno.ENOSPC), "eacces": ("shard", errno.EACCES),
            "eio": ("fsync", errno.EIO), "rmdir": ("shard", errno.ENOENT)}
 KINDS = ("exit", "kill", "kill-start", *(f"kill-save-{p}" for p in SAVE_PHASES), "term", "stall",
@@ -102,8 +107,8 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-class Faults:
-    """The faults that apply to one rank; every hook is a no-op when none is configured."""
+class Faults(Hooks):
+    """The faults that apply to one rank, as the run's hooks; each is a no-op when none is configured."""
 
     def __init__(self, faults: list[Fault], rank: int):
         self.faults = [f for f in faults if f.rank == rank]
@@ -114,11 +119,8 @@ class Faults:
     def from_env(cls, rank: int) -> "Faults":
         return cls(parse(os.environ.get(ENV, "")), rank)
 
-    def __bool__(self) -> bool:
-        return bool(self.all)
-
-    def describe(self) -> str:
-        return f"{ENV}={os.environ.get(ENV, '')!r}: TEST fault injection is active"
+    def warning(self) -> str:
+        return f"{ENV}={os.environ.get(ENV, '')!r}: TEST fault injection is active" if self.all else ""
 
     def _hit(self, kind: str, step: int) -> bool:
         return any(f.kind == kind and f.hits(self.rank, step, attempt()) for f in self.faults)
@@ -149,32 +151,21 @@ class Faults:
             self._say(f"stalling at step {step}")
             time.sleep(STALL_S)
 
-    def save_phase(self, step: int):
-        """``on_phase`` for the save of the checkpoint of ``step`` (see checkpoint.save)."""
-        def on_phase(name: str) -> None:
-            if self._hit(f"kill-save-{name}", step):
-                self._kill(f"while saving the checkpoint of step {step} (phase {name!r})")
-        return on_phase
+    def save_phase(self, step: int, phase: str) -> None:
+        if self._hit(f"kill-save-{phase}", step):
+            self._kill(f"while saving the checkpoint of step {step} (phase {phase!r})")
 
-    def install_storage_hook(self) -> None:
-        """Make the checkpoint writer meet this rank's storage faults (and none when it has none)."""
-        from zerodp.train import checkpoint
-
-        checkpoint.fault_hook = None
-        if not any(f.kind in STORAGE for f in self.faults):
-            return
-
-        def hook(point: str, step: int, path: Path) -> None:
-            for kind, (where, code) in STORAGE.items():
-                if point == where and self._hit(kind, step):
-                    if kind == "rmdir":
-                        self._say(f"removing {path.parent} while saving the checkpoint of step {step}")
-                        shutil.rmtree(path.parent, ignore_errors=True)
-                        return  # the write that follows meets the missing directory itself
-                    self._say(f"{errno.errorcode[code]} at {path} while saving the checkpoint of step {step}")
-                    raise OSError(code, os.strerror(code), str(path))
-
-        checkpoint.fault_hook = hook
+    def before_fs(self, point: str, step: int, path: Path) -> None:
+        """The storage faults: the checkpoint writer meets this rank's ENOSPC, EACCES, EIO or a
+        removed directory."""
+        for kind, (where, code) in STORAGE.items():
+            if point == where and self._hit(kind, step):
+                if kind == "rmdir":
+                    self._say(f"removing {path.parent} while saving the checkpoint of step {step}")
+                    shutil.rmtree(path.parent, ignore_errors=True)
+                    return  # the write that follows meets the missing directory itself
+                self._say(f"{errno.errorcode[code]} at {path} while saving the checkpoint of step {step}")
+                raise OSError(code, os.strerror(code), str(path))
 
     def after_backward(self, engine, step: int) -> None:
         if not self._hit("inf", step):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -22,10 +23,11 @@ import torch.distributed as dist
 
 from zerodp.train import checkpoint as ckpt
 from zerodp.train import stop as stopping
-from zerodp.train.config import AUTO, BatchPlan, TrainConfig, plan_batch
+from zerodp.train.config import AUTO, BatchPlan, OnSaveError, TrainConfig, plan_batch
 from zerodp.train.data import Corpus, Sharding, TrainStream, Windows, load_corpus, val_batches
 from zerodp.train.model import GPT, GPTConfig
 from zerodp.train.faults import Faults
+from zerodp.train.hooks import Hooks
 from zerodp.train.progress import METRICS_FILE, MetricsLog, ProgressBar
 from zerodp.train.watchdog import Watchdog, explain, is_collective_error
 
@@ -173,7 +175,8 @@ def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
         **(dict(profile=cfg.profile, tokens_per_rank=cfg.tokens_per_rank) if cfg.bucket_mb == AUTO else {}),
         units=list(model.blocks) if cfg.stage == 3 else None,
         max_nonfinite_skips=cfg.max_skipped_steps, shard_size=cfg.shard_size, reduce_dtype=cfg.reduce_dtype,
-        quantize_params=cfg.quantize in ("params", "both"), quantize_grads=cfg.quantize in ("grads", "both"))
+        quantize_params=cfg.quantize is not None and cfg.quantize.params,
+        quantize_grads=cfg.quantize is not None and cfg.quantize.grads)
     return engine, n_params
 
 
@@ -224,7 +227,7 @@ def evaluate(engine, val_w: Windows, cfg: TrainConfig, ctx: RankContext) -> floa
     return total.item() / (cfg.eval_batches * ctx.world)
 
 
-def train(cfg: TrainConfig, ctx: RankContext) -> dict:
+def train(cfg: TrainConfig, ctx: RankContext, hooks: Hooks | None = None) -> dict:
     """Run ``cfg`` on this rank (the process group is up). Returns a summary dict on rank 0.
 
     No hangs (issue 9): a watchdog ends this rank if it makes no progress for about
@@ -236,190 +239,292 @@ def train(cfg: TrainConfig, ctx: RankContext) -> dict:
     first SIGINT, :mod:`zerodp.train.stop`) — with a checkpoint of that step — or when a
     checkpoint could not be written under ``--on-save-error stop``; it then returns
     ``{"stopped": {...}}`` on every rank and writes no report.
+
+    ``hooks``: the run's seams (:class:`zerodp.train.hooks.Hooks`), passed to the loop and to every
+    checkpoint save; by default the test-only faults of ``ZERODP_TEST_FAULT``
+    (:mod:`zerodp.train.faults`), which are no-ops when it is not set.
     """
-    faults = Faults.from_env(ctx.rank)  # test-only; empty unless ZERODP_TEST_FAULT is set
+    hooks = Faults.from_env(ctx.rank) if hooks is None else hooks
     with Watchdog.for_timeout(cfg.timeout_s, ctx.rank) as dog:
         dog.slow("start-up")  # longer limit until the first step
         try:
-            return _train(cfg, ctx, dog, faults)
+            return _train(cfg, ctx, dog, hooks)
         except Exception as e:
             if is_collective_error(e):
                 raise explain(e, ctx.rank, ctx.world, dog.where, cfg.timeout_s) from None
             raise
 
 
-def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, faults: Faults) -> dict:
-    corpus, mc, plan, train_w, val_w = prepare(cfg, ctx.world)
-    out = Path(cfg.out)
-    lead = ctx.rank == 0
-    say = print if lead else (lambda *a, **k: None)
-    if faults:
-        say(f"warning: {faults.describe()}")
-    faults.install_storage_hook()
-    ck = check_resume(cfg, mc, log=say)
-    faults.at_start(ck.step if ck is not None else 0)
-    dog.slow("building the engine")
-    engine, n_params = build_engine(cfg, mc, ctx)
-    start = 0
-    if ck is not None:
-        dog.slow(f"loading checkpoint {ck.path}")
-        load_into(engine, ck, ctx)
-        start = ck.step
-        say(f"resumed from {ck.path} at step {start} (saved by {ck.world_size} ranks at stage "
-            f"{ck.manifest.get('stage')}; now {ctx.world} ranks at stage {cfg.stage})")
-    stream = TrainStream(train_w, Sharding(plan.micro_batch, plan.grad_acc, ctx.world), cfg.seed)
-    fpt = flops_per_token(mc, n_params)
-    step_tokens = plan.global_batch * cfg.seq_len
-    bucket = bucket_words(engine, cfg)
-    bucket_mb = engine.config.bucket_mb  # the resolved MiB under --bucket-mb auto (stages 0-2)
-
-    log = MetricsLog(out / METRICS_FILE) if lead else None
-    if lead:
-        log.write("start" if ck is None else "resume", step=start, world=ctx.world, stage=cfg.stage,
-                  params=n_params, grad_acc=plan.grad_acc, global_batch=plan.global_batch,
-                  bucket_mb=bucket_mb, bucket_auto=engine.bucket_auto,
-                  config=asdict(cfg), model=mc.to_dict(), corpus=corpus.name,
-                  train_tokens=int(corpus.train.size), val_tokens=int(corpus.val.size))
-        say(f"model {cfg.preset}: {n_params / 1e6:.2f}M parameters | data {corpus.name}: "
-            f"{corpus.train.size:,} train / {corpus.val.size:,} val tokens | {ctx.world} ranks, "
-            f"stage {cfg.stage}, global batch {plan.global_batch} × {cfg.seq_len} tokens = "
-            f"{plan.micro_batch} micro × {plan.grad_acc} grad_acc × {ctx.world} ranks | {bucket}")
-    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
-    bar = ProgressBar(end, start, enabled=lead and cfg.progress)
-
-    def checkpoint(step: int) -> Path | None:
-        """Save the checkpoint of ``step`` on every rank; None when the filesystem refused it (every
-        rank then prints the same sentence, and the checkpoints saved before are intact)."""
-        dog.pet(f"saving the checkpoint of step {step}")
-        meta = dict(stage=cfg.stage, mixed_precision=cfg.mixed_precision, model=mc.to_dict(),
-                    train=asdict(cfg), scalars=engine.scalar_state(),
-                    data=dict(step=step, samples_consumed=step * plan.global_batch, seed=cfg.seed,
-                              corpus=corpus.name, kind=corpus.kind, epoch=stream.epoch_at(step)))
-        try:
-            path = ckpt.save(engine.state_pieces(), out / CHECKPOINTS, step, meta,
-                             keep=cfg.keep_checkpoints, on_phase=faults.save_phase(step))
-        except ckpt.CheckpointWriteError as e:
-            save_errors.append(str(e))
-            print(f"zerodp: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
-            if lead:
-                log.write("save_error", step=step, error=str(e))
-            return None
-        if lead:
-            log.write("checkpoint", step=step, path=str(path))
-        return path
-
-    val_loss = None
-    if cfg.eval_every and start % cfg.eval_every == 0 or start == 0:
-        dog.slow(f"validation at step {start}")
-        val_loss = evaluate(engine, val_w, cfg, ctx)
-        if lead:
-            log.write("eval", step=start, val_loss=val_loss)
-    trace_step = start + min(2, end - start - 1)  # a warm step, not the first
-    step_times, last_ckpt, train_loss = [], None, float("nan")
+def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, hooks: Hooks) -> dict:
+    """The loop of guide §5, step by step: train, agree on a stop, evaluate, log, checkpoint."""
+    run = Run(cfg, ctx, dog, hooks)  # data, model, engine, the resumed state, metrics log, progress
+    run.evaluate_before_first_step()
     t_run = time.perf_counter()
-    skipped_steps = 0
-    stopper = stopping.current()  # SIGTERM / first SIGINT: stop after this step (zerodp.train.stop)
-    save_errors: list[str] = []
-    stopped = None  # why this invocation ends before ``end``, if it does
-    for step in range(start, end):
+    stopped = None  # why this invocation ends before ``run.end``, if it does
+    for step in range(run.start, run.end):
+        result = run.train_step(step)
+        stop_sig = run.decide_stop(result)  # the same answer on every rank
+        run.clock(result)
+        val_loss = run.maybe_evaluate(result.done, stop_sig)
+        run.log_step(result, val_loss)
+        stopped = run.maybe_checkpoint(result.done, stop_sig)  # a save the filesystem refused
+        if stopped is None and stop_sig is not None:
+            stopped = dict(reason="signal", signal=stop_sig.name, step=result.done,
+                           checkpoint=str(run.last_ckpt))
+        if stopped is not None:
+            break
+    run.bar.close()
+    if stopped is not None:
+        return run.stop(stopped)
+    return run.report(wall=time.perf_counter() - t_run)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step gave: :meth:`Run.train_step` fills it, :meth:`Run.decide_stop` adds
+    the loss averaged over ranks, :meth:`Run.clock` the step's time."""
+
+    step: int  # the step taken (0-based); ``done`` steps are then complete
+    lr: float
+    loss_sum: torch.Tensor  # this rank's loss, summed over its micro-batches
+    norm: torch.Tensor  # the global gradient norm before clipping
+    guard: object  # the engine's non-finite guard statistics after the step
+    t0: float  # perf_counter at the start of the step's clock
+    loss: float = float("nan")
+    seconds: float = 0.0
+
+    @property
+    def done(self) -> int:
+        return self.step + 1
+
+
+class Run:
+    """One invocation of a training run on this rank: what was set up before the first step, and
+    the state the loop carries from step to step (last checkpoint, step times, save errors)."""
+
+    def __init__(self, cfg: TrainConfig, ctx: RankContext, dog: Watchdog, hooks: Hooks):
+        self.cfg, self.ctx, self.dog, self.hooks = cfg, ctx, dog, hooks
+        self.lead = ctx.rank == 0
+        self.out = Path(cfg.out)
+        self.corpus, self.mc, self.plan, self.train_w, self.val_w = prepare(cfg, ctx.world)
+        if hooks.warning():
+            self.say(f"warning: {hooks.warning()}")
+        ck = check_resume(cfg, self.mc, log=self.say)
+        hooks.at_start(ck.step if ck is not None else 0)
+        dog.slow("building the engine")
+        self.engine, self.n_params = build_engine(cfg, self.mc, ctx)
+        self.start = self._resume(ck)
+        self.end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.start + cfg.stop_after)
+        self.stream = TrainStream(self.train_w, Sharding(self.plan.micro_batch, self.plan.grad_acc, ctx.world),
+                                  cfg.seed)
+        self.fpt = flops_per_token(self.mc, self.n_params)
+        self.step_tokens = self.plan.global_batch * cfg.seq_len
+        self.bucket = bucket_words(self.engine, cfg)
+        self.bucket_mb = self.engine.config.bucket_mb  # the resolved MiB under --bucket-mb auto (stages 0-2)
+        self.log = MetricsLog(self.out / METRICS_FILE) if self.lead else None
+        self._log_start(resumed=ck is not None)
+        self.bar = ProgressBar(self.end, self.start, enabled=self.lead and cfg.progress,
+                               every_steps=cfg.progress_every, every_s=cfg.progress_every_s)
+        self.trace_step = self.start + min(2, self.end - self.start - 1)  # a warm step, not the first
+        self.step_times: list[float] = []
+        self.last_ckpt: Path | None = None
+        self.train_loss = float("nan")
+        self.skipped_steps = 0
+        self.save_errors: list[str] = []
+        self.stopper = stopping.current()  # SIGTERM / first SIGINT: stop after this step (zerodp.train.stop)
+
+    def say(self, *args, **kwargs) -> None:
+        """Print on rank 0 only."""
+        if self.lead:
+            print(*args, **kwargs)
+
+    def record(self, event: str, **fields) -> None:
+        """A record of the metrics log (rank 0 only)."""
+        if self.lead:
+            self.log.write(event, **fields)
+
+    # ------------------------------------------------------------------------------ before step 1
+
+    def _resume(self, ck: "ckpt.Checkpoint | None") -> int:
+        """Load the validated checkpoint on every rank; the step the loop starts from."""
+        if ck is None:
+            return 0
+        self.dog.slow(f"loading checkpoint {ck.path}")
+        load_into(self.engine, ck, self.ctx)
+        self.say(f"resumed from {ck.path} at step {ck.step} (saved by {ck.world_size} ranks at stage "
+                 f"{ck.manifest.get('stage')}; now {self.ctx.world} ranks at stage {self.cfg.stage})")
+        return ck.step
+
+    def _log_start(self, resumed: bool) -> None:
+        cfg, ctx, plan, corpus, n = self.cfg, self.ctx, self.plan, self.corpus, self.n_params
+        self.record("resume" if resumed else "start", step=self.start, world=ctx.world, stage=cfg.stage,
+                    params=n, grad_acc=plan.grad_acc, global_batch=plan.global_batch,
+                    bucket_mb=self.bucket_mb, bucket_auto=self.engine.bucket_auto,
+                    config=asdict(cfg), model=self.mc.to_dict(), corpus=corpus.name,
+                    train_tokens=int(corpus.train.size), val_tokens=int(corpus.val.size))
+        self.say(f"model {cfg.preset}: {n / 1e6:.2f}M parameters | data {corpus.name}: "
+                 f"{corpus.train.size:,} train / {corpus.val.size:,} val tokens | {ctx.world} ranks, "
+                 f"stage {cfg.stage}, global batch {plan.global_batch} × {cfg.seq_len} tokens = "
+                 f"{plan.micro_batch} micro × {plan.grad_acc} grad_acc × {ctx.world} ranks | {self.bucket}")
+
+    def evaluate_before_first_step(self) -> None:
+        """The validation loss of the starting point: at step 0, or a resumed step on the interval."""
+        cfg, start = self.cfg, self.start
+        if cfg.eval_every and start % cfg.eval_every == 0 or start == 0:
+            self.dog.slow(f"validation at step {start}")
+            val_loss = evaluate(self.engine, self.val_w, cfg, self.ctx)  # collective: every rank
+            self.record("eval", step=start, val_loss=val_loss)
+
+    # ------------------------------------------------------------------------------- every step
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step (guide §5): ``grad_acc`` micro-batches with the gradient sync switched
+        off (``no_sync``) for all but the last, then clipping and the optimizer step, which the
+        engine skips on every rank when any rank's gradients hold inf/NaN."""
+        cfg, ctx, engine, dog, grad_acc = self.cfg, self.ctx, self.engine, self.dog, self.plan.grad_acc
         dog.pet(f"step {step}")
-        faults.at_step_start(step)
+        self.hooks.at_step_start(step)
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         set_lr(engine, lr)
         loss_sum = torch.zeros((), device=ctx.device)
-        for micro in range(plan.grad_acc):
+        for micro in range(grad_acc):
             dog.pet(f"step {step}, micro-batch {micro} (forward/backward)")
-            x, y = stream.micro_batch(step, micro, ctx.rank)
-            with engine.no_sync(micro < plan.grad_acc - 1):
-                loss = engine(x.to(ctx.device), y.to(ctx.device)) / plan.grad_acc
+            x, y = self.stream.micro_batch(step, micro, ctx.rank)
+            with engine.no_sync(micro < grad_acc - 1):
+                loss = engine(x.to(ctx.device), y.to(ctx.device)) / grad_acc
                 loss.backward()
             loss_sum += loss.detach().float()
-        faults.after_backward(engine, step)
+        self.hooks.after_backward(engine, step)
         dog.pet(f"step {step}, gradient clipping and optimizer step")
         norm = engine.clip_grad_norm_(cfg.clip)
         engine.step()  # skipped on every rank when any rank's gradients hold inf/NaN
         engine.zero_grad()
         guard = engine.guard.stats()
         if guard.last_skipped:
-            skipped_steps += 1
-            if lead:
-                log.write("skip", step=step + 1, ranks=guard.last_ranks, consecutive=guard.consecutive,
-                          skipped_steps=guard.skipped_steps)
-                (bar.write if cfg.progress else say)(f"step {step + 1}: inf/NaN gradients on rank(s) "
-                          f"{', '.join(map(str, guard.last_ranks))}; the step was skipped on every rank "
-                          f"({guard.consecutive} in a row, at most {cfg.max_skipped_steps})")
-        # The loss and every rank's stop votes in one AllReduce: all ranks learn after the same
-        # step whether any of them was asked to stop.
-        reduced = torch.cat([loss_sum.view(1), torch.tensor(stopper.votes(), device=ctx.device)])
-        dist.all_reduce(reduced)
-        train_loss = reduced[0].item() / ctx.world
-        done = step + 1
-        # a request that arrives during the last step changes nothing: the run is then complete
-        stop_sig = stopping.decided(reduced[1].item(), reduced[2].item()) if done < end else None
-        step_s = time.perf_counter() - t0
-        step_times.append(step_s)
-        if cfg.trace and step == trace_step:  # the engine counts its steps from 0 in this process
-            engine.export_chrome_trace(out / TRACE_FILE, step=step - start)
-        val_loss = None
-        if stop_sig is None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == end):
-            dog.pet(f"validation at step {done}")
-            val_loss = evaluate(engine, val_w, cfg, ctx)
-        if lead:
-            log.write("step", step=done, loss=train_loss, lr=lr, grad_norm=float(norm),
-                      skipped=guard.last_skipped, skipped_steps=guard.skipped_steps,
-                      step_s=step_s, tokens=done * step_tokens, tokens_per_s=step_tokens / step_s,
-                      flops_per_s=fpt * step_tokens / step_s, epoch=stream.epoch_at(done))
-            if val_loss is not None:
-                log.write("eval", step=done, val_loss=val_loss)
-        bar.update(train_loss, step_tokens / step_s, step_s, val_loss, guard.skipped_steps)
-        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == end or stop_sig is not None:
-            saved = checkpoint(done)
-            last_ckpt = saved or last_ckpt
-            if saved is None and (cfg.on_save_error == "stop" or done == end or stop_sig is not None):
-                stopped = dict(reason="save-error", step=done, error=save_errors[-1],
-                               signal=stop_sig.name if stop_sig is not None else None)
-                break
-            if saved is None and lead:
-                say(f"training continues (--on-save-error continue); the next save is at step "
-                    f"{done + cfg.ckpt_every if cfg.ckpt_every else end}")
-        if stop_sig is not None:
-            stopped = dict(reason="signal", signal=stop_sig.name, step=done, checkpoint=str(last_ckpt))
-            break
-    bar.close()
-    if stopped is not None:
-        # Stopped early: a preemption or a checkpoint that could not be written. No report (the run
-        # is not over); the metrics log says where it stopped, and the launcher says the rest.
-        stopper.done()
-        if lead:
-            log.write("stop", **stopped)
-            log.close()
-            say(_stopped_words(stopped, last_ckpt))
-        return dict(stopped=stopped, out=str(out), checkpoint=str(last_ckpt) if last_ckpt else None)
-    wall = time.perf_counter() - t_run
-    dog.pet("the end-of-run report")
+            self._skipped(step, guard)
+        return StepResult(step, lr, loss_sum, norm, guard, t0)
 
-    try:
-        stats = engine.stats()
-    except Exception as e:  # the report then says it has no engine measurements, and why
-        stats = None
-        say(f"warning: engine.stats() failed ({type(e).__name__}: {e}); the report has no memory "
-            "or communication tables")
-    everyone = [None] * ctx.world
-    dist.all_gather_object(everyone, stats)
-    summary = {}
-    if lead:
-        log.write("end", step=end, wall_s=wall, train_loss=train_loss)
-        log.close()
-        summary = dict(out=str(out), steps=end, total_steps=cfg.steps, start=start, world=ctx.world, stage=cfg.stage,
-                       params=n_params, flops_per_token=fpt, step_tokens=step_tokens,
-                       step_times=step_times, wall_s=wall, checkpoint=str(last_ckpt) if last_ckpt else None,
-                       trace=str(out / TRACE_FILE) if cfg.trace else None, stats=everyone,
-                       device=str(ctx.device), mixed_precision=cfg.mixed_precision,
-                       bucket_mb=bucket_mb, bucket_auto=engine.bucket_auto, bucket=bucket,
-                       grad_acc=plan.grad_acc, global_batch=plan.global_batch,
-                       skipped_steps=skipped_steps, save_errors=save_errors)
-    return summary
+    def _skipped(self, step: int, guard) -> None:
+        self.skipped_steps += 1
+        if not self.lead:
+            return
+        self.record("skip", step=step + 1, ranks=guard.last_ranks, consecutive=guard.consecutive,
+                    skipped_steps=guard.skipped_steps)
+        (self.bar.write if self.cfg.progress else self.say)(
+            f"step {step + 1}: inf/NaN gradients on rank(s) {', '.join(map(str, guard.last_ranks))}; the "
+            f"step was skipped on every rank ({guard.consecutive} in a row, at most {self.cfg.max_skipped_steps})")
+
+    def decide_stop(self, result: StepResult) -> signal.Signals | None:
+        """The loss and every rank's stop votes in one AllReduce: all ranks learn after the same
+        step whether any of them was asked to stop (the signal, or None to go on). A request that
+        arrives during the last step changes nothing: the run is then complete."""
+        reduced = torch.cat([result.loss_sum.view(1), torch.tensor(self.stopper.votes(), device=self.ctx.device)])
+        dist.all_reduce(reduced)
+        result.loss = self.train_loss = reduced[0].item() / self.ctx.world
+        return stopping.decided(reduced[1].item(), reduced[2].item()) if result.done < self.end else None
+
+    def clock(self, result: StepResult) -> None:
+        """The step's time (from its start to the agreement on a stop); the trace of a warm step."""
+        result.seconds = time.perf_counter() - result.t0
+        self.step_times.append(result.seconds)
+        if self.cfg.trace and result.step == self.trace_step:  # the engine counts steps from 0 in this process
+            self.engine.export_chrome_trace(self.out / TRACE_FILE, step=result.step - self.start)
+
+    def maybe_evaluate(self, done: int, stop_sig) -> float | None:
+        """The validation loss after step ``done`` on the interval and at the end (not on a stop)."""
+        cfg = self.cfg
+        if stop_sig is None and ((cfg.eval_every and done % cfg.eval_every == 0) or done == self.end):
+            self.dog.pet(f"validation at step {done}")
+            return evaluate(self.engine, self.val_w, cfg, self.ctx)
+        return None
+
+    def log_step(self, result: StepResult, val_loss: float | None) -> None:
+        done, s, tokens = result.done, result.seconds, self.step_tokens
+        if self.lead:
+            self.log.write("step", step=done, loss=result.loss, lr=result.lr, grad_norm=float(result.norm),
+                           skipped=result.guard.last_skipped, skipped_steps=result.guard.skipped_steps,
+                           step_s=s, tokens=done * tokens, tokens_per_s=tokens / s,
+                           flops_per_s=self.fpt * tokens / s, epoch=self.stream.epoch_at(done))
+            if val_loss is not None:
+                self.log.write("eval", step=done, val_loss=val_loss)
+        self.bar.update(result.loss, tokens / s, s, val_loss, result.guard.skipped_steps)
+
+    def maybe_checkpoint(self, done: int, stop_sig) -> dict | None:
+        """Save after step ``done`` on the interval, at the end and on a stop. Returns why the run
+        stops when the filesystem refused a save that must succeed (``--on-save-error stop``, the
+        last one, or the one of a stop), else None."""
+        cfg = self.cfg
+        if not ((cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == self.end or stop_sig is not None):
+            return None
+        saved = self.checkpoint(done)
+        self.last_ckpt = saved or self.last_ckpt
+        if saved is None and (cfg.on_save_error is OnSaveError.STOP or done == self.end or stop_sig is not None):
+            return dict(reason="save-error", step=done, error=self.save_errors[-1],
+                        signal=stop_sig.name if stop_sig is not None else None)
+        if saved is None:
+            self.say(f"training continues (--on-save-error continue); the next save is at step "
+                     f"{done + cfg.ckpt_every if cfg.ckpt_every else self.end}")
+        return None
+
+    def checkpoint(self, step: int) -> Path | None:
+        """Save the checkpoint of ``step`` on every rank; None when the filesystem refused it (every
+        rank then prints the same sentence, and the checkpoints saved before are intact)."""
+        cfg, plan, corpus = self.cfg, self.plan, self.corpus
+        self.dog.pet(f"saving the checkpoint of step {step}")
+        meta = dict(stage=cfg.stage, mixed_precision=cfg.mixed_precision, model=self.mc.to_dict(),
+                    train=asdict(cfg), scalars=self.engine.scalar_state(),
+                    data=dict(step=step, samples_consumed=step * plan.global_batch, seed=cfg.seed,
+                              corpus=corpus.name, kind=corpus.kind, epoch=self.stream.epoch_at(step)))
+        try:
+            path = ckpt.save(self.engine.state_pieces(), self.out / CHECKPOINTS, step, meta,
+                             keep=cfg.keep_checkpoints, hooks=self.hooks)
+        except ckpt.CheckpointWriteError as e:
+            self.save_errors.append(str(e))
+            print(f"zerodp: rank {self.ctx.rank}: {e}", file=sys.stderr, flush=True)
+            self.record("save_error", step=step, error=str(e))
+            return None
+        self.record("checkpoint", step=step, path=str(path))
+        return path
+
+    # ------------------------------------------------------------------------------- the end
+
+    def stop(self, stopped: dict) -> dict:
+        """Stopped early: a preemption or a checkpoint that could not be written. No report (the run
+        is not over); the metrics log says where it stopped, and the launcher says the rest."""
+        self.stopper.done()
+        if self.lead:
+            self.log.write("stop", **stopped)
+            self.log.close()
+            self.say(_stopped_words(stopped, self.last_ckpt))
+        return dict(stopped=stopped, out=str(self.out),
+                    checkpoint=str(self.last_ckpt) if self.last_ckpt else None)
+
+    def report(self, wall: float) -> dict:
+        """Every rank's engine statistics, gathered; on rank 0 the summary the report is written from."""
+        cfg, ctx, engine, last = self.cfg, self.ctx, self.engine, self.last_ckpt
+        self.dog.pet("the end-of-run report")
+        try:
+            stats = engine.stats()
+        except Exception as e:  # the report then says it has no engine measurements, and why
+            stats = None
+            self.say(f"warning: engine.stats() failed ({type(e).__name__}: {e}); the report has no memory "
+                     "or communication tables")
+        everyone = [None] * ctx.world
+        dist.all_gather_object(everyone, stats)
+        if not self.lead:
+            return {}
+        self.log.write("end", step=self.end, wall_s=wall, train_loss=self.train_loss)
+        self.log.close()
+        return dict(out=str(self.out), steps=self.end, total_steps=cfg.steps, start=self.start, world=ctx.world,
+                    stage=cfg.stage, params=self.n_params, flops_per_token=self.fpt,
+                    step_tokens=self.step_tokens, step_times=self.step_times, wall_s=wall,
+                    checkpoint=str(last) if last else None,
+                    trace=str(self.out / TRACE_FILE) if cfg.trace else None, stats=everyone,
+                    device=str(ctx.device), mixed_precision=cfg.mixed_precision,
+                    bucket_mb=self.bucket_mb, bucket_auto=engine.bucket_auto, bucket=self.bucket,
+                    grad_acc=self.plan.grad_acc, global_batch=self.plan.global_batch,
+                    skipped_steps=self.skipped_steps, save_errors=self.save_errors)
 
 
 def _stopped_words(stopped: dict, last_ckpt) -> str:
