@@ -12,7 +12,7 @@ import pytest
 
 from zerodp.bench import schedule
 from zerodp.bench import spec as bspec
-from zerodp.bench.contenders import CONTENDERS, VARIANTS, engine_options, variant_name
+from zerodp.bench.contenders import CONTENDERS, VARIANTS, Compression, engine_options, variant_name
 from zerodp.bench.predict import WireCost, predict_step, predicted_wire_bytes
 from zerodp.cli import main
 from zerodp.plan.calibrated import PerKindCost
@@ -27,6 +27,16 @@ def test_default_spec_has_no_extra_contenders():
     spec = bspec.BenchSpec()
     assert spec.compress == ("none",) and spec.shard_size is None
     assert not [n for n in spec.contenders(with_auto=True) if n in VARIANTS]
+
+
+def test_compress_names_are_the_planners_and_parsed_once():
+    from zerodp.plan.hybrid import COMPRESSIONS
+
+    assert [c.value for c in Compression] == list(COMPRESSIONS)
+    spec = bspec.BenchSpec(compress=("none", "int8"))
+    assert spec.compress == (Compression.NONE, Compression.INT8)
+    assert all(isinstance(c, Compression) for c in spec.compress)
+    assert json.loads(json.dumps(spec.compress)) == ["none", "int8"]  # bench.json keeps the spellings
 
 
 def test_variants_sit_in_their_stage_group_beside_ours():

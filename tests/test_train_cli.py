@@ -113,6 +113,30 @@ def test_preset_names_match_the_model():
     assert tuple(PRESETS) == PRESET_NAMES
 
 
+def test_word_settings_are_parsed_once_and_keep_their_spelling():
+    import json
+    import pickle
+    from dataclasses import asdict
+
+    from zerodp.train.config import Backend, OnSaveError, Precision, Quantize, TrainConfig
+
+    cfg = TrainConfig(mixed_precision="bfloat16", reduce_dtype="bf16", quantize="grads",
+                      on_save_error="continue", backend="gloo")
+    assert (cfg.mixed_precision, cfg.reduce_dtype, cfg.quantize, cfg.on_save_error, cfg.backend) == (
+        Precision.BF16, Precision.BF16, Quantize.GRADS, OnSaveError.CONTINUE, Backend.GLOO)
+    assert cfg.quantize.grads and not cfg.quantize.params
+    assert TrainConfig(mixed_precision="fp32").mixed_precision is None
+    saved = json.loads(json.dumps(asdict(cfg)))  # what metrics.jsonl and the manifest keep
+    assert (saved["mixed_precision"], saved["quantize"], saved["backend"]) == ("bf16", "grads", "gloo")
+    assert TrainConfig.from_dict(saved) == cfg == pickle.loads(pickle.dumps(cfg))
+    assert f"{cfg.mixed_precision} {cfg.on_save_error!r}" == "bf16 'continue'"
+    for bad, flag in ((dict(quantize="all"), "--quantize"), (dict(backend="mpi"), "--backend"),
+                      (dict(mixed_precision="fp16"), "--mixed-precision"),
+                      (dict(on_save_error=None), "--on-save-error")):
+        with pytest.raises(ValueError, match=f"^{flag} must be one of"):
+            TrainConfig(**bad)
+
+
 @pytest.mark.dist
 def test_the_same_command_runs_under_torchrun(tmp_path):
     run = tmp_path / "run"

@@ -8,6 +8,7 @@ import time
 
 from zerodp import runconfig
 from zerodp.bench import sweep
+from zerodp.bench.contenders import Compression
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -188,15 +189,14 @@ def run_predict(args) -> int:
     return 0
 
 
-def _compressions(text: str) -> tuple[str, ...]:
-    """``--compress``: comma-separated names of ``zerodp.plan.hybrid.COMPRESSIONS``."""
-    from zerodp.plan.hybrid import COMPRESSIONS
-
+def _compressions(text: str) -> tuple[Compression, ...]:
+    """``--compress``: comma-separated names of ``zerodp.plan.hybrid.COMPRESSIONS``, as members."""
+    names = [m.value for m in Compression]
     out = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
-    bad = [c for c in out if c not in COMPRESSIONS]
+    bad = [c for c in out if c not in names]
     if bad or not out:
-        raise ValueError(f"--compress: {', '.join(bad) or 'empty'}; use comma-separated {', '.join(COMPRESSIONS)}")
-    return out
+        raise ValueError(f"--compress: {', '.join(bad) or 'empty'}; use comma-separated {', '.join(names)}")
+    return tuple(Compression(c) for c in out)
 
 
 def _int_list(name: str, text: str) -> list[int]:

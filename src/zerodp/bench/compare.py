@@ -90,7 +90,7 @@ from zerodp.bench.budget import check_memory
 from zerodp.bench.contenders import CONTENDERS, variant_of
 from zerodp.bench.results import BenchResult, ContenderResult, RegimeResult
 from zerodp.bench.runner import rank_bench, rank_memory
-from zerodp.bench.spec import UNIT, BenchSpec, Regime
+from zerodp.bench.spec import UNIT, BenchSpec, Device, Memory, Regime
 from zerodp.plan.units import MIB
 
 
@@ -105,7 +105,7 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     machine = probe.machine()
     names = spec.contenders(with_auto=bool(spec.profile))
     backend = "gloo"
-    if spec.device == "cuda":  # the GPUs' memory, not this host's, holds the contenders
+    if spec.device is Device.CUDA:  # the GPUs' memory, not this host's, holds the contenders
         import torch
 
         if torch.cuda.device_count() < spec.world_size:
@@ -117,7 +117,7 @@ def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:
     buckets = contender_buckets(spec, names)
     bucket = {r.name: buckets for r in spec.regimes}
     per_rank = run_local(rank_bench, spec.world_size, spec, names, bucket, groups, timeout=timeout, backend=backend)
-    if spec.memory == "fresh":
+    if spec.memory is Memory.FRESH:
         peaks = _fresh_peaks(spec, names, bucket, timeout, backend)
         for j, regime in enumerate(spec.regimes):
             for name in names:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerodp.train.config import Mode
+
 #: name → (stage, role, label). Roles: "ours", "peer", "floor". The variants are added below.
 CONTENDERS: dict[str, tuple[int | None, str, str]] = {
     "floor": (None, "floor", "no communication (floor)"),
@@ -39,13 +41,25 @@ COMPARISONS: dict[int, tuple[str, tuple[str, ...]]] = {
     3: ("ours3", ("fsdp2",)),
 }
 
-#: ``zerodp bench --compress``: the planner's compression names (``zerodp.plan.hybrid.COMPRESSIONS``)
-#: → (name suffix, the engine options that put it on the wire, guide §15).
-COMPRESS_OPTIONS: dict[str, tuple[str, dict]] = {
-    "bf16-reduce": ("bf16", {"reduce_dtype": "bf16"}),
-    "int8-params": ("int8p", {"quantize_params": True}),
-    "int8-grads": ("int8g", {"quantize_grads": True}),
-    "int8": ("int8", {"quantize_params": True, "quantize_grads": True}),
+
+
+class Compression(Mode):
+    """``zerodp bench --compress`` and ``zerodp predict --compress``: the planner's compression names
+    (``zerodp.plan.hybrid.COMPRESSIONS``, guide §15)."""
+
+    NONE = "none"
+    BF16_REDUCE = "bf16-reduce"
+    INT8_PARAMS = "int8-params"
+    INT8_GRADS = "int8-grads"
+    INT8 = "int8"
+
+
+#: compression → (name suffix, the engine options that put it on the wire, guide §15).
+COMPRESS_OPTIONS: dict[Compression, tuple[str, dict]] = {
+    Compression.BF16_REDUCE: ("bf16", {"reduce_dtype": "bf16"}),
+    Compression.INT8_PARAMS: ("int8p", {"quantize_params": True}),
+    Compression.INT8_GRADS: ("int8g", {"quantize_grads": True}),
+    Compression.INT8: ("int8", {"quantize_params": True, "quantize_grads": True}),
 }
 
 SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_view": "DDP bucket view",
@@ -55,33 +69,37 @@ SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_v
 
 @dataclass(frozen=True)
 class Variant:
-    """Our engine at ``stage`` with ``compress`` (a name of :data:`COMPRESS_OPTIONS`, or "none") on
-    its collectives and, with ``hybrid``, shard groups of ``--shard-size`` ranks (guide §14-§15)."""
+    """Our engine at ``stage`` with ``compress`` on its collectives and, with ``hybrid``, shard
+    groups of ``--shard-size`` ranks (guide §14-§15)."""
 
     stage: int
-    compress: str = "none"
+    compress: Compression = Compression.NONE
     hybrid: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "compress", Compression.parse(self.compress, "compress", optional=False))
 
     @property
     def plain(self) -> bool:
         """Neither compressed nor hybrid: ``ours{stage}`` itself, not a variant."""
-        return self.compress == "none" and not self.hybrid
+        return self.compress is Compression.NONE and not self.hybrid
 
     @property
     def applies(self) -> bool:
         """Whether the engine accepts it: stage 0 shards nothing and has no AllGather nor
         ReduceScatter to quantize, so only ``bf16-reduce`` applies there."""
-        return self.stage != 0 or (not self.hybrid and self.compress in ("none", "bf16-reduce"))
+        return self.stage != 0 or (not self.hybrid and self.compress in (Compression.NONE, Compression.BF16_REDUCE))
 
     @property
     def parts(self) -> list[str]:
-        return (["hybrid"] if self.hybrid else []) + ([] if self.compress == "none" else [self.compress])
+        compressed = [] if self.compress is Compression.NONE else [self.compress.value]
+        return (["hybrid"] if self.hybrid else []) + compressed
 
     @property
     def name(self) -> str:
         """``ours3_int8``, ``ours0_bf16``, ``ours3_hybrid``, ``ours3_hybrid_int8``; ``ours{stage}`` when plain."""
         suffix = (["hybrid"] if self.hybrid else []) + (
-            [COMPRESS_OPTIONS[self.compress][0]] if self.compress != "none" else [])
+            [COMPRESS_OPTIONS[self.compress][0]] if self.compress is not Compression.NONE else [])
         return "_".join([f"ours{self.stage}", *suffix])
 
     @property
@@ -94,7 +112,7 @@ class Variant:
 
     def engine_options(self, shard_size: int | None = None) -> dict:
         """The :func:`zerodp.parallelize` keywords that make this variant."""
-        out = dict(COMPRESS_OPTIONS[self.compress][1]) if self.compress != "none" else {}
+        out = dict(COMPRESS_OPTIONS[self.compress][1]) if self.compress is not Compression.NONE else {}
         if self.hybrid:
             if shard_size is None:
                 raise ValueError(f"contender {self.name} is hybrid: give shard_size (zerodp bench --shard-size G)")
@@ -102,7 +120,7 @@ class Variant:
         return out
 
 
-def variants_for(stage: int, compress: tuple[str, ...], hybrid: bool) -> list[Variant]:
+def variants_for(stage: int, compress: tuple[Compression, ...], hybrid: bool) -> list[Variant]:
     """The variants a bench asking for ``compress`` (and, with ``hybrid``, hybrid sharding) runs at
     ``stage``: flat ones first, then hybrid ones, each in the order ``compress`` names them."""
     out = []
@@ -116,11 +134,11 @@ def variants_for(stage: int, compress: tuple[str, ...], hybrid: bool) -> list[Va
 
 #: name → :class:`Variant`: every variant any bench can run.
 VARIANTS: dict[str, Variant] = {v.name: v for stage in COMPARISONS
-                                for v in variants_for(stage, ("none", *COMPRESS_OPTIONS), True)}
+                                for v in variants_for(stage, tuple(Compression), True)}
 CONTENDERS.update({n: (v.stage, "ours", v.label) for n, v in VARIANTS.items()})
 
 
-def variant_name(stage: int, compress: str = "none", hybrid: bool = False) -> str:
+def variant_name(stage: int, compress: Compression = Compression.NONE, hybrid: bool = False) -> str:
     return Variant(stage, compress, hybrid).name
 
 

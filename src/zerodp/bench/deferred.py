@@ -71,7 +71,7 @@ import argparse
 import dataclasses
 import gc
 
-from zerodp.bench.probe import MALLOC_MODES, set_malloc
+from zerodp.bench.probe import MALLOC_MODES, Malloc, set_malloc
 
 MiB = 1 << 20
 CLEAR_REFS = "/proc/self/clear_refs"
@@ -152,7 +152,7 @@ def _warm_up(cfg_dict: dict, mixed_precision: str) -> None:
 
 
 def _measure(rank: int, world: int, cfg_dict: dict, steps: int, mixed_precision: str, build: str,
-             malloc: str = "mmap") -> dict:
+             malloc: Malloc = Malloc.MMAP) -> dict:
     """One rank: baseline, construction peak, step peak and rest, in bytes (module docstring)."""
     import torch
 
@@ -306,9 +306,10 @@ def table(results: list[dict], bound: Bound, build: str) -> str:
     return "\n".join(lines)
 
 
-def header(cfg, bound: Bound, steps: int, mixed_precision: str, malloc: str) -> str:
+def header(cfg, bound: Bound, steps: int, mixed_precision: str, malloc: Malloc) -> str:
     alloc = ("glibc malloc, M_MMAP_THRESHOLD fixed at 128 KiB (mallopt): freed buffers leave the resident set"
-             if malloc == "mmap" else "glibc malloc as it comes (dynamic mmap threshold): heap holes stay resident")
+             if malloc is Malloc.MMAP else
+             "glibc malloc as it comes (dynamic mmap threshold): heap holes stay resident")
     return "\n".join([
         f"GPT {cfg.n_layer} layers × d_model {cfg.d_model} ({cfg.n_head} heads), vocab {cfg.vocab_size}, "
         f"seq_len {cfg.seq_len}: Ψ = {bound.params:,} parameters, largest unit Ψ_u = {bound.unit_params:,}",
@@ -332,15 +333,14 @@ def header(cfg, bound: Bound, steps: int, mixed_precision: str, malloc: str) -> 
 
 def run(layers: int = DEFAULT_LAYERS, d_model: int = DEFAULT_D_MODEL, nproc: int = 4, steps: int = 2,
         mixed_precision: str = "bf16", compare_cpu: bool = False, seq_len: int = DEFAULT_SEQ_LEN,
-        malloc: str = "mmap", timeout: float = 3600.0) -> dict:
+        malloc: Malloc = Malloc.MMAP, timeout: float = 3600.0) -> dict:
     """Measure on ``nproc`` local ranks; returns ``{"config", "bound", "meta": [per rank], "cpu": [...]}``
     (``cpu`` only with ``compare_cpu``) and ``"text"``, the printed report."""
     from zerodp.spawn import run_local
 
     if mixed_precision != "bf16":
         raise ValueError(f"--mixed-precision must be bf16 (the bound counts 2-byte parameters): {mixed_precision!r}")
-    if malloc not in MALLOC_MODES:
-        raise ValueError(f"--malloc must be one of {', '.join(MALLOC_MODES)}, got {malloc!r}")
+    malloc = Malloc.parse(malloc, "--malloc", optional=False)
     if steps < 1 or nproc < 1:
         raise ValueError("--steps and --nproc must be >= 1")
     cfg = gpt_config(layers, d_model, seq_len)

@@ -14,7 +14,7 @@ import time
 
 from zerodp.bench.contenders import VARIANTS
 from zerodp.bench.results import PREDICTION_TOLERANCE, BenchResult, compressed_rows
-from zerodp.bench.spec import UNIT
+from zerodp.bench.spec import UNIT, Memory
 from zerodp.bench.tables import compressed_table, contenders_table, summary_table
 from zerodp.plan.units import MIB
 
@@ -168,11 +168,11 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         "a reset) while the contender is built and runs "
         + (f"its first {spec.memory_steps} steps (the first step's forward runs before any gradient or "
            "optimizer state exists; from the second on, forward holds them all), "
-           if spec.memory == "fresh" else "its first step, ")
+           if spec.memory is Memory.FRESH else "its first step, ")
         + ("each contender alone in its own spawned group per regime (after one warm-up build and step of it "
            "on the nano model), so that no contender inherits the heap another left behind"
            + (f", the median of {spec.memory_repeats} such groups" if spec.memory_repeats > 1 else "")
-           if spec.memory == "fresh" else
+           if spec.memory is Memory.FRESH else
            "inside the timing group, contenders built one after another (after one warm-up build and step of "
            "each on the nano model)")
         + "; model states are the tensor "

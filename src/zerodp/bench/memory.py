@@ -15,20 +15,19 @@ from dataclasses import fields
 
 import torch
 
+from zerodp.bench.spec import Device
 from zerodp.engine.config import STAGES
 from zerodp.engine.stats import MEMORY_KINDS, EngineStats, compare_table, fmt_bytes, formula_by_kind
 
-DEVICES = ("cpu", "cuda")
 
-
-def _memory_demo(rank: int, world: int, preset: str, device: str = "cpu") -> list[tuple]:
+def _memory_demo(rank: int, world: int, preset: str, device: Device = Device.CPU) -> list[tuple]:
     """Per (fp32 accumulation, stage): (fp32_accum, stats dict, formula by kind, allocator dict —
     empty on CPU)."""
     import zerodp
     from zerodp.engine.config import MixedPrecision
     from zerodp.train.model import GPT, PRESETS
 
-    cuda = device == "cuda"
+    cuda = device is Device.CUDA
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(rank)
@@ -72,15 +71,14 @@ def allocator_line(stats: EngineStats, alloc: dict) -> str:
             f"peak over the step {fmt_bytes(alloc['peak'])}")
 
 
-def run(world: int, preset: str, device: str = "cpu", timeout: float = 300.0) -> list[tuple]:
+def run(world: int, preset: str, device: Device = Device.CPU, timeout: float = 300.0) -> list[tuple]:
     """Rank 0's results of :func:`_memory_demo` on ``world`` local ranks (NCCL on CUDA)."""
     from zerodp.spawn import run_local
 
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "cuda" and torch.cuda.device_count() < world:
+    device = Device.parse(device, "device", optional=False)
+    if device is Device.CUDA and torch.cuda.device_count() < world:
         raise ValueError(f"--device cuda --world {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
-    backend = "nccl" if device == "cuda" else "gloo"
+    backend = "nccl" if device is Device.CUDA else "gloo"
     return run_local(_memory_demo, world, preset, device, backend=backend, timeout=timeout)[0]
 
 
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m zerodp.bench.memory", description=main.__doc__)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--device", default="cpu", choices=DEVICES)
+    ap.add_argument("--device", default="cpu", choices=[d.value for d in Device])
     args = ap.parse_args(argv)
     try:
         results = run(args.world, args.preset, args.device)

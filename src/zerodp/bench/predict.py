@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from zerodp.bench.contenders import Compression
 from zerodp.plan.calibrated import compute_times, contention_s, efficiency, optimizer_time
 from zerodp.plan.calibrated import (
     PerKindCost,
@@ -70,7 +71,7 @@ class Prediction:
     contention_s: float  # (1 − η) of the communication hidden under compute (bench.overlap)
     step_s: float
     comm_s: float  # total time of all collectives of the step
-    compress: str = "none"
+    compress: Compression = Compression.NONE
     shard_size: int | None = None
     wire_bytes: dict | None = None  # planner's bytes per rank per step by leg (intra, inter)
     quant_s: float = 0.0  # the int8 codec's work on this rank (quant_time)
@@ -120,7 +121,7 @@ def root_share(shapes) -> float:
     return (shapes[0].params + shapes[-1].params) / total if total and len(shapes) > 1 else 0.0
 
 
-def predicted_wire_bytes(stage: int, params: float, world: int, compress: str = "none",
+def predicted_wire_bytes(stage: int, params: float, world: int, compress: Compression = Compression.NONE,
                          shard_size: int | None = None, block: int = 256,
                          kept_last_share: float = 0.0) -> dict[str, float]:
     """Bytes one rank sends per step by leg, from the planner (guide §14): fp32 working bytes
@@ -138,7 +139,8 @@ def predicted_wire_bytes(stage: int, params: float, world: int, compress: str = 
 
 def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | None = None,
                  bucket_mb: float = 25.0, grad_bytes_per_param: int = 4,
-                 world_size: int | None = None, compress: str = "none", shard_size: int | None = None,
+                 world_size: int | None = None, compress: Compression = Compression.NONE,
+                 shard_size: int | None = None,
                  block: int = 256) -> Prediction:
     """Predicted step of the GPT ``cfg`` at ``micro_batch`` × ``seq_len`` tokens per rank.
 
@@ -149,6 +151,7 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    compress = Compression.parse(compress, "compress", optional=False)
     n = world_size or cal["world_size"]
     if n != cal["world_size"]:
         raise ValueError(f"profile was calibrated on {cal['world_size']} ranks; predict for that many")
@@ -164,7 +167,7 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
     if shard_size is not None and (stage == 0 or shard_size < 1 or n % shard_size):
         raise ValueError(f"shard_size {shard_size} must divide the world ({n}) at stages 1-3")
     wire = wire_bytes(compress, FP32_BYTES, FP32_BYTES, block)
-    plain = compress == "none" and (shard_size is None or shard_size == n)
+    plain = compress is Compression.NONE and (shard_size is None or shard_size == n)
     cost = PerKindCost(cal) if plain else WireCost(cal, wire, shard_size)
     bucket_bytes = bucket_mb * 2**20
     if stage == 0:
@@ -189,7 +192,8 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
                       compress, shard_size, sent, codec)
 
 
-def quant_time(cal: dict, stage: int, params: float, g: int, compress: str, kept_last_share: float = 0.0) -> float:
+def quant_time(cal: dict, stage: int, params: float, g: int, compress: Compression,
+               kept_last_share: float = 0.0) -> float:
     """Seconds per step of the int8 codec (guide §15) on each rank, from the calibrated rates
     (``cal["quant"]``, :func:`zerodp.bench.calibrate.measure_quant`; 0 without them or without int8).
 
@@ -215,7 +219,7 @@ def quant_time(cal: dict, stage: int, params: float, g: int, compress: str, kept
 def predictions_table(preds: list[Prediction]) -> str:
     lines = [f"{'stage':>5} {'tokens/rank':>11} {'forward':>9} {'backward':>9} {'exposed':>9} "
              f"{'optimizer':>9} {'param AG':>9} {'contention':>10} {'step':>9}   (ms)"]
-    wide = any(p.compress != "none" or p.shard_size for p in preds)
+    wide = any(p.compress is not Compression.NONE or p.shard_size for p in preds)
     if wide:
         lines[0] = (f"{'stage':>5} {'compress':<12}{'g':>3} {'tokens/rank':>11} {'forward':>9} {'backward':>9} "
                     f"{'exposed':>9} {'optimizer':>9} {'param AG':>9} {'contention':>10} {'step':>9}   (ms)"

@@ -23,13 +23,24 @@ import ctypes.util
 import gc
 import os
 
+from zerodp.train.config import Mode
+
 _IO = "/proc/self/io"
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _RESET_PEAK_RSS = "5"  # proc(5): "5" resets the peak resident set size (VmHWM), Linux >= 4.0
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept fixed by set_malloc("mmap")
-MALLOC_MODES = ("default", "mmap")
+
+
+class Malloc(Mode):
+    """``zerodp bench --malloc``: glibc's allocator as it comes, or its mmap threshold fixed."""
+
+    DEFAULT = "default"
+    MMAP = "mmap"
+
+
+MALLOC_MODES = tuple(m.value for m in Malloc)
 
 
 def bytes_written() -> int | None:
@@ -73,9 +84,7 @@ def set_malloc(mode: str) -> bool:
     follows the live tensors; ``"default"``: glibc as it comes (its threshold then grows with the
     buffers freed, up to 32 MiB, and later ones come from the heap, whose holes stay resident).
     False where glibc is not there."""
-    if mode not in MALLOC_MODES:
-        raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {mode!r}")
-    if mode == "default":
+    if Malloc.parse(mode, "malloc", optional=False) is Malloc.DEFAULT:
         return True
     libc = _libc()
     try:

@@ -13,7 +13,7 @@ import time
 
 from zerodp.bench import probe
 from zerodp.bench.schedule import schedule, stage_groups, steps_per_contender
-from zerodp.bench.spec import BenchSpec, Regime
+from zerodp.bench.spec import BenchSpec, Device, Regime
 
 
 def rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
@@ -35,7 +35,7 @@ def rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
 
 def _set_rank_device(spec: BenchSpec, rank: int) -> None:
     """On CUDA, rank r runs on cuda:r (zerodp.bench.compare)."""
-    if spec.device == "cuda":
+    if spec.device is Device.CUDA:
         import torch
 
         torch.cuda.set_device(rank)
@@ -104,7 +104,7 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
     contenders, peak, first_loss, states = {}, {}, {}, {}
     for name in names:  # one at a time: its RSS peak while built and stepped once
         dist.barrier()
-        with (_CudaPeak() if spec.device == "cuda" else probe.PeakMemory()) as mem:
+        with (_CudaPeak() if spec.device is Device.CUDA else probe.PeakMemory()) as mem:
             c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb), spec.profile, regime.tokens,
                       spec.shard_size)
             first_loss[name] = float(c.step(*batches[0]))
@@ -128,13 +128,13 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
             hook_s[0] = time.perf_counter() - h0
         dist.barrier()
         _device_sync(spec.device)
-        w0 = probe.bytes_written() if spec.device == "cpu" else None
+        w0 = probe.bytes_written() if spec.device is Device.CPU else None
         t0 = time.perf_counter()
         c.step(*batches[k], on_backward=count_states if k == 1 else None)
         settle(c)
         _device_sync(spec.device)
         t1 = time.perf_counter()
-        w1 = probe.bytes_written() if spec.device == "cpu" else None
+        w1 = probe.bytes_written() if spec.device is Device.CPU else None
         if timed:
             times[name].append(t1 - t0 - hook_s[0])
             sent[name].append(None if w0 is None else w1 - w0)
@@ -169,7 +169,7 @@ def rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: st
     make = make_model_factory(spec.model, spec.seed, spec.device)
     batches = make_batches(regime, PRESETS[spec.model].vocab_size, spec.memory_steps, rank, world, spec.seed,
                        spec.device)
-    with (_CudaPeak() if spec.device == "cuda" else probe.PeakMemory()) as mem:
+    with (_CudaPeak() if spec.device is Device.CUDA else probe.PeakMemory()) as mem:
         c = build(name, make, world, bucket_mb, spec.profile, regime.tokens, spec.shard_size)
         for x, y in batches:
             c.step(x, y)
@@ -179,14 +179,14 @@ def rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: st
 
 # ---- the pieces: models, batches, clocks, counters ----------------------------------------------
 
-def _rank_device(device: str):
+def _rank_device(device: Device):
     """This rank's device: the CPU, or the current CUDA device (``_rank_bench`` sets it)."""
     import torch
 
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if device is Device.CUDA else torch.device("cpu")
 
 
-def make_model_factory(model: str, seed: int, device: str = "cpu"):
+def make_model_factory(model: str, seed: int, device: Device = Device.CPU):
     def make():
         import torch
 
@@ -194,11 +194,12 @@ def make_model_factory(model: str, seed: int, device: str = "cpu"):
 
         torch.manual_seed(seed)
         m = GPT(PRESETS[model])
-        return m if device == "cpu" else m.to(_rank_device(device))
+        return m if device is Device.CPU else m.to(_rank_device(device))
     return make
 
 
-def make_batches(regime: Regime, vocab: int, count: int, rank: int, world: int, seed: int, device: str = "cpu"):
+def make_batches(regime: Regime, vocab: int, count: int, rank: int, world: int, seed: int,
+                 device: Device = Device.CPU):
     import torch
 
     out = []
@@ -206,15 +207,15 @@ def make_batches(regime: Regime, vocab: int, count: int, rank: int, world: int, 
         g = torch.Generator().manual_seed(seed * 1_000_003 + i * world + rank)
         tok = torch.randint(0, vocab, (regime.micro_batch, regime.seq_len + 1), generator=g)
         x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
-        if device != "cpu":
+        if device is not Device.CPU:
             x, y = x.to(_rank_device(device)), y.to(_rank_device(device))
         out.append((x, y))
     return out
 
 
-def _device_sync(device: str) -> None:
+def _device_sync(device: Device) -> None:
     """On CUDA the host only enqueues: wait for the device before reading a clock."""
-    if device == "cuda":
+    if device is Device.CUDA:
         import torch
 
         torch.cuda.synchronize()

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zerodp.bench.contenders import COMPARISONS, variants_for
-from zerodp.bench.probe import MALLOC_MODES
+from zerodp.bench.contenders import COMPARISONS, Compression, variants_for
+from zerodp.bench.probe import Malloc
 from zerodp.bench.schedule import timed_rounds
+from zerodp.train.config import Mode
 
 MAX_STEP_SCALE = 5  # a cheap regime times up to 5× the steps of the costliest (BenchSpec.steps_for)
 UNIT = "unit"  # BenchSpec.stage2_bucket_mb: buckets as large as one FSDP2 unit (one block)
@@ -27,8 +28,20 @@ class Regime:
         return self.micro_batch * self.seq_len
 
 
-DEVICES = ("cpu", "cuda")
-MEMORY_MODES = ("fresh", "shared")
+class Device(Mode):
+    """Where the ranks run: gloo on the CPU, or NCCL with rank r on cuda:r."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Memory(Mode):
+    """How peak memory is read (:attr:`BenchSpec.memory`)."""
+
+    FRESH = "fresh"
+    SHARED = "shared"
+
+
 REGIMES = {"compute": Regime("compute", 8, 256), "comm": Regime("comm", 1, 32)}
 QUICK_REGIMES = {"compute": Regime("compute", 2, 64), "comm": Regime("comm", 1, 8)}
 
@@ -51,38 +64,33 @@ class BenchSpec:
     stage2_bucket_mb: "float | str" = "unit"
     seed: int = 0
     profile: str | None = None  # calibration profile: predictions and the auto bucket row
-    device: str = "cpu"  # "cuda": NCCL, rank r on cuda:r (zerodp.bench.compare)
+    device: Device = Device.CPU  # cuda: NCCL, rank r on cuda:r (zerodp.bench.compare)
     # Compressed and hybrid contenders of ours (guide §14-§15), beside ours at each stage: the
     # planner's compression names (zerodp.plan.hybrid.COMPRESSIONS; "none" adds nothing), and a
     # shard-group size g < world_size for hybrid sharding at stages 1-3 (None: no hybrid rows).
-    compress: tuple[str, ...] = ("none",)
+    compress: tuple[Compression, ...] = (Compression.NONE,)
     shard_size: int | None = None
     # Peak memory: "fresh" — each contender built and stepped memory_steps times in its own spawned
     # group, alone (what a user's job sees); "shared" — inside the timing group, over the build and
     # first step of the contenders built one after another in the same processes (cheaper; the
     # allocator's state then depends on what ran before).
-    memory: str = "fresh"
+    memory: Memory = Memory.FRESH
     # The fresh memory groups' allocator (zerodp.bench.probe.set_malloc): "default", glibc as a
     # user's job gets it; "mmap", its mmap threshold fixed, so that RSS follows the live tensors.
-    malloc: str = "default"
+    malloc: Malloc = Malloc.DEFAULT
 
     def __post_init__(self):
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        least = 1 if self.device == "cuda" else 2
+        self._parse_modes()
+        least = 1 if self.device is Device.CUDA else 2
         if self.world_size < least:
             raise ValueError(f"world_size must be >= {least} to compare data-parallel engines on "
                              f"{self.device}, got {self.world_size}")
-        if self.memory not in MEMORY_MODES:
-            raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {self.memory!r}")
-        if self.malloc not in MALLOC_MODES:
-            raise ValueError(f"malloc must be one of {', '.join(MALLOC_MODES)}, got {self.malloc!r}")
         if self.memory_repeats < 1:
             raise ValueError(f"need memory_repeats >= 1, got {self.memory_repeats}")
-        if self.memory_repeats > 1 and self.memory != "fresh":
+        if self.memory_repeats > 1 and self.memory is not Memory.FRESH:
             raise ValueError(f"memory_repeats={self.memory_repeats} repeats the fresh memory groups: use "
                              "memory='fresh'")
-        if self.malloc != "default" and self.memory != "fresh":
+        if self.malloc is not Malloc.DEFAULT and self.memory is not Memory.FRESH:
             raise ValueError(f"malloc={self.malloc!r} applies to the fresh memory groups: use memory='fresh' "
                              "(the timing group keeps the default allocator)")
         if self.warmup < 1 or self.steps < 1:
@@ -101,17 +109,26 @@ class BenchSpec:
         if b2 != UNIT and (isinstance(b2, bool) or not isinstance(b2, (int, float)) or not b2 > 0):
             raise ValueError(f"stage2_bucket_mb must be {UNIT!r} (one transformer block, FSDP2's unit) or a "
                              f"positive number of MiB, got {b2!r}")
-        from zerodp.plan.hybrid import COMPRESSIONS
-
-        bad = [c for c in self.compress if c not in COMPRESSIONS]
-        if bad or not self.compress:
-            raise ValueError(f"compress must be a non-empty list of {', '.join(COMPRESSIONS)}, got "
-                             f"{list(self.compress)}")
+        if not self.compress:
+            raise ValueError(f"compress must be a non-empty list of {', '.join(m.value for m in Compression)}, "
+                             "got []")
         g = self.shard_size
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1 or g >= self.world_size
                               or self.world_size % g):
             raise ValueError(f"shard_size must divide world_size ({self.world_size}) and be smaller (hybrid "
                              f"sharding: shard groups of g ranks, replicated world/g times), got {g}")
+
+    def _parse_modes(self) -> None:
+        """The settings given as words (flags, or ``bench.json`` read back), as members."""
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen
+        put("device", Device.parse(self.device, "device", optional=False))
+        put("memory", Memory.parse(self.memory, "memory", optional=False))
+        put("malloc", Malloc.parse(self.malloc, "malloc", optional=False))
+        try:
+            put("compress", tuple(Compression.parse(c, "compress", optional=False) for c in self.compress))
+        except ValueError:
+            raise ValueError(f"compress must be a non-empty list of {', '.join(m.value for m in Compression)}, "
+                             f"got {list(self.compress)}") from None
 
     def steps_for(self, regime: Regime) -> int:
         """Timed steps in ``regime``: ``steps`` for the most tokens per rank; a cheaper regime gets

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 from zerodp.bench.contenders import COMPARISONS, CONTENDERS, VARIANTS, short_label
+from zerodp.bench.probe import Malloc
 from zerodp.bench.results import BenchResult, compressed_rows, display_label
+from zerodp.bench.spec import Device
 from zerodp.plan.units import MIB
 
 
@@ -17,13 +19,13 @@ def _mib(v) -> str:
 def contenders_table(result: BenchResult) -> str:
     """Every contender of every regime: median, overhead, memory, bytes, prediction."""
     spec = result.spec
-    ranks = "NCCL ranks (one GPU each)" if spec.device == "cuda" else "gloo ranks × 1 thread"
+    ranks = "NCCL ranks (one GPU each)" if spec.device is Device.CUDA else "gloo ranks × 1 thread"
     lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} {ranks}, "
              f"{spec.warmup} warm-up steps, then turns of {spec.turn} steps alternated, the first untimed; "
              "times: median of the per-step max over ranks; memory, states, sent: rank 0"
              + ("; peak RSS with glibc's mmap threshold fixed at 128 KiB (--malloc mmap)"
-                if spec.malloc == "mmap" else "")]
-    peak = "peak GPU MiB" if spec.device == "cuda" else "peak RSS MiB"
+                if spec.malloc is Malloc.MMAP else "")]
+    peak = "peak GPU MiB" if spec.device is Device.CUDA else "peak RSS MiB"
     width = max([38] + [len(display_label(c)) + 1 for rr in result.regimes for c in rr.contenders.values()])
     head = (f"{'stage':>5}  {'contender':<{width}}{'median ms':>10}{'/floor':>8}{peak:>13}"
             f"{'states MiB':>11}{'sent MiB/step':>14}{'trace MiB/step':>15}")
