@@ -251,18 +251,14 @@ def test_every_rank_on_cuda0_is_refused():
 
 # ---- the benches' CUDA options, without CUDA -------------------------------------------------
 def test_bench_spec_device():
-    from zerodp.bench.results import result_from_dict
-    from zerodp.bench.spec import BenchSpec
+    from zerodp.bench.spec import BenchSpec, Device
 
-    assert BenchSpec().device == "cpu"
+    assert BenchSpec().device is Device.CPU and BenchSpec(device="cuda", world_size=1).device is Device.CUDA
     with pytest.raises(ValueError, match=">= 2"):
         BenchSpec(world_size=1)
     assert BenchSpec(world_size=1, device="cuda").world_size == 1
     with pytest.raises(ValueError, match="device must be one of"):
         BenchSpec(device="tpu")
-    old = {"spec": {"model": "nano", "world_size": 2, "regimes": [{"name": "comm", "micro_batch": 1, "seq_len": 8}],
-                    "stages": [0]}, "machine": {}, "regimes": []}
-    assert result_from_dict(old).spec.device == "cpu"  # bench.json written before the option
 
 
 @no_cuda

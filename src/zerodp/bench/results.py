@@ -123,12 +123,11 @@ def result_from_dict(d: dict) -> BenchResult:
     spec_d = dict(d["spec"])
     spec_d["regimes"] = tuple(Regime(**r) for r in spec_d["regimes"])
     spec_d["stages"] = tuple(spec_d["stages"])
-    spec_d["compress"] = tuple(spec_d.get("compress", ("none",)))
-    spec_d.setdefault("stage2_bucket_mb", spec_d.get("bucket_mb", BenchSpec.bucket_mb))  # older: bucket_mb
+    spec_d["compress"] = tuple(spec_d["compress"])
     spec = BenchSpec(**spec_d)
     regimes = [RegimeResult(Regime(**r["regime"]), {k: ContenderResult(**c) for k, c in r["contenders"].items()},
                             r["wall_s"]) for r in d["regimes"]]
-    return BenchResult(spec, d["machine"], regimes, d.get("auto_bucket_mb", {}), d.get("params", 0))
+    return BenchResult(spec, d["machine"], regimes, d["auto_bucket_mb"], d["params"])
 
 
 
