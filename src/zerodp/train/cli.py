@@ -65,6 +65,11 @@ def _add_train(sub) -> None:
     g.add_argument("--profile", default=None, metavar="FILE",
                    help="calibration profile written by `zerodp calibrate` on --nproc ranks (for "
                         "--bucket-mb auto)")
+    g.add_argument("--plan", default=None, choices=["auto"],
+                   help="auto: calibrate this machine (unless --profile), ask zerodp plan recommend for "
+                        "the fastest stage and micro-batch at this global batch, train its top 3 for a "
+                        "few steps each, print predicted vs measured and the regret, then train with "
+                        "the measured best (OUT/plan-auto.json keeps the table)")
     g.add_argument("--shard-size", type=int, default=None, metavar="G",
                    help="hybrid sharding (guide §14): stages 1-3 shard inside groups of G ranks and "
                         "replicate across them (default: one node, torchrun's LOCAL_WORLD_SIZE)")
@@ -172,6 +177,10 @@ def run_train(args) -> int:
     cfg = config_from_args(args)
     if cfg.out is None and not launched_by_torchrun():
         cfg = replace(cfg, out=default_out())
+    if getattr(args, "plan", None) == "auto":
+        cfg = _plan_auto(args, cfg, launched_by_torchrun())
+        if cfg is None:
+            return 2
     try:
         out = launch(cfg, before_start=lambda c: keep_config(args, c))
     except Stopped as e:  # SIGTERM / Ctrl-C, or a checkpoint the filesystem refused
@@ -192,6 +201,33 @@ def run_train(args) -> int:
     if out:
         print(f"\nrun directory: {out}", file=sys.stderr)
     return 0
+
+
+def _plan_auto(args, cfg: TrainConfig, under_torchrun: bool) -> TrainConfig | None:
+    """``--plan auto`` (:mod:`zerodp.train.autoplan`): the config with the measured best layout,
+    also written into ``args`` so that OUT/config.toml repeats the chosen run (None: refused, the
+    reason printed in one line)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from zerodp.train import autoplan
+    from zerodp.train.launch import validate
+
+    why = autoplan.refuse(cfg, under_torchrun)
+    if why is None:
+        try:
+            # bad input ends here, before calibration and the trial (the micro-batch is the plan's)
+            validate(replace(cfg, micro_batch=1), cfg.nproc)
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
+        print(f"zerodp train: error: {why}", file=sys.stderr)
+        return None
+    chosen, _ = autoplan.choose(cfg, Path(cfg.out), say=lambda m: print(m, flush=True))
+    args.stage, args.micro_batch, args.bucket_mb, args.profile = (
+        chosen.stage, chosen.micro_batch, chosen.bucket_mb, chosen.profile)
+    args.plan = None
+    return chosen
 
 
 def keep_config(args, cfg: TrainConfig) -> None:

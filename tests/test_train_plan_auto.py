@@ -1,0 +1,77 @@
+"""``zerodp train --plan auto`` (zerodp.train.autoplan): the planner's top 3 tried for a few steps,
+the table of predicted vs measured, the regret, and the run trained with the measured best."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from zerodp.train import autoplan
+from zerodp.train.autoplan import Trial
+from zerodp.train.config import TrainConfig
+from zerodp.train.model import PRESETS
+
+RUN = ["--preset", "nano", "--seq-len", "32", "--global-batch-tokens", "512", "--steps", "2",
+       "--eval-batches", "1", "--no-progress"]
+
+
+def _trials(measured):
+    return [Trial(rank=i, stage=i - 1, micro_batch=4, grad_acc=2, bucket_mb=0.5, predicted_s=0.1,
+                  measured_s=m) for i, m in enumerate(measured, 1)]
+
+
+def test_regret_is_the_first_picks_measured_step_over_the_best():
+    assert autoplan.regret(_trials([0.12, 0.10, 0.15])) == pytest.approx(1.2)
+    assert autoplan.regret(_trials([0.10, 0.11, 0.15])) == 1.0
+    text = autoplan.table(_trials([0.12, 0.10, 0.15]))
+    assert "measured best" in text.splitlines()[4] and "+20.0%" in text.splitlines()[3]
+    assert text.splitlines()[-1].endswith("= 1.200")
+
+
+def test_the_search_offers_only_what_the_trainer_runs():
+    cfg = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=512, nproc=2)
+    assert autoplan.micro_batches(cfg) == [1, 2, 4, 8]  # 16 samples over 2 ranks, powers of two
+    for t in autoplan.calibration_tokens(cfg, PRESETS["nano"].seq_len):
+        assert t <= 64 or t % 64 == 0  # what zerodp calibrate accepts for nano (seq_len 64)
+    assert "--nproc >= 2" in autoplan.refuse(TrainConfig(nproc=1), False)
+    assert "torchrun" in autoplan.refuse(cfg, True)
+    assert autoplan.refuse(cfg, False) is None
+
+
+@pytest.mark.dist
+def test_plan_auto_tries_three_and_trains_the_measured_best(tmp_path):
+    from _profiles import synthetic_profile
+
+    profile = synthetic_profile(tmp_path / "profile.json")
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "zerodp.cli", "train", "--plan", "auto", "--profile",
+                           str(profile), "--out", str(out), *RUN], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    head = next(i for i, l in enumerate(lines) if l.startswith("plan auto: the planner's top 3"))
+    assert lines[head + 1].split()[:3] == ["#", "stage", "micro-batch"]
+    rows = [l.split() for l in lines[head + 3:head + 6]]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    record = json.loads((out / autoplan.RESULT_FILE).read_text())
+    cands = record["candidates"]
+    assert len(cands) == 3 and all(len(c["steps"]) == autoplan.ROUNDS * (autoplan.TRIAL_STEPS - 1) for c in cands)
+    for row, c in zip(rows, cands):  # the table prints what the record keeps
+        assert float(row[5]) == pytest.approx(c["predicted_s"] * 1e3, abs=0.06)
+        assert float(row[6]) == pytest.approx(c["measured_s"] * 1e3, abs=0.06)
+    best = min(cands, key=lambda c: c["measured_s"])
+    assert record["regret"] == pytest.approx(cands[0]["measured_s"] / best["measured_s"])
+    assert f"= {record['regret']:.3f}" in lines[head + 6]
+    assert math.isfinite(record["regret"]) and record["regret"] >= 1
+    assert record["chosen"] == {k: best[k] for k in ("stage", "micro_batch", "bucket_mb")}
+    # the run trained with the measured best, and config.toml repeats that run (no second trial)
+    start = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["stage"] == best["stage"] and start["config"]["micro_batch"] == best["micro_batch"]
+    saved = tomllib.loads((out / "config.toml").read_text())
+    assert saved.get("plan") is None and saved["stage"] == best["stage"]
+    assert not (out / autoplan.TRIAL_DIR).exists()
