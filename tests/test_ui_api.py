@@ -286,3 +286,27 @@ def test_the_cli_and_the_api_refuse_with_the_same_sentence(server, capsys, argv,
     assert status == 422
     expected = d["error"] if rename is None else d["error"].replace(rename[1], rename[0], 1)
     assert sentence == expected
+
+
+def test_roofline_pairs_are_the_clis_strings(capsys):
+    """The page showed 0.4998 where the rest of the planner rounds to three digits: one formatter
+    (plan.roofline.labels) now writes both."""
+    from zerodp.cli import main
+    from zerodp.ui.api import Api
+
+    d = Api().handle("roofline", {"hardware": "H100", "n": "16384"})
+    assert d["labels"]["sync"] == "3.5, 0.5"
+    assert main(["plan", "roofline", "--hardware", "H100", "--gpus", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert f"{d['labels']['sync']}  B" in out and f"{d['labels']['wire']}  B" in out
+
+
+def test_recommend_endpoint_gives_the_clis_table():
+    from zerodp.plan.recommend import recommend, text
+    from zerodp.ui.api import Api
+
+    d = Api().handle("recommend", {"nodes": "2", "gpus_per_node": "8", "seq": "4096"})
+    r = recommend("llama3-8b", "H100", nodes=2, gpus_per_node=8, global_batch_tokens=4 * 2**20, seq=4096)
+    assert d["rows"][0][-1] == "first pick" and len(d["rows"]) == len(r.candidates)
+    assert d["text"].split("\nsearched in")[0] == text(r).split("\nsearched in")[0]
+    assert d["columns"][0] == "#" and d["candidates"][0]["stage"] == r.best.stage

@@ -24,7 +24,7 @@ DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-PANELS = ("memory", "overlap", "roofline", "batch")
+PANELS = ("memory", "overlap", "roofline", "batch")  # the panels with charts (and recommend, a table)
 ALL_READY = ("() => window.Plotly && [...document.querySelectorAll('section.panel')]"
              ".every(s => s.getAttribute('aria-busy') === 'false')")
 
@@ -280,9 +280,15 @@ def test_chart_labels_say_what_the_marker_shows(desktop):
     page = desktop.page
     page.fill("#batch input[name=dp]", "4096")  # GPU-rich: the exact grad_acc is 0.125
     desktop.settle("batch")
-    marker = page.evaluate("document.getElementById('batch-sweep').data[1]")
-    assert marker["y"] == [pytest.approx(0.125)] and "exact 0.125" in marker["text"][0]
+    chart = "document.getElementById('batch-sweep')"
+    marker = page.evaluate(f"{chart}.data[2]")
+    # the chart stops at grad_acc 1 (the CLI refuses less): the marker sits on that floor and
+    # says the exact value as zerodp plan batch prints it
+    assert marker["y"] == [1] and "exact 0.125" in marker["text"][0]
     assert marker["textposition"] == "middle left"  # the right half: the label goes left
+    ok, rich = page.evaluate(f"{chart}.data.slice(0, 2).map(d => [d.name, d.y])")
+    assert min(ok[1]) >= 1 and set(rich[1]) == {1} and "GPU-rich" in rich[0] and "red" in rich[0]
+    assert page.evaluate(f"{chart}.layout.showlegend") is True
     page.fill("#batch input[name=dp]", "128")
     desktop.settle("batch")
     sweep = page.evaluate("document.getElementById('overlap-sweep')")
@@ -349,3 +355,70 @@ def test_screenshots_at_default_values(plain_server, browser, name, viewport, la
     finally:
         visit.close()
     assert (IMG_DIR / f"ui-{name}{suffix}.png").stat().st_size > 10_000
+
+
+def _system_cjk_fonts() -> list[str]:
+    """CJK fonts installed on this machine (fontconfig's list; empty on a stock Debian)."""
+    fc = shutil.which("fc-list")
+    if fc is None:
+        return []
+    import subprocess
+    out = subprocess.run([fc, ":lang=zh", "family"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def test_chinese_renders_with_the_shipped_glyphs(plain_server, browser):
+    """Chinese headings are drawn with the page's own font (zerodp-cjk.woff2), not the system's:
+    Chromium names the font it used for each node's text, and the text's width differs from the
+    fallback's (empty boxes when the machine has no CJK font)."""
+    visit = Visit(browser, plain_server.url + "?lang=zh", DESKTOP)
+    try:
+        page = visit.page
+        page.evaluate("document.fonts.ready")
+        assert page.evaluate("document.fonts.check('16px \"zerodp CJK\"', '每卡显存')")
+        faces = page.evaluate("[...document.fonts].map(f => [f.family, f.status])")
+        assert ['"zerodp CJK"', "loaded"] in faces or ["zerodp CJK", "loaded"] in faces, faces
+        cdp = visit.context.new_cdp_session(page)
+        cdp.send("DOM.enable")
+        cdp.send("CSS.enable")
+        root = cdp.send("DOM.getDocument")["root"]["nodeId"]
+        for selector in ("#memory-title span", "#batch-title small", "#recommend-title span",
+                         "nav a[data-lang=zh]"):
+            node = cdp.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
+            used = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
+            names = {f["familyName"] for f in used}
+            assert "zerodp CJK" in names, (selector, used)
+        # every character the font claims, drawn by it alone: no glyph falls back to another font
+        chars = (Path(__file__).resolve().parents[1] / "src/zerodp/ui/static/zerodp-cjk-chars.txt"
+                 ).read_text(encoding="utf-8").strip()
+        page.evaluate("(t) => document.body.append(Object.assign(document.createElement('p'), "
+                      "{id: 'all-cjk', textContent: t}))", chars)
+        node = cdp.send("DOM.querySelector", {"nodeId": cdp.send("DOM.getDocument")["root"]["nodeId"],
+                                              "selector": "#all-cjk"})["nodeId"]
+        used = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
+        assert [(f["familyName"], f["glyphCount"]) for f in used] == [("zerodp CJK", len(chars))], used
+        assert page.inner_text("#batch-title small") == "指南 §6.1"
+        assert "guide" not in page.inner_text("header") + "".join(
+            page.eval_on_selector_all("h2", "els => els.map(e => e.innerText)"))
+        text = page.inner_text("#memory-title span")
+        widths = page.evaluate("""(text) => ['"zerodp CJK", sans-serif', '"no such font", sans-serif'].map(f => {
+            const s = Object.assign(document.createElement('span'), {textContent: text});
+            s.style.font = '20px ' + f; document.body.append(s);
+            const w = s.getBoundingClientRect().width; s.remove(); return w; })""", text)
+        assert widths[0] == pytest.approx(20 * len(text), abs=1)  # full-width glyphs, 1 em each
+        if not _system_cjk_fonts():  # no CJK font here: the fallback draws boxes of another width
+            assert abs(widths[0] - widths[1]) > 1, widths
+        IMG_DIR.mkdir(parents=True, exist_ok=True)
+        page.locator("#memory").screenshot(path=IMG_DIR / "ui-memory-zh.png")
+    finally:
+        visit.close()
+
+
+def test_recommend_panel_shows_the_clis_table(desktop):
+    page = desktop.page
+    desktop.settle("recommend")
+    cells = page.eval_on_selector_all("#recommend-table tbody tr:first-child td", "els => els.map(e => e.innerText)")
+    from zerodp.plan.recommend import recommend, rows
+    r = recommend("llama3-8b", "H100", nodes=8, gpus_per_node=8, global_batch_tokens=4 * 2**20, seq=8192)
+    assert cells == rows(r)[0] and cells[-1] == "first pick"
+    assert page.locator("#recommend-rejected li").count() == len(r.rejected)

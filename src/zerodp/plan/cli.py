@@ -20,6 +20,7 @@ from zerodp.plan.memory import (MAX_GPUS, MAX_K, MAX_MICRO_BATCH, MAX_PARAMS, MA
                                 RECOMPUTE, max_params, memory_plan)
 from zerodp.plan.models import custom_model, get_model, model_names
 from zerodp.plan.report import build_report
+from zerodp.plan.roofline import labels as roofline_labels
 from zerodp.plan.roofline import max_devices, threshold
 from zerodp.plan.timeline import (DEFAULT_BUCKET_BYTES, MAX_BUCKETS, model_layers,
                                   simulate_backward, simulate_fsdp, sweep_buckets)
@@ -368,9 +369,9 @@ def cmd_roofline(args) -> int:
             ["MoE: total / active parameters (shared experts, dense layers)",
              "-" if named is None else f"{get_model(named).active_factor:.3g}", "x"],
             [f"wire bytes/element: gradients, parameters ({r.compress})",
-             f"{r.wire_grad_bytes:.4g}, {r.wire_param_bytes:.4g}", "B"],
+             roofline_labels(r)["wire"], "B"],
             ["sync bytes/param per GPU: NVLink, NIC share",
-             f"{r.intra_bytes_per_param:.4g}, {r.inter_bytes_per_param:.4g}", "B"],
+             roofline_labels(r)["sync"], "B"],
             ["threshold", f"{r.threshold_tokens:,.0f}", "tokens/device"]]
     if r.min_batch_tokens is not None:
         rows.append([f"min global batch on {r.n}", fmt_count(r.min_batch_tokens), "tokens"])

@@ -419,24 +419,34 @@ def lost_because(c: Candidate, best: Candidate) -> str:
     return f"+{d_exposed * 1e3:.3g} ms of exposed communication"
 
 
+#: the columns of the ranked table (the CLI's and the page's)
+COLUMNS = ["#", "stage", "G", "mbs", "grad_acc", "recompute", "compress", "bucket MiB", "GB/GPU",
+           "step", "exposed", "tok/s/GPU", "MFU", "why not first"]
+
+
+def rows(r: Recommendation) -> list[list[str]]:
+    """The ranked table's cells as the CLI prints them (the page shows the same strings)."""
+    from zerodp.plan._common import fmt_time
+
+    out = []
+    for i, c in enumerate(r.candidates, 1):
+        out.append([str(i), c.stage_name, str(c.shard_size), str(c.micro_batch), str(c.grad_acc),
+                    c.recompute, c.compress, "unit" if c.bucket_mb is None else f"{c.bucket_mb:g}",
+                    f"{c.memory_bytes / 1e9:.1f}", fmt_time(c.step_s), fmt_time(c.exposed_comm_s),
+                    f"{c.tokens_per_s_per_gpu:,.0f}", f"{100 * c.mfu:.1f}%",
+                    "first pick" if i == 1 else c.lost_because])
+    return out
+
+
 def text(r: Recommendation, hardware: Hardware | None = None) -> str:
     """The ranked table, the rejected regions and the notes, as the CLI prints them."""
-    from zerodp.plan._common import fmt_time, table
+    from zerodp.plan._common import table
     head = (f"Fastest configurations that fit: {r.model} (Ψ = {fmt_count(r.params)}"
             + (f", {fmt_count(r.active_params)} active" if r.active_params != r.params else "")
             + f") on {r.nodes} × {r.gpus_per_node} {r.hardware} = {r.n:,} GPUs, global batch "
             f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, compute at {r.efficiency:.0%} of "
             f"peak; fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} GB (1 GB = 1e9 B)")
-    rows = []
-    for i, c in enumerate(r.candidates, 1):
-        rows.append([i, c.stage_name, c.shard_size, c.micro_batch, c.grad_acc, c.recompute,
-                     c.compress, "unit" if c.bucket_mb is None else f"{c.bucket_mb:g}",
-                     f"{c.memory_bytes / 1e9:.1f}", fmt_time(c.step_s), fmt_time(c.exposed_comm_s),
-                     f"{c.tokens_per_s_per_gpu:,.0f}", f"{100 * c.mfu:.1f}%",
-                     "first pick" if i == 1 else c.lost_because])
-    out = [table(["#", "stage", "G", "mbs", "grad_acc", "recompute", "compress", "bucket MiB",
-                  "GB/GPU", "step", "exposed", "tok/s/GPU", "MFU", "why not first"], rows,
-                 title=head, align="rllrrlllrrrrrl")]
+    out = [table(COLUMNS, rows(r), title=head, align="rllrrlllrrrrrl")]
     if r.rejected:
         out.append("")
         out.append(f"rejected ({r.searched:,} configurations searched):")

@@ -253,3 +253,12 @@ def layer_prefetch(hidden: int, seq: int, micro_batch: int, n: int,
     fwd = FORWARD_FLOPS_PER_TOKEN_PARAM * tokens * layer_params / hw.flops
     return LayerPrefetch(h, tokens, n, layer_params, ag, fwd,
                          fwd / ag if ag > 0 else math.inf, fwd > ag)
+
+
+def labels(r) -> dict:
+    """The two pairs ``zerodp plan roofline`` prints for a :func:`threshold` result, formatted
+    once for the CLI and the page: wire bytes per element (gradients, parameters; four digits,
+    so that int8's 1 + 4/B shows) and synchronised bytes per parameter per GPU (NVLink, NIC
+    share; three significant digits, as every other figure)."""
+    return {"wire": f"{r.wire_grad_bytes:.4g}, {r.wire_param_bytes:.4g}",
+            "sync": f"{r.intra_bytes_per_param:.3g}, {r.inter_bytes_per_param:.3g}"}

@@ -12,6 +12,7 @@ endpoint       planner calls
 ``overlap``    :func:`~zerodp.plan.simulate_backward` and :func:`~zerodp.plan.sweep_buckets` (§4)
 ``roofline``   :func:`~zerodp.plan.threshold`, :func:`~zerodp.plan.max_devices` (§7, §14)
 ``batch``      :func:`~zerodp.plan.plan_batch` (§6.1)
+``recommend``  :func:`~zerodp.plan.recommend` (§6.1, §7, §9, §14): the ranked table's own cells
 ``measured``   the calibration profile and trace given to ``zerodp ui`` (if any)
 =============  ==============================================================================
 """
@@ -23,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zerodp import plan
+from zerodp.plan.roofline import labels as roofline_labels
+from zerodp.plan.recommend import COLUMNS as RECOMMEND_COLUMNS
+from zerodp.plan.recommend import rows as recommend_rows
+from zerodp.plan.recommend import text as recommend_text
 from zerodp.plan import report as plan_report
 from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time, plural
 from zerodp.plan.hf import parse_config
@@ -40,6 +45,9 @@ BATCH_EXAMPLE_GPUS = 128
 #: guide §4's demo model (the planner's report uses the same)
 OVERLAP_MODEL = "llama3-8b"
 CUSTOM = "custom"
+#: the recommend panel starts at the issue's question: Llama 3 8B on 8 × 8 H100, 4M tokens of 8k
+RECOMMEND_MODEL = "llama3-8b"
+RECOMMEND_MAX_NODES = 4096
 #: DP sizes drawn in the "per GPU vs N" and "grad_acc vs dp" curves: powers of two up to 2^LOG2_MAX
 LOG2_MAX_GPUS = 16
 #: buckets drawn one by one in the timeline; beyond this the page draws runs of equal buckets
@@ -207,6 +215,18 @@ class Api:
                 Param("dp", "count", BATCH_EXAMPLE_GPUS, "data-parallel GPUs dp",
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
             ], self.batch, "gbs = mbs × grad_acc × dp (guide §6.1)"),
+            Endpoint("recommend", [
+                self._model_param(RECOMMEND_MODEL, with_custom=False),
+                self._hardware_param(preset),
+                Param("nodes", "count", 8, "nodes", maximum=RECOMMEND_MAX_NODES,
+                      why="the search answers in about a second up to this"),
+                Param("gpus_per_node", "count", 8, "GPUs per node", maximum=64,
+                      why="no node holds more"),
+                Param("global_batch_tokens", "quantity", float(4 * 2**20), "target global batch (tokens)",
+                      minimum=1, maximum=1e12, why="a trillion at most", count_units=True),
+                Param("seq", "count", 8192, "sequence length", maximum=1_000_000,
+                      why="a million tokens at most"),
+            ], self.recommend, "the fastest configurations that fit, ranked (plan recommend)"),
         ]
         return {e.name: e for e in eps}
 
@@ -375,8 +395,7 @@ class Api:
                               else None),
                 "max_devices": fmt_count(most.max_devices),
                 "batch": fmt_count(batch_tokens),
-                "wire": f"{here.wire_grad_bytes:.4g}, {here.wire_param_bytes:.4g}",
-                "sync": f"{here.intra_bytes_per_param:.4g}, {here.inter_bytes_per_param:.4g}",
+                **roofline_labels(here),  # the CLI's own strings
                 "shard_size": "flat" if here.shard_size is None else
                 f"{here.shard_size}" + (f" × {here.replicas} replicas" if here.replicas else ""),
             },
@@ -398,10 +417,22 @@ class Api:
                       "gpu_rich": [s.gpu_rich for s in sweep]},
             "warnings_zh": _batch_warnings_zh(p),
             "labels": {"target": fmt_count(target_tokens),
-                       "global_batch_tokens": fmt_count(p.global_batch_tokens)},
+                       "global_batch_tokens": fmt_count(p.global_batch_tokens),
+                       "exact_grad_acc": f"{p.exact_grad_acc:.3g}"},  # as zerodp plan batch prints it
         }
 
 
+
+    def recommend(self, model, hardware, nodes, gpus_per_node, global_batch_tokens, seq):
+        r = plan.recommend(model, hardware, nodes=nodes, gpus_per_node=gpus_per_node,
+                           global_batch_tokens=global_batch_tokens, seq=seq)
+        d = r.to_dict()
+        d["columns"] = RECOMMEND_COLUMNS
+        d["rows"] = recommend_rows(r)  # the CLI's cells, its rounding
+        d["text"] = recommend_text(r)
+        d["labels"] = {"n": plural(r.n, "GPU"), "samples": f"{r.samples:,}",
+                       "target": fmt_count(r.global_batch_tokens), "hbm": fmt_bytes(r.hbm_bytes)}
+        return d
 
 
 def _batch_warnings_zh(p) -> list[str]:

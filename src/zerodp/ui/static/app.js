@@ -12,6 +12,8 @@ const COLORS = {
 };
 const PHASE_COLORS = { forward: COLORS.optimizer, backward: COLORS.params };
 const PLOT_CONFIG = { displayModeBar: false, responsive: true };
+// the shipped CJK glyphs first (style.css: their unicode-range only), then the system's font
+const CHART_FONT = '"zerodp CJK", system-ui, sans-serif';
 const tr = (key, vars) => window.t(key, vars);  // where a local "t" (a timeline) hides i18n's t
 
 let schema = null;   // /api/schema: parameters and defaults of every endpoint
@@ -57,7 +59,7 @@ function baseLayout(extra) {
   const legend = extra.showlegend !== false;
   return Object.assign({
     margin: { l: 56, r: 12, t: 28, b: legend ? 84 : 48 },
-    font: { family: "system-ui, sans-serif", size: 12 },
+    font: { family: CHART_FONT, size: 12 },
     paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "#fff",
     legend: { orientation: "h", x: 0, xref: "container", y: 0, yref: "container", yanchor: "bottom",
               traceorder: "normal" },
@@ -508,22 +510,54 @@ function renderBatch(d, panel) {
   ul.replaceChildren(...warnings.map((w) => Object.assign(document.createElement("li"), { textContent: w })));
   const exact = d.plan.exact_grad_acc;
   const here = exact === d.plan.grad_acc ? `grad_acc ${d.plan.grad_acc}`
-    : `grad_acc ${d.plan.grad_acc} (${t("batch.exact")} ${+exact.toPrecision(3)})`;
+    : `grad_acc ${d.plan.grad_acc} (${t("batch.exact")} ${d.labels.exact_grad_acc})`;
+  // grad_acc >= 1 only (the CLI refuses less): GPU-rich sizes sit on the floor of 1, in red
+  const ok = s.dp.map((_, i) => i).filter((i) => !s.gpu_rich[i]);
+  const rich = s.dp.map((_, i) => i).filter((i) => s.gpu_rich[i]);
+  const top = Math.max(1, ...ok.map((i) => s.exact_grad_acc[i]));
   draw("batch-sweep", [
-    { type: "scatter", mode: "lines+markers", name: "grad_acc", x: s.dp, y: s.exact_grad_acc,
-      marker: { size: 7, color: s.gpu_rich.map((r) => (r ? COLORS.mark : COLORS.params)) },
-      line: { color: "#999", width: 1 }, text: s.gpu_rich.map((r) => (r ? t("batch.rich") : "")),
-      hovertemplate: "dp %{x}: grad_acc %{y:.3g} %{text}<extra></extra>" },  // same in both languages
-    { type: "scatter", mode: "markers+text", name: "this dp", x: [d.plan.dp], y: [d.plan.exact_grad_acc],
+    { type: "scatter", mode: "lines+markers", name: t("batch.legend.ok"), x: ok.map((i) => s.dp[i]),
+      y: ok.map((i) => s.exact_grad_acc[i]), marker: { size: 7, color: COLORS.params },
+      line: { color: "#999", width: 1 },
+      hovertemplate: "dp %{x}: grad_acc %{y:.3g}<extra></extra>" },  // same in both languages
+    { type: "scatter", mode: "markers", name: t("batch.legend.rich"), x: rich.map((i) => s.dp[i]),
+      y: rich.map(() => 1), marker: { size: 7, color: COLORS.mark, symbol: "x" },
+      hovertemplate: `dp %{x}: ${t("batch.rich")}<extra></extra>` },
+    { type: "scatter", mode: "markers+text", name: "this dp", x: [d.plan.dp], y: [Math.max(1, exact)],
       marker: { size: 12, color: "rgba(0,0,0,0)", line: { color: "#111", width: 2 } },
-      text: [`dp ${d.plan.dp}: ${here}`], cliponaxis: false,
+      text: [`dp ${d.plan.dp}: ${here}`], cliponaxis: false, showlegend: false,
       textposition: d.plan.dp > Math.sqrt(s.dp[0] * s.dp[s.dp.length - 1]) ? "middle left" : "middle right" },
   ], baseLayout({
-    height: 250, showlegend: false,
+    height: 290, showlegend: true,
     title: { text: t("batch.chart", { samples: d.plan.samples }), font: { size: 13 } },
     xaxis: { type: "log", title: { text: "dp (GPUs)" } },
-    yaxis: { type: "log", title: { text: "grad_acc" } },
+    yaxis: { type: "log", title: { text: "grad_acc" }, range: [-0.15, Math.log10(top) + 0.25] },
   }));
+}
+
+// ---------------------------------------------------------------- 5. recommend
+
+function renderRecommend(d, panel) {
+  const table = document.getElementById("recommend-table");
+  const head = document.createElement("tr");
+  head.append(...d.columns.map((c) => Object.assign(document.createElement("th"),
+    { textContent: t("recommend.col." + c), scope: "col" })));
+  const body = d.rows.map((r) => {
+    const tr = document.createElement("tr");
+    tr.append(...r.map((cell) => Object.assign(document.createElement("td"), { textContent: cell })));
+    return tr;
+  });
+  const caption = Object.assign(document.createElement("caption"), { textContent: t("recommend.summary", {
+    model: d.model, n: d.labels.n, samples: d.labels.samples, seq: d.seq.toLocaleString("en"),
+    searched: d.searched.toLocaleString("en"), ms: Math.round(d.elapsed_s * 1e3) }) });
+  table.replaceChildren(caption, Object.assign(document.createElement("thead"), {}), document.createElement("tbody"));
+  table.tHead.append(head);
+  table.tBodies[0].append(...body);
+  document.getElementById("recommend-rejected").replaceChildren(...d.rejected.map((x) =>
+    Object.assign(document.createElement("li"), {
+      textContent: `${x.count.toLocaleString("en")} · ${I18N[pageLang()]["reason." + x.reason] || x.reason}`
+        + (x.example ? ` — ${x.example}` : "") })));
+  document.getElementById("recommend-notes").textContent = d.notes.join(" ");
 }
 
 // ---------------------------------------------------------------- start
@@ -554,6 +588,7 @@ async function main() {
     overlap: [renderOverlap, wireOverlap],
     roofline: [renderRoofline, wireRoofline],
     batch: [renderBatch, null],
+    recommend: [renderRecommend, null],
   };
   for (const [id, [render, wire]] of Object.entries(specs)) {
     const panel = new Panel(document.getElementById(id), render);
