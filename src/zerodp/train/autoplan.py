@@ -173,7 +173,7 @@ def trial_config(cfg: TrainConfig, t: Trial, out: Path, rnd: int) -> TrainConfig
     return replace(cfg, stage=t.stage, micro_batch=t.micro_batch, bucket_mb=t.bucket_mb,
                    steps=TRIAL_STEPS, stop_after=None, warmup_steps=0, eval_every=0, eval_batches=1,
                    ckpt_every=0, keep_checkpoints=1, progress=False, trace=False, tensorboard=False,
-                   max_restarts=0, resume=None, out=str(out / f"round{rnd}-candidate{t.rank}"))
+                   max_restarts=0, resume=None, plan=None, out=str(out / f"round{rnd}-candidate{t.rank}"))
 
 
 def trial_worker(cfg_dicts: list[dict]) -> list[list[float]]:
@@ -281,7 +281,7 @@ def choose(cfg: TrainConfig, out: Path, say=print) -> tuple[TrainConfig, dict]:
         say(f"plan auto: the predictions are off by {min(ratios):.2f}-{max(ratios):.2f}x on this "
             "machine (the calibrated compute times the model alone; the trial adds the engine's "
             "hooks, the data and the loss AllReduce, and the other load on the machine moves both)")
-    chosen = replace(cfg, stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb,
+    chosen = replace(cfg, stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb, plan=None,
                      profile=cfg.profile if cfg.profile else (profile if cfg.bucket_mb == AUTO else None))
     say(f"plan auto: training with stage {best.stage}, micro-batch {best.micro_batch} "
         f"(grad_acc {best.grad_acc}), bucket {best.bucket_mb} MiB")

@@ -177,7 +177,7 @@ def run_train(args) -> int:
     cfg = config_from_args(args)
     if cfg.out is None and not launched_by_torchrun():
         cfg = replace(cfg, out=default_out())
-    if getattr(args, "plan", None) == "auto":
+    if cfg.plan == "auto":
         cfg = _plan_auto(args, cfg, launched_by_torchrun())
         if cfg is None:
             return 2
