@@ -1,0 +1,225 @@
+"""A DDP training script, and the same script on zerodp: only the wrap changes (docs/porting.md).
+
+    torchrun --standalone --nproc-per-node 2 examples/porting_ddp.py --wrap ddp
+    torchrun --standalone --nproc-per-node 2 examples/porting_ddp.py --wrap zerodp --stage 3
+
+A small GPT trained on synthetic token sequences made in this file (nothing is downloaded), written
+the way DDP scripts are: AdamW with decay / no-decay param groups built before the wrap
+(``configure_optimizers``), a cosine learning rate set by hand in ``optimizer.param_groups``,
+gradient accumulation with ``require_backward_grad_sync``, ``torch.nn.utils.clip_grad_norm_(
+model.parameters(), 1.0)``, a ``GradScaler`` that is disabled in fp32 (``scaler.step(optimizer)``),
+evaluation under ``no_grad`` on rank 0, and a checkpoint of ``model.state_dict()`` and
+``optimizer.state_dict()`` that ``--resume`` continues from. ``--wrap ddp`` and ``--wrap zerodp``
+run the same code but for the wrap::
+
+    # DDP
+    model = DDP(model)
+    # zerodp, stage 0 (DDP), 1, 2 (ZeRO-1/2) or 3 (ZeRO-3 / FSDP)
+    model = zerodp.parallelize(model, optimizer=optimizer, stage=stage)
+    optimizer = model.optimizer   # the optimizer built above, rebuilt over the engine's fp32 master
+
+and, at stage 3 only, which ranks evaluate: the parameters are sharded, so every forward gathers
+them and every rank must run it (``rank == 0 or stage == 3``). ``train(rank, world, wrap, stage,
+steps)`` is one rank of a run and returns its per-step losses: ``tests/test_porting.py`` calls it on
+2 gloo ranks with each wrap and compares the losses. Gloo on CPU, NCCL when CUDA is available;
+without torchrun it runs as a single process (world size 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zerodp
+
+# ---- the model: a small GPT -------------------------------------------------------------------
+VOCAB, SEQ, DIM, HEADS, LAYERS = 64, 16, 32, 2, 2
+MICRO_BATCH = 2  # sequences per rank per micro-batch
+GRAD_ACC = 2  # micro-batches per optimizer step
+LR, MIN_LR, WARMUP = 3e-3, 3e-4, 2
+EVAL_EVERY = 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+        self.fc = nn.Linear(DIM, 4 * DIM, bias=False)
+        self.out = nn.Linear(4 * DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, DIM))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.wpe = nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.wte.weight  # tied, as GPT-2
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.04)  # GPT-2 uses 0.02; here the clip at 1.0 acts
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
+
+
+def configure_optimizers(model: nn.Module, weight_decay: float = 0.1) -> torch.optim.Optimizer:
+    """nanoGPT's split: matrices and embeddings decay, biases and norms do not."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95))
+
+
+def get_lr(step: int, steps: int) -> float:
+    """Linear warmup, then cosine decay to MIN_LR."""
+    if step < WARMUP:
+        return LR * (step + 1) / WARMUP
+    ratio = (step - WARMUP) / max(1, steps - WARMUP)
+    return MIN_LR + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - MIN_LR)
+
+
+# ---- synthetic data: a noisy rule the model can learn -----------------------------------------
+def get_batch(seed: int, rank: int, world: int, device: torch.device):
+    """The global batch of ``seed`` (the same on every rank); rank r takes its own rows.
+
+    Each sequence follows x[t+1] = (5·x[t] + 3) mod VOCAB, with 10% of the tokens random."""
+    g = torch.Generator().manual_seed(seed)
+    n = world * MICRO_BATCH
+    x = torch.empty(n, SEQ + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
+    for t in range(SEQ):
+        x[:, t + 1] = (5 * x[:, t] + 3) % VOCAB
+    noise = torch.rand(n, SEQ + 1, generator=g) < 0.1
+    x = torch.where(noise, torch.randint(0, VOCAB, (n, SEQ + 1), generator=g), x)
+    rows = x[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH].to(device)
+    return rows[:, :-1], rows[:, 1:]
+
+
+# ---- one rank of the run ------------------------------------------------------------------------
+def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int = 8,
+          checkpoint: str | None = None, save_at: int | None = None, resume: bool = False) -> dict:
+    """Train ``steps`` optimizer steps; return ``{"loss": [...], "grad_norm": [...], "eval": {step: loss}}``
+    (this rank's training loss and the clipped norm per step, from the first step run; the
+    evaluation losses on the ranks that evaluated). ``save_at``: write ``checkpoint`` after that
+    many steps; ``resume``: continue from ``checkpoint``."""
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(0)
+    model = TinyGPT().to(device)
+    optimizer = configure_optimizers(model)
+
+    # ---- the only lines that differ between DDP and zerodp ------------------------------------
+    if wrap == "ddp":
+        model = DDP(model)
+    else:
+        model = zerodp.parallelize(model, optimizer=optimizer, stage=stage)
+        optimizer = model.optimizer
+    evaluates = rank == 0 or (wrap == "zerodp" and stage == 3)  # stage 3: every rank runs each forward
+    # --------------------------------------------------------------------------------------------
+
+    scaler = torch.amp.GradScaler(device.type, enabled=False)  # enabled only for fp16 autocast
+    start = 0
+    if resume:
+        ckpt = torch.load(checkpoint, map_location=device, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start = ckpt["step"]
+
+    out = {"loss": [], "grad_norm": [], "eval": {}}
+    model.train()
+    for step in range(start, steps):
+        lr = get_lr(step, steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for micro in range(GRAD_ACC):
+            model.require_backward_grad_sync = micro == GRAD_ACC - 1  # synchronize the last one only
+            x, y = get_batch(1000 * step + micro, rank, world, device)
+            loss = model(x, y) / GRAD_ACC
+            scaler.scale(loss).backward()
+            loss_sum += loss.item()
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        out["loss"].append(loss_sum)
+        out["grad_norm"].append(norm.item())
+
+        if (step + 1) % EVAL_EVERY == 0 and evaluates:
+            model.eval()
+            with torch.no_grad():
+                x, y = get_batch(10**6, 0, 1, device)  # one fixed validation batch
+                out["eval"][step + 1] = model(x, y).item()
+            model.train()
+
+        if checkpoint is not None and step + 1 == save_at:
+            # Every rank builds the state dicts (zerodp gathers them: collective), rank 0 writes.
+            ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
+            if rank == 0:
+                torch.save(ckpt, checkpoint)
+            dist.barrier()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--wrap", choices=("ddp", "zerodp"), default="zerodp")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3, help="zerodp's ZeRO stage")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--checkpoint", default=None, help="file to save at --save-at, or to --resume from")
+    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    args = p.parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:  # torchrun
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        out = train(rank, world, args.wrap, args.stage, args.steps, args.checkpoint, args.save_at, args.resume)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        first = 0 if not args.resume else args.steps - len(out["loss"])
+        for i, (loss, norm) in enumerate(zip(out["loss"], out["grad_norm"])):
+            step = first + i + 1
+            extra = f"  eval {out['eval'][step]:.4f}" if step in out["eval"] else ""
+            print(f"step {step:3d}  loss {loss:.4f}  grad norm {norm:.3f}{extra}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
