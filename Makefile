@@ -34,9 +34,10 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not dist and not browser"
 
 # Property-based tests with many more generated cases than make test runs (profile "fuzz"),
-# and 520 random combinations of the engine's differential matrix.
+# 520 random combinations of the engine's differential matrix, and 5,000 generated call
+# sequences of the engine vs single-process torch (tests/test_engine_fuzz.py).
 fuzz: setup
-	ZERODP_MATRIX_RANDOM=520 $(BIN)/python -m pytest -q -s -m fuzz --hypothesis-profile=fuzz
+	ZERODP_MATRIX_RANDOM=520 ZERODP_ENGINE_FUZZ=5000 $(BIN)/python -m pytest -q -s -m fuzz --hypothesis-profile=fuzz
 
 # The chaos run: a seeded schedule of 7 faults over a 200-step run under --max-restarts, a report
 # of each, and the final state compared bitwise with an uninterrupted run (SEED=N draws another).

@@ -396,8 +396,8 @@ class StageEngine(StepMachine, StateContract, Construction):
             sq = self.shard_comm.all_reduce_sum(sq, "grad_norm")
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        for g in self.groups:
+            g.scale_grads(coef)
         return norm
 
     def step(self) -> None:
@@ -441,7 +441,11 @@ class StageEngine(StepMachine, StateContract, Construction):
         shards (stages 2-3) until the next step's first reduction (guide §12.5 step 6)."""
         if self.step_state is StepState.BACKWARD:  # the last backward raised: drop what it left
             self._abandon_backward()
-        self._finish_grad_sync()
+        # Wait for the collectives in flight; local gradients of no_sync backwards are dropped
+        # unreduced (a reduction here would follow each rank's own data: ranks whose branches
+        # differed would issue different collectives).
+        self._inflight.wait_all()
+        self._grad_pool.clear()
         # What the step's gradients held, for stats(): the shards freed here exist again from the
         # next step's first reduction on (model states are what a step holds, guide §8).
         self.last_grad_bytes = measured_bytes({"grads": [t for g in self.groups for t in g.memory()["grads"]]})["grads"]

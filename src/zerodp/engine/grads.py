@@ -10,7 +10,9 @@ shape whose data is this rank's slice of the gradient shard, and which implement
 
 - ``torch.linalg.vector_norm(g, p)``: the *global* p-norm of the parameter's gradient, from the
   local slices with one AllReduce over the shard group (MAX for p = inf, else Σ|x|^p);
-- ``g.mul_(c)``: scales the local slice, i.e. the gradient shard the optimizer step reads.
+- ``g.mul_(c)``: scales the local slice, i.e. the gradient shard the optimizer step reads, and
+  where full local gradients stay at rest beside the shard (stage 1) the parameter's part of
+  them too, so that later micro-batches add onto the clipped gradient (guide §12.5).
 
 Anything else raises one line naming ``engine.full_grad_dict()`` (the gathered gradients) and
 ``engine.clip_grad_norm_`` (one AllReduce for the whole model instead of one per parameter).
@@ -32,13 +34,15 @@ class ShardedGrad(torch.Tensor):
 
     _local: torch.Tensor
     _comm: object  # zerodp.engine.comm.Collectives of the shard group
+    _also: torch.Tensor | None  # the parameter's full local gradient, scaled with the slice
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, local: torch.Tensor, comm) -> "ShardedGrad":
+    def __new__(cls, like: torch.Tensor, local: torch.Tensor, comm, also: torch.Tensor | None = None) -> "ShardedGrad":
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
                                                 requires_grad=False)
         t._local = local
         t._comm = comm
+        t._also = also
         return t
 
     def __repr__(self) -> str:  # noqa: D105
@@ -65,7 +69,9 @@ class ShardedGrad(torch.Tensor):
             return args[0]._norm(p)
         if func in (aten.mul_.Tensor, aten.mul_.Scalar) and isinstance(args[0], ShardedGrad):
             other = args[1]
-            args[0]._local.mul_(other.to(args[0]._local.dtype) if isinstance(other, torch.Tensor) else other)
+            for t in (args[0]._local, args[0]._also):
+                if t is not None:
+                    t.mul_(other.to(t.dtype) if isinstance(other, torch.Tensor) else other)
             return args[0]
         if func is aten.detach.default:
             return args[0]

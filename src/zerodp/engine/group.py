@@ -573,6 +573,27 @@ class FlatGroup:
             return self.acc_full if self.acc_full is not None else self.grad_full
         return self.grad_shard
 
+    def full_local(self) -> torch.Tensor | None:
+        """Where full gradients stay at rest beside a separate gradient shard, the buffer later
+        micro-batches add into (the fp32 accumulator, else ``grad_full``); None without one."""
+        if not self.policy.full_grads or not self.holds_grads:
+            return None
+        return self.acc_full if self.acc_full is not None else self.grad_full
+
+    @torch.no_grad()
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        """Clip (guide §12.5): scale what the master reads and, where full gradients stay at rest,
+        the local sums the next reduction overwrites the shard with — so that micro-batches
+        accumulated after the clip add onto the clipped gradient, as onto a clipped ``.grad``
+        (the reduction is linear: mean(c·g₁ + g₂) = c·mean(g₁) + mean(g₂))."""
+        if self.grad_state is GradState.NONE:
+            return
+        full = self.full_local()
+        if full is not None:
+            full.mul_(coef.to(full.dtype))
+        if self.policy.shard_master and not self._shard_in_full:
+            self.grad_shard.mul_(coef.to(self.grad_shard.dtype))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Next step's gradients. With ``set_to_none`` (torch's default) they are None and their
         storages are freed, as torch frees a ``.grad``: full gradients (and their fp32 accumulator)

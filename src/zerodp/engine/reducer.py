@@ -128,13 +128,30 @@ class BucketEngine(StageEngine):
                         f"before parallelize()"
                     )
             else:
+                # Every group ends a no_sync backward holding local gradients, on every rank alike
+                # (zeros where this rank's data used none of its parameters, not stale memory), so
+                # that the reduction at step(), zero_grad() or a clip covers the same groups on
+                # every rank whatever each rank's data took (find_unused_parameters=True).
                 for g in self.groups:
-                    if 0 < g.bwd.remaining < len(g.trainable):
+                    if g.bwd.remaining > 0:
+                        g.fill_missing()
                         g.end_local()
         finally:
             self._reset_backward()
 
     def _on_backward_abandoned(self) -> None:
+        """A backward raised midway. Buckets launch in index order as they fill; a rank whose data
+        used parameters another rank's did not (find_unused_parameters=True) may have launched
+        more of them before the raise. Each rank launches the rest, in order, zeros where nothing
+        arrived — every rank then issued every bucket's collective once, and ``zero_grad`` drops
+        the results."""
+        if self._reducing:
+            for g in self.groups[self._next:]:
+                if not self._ready[g.index]:
+                    self._bound_in_flight(g)
+                    g.fill_missing()
+                    self._ready[g.index] = True
+                self._launch_ready()
         self._reset_backward()
 
     def _reset_backward(self) -> None:

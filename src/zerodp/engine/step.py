@@ -89,15 +89,17 @@ class StepMachine:
         self._on_backward_end()
 
     def _abandon_backward(self) -> None:
-        """zero_grad after a raised backward: wait for what it launched, reset every group's
-        backward state, and leave the gradients to ``_zero_grad`` (every rank raised alike)."""
-        self._inflight.wait_all()
+        """zero_grad after a raised backward: the stage completes the collectives the backward
+        would have launched, so that every rank has issued the same ones whatever its data did
+        before the raise; wait for them, reset every group's backward state, and leave the
+        gradients to ``_zero_grad``, which drops them."""
         if self._backward_event is not None:
             self.recorder.end(self._backward_event)
             self._backward_event = None
+        self._on_backward_abandoned()
+        self._inflight.wait_all()
         for g in self.groups:
             g.reset_backward()
-        self._on_backward_abandoned()
         self._move(StepState.IDLE)
 
     def _token_factor(self) -> float | None:
@@ -235,8 +237,9 @@ class StepMachine:
                 slot, p = g.layout.slots[i], g.params[i]
                 a, b = max(slot.offset, lo), min(slot.stop, hi)
                 local = g.grad_shard[a - lo:b - lo] if a < b else g.grad_shard[:0]
+                full = g.full_local()
                 self._grads_under_sharded[id(p)] = p.grad
-                p.grad = ShardedGrad(p, local, g.comm)
+                p.grad = ShardedGrad(p, local, g.comm, also=None if full is None else full[slot.offset:slot.stop])
 
     def _detach_sharded_grads(self) -> None:
         if not self._grads_under_sharded:

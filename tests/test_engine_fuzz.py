@@ -1,0 +1,500 @@
+"""A stateful differential fuzzer: random call sequences on the engine vs single-process torch.
+
+A *case* is ``(seed, stage, world)``; from it :func:`generate` draws the engine's options and a
+sequence of the calls a training script makes — training forwards + backward (inside
+``no_sync``, with ``require_backward_grad_sync = False``, or raising inside a hook midway),
+``no_grad`` / ``inference_mode`` / eval forwards (uneven across ranks at stages 0-2), grad-enabled
+forwards whose graph is dropped, torch's and the engine's clip, ``engine.step()`` /
+``optimizer.step()`` / ``GradScaler.step``, ``zero_grad(set_to_none=True/False)`` on the engine or
+the optimizer, LR changes by hand and by a scheduler, save / load (the engine's own state or a
+plain torch run's), and misuse that must be refused in one line (a forward after a raised
+backward, a ``requires_grad`` flipped after ``parallelize``). Every rank runs the same sequence;
+the reference — the same model and a stock ``torch.optim`` optimizer in one process on the full
+batch — runs it too.
+
+After every step the parameters must equal the reference's within the dtype-derived trajectory
+bound (``tests/_engine_common.py``); every loss and clip norm the engine returns must equal the
+reference's on the same rows; stage 3's gathered units must stay at a plain step's peak and no
+transient buffer may outlive its step. ``make test`` runs a few seeded cases per stage and world;
+``make fuzz`` runs ``ZERODP_ENGINE_FUZZ`` of them (5,000). A failure prints the case, its
+sequence, and the command that reruns it alone::
+
+    ZERODP_FUZZ_CASE=SEED:STAGE:WORLD pytest -q -s tests/test_engine_fuzz.py::test_replay
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import random
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerodp
+from _engine_common import sum_tolerance, trajectory_tolerance
+from zerodp.spawn import RankFailure, run_local
+
+pytestmark = [pytest.mark.dist, pytest.mark.fuzz]
+ROWS = 3  # rows per rank per micro-batch
+CI_SEEDS = 2  # cases per (stage, world) in make test
+FUZZ_CASES = int(os.environ.get("ZERODP_ENGINE_FUZZ", "0"))  # make fuzz: this many cases in all
+# Adam divides by √v + eps: where a gradient element is near 0, its rounding error Δg becomes an
+# update error of up to lr·Δg/eps (see Run.adam_slack). eps = 1e-3 keeps that bounded and small.
+ADAM_EPS = 1e-3
+REPLAY = "ZERODP_FUZZ_CASE=%d:%d:%d pytest -q -s tests/test_engine_fuzz.py::test_replay"
+
+
+class Net(nn.Module):
+    """Two blocks (stage 3: two units and the root), an ``extra`` branch used only when asked,
+    odd sizes (padding in every flat buffer), an optional hook on an activation."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 7)) for _ in range(2)])
+        self.extra = nn.Linear(7, 7)
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x, y, use_extra: bool = True, hook=None):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+            if hook is not None and h.requires_grad:
+                h.register_hook(hook)
+                hook = None
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return F.mse_loss(self.out(h), y)
+
+
+class Boom(Exception):
+    """Raised inside backward by a tensor hook (anomaly mode, a caught OOM)."""
+
+
+def boom(grad):
+    raise Boom("raised inside backward")
+
+
+PARAM_NAMES = [n for n, _ in Net(0).named_parameters()]
+
+
+# ---- the case: options and a sequence of calls --------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Options:
+    optimizer: str  # "sgd" (momentum, weight decay) or "adamw" (decay / no-decay groups)
+    built: bool  # an optimizer built before parallelize, or a factory
+    find_unused: bool  # stages 0-2: find_unused_parameters (else every parameter is used)
+    tiny_buckets: bool
+    overlap_param_gather: bool  # stages 1-2
+    scheduler: bool  # a LambdaLR on engine.optimizer
+    sync: str  # stages 0-2: naive, overlap or bucketed (guide §2.5-§4)
+    reduce_every_microbatch: bool  # stages 2-3: False keeps full local gradients across micro-batches
+    prefetch: bool  # stage 3
+
+
+def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
+    """The options and the call sequence of a case: only calls a script may make in the state
+    the previous calls left (see the module docstring); misuse is drawn as its own refused op."""
+    rng = random.Random(f"{seed}:{stage}:{world}")
+    opts = Options(optimizer=rng.choice(["sgd", "adamw"]), built=rng.random() < 0.5,
+                   find_unused=stage < 3 and rng.random() < 0.7, tiny_buckets=rng.random() < 0.7,
+                   overlap_param_gather=stage in (1, 2) and rng.random() < 0.3, scheduler=rng.random() < 0.3,
+                   sync=rng.choice(["naive", "overlap", "bucketed", "bucketed"]) if stage < 3 else "bucketed",
+                   reduce_every_microbatch=stage < 2 or rng.random() < 0.6, prefetch=stage < 3 or rng.random() < 0.7)
+    unused_ok = stage == 3 or opts.find_unused
+    ops: list[tuple] = []
+    raised = False  # the last backward raised: only a refused forward or zero_grad may follow
+    grads = False  # some .grad is not None (the reference's view)
+    local = False  # a backward since the last sync ran without synchronizing
+    saved = False
+    batch = 0
+    for _ in range(rng.randint(6, 22)):
+        if raised:
+            if rng.random() < 0.5:
+                ops.append(("forward_after_raise",))
+            ops.append(("zero", rng.choice(["engine", "optimizer"]), True))
+            raised = grads = local = False
+            continue
+        kind = rng.choices(["train", "step", "zero", "eval", "clip", "lr", "save", "load", "dropped", "freeze"],
+                           weights=[30, 15, 12, 8, 8, 6, 5, 5, 4, 3])[0]
+        if kind == "train":
+            batch += 1
+            sync = rng.choices(["sync", "no_sync", "attr"], weights=[6, 2, 1])[0]
+            raises = rng.random() < 0.08
+            if not unused_ok:
+                use_extra = (True,) * world
+            elif rng.random() < 0.3:  # data-dependent: some ranks take the branch, some do not
+                use_extra = tuple(rng.random() < 0.6 for _ in range(world))
+            else:
+                use_extra = (rng.random() < 0.7,) * world
+            ops.append(("train", batch, use_extra, sync, raises))
+            if raises:
+                raised = True
+            else:
+                grads = True
+                local = sync != "sync"
+        elif kind == "step":
+            ops.append(("step", rng.choice(["engine", "optimizer", "scaler"])))
+            local = False  # the step reduced what no_sync left
+        elif kind == "zero":
+            to_none = rng.random() < 0.6
+            ops.append(("zero", rng.choice(["engine", "optimizer"]), to_none))
+            grads = grads and not to_none
+            local = False
+        elif kind == "eval":
+            mode = rng.choice(["eval", "no_grad", "inference_mode"])
+            counts = tuple([rng.randint(1, 2)] * world) if stage == 3 else \
+                tuple(rng.randint(0, 3) for _ in range(world))
+            ops.append(("eval", rng.randint(0, 9), mode, counts))
+        elif kind == "clip" and not local:
+            ops.append(("clip", rng.choice(["torch", "engine"]), rng.choice([0.05, 0.5, 100.0])))
+        elif kind == "lr":
+            ops.append(("sched",) if opts.scheduler and rng.random() < 0.5 else ("lr", rng.choice([0.5, 0.9, 1.5])))
+        elif kind == "save":
+            ops.append(("save",))
+            saved = True
+        elif kind == "load" and saved and not grads:
+            ops.append(("load", rng.choice(["own", "torch", "torch-ddp-names"])))
+        elif kind == "dropped":
+            ops.append(("dropped", rng.randint(0, 9)))
+        elif kind == "freeze":
+            ops.append(("freeze", rng.choice(PARAM_NAMES)))
+    if raised:
+        ops.append(("zero", "engine", True))
+    ops.append(("step", "engine"))
+    return opts, ops
+
+
+def describe(seed: int, stage: int, world: int) -> str:
+    opts, ops = generate(seed, stage, world)
+    lines = [f"case {seed}:{stage}:{world} — {opts}"] + [f"  {i:>2}  {op}" for i, op in enumerate(ops)]
+    return "\n".join(lines + ["rerun alone: " + REPLAY % (seed, stage, world)])
+
+
+# ---- running a case on one rank and on the reference --------------------------------------------
+def batch_of(b: int, world: int):
+    g = torch.Generator().manual_seed(7000 + b)
+    return torch.randn(world * ROWS, 5, generator=g), torch.randn(world * ROWS, 3, generator=g)
+
+
+def adamw_groups(model: nn.Module) -> list[dict]:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.05)
+    return torch.optim.AdamW(params, lr=1e-2, eps=ADAM_EPS)
+
+
+class Divergence(AssertionError):
+    pass
+
+
+class Run:
+    """One case on one rank: the engine and the reference, stepped through the same calls."""
+
+    def __init__(self, seed: int, stage: int, world: int, rank: int):
+        self.stage, self.world, self.rank = stage, world, rank
+        self.opts, self.ops = generate(seed, stage, world)
+        o = self.opts
+        self.model, self.ref = Net(seed), Net(seed)
+        self.ref_opt = make_optimizer(o.optimizer, adamw_groups(self.ref) if o.built else self.ref.parameters())
+        if o.built:
+            optimizer = make_optimizer(o.optimizer, adamw_groups(self.model))
+        else:
+            def optimizer(groups, kind=o.optimizer):
+                return make_optimizer(kind, groups)
+        options = dict(stage=stage, timeout_s=20)  # a collective mismatch ends with a message
+        if stage < 3:
+            options["find_unused_parameters"] = o.find_unused
+        if o.tiny_buckets:
+            options.update(bucket_mb=0.0002, first_bucket_mb=0.0001)
+        if o.overlap_param_gather:
+            options["overlap_param_gather"] = True
+        if stage < 3:
+            options["sync"] = o.sync
+        if stage >= 2:
+            options["reduce_every_microbatch"] = o.reduce_every_microbatch
+        if stage == 3:
+            options["prefetch"] = o.prefetch
+        self.engine = zerodp.parallelize(self.model, optimizer=optimizer, **options)
+        self.scheds = []
+        if o.scheduler:
+            self.scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.8 ** k)
+                           for opt in (self.engine.optimizer, self.ref_opt)]
+        self.steps = 0
+        self.micro = 0  # micro-batches summed into the current gradients (bounds the rounding)
+        self.snapshot = None
+        self.baseline_units = None
+        self.adam_slack = 0.0  # absolute: what AdamW's division may add to the trajectory bound
+
+    # ---- tolerances: n terms summed in another order, over the steps so far
+    def rtol(self) -> float:
+        return trajectory_tolerance(self.world * ROWS * max(self.micro, 1), self.steps + 1)
+
+    def same(self, what: str, got: float, want: float) -> None:
+        tol = self.rtol() * max(abs(want), 1e-30) + sum_tolerance(1)
+        if not abs(got - want) <= tol:
+            raise Divergence(f"{what}: engine {got!r}, reference {want!r} (bound {tol:.3g})")
+
+    def mine(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.rank * ROWS:(self.rank + 1) * ROWS]
+
+    def ref_loss(self, x, y, use_extra=True) -> float:
+        with torch.no_grad():
+            return self.ref(self.mine(x), self.mine(y), use_extra).item()
+
+    # ---- the calls
+    def train(self, b, uses, sync, raises):
+        """``uses[r]``: whether rank r's rows take the extra branch (the reference sums each
+        rank's mean loss / world — the full-batch mean when every rank does the same)."""
+        x, y = batch_of(b, self.world)
+        use_extra = uses[self.rank]
+        ctx = self.engine.no_sync() if sync == "no_sync" else contextlib.nullcontext()
+        if sync == "attr":
+            self.engine.require_backward_grad_sync = False
+        try:
+            with ctx:
+                loss = self.engine(self.mine(x), self.mine(y), use_extra, hook=boom if raises else None)
+                self.same("training loss", loss.item(), self.ref_loss(x, y, use_extra))
+                try:
+                    loss.backward()
+                except Boom:
+                    if not raises:
+                        raise
+                    return  # zero_grad() follows: the reference's partial gradients go with it
+        finally:
+            self.engine.require_backward_grad_sync = True
+        if raises:
+            raise Divergence("the hook did not raise")
+        if len(set(uses)) == 1:
+            self.ref(x, y, use_extra).backward()
+        else:
+            sum(self.ref(x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS], u)
+                for r, u in enumerate(uses)).div(self.world).backward()
+        self.micro += 1
+
+    def forward_after_raise(self):
+        x, y = batch_of(0, self.world)
+        self.refused(lambda: self.engine(self.mine(x), self.mine(y)), "zero_grad")
+
+    def refused(self, call, words: str) -> None:
+        try:
+            call()
+        except RuntimeError as e:
+            if words not in str(e):
+                raise Divergence(f"refused without naming {words!r}: {e}") from e
+            return
+        raise Divergence(f"ran without a word where a refusal naming {words!r} was due")
+
+    def step(self, via):
+        if via == "engine":
+            self.engine.step()
+        elif via == "optimizer":
+            self.engine.optimizer.step()
+        else:
+            torch.amp.GradScaler("cpu", enabled=False).step(self.engine.optimizer)
+        self.adam_slack += self.adam_error()
+        self.ref_opt.step()
+        self.steps += 1
+        self.check()
+
+    def adam_error(self) -> float:
+        """Bound on the update error one AdamW step adds where a gradient element is near zero:
+        ∂(g / (|g| + eps))/∂g ≤ 1/eps, so lr · Δg / eps with Δg the gradient's rounding bound
+        (``sum_tolerance`` of its terms, times its largest element)."""
+        if self.opts.optimizer != "adamw":
+            return 0.0
+        grads = [p.grad.abs().max().item() for p in self.ref.parameters() if p.grad is not None]
+        lr = max(g["lr"] for g in self.ref_opt.param_groups)
+        return lr * sum_tolerance(self.world * ROWS * max(self.micro, 1)) * max(grads, default=0.0) / ADAM_EPS
+
+    def zero(self, via, set_to_none):
+        (self.engine if via == "engine" else self.engine.optimizer).zero_grad(set_to_none=set_to_none)
+        self.ref_opt.zero_grad(set_to_none=set_to_none)
+        self.micro = 0
+        if self.engine._inflight:
+            raise Divergence(f"{len(self.engine._inflight)} reductions still in flight after zero_grad")
+
+    def eval(self, b, mode, counts):
+        x, y = batch_of(b, self.world)
+        if mode == "eval":
+            self.engine.eval()
+        ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+        with ctx:
+            for _ in range(counts[self.rank]):
+                self.same(f"{mode} loss", self.engine(self.mine(x), self.mine(y)).item(), self.ref_loss(x, y))
+        self.engine.train()
+
+    def dropped(self, b):
+        x, y = batch_of(b, self.world)
+        self.same("dropped-graph loss", self.engine(self.mine(x), self.mine(y)).item(), self.ref_loss(x, y))
+
+    def clip(self, via, max_norm):
+        if via == "torch":
+            got = torch.nn.utils.clip_grad_norm_(self.engine.parameters(), max_norm)
+        else:
+            got = self.engine.clip_grad_norm_(max_norm)
+        want = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), max_norm)
+        self.same(f"{via} clip norm", float(got), float(want))
+
+    def lr(self, factor):
+        for opt in (self.engine.optimizer, self.ref_opt):
+            for g in opt.param_groups:
+                g["lr"] *= factor
+
+    def sched(self):
+        for s in self.scheds:
+            s.step()
+
+    def save(self):
+        self.snapshot = (
+            {k: v.clone() for k, v in self.engine.state_dict().items()},
+            copy.deepcopy(self.engine.optimizer.state_dict()),
+            copy.deepcopy(self.ref.state_dict()), copy.deepcopy(self.ref_opt.state_dict()))
+
+    def load(self, source):
+        mine, mine_opt, ref, ref_opt = copy.deepcopy(self.snapshot)
+        if source == "own":
+            self.engine.load_state_dict(mine)
+            self.engine.optimizer.load_state_dict(mine_opt)
+        else:  # a plain torch run's state: a DDP model saves its names under module.
+            prefix = "module." if source == "torch-ddp-names" else ""
+            self.engine.load_state_dict({prefix + k: v for k, v in ref.items()})
+            self.engine.optimizer.load_state_dict(copy.deepcopy(ref_opt))
+        self.ref.load_state_dict(ref)
+        self.ref_opt.load_state_dict(ref_opt)
+        self.check()
+
+    def freeze(self, name):
+        p = dict(self.model.named_parameters())[name]
+        p.requires_grad_(not p.requires_grad)
+        x, y = batch_of(0, self.world)
+        try:
+            self.refused(lambda: self.engine(self.mine(x), self.mine(y)), name)
+        finally:
+            p.requires_grad_(not p.requires_grad)
+
+    # ---- the invariants
+    def check(self):
+        full = self.engine.full_state_dict()  # collective
+        tol = self.rtol()
+        for name, p in self.ref.named_parameters():
+            err = (full[name] - p.detach()).abs().max().item()
+            bound = tol * p.detach().abs().max().item() + self.adam_slack
+            if not err <= bound:
+                raise Divergence(f"after step {self.steps}: {name} differs by {err:.3g} (bound {bound:.3g})")
+        if self.engine._inflight:
+            raise Divergence(f"{len(self.engine._inflight)} reductions still in flight after the step")
+        if self.stage == 3:
+            peak = self.engine.stats().peak_gathered_units
+            if peak > self.baseline_units:
+                raise Divergence(f"{peak} units gathered at once; a plain step gathers {self.baseline_units}")
+
+    def run(self, ops=None):
+        for i, op in enumerate(self.ops if ops is None else ops):
+            try:
+                getattr(self, op[0])(*op[1:])
+            except Divergence as e:
+                raise Divergence(f"op {i} {op}: {e}") from None
+            except Exception as e:  # noqa: BLE001 - an error where torch has none is a finding
+                raise Divergence(f"op {i} {op}: raised {type(e).__name__}: {e}") from e
+
+
+def plain_peak(world: int, rank: int) -> int:
+    """Stage 3's gathered units in a plain forward/backward/step of the same model."""
+    engine = zerodp.parallelize(Net(0), optimizer=lambda g: torch.optim.SGD(g, lr=0.1), stage=3)
+    x, y = batch_of(0, world)
+    engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]).backward()
+    engine.step()
+    return engine.stats().peak_gathered_units
+
+
+def run_cases(rank: int, world: int, cases: list[tuple[int, int]], journal: str) -> dict:
+    """Every ``(seed, stage)`` case on this rank; stops at the first divergence (the ranks may no
+    longer agree on the collectives that follow). ``journal`` names the case being run, for a
+    rank that dies (gloo aborts the process on a collective mismatch)."""
+    torch.use_deterministic_algorithms(True)
+    peak = plain_peak(world, rank)
+    start = time.monotonic()
+    for n, (seed, stage) in enumerate(cases):
+        if rank == 0:
+            with open(journal, "w") as f:
+                f.write(f"{seed} {stage}")
+        run = Run(seed, stage, world, rank)
+        run.baseline_units = peak
+        try:
+            run.run()
+        except Divergence as e:
+            return {"ran": n + 1, "failed": (seed, stage, str(e)), "seconds": time.monotonic() - start}
+    return {"ran": len(cases), "failed": None, "seconds": time.monotonic() - start}
+
+
+def verdict(world: int, cases: list[tuple[int, int]], timeout: float) -> str | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        journal = os.path.join(tmp, "case")
+        try:
+            results = run_local(run_cases, world, cases, journal, timeout=timeout)
+        except RankFailure as e:
+            seed, stage = (int(v) for v in open(journal).read().split())
+            return f"{e}\n{describe(seed, stage, world)}"
+    for rank, r in enumerate(results):
+        if r["failed"]:
+            seed, stage, why = r["failed"]
+            return f"rank {rank}: {why}\n{describe(seed, stage, world)}"
+    print(f"world {world}: {results[0]['ran']} sequences, 0 divergences, {results[0]['seconds']:.1f} s")
+    return None
+
+
+# ---- make test: a few seeded cases per stage and world; make fuzz: thousands -------------------
+def ci_cases() -> list[tuple[int, int]]:
+    return [(seed, stage) for stage in (0, 1, 2, 3) for seed in range(CI_SEEDS)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_call_sequences_match_single_process_torch(world):
+    problem = verdict(world, ci_cases(), timeout=240)
+    assert problem is None, problem
+
+
+@pytest.mark.skipif(FUZZ_CASES == 0, reason="make fuzz sets ZERODP_ENGINE_FUZZ")
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_thousands_of_call_sequences(world):
+    per_world = FUZZ_CASES // 3 + (world <= FUZZ_CASES % 3)
+    cases = [(1000 + i // 4, i % 4) for i in range(per_world)]
+    problem = verdict(world, cases, timeout=120 + 2.0 * world * len(cases))
+    assert problem is None, problem
+
+
+@pytest.mark.skipif("ZERODP_FUZZ_CASE" not in os.environ, reason="ZERODP_FUZZ_CASE=SEED:STAGE:WORLD reruns one case")
+def test_replay():
+    seed, stage, world = (int(v) for v in os.environ["ZERODP_FUZZ_CASE"].split(":"))
+    print(describe(seed, stage, world))
+    problem = verdict(world, [(seed, stage)], timeout=240)
+    assert problem is None, problem
+
+
+def test_generated_sequences_cover_every_call():
+    """The generator reaches every call and every variant across the make-test and fuzz cases."""
+    seen = set()
+    for stage in (0, 1, 2, 3):
+        for seed in range(40):
+            for op in generate(seed, stage, 2)[1]:
+                seen.add(op[0])
+                if op[0] in ("train", "step", "zero", "eval", "load", "clip"):
+                    seen.add((op[0],) + tuple(v for v in op[1:] if isinstance(v, str)))
+    want = {"train", "step", "zero", "eval", "clip", "lr", "sched", "save", "load", "dropped", "freeze",
+            "forward_after_raise", ("step", "scaler"), ("step", "optimizer"), ("eval", "inference_mode"),
+            ("train", "no_sync"), ("train", "attr"), ("load", "torch-ddp-names"), ("clip", "torch")}
+    assert want <= seen, want - seen
