@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.master import MasterOptimizer, Target, check_elementwise
+from zerodp.engine.master import (ELEMENTWISE_OPTIMIZERS, PER_TENSOR_OPTIMIZERS, MasterOptimizer, Target,
+                                  check_elementwise, choose_layout, probe_factory, whole_targets)
 
 
 def _params():
@@ -86,3 +87,109 @@ def test_non_elementwise_optimizer_is_refused_with_reason():
     p = torch.zeros(4, 4, requires_grad=True)
     with pytest.raises(ValueError, match="not known to be elementwise"):
         check_elementwise(torch.optim.LBFGS([p]))
+
+
+class _LARS(torch.optim.SGD):
+    """A subclass of an elementwise class: not trusted as elementwise unless declared."""
+
+
+class _AdafactorPlus(torch.optim.Adafactor):
+    """A subclass of a per-tensor class: not trusted as per-tensor unless declared."""
+
+
+def _opt(cls, **kw):
+    return cls([torch.zeros(4, 4, requires_grad=True)], **kw)
+
+
+@pytest.mark.parametrize("cls", ELEMENTWISE_OPTIMIZERS)
+def test_every_elementwise_class_takes_the_flat_path(cls):
+    assert choose_layout(_opt(cls, lr=0.1) if cls is torch.optim.SGD else _opt(cls)) == "flat"
+    assert choose_layout(_opt(cls, lr=0.1) if cls is torch.optim.SGD else _opt(cls), requested="owner") == "owner"
+
+
+@pytest.mark.parametrize("cls", PER_TENSOR_OPTIMIZERS)
+def test_every_per_tensor_class_takes_the_owner_path_and_is_refused_flat(cls):
+    assert choose_layout(_opt(cls)) == "owner"
+    with pytest.raises(ValueError, match="optimizer_layout='owner'"):
+        choose_layout(_opt(cls), requested="flat")
+
+
+@pytest.mark.parametrize("cls", [_LARS, _AdafactorPlus])
+def test_subclasses_are_refused_until_declared(cls):
+    opt = _opt(cls, lr=0.1) if cls is _LARS else _opt(cls)
+    with pytest.raises(ValueError, match="elementwise_optimizer=True.*optimizer_layout='owner'"):
+        choose_layout(opt)
+    assert choose_layout(opt, requested="owner") == "owner"
+    assert choose_layout(opt, declared_elementwise=True) == "flat"
+
+
+@pytest.mark.parametrize("name", ["LBFGS", "SparseAdam"])
+def test_lbfgs_and_sparse_adam_are_refused_at_every_layout_in_one_line(name):
+    cls = getattr(torch.optim, name)
+    for requested in ("auto", "flat", "owner"):
+        with pytest.raises(ValueError, match=f"^{name} is refused: [^\n]*$"):
+            choose_layout(_opt(cls), requested=requested)
+
+    class Sub(cls):
+        pass
+    with pytest.raises(ValueError, match=f"Sub subclasses {name} is refused"):
+        choose_layout(_opt(Sub), requested="owner")
+
+
+def test_muon_refusing_a_vector_names_the_parameter():
+    params = [("w", (4, 3), 0), ("b", (4,), 0)]
+    with pytest.raises(ValueError, match="parameter 'b' of shape \\(4,\\).*2D"):
+        probe_factory(lambda g: torch.optim.Muon(g), [{}], params, torch.device("cpu"))
+    assert isinstance(probe_factory(lambda g: torch.optim.Muon(g), [{}], params[:1], torch.device("cpu")),
+                      torch.optim.Muon)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_owner_layout_puts_every_tensor_whole_in_its_owners_slice(world):
+    shapes = [("a", (3, 5)), ("b", (7,)), ("c", (2, 2)), ("d", (6, 6)), ("e", ()), ("f", (1, 9))]
+    loads = [0] * world
+    layout = FlatLayout.owned(shapes, world, loads)
+    assert layout.aligned and layout.padded_numel == world * layout.shard_numel
+    assert sum(loads) == layout.numel == 15 + 7 + 4 + 36 + 1 + 9
+    for slot, r in zip(layout.slots, layout.owners):
+        lo, hi = layout.shard_range(r)
+        assert lo <= slot.offset <= slot.stop <= hi and layout.owners_of(slot) == [r]
+    # padding ranges and slots tile the buffer exactly
+    cover = sorted([(s.offset, s.stop) for s in layout.slots if s.numel] + layout.padding_ranges())
+    assert cover[0][0] == 0 and cover[-1][1] == layout.padded_numel
+    assert all(a[1] == b[0] for a, b in zip(cover, cover[1:]))
+    assert sum(b - a for a, b in layout.padding_ranges()) == layout.padding
+    # greedy largest-first: the largest slice is at most the mean plus the largest tensor
+    assert layout.shard_numel <= layout.numel / world + 36
+    cost = layout.cost(2)
+    assert cost["padding_bytes"] == 2 * layout.padding and cost["owned_numel"] == loads
+
+
+def test_owner_layout_balances_across_groups():
+    loads = [0, 0]
+    first = FlatLayout.owned([("a", (10,))], 2, loads)
+    second = FlatLayout.owned([("b", (10,))], 2, loads)
+    assert first.owners == (0,) and second.owners == (1,) and loads == [10, 10]
+
+
+def test_whole_targets_have_the_parameters_shapes_and_step_like_the_whole_tensor():
+    params = _params()
+    layout = FlatLayout.owned([(n, t.shape) for n, t in params.items()], 2)
+    flat = torch.zeros(layout.padded_numel)
+    for slot in layout.slots:
+        flat[slot.offset:slot.stop] = params[slot.name].reshape(-1)
+    grads = {n: torch.randn(t.shape, generator=torch.Generator().manual_seed(3)) for n, t in params.items()}
+    for r in range(2):
+        lo, hi = layout.shard_range(r)
+        targets = whole_targets(flat[lo:hi], layout, lo, lambda name: 0)
+        assert {t.name for t in targets} == {s.name for s, o in zip(layout.slots, layout.owners) if o == r}
+        m = MasterOptimizer(lambda g: torch.optim.Adafactor(g, lr=0.1), targets, [{}], placement="owner")
+        m.attach_grads([grads[t.name].reshape(-1) for t in targets])
+        m.step()
+        for t in targets:
+            assert t.tensor.shape == params[t.name].shape
+            ref = params[t.name].clone().requires_grad_(True)
+            ref.grad = grads[t.name].clone()
+            torch.optim.Adafactor([ref], lr=0.1).step()
+            assert torch.equal(t.tensor, ref.detach())
+            assert torch.equal(flat[t.flat_start:t.flat_start + t.tensor.numel()], ref.detach().reshape(-1))

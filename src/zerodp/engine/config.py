@@ -105,6 +105,14 @@ class EngineConfig:
     # Trust an optimizer class outside the stock elementwise list (a subclass, or one of your own)
     # to update each element from that element alone, so that it runs on flat shards.
     elementwise_optimizer: bool = False
+    # Where the optimizer runs (guide §12.3): "flat" steps 1/N slices of flattened parameters, exact
+    # for elementwise optimizers (AdamW, SGD, ...: the fast path); "owner" (tensor ownership) lays
+    # each bucket or unit out so that every tensor lies whole in one rank's slice, and that rank
+    # steps it with its real shape — exact for any per-tensor optimizer (Muon, Adafactor, or one
+    # of your own that reads each tensor whole), at the price of padding between the slices
+    # (engine.layout(), engine.stats().layout). "auto": flat for elementwise optimizers, owner for
+    # the stock per-tensor ones (zerodp.engine.master.PER_TENSOR_OPTIMIZERS).
+    optimizer_layout: str = "auto"
     # A collective of the engine that other ranks never issue (a stage-3 forward on rank 0 only)
     # ends this rank with CollectiveTimeout after this many seconds, not the backend's 30 minutes.
     timeout_s: float | None = 300.0
@@ -146,6 +154,12 @@ class EngineConfig:
             raise ValueError(f"shard_size={self.shard_size!r}: give a positive number of ranks per shard group "
                              "(it must divide the world size), or None for one node")
         parse_dtype(self.reduce_dtype, "reduce_dtype")
+        if self.optimizer_layout not in ("auto", "flat", "owner"):
+            raise ValueError(f"optimizer_layout={self.optimizer_layout!r}: use 'auto' (flat for elementwise "
+                             "optimizers, owner for per-tensor ones), 'flat' or 'owner' (guide §12.3)")
+        if self.optimizer_layout == "owner" and self.elementwise_optimizer:
+            raise ValueError("elementwise_optimizer=True asks for flat shards and optimizer_layout='owner' for whole "
+                             "tensors: pass one of the two")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"timeout_s={self.timeout_s!r}: give a positive number of seconds (or None to wait "

@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.master import MasterOptimizer, Target, param_targets
+from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, param_targets, probe_factory,
+                                  whole_targets)
 
 #: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
 #: chunks of this many elements (512 KiB of fp32) those passes stay in cache, where over one flat
@@ -82,12 +83,34 @@ class Construction:
                              "world size (usually the GPUs per node)")
         return g
 
+    @property
+    def placement(self) -> str:
+        """Where the optimizer runs (guide §12.3): ``"flat"`` (1/N slices of flattened parameters)
+        or ``"owner"`` (tensor ownership: whole tensors with their shapes, on owner-aligned
+        layouts). Chosen once, before the first group is laid out, from the optimizer's class
+        (:func:`zerodp.engine.master.choose_layout`, ``config.optimizer_layout``): the factory is
+        built once over one-element stand-ins to learn it."""
+        got = self.__dict__.get("_placement")
+        if got is None:
+            params = [(n, tuple(p.shape), g) for (n, p), g in zip(self.named_params, self.param_group_of)]
+            probe = probe_factory(self._factory, self.group_options, params, self.device)
+            got = FLAT  # a factory that returns no optimizer: MasterOptimizer says so
+            if isinstance(probe, torch.optim.Optimizer):
+                got = choose_layout(probe, self.config.elementwise_optimizer, self.config.optimizer_layout)
+            self._placement = got
+        return got
+
     def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
         quant = self.config.quant_block
         group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
                          reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
                          quant_params=quant if self.config.quantize_params else 0,
                          quant_grads=quant if self.config.quantize_grads else 0)
+        if self.placement == OWNER and self.policy.shard_master:
+            # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups.
+            loads = self.__dict__.setdefault("_owner_loads", [0] * self.shard_comm.world_size)
+            group.layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size,
+                                            loads)
         group.pool = self._grad_pool
         return group
 
@@ -150,13 +173,17 @@ class Construction:
         """A model built on the meta device: give ``g``'s parameters values (stage 3, per unit)."""
 
     def _build_master(self, targets: list[Target]) -> MasterOptimizer:
-        return MasterOptimizer(self._factory, targets, self.group_options, self.config.elementwise_optimizer)
+        return MasterOptimizer(self._factory, targets, self.group_options, self.config.elementwise_optimizer,
+                               placement=self.placement)
 
     def _targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
         """Optimizer targets over a held range of a flat buffer, in cache-sized chunks on CPU (see
         :func:`zerodp.engine.master.param_targets`): per parameter where a parameter may go unused
         in a step (stage 3, or ``find_unused_parameters=True``), so that the optimizer can skip it
-        whole; otherwise across parameters, fewer tensors for the optimizer's per-tensor work."""
+        whole; otherwise across parameters, fewer tensors for the optimizer's per-tensor work. On the
+        ownership path each parameter this rank holds is one target, whole, with its shape."""
+        if self.placement == OWNER:
+            return whole_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1))
         chunk = CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
         per_param = self.stage == 3 or self.config.find_unused_parameters
         return param_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1), chunk,

@@ -53,19 +53,44 @@ class Span:
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Parameters packed back to back, padded so ``padded_numel`` is a multiple of ``world_size``."""
+    """Parameters in a flat buffer of ``padded_numel`` elements, a multiple of ``world_size``.
+
+    Two placements (guide §12.1):
+
+    - *flat* (:meth:`pack`, ``owners`` None): back to back, padded at the end. Rank r owns the
+      contiguous slice r, which cuts tensors at arbitrary element boundaries — exact for an
+      elementwise optimizer, the default fast path.
+    - *owner-aligned* (:meth:`owned`): each tensor whole in the slice of one rank, its *owner*
+      (``owners[i]`` for ``slots[i]``); slice r holds its owner's tensors back to back and every
+      slice is padded to the largest one, so padding lies between slices. The same
+      ReduceScatter and AllGather then leave whole tensors on their owner, for optimizers that
+      read whole tensors (Muon, Adafactor).
+    """
 
     slots: tuple[Slot, ...]
     world_size: int
-    numel: int = field(init=False)
+    owners: tuple[int, ...] | None = None  # owner-aligned: the rank of each slot, else None
+    numel: int = field(init=False)  # elements of the parameters (padding excluded)
     padded_numel: int = field(init=False)
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        total = self.slots[-1].stop if self.slots else 0
+        total = sum(s.numel for s in self.slots)
         object.__setattr__(self, "numel", total)
-        object.__setattr__(self, "padded_numel", -(-total // self.world_size) * self.world_size)
+        if self.owners is None:
+            extent = self.slots[-1].stop if self.slots else 0
+            object.__setattr__(self, "padded_numel", -(-extent // self.world_size) * self.world_size)
+            return
+        if len(self.owners) != len(self.slots):
+            raise ValueError(f"{len(self.owners)} owners for {len(self.slots)} slots")
+        loads = self.owned_numels()
+        object.__setattr__(self, "padded_numel", max(loads, default=0) * self.world_size)
+        for slot, r in zip(self.slots, self.owners):
+            lo, hi = self.shard_range(r)
+            if not lo <= slot.offset <= slot.stop <= hi:
+                raise ValueError(f"{slot.name} at [{slot.offset}, {slot.stop}) lies outside the slice "
+                                 f"[{lo}, {hi}) of its owner, rank {r}")
 
     @classmethod
     def pack(cls, named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int) -> "FlatLayout":
@@ -76,6 +101,42 @@ class FlatLayout:
             slots.append(slot)
             offset = slot.stop
         return cls(tuple(slots), world_size)
+
+    @classmethod
+    def owned(cls, named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int,
+              loads: list[int] | None = None) -> "FlatLayout":
+        """Owner-aligned layout: each tensor whole on one rank (see the class docstring).
+
+        Balanced greedy (LPT): tensors by size, largest first (ties: the earlier one), each to the
+        rank that owns the fewest elements of this group so far (ties: the fewest of ``loads``,
+        elements owned in earlier groups, then the lower rank) — deterministic, the same on every
+        rank. ``loads`` is updated in place. Inside slice r the owner's tensors keep the given
+        order (forward order, as in :meth:`pack`)."""
+        shapes = [tuple(int(s) for s in shape) for _, shape in named_shapes]
+        sizes = [math.prod(s) for s in shapes]
+        loads = loads if loads is not None else [0] * world_size
+        if len(loads) != world_size:
+            raise ValueError(f"loads has {len(loads)} entries for {world_size} ranks")
+        mine = [0] * world_size
+        owners = [0] * len(shapes)
+        for i in sorted(range(len(shapes)), key=lambda i: (-sizes[i], i)):
+            r = min(range(world_size), key=lambda r: (mine[r], loads[r], r))
+            owners[i] = r
+            mine[r] += sizes[i]
+        shard = max(mine, default=0)
+        fill = [r * shard for r in range(world_size)]
+        slots = []
+        for (name, _), shape, n, r in zip(named_shapes, shapes, sizes, owners):
+            slots.append(Slot(name, shape, fill[r]))
+            fill[r] += n
+        for r in range(world_size):
+            loads[r] += mine[r]
+        return cls(tuple(slots), world_size, tuple(owners))
+
+    @property
+    def aligned(self) -> bool:
+        """True for an owner-aligned layout (every tensor whole on one rank)."""
+        return self.owners is not None
 
     @property
     def padding(self) -> int:
@@ -92,6 +153,35 @@ class FlatLayout:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def owned_numels(self) -> list[int]:
+        """Parameter elements in each rank's slice (padding excluded)."""
+        if self.owners is not None:
+            out = [0] * self.world_size
+            for slot, r in zip(self.slots, self.owners):
+                out[r] += slot.numel
+            return out
+        s = -(-(self.slots[-1].stop if self.slots else 0) // self.world_size)
+        return [sum(sp.numel for sp in self.spans(r * s, (r + 1) * s)) for r in range(self.world_size)]
+
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """Every flat range ``[start, stop)`` that holds no parameter: the gaps between slots,
+        between slices (owner-aligned) and at the end. Nothing writes gradients there."""
+        out, at = [], 0
+        for slot in sorted(self.slots, key=lambda s: s.offset):
+            if slot.offset > at:
+                out.append((at, slot.offset))
+            at = max(at, slot.stop)
+        if at < self.padded_numel:
+            out.append((at, self.padded_numel))
+        return out
+
+    def owners_of(self, slot: Slot) -> list[int]:
+        """The ranks whose slice holds elements of ``slot`` (one when owner-aligned)."""
+        if slot.numel == 0 and self.owners is None:
+            return []
+        s = self.shard_numel
+        return list(range(slot.offset // s, (slot.stop - 1) // s + 1)) if slot.numel else []
+
     def spans(self, start: int, stop: int) -> list[Span]:
         """Every parameter run that lies inside flat range ``[start, stop)`` (padding excluded)."""
         out = []
@@ -101,11 +191,29 @@ class FlatLayout:
                 out.append(Span(slot, lo - slot.offset, hi - slot.offset, lo))
         return out
 
+    def cost(self, itemsize: int = 4) -> dict:
+        """What the placement costs: padding elements and bytes (of ``itemsize`` per element, as
+        each rank's buffers hold them), the elements each rank owns, and the imbalance — the
+        largest slice over the mean, in elements and bytes per rank."""
+        owned = self.owned_numels()
+        mean = self.numel / self.world_size
+        extra = self.shard_numel - mean
+        return {"placement": "owner" if self.aligned else "flat", "padding": self.padding,
+                "padding_bytes": self.padding * itemsize, "owned_numel": owned,
+                "imbalance": round(extra, 3), "imbalance_bytes": round(extra * itemsize, 3),
+                "imbalance_ratio": round(self.shard_numel / mean, 6) if mean else 1.0}
+
     def to_dict(self) -> dict:
+        slots = [{"name": s.name, "shape": list(s.shape), "offset": s.offset} for s in self.slots]
+        if self.owners is not None:
+            for d, r in zip(slots, self.owners):
+                d["owner"] = r
         return {
             "world_size": self.world_size,
+            "placement": "owner" if self.aligned else "flat",
             "numel": self.numel,
             "padded_numel": self.padded_numel,
             "shard_numel": self.shard_numel,
-            "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset} for s in self.slots],
+            "padding": self.padding,
+            "slots": slots,
         }

@@ -5,12 +5,18 @@ optimizer's states (Adam: m and v), k = 12 bytes per parameter. ZeRO shards exac
 rank r keeps the master values and optimizer states of its 1/N slice of every flat buffer, and
 updates only that slice. Because the update of Adam, AdamW, SGD and friends is *elementwise*,
 running the stock optimizer on a 1-D slice gives bit-for-bit the same numbers as running it on
-the whole tensor — which is why sharding is exact. Optimizers that couple elements (Adafactor's
-factored row/column moments, LBFGS, Muon) are refused.
+the whole tensor — which is why sharding is exact (the *flat* path, the default for them).
+Optimizers that read whole tensors (Muon's Newton–Schulz orthogonalisation of a matrix,
+Adafactor's factored row/column moments; :data:`PER_TENSOR_OPTIMIZERS`, or any optimizer declared
+with ``optimizer_layout="owner"``) take the *tensor-ownership* path instead: the flat buffers are
+laid out owner-aligned (:meth:`zerodp.engine.layout.FlatLayout.owned`), so slice r holds whole
+tensors, and rank r steps them with their real shapes. LBFGS (closure-based, global) and
+SparseAdam (sparse gradients) are refused (:data:`REFUSED_OPTIMIZERS`).
 
-Each :class:`Target` is one 1-D fp32 tensor the optimizer updates: elements
+Each :class:`Target` is one fp32 tensor the optimizer updates: elements
 ``[flat_start, flat_start + numel)`` of a flat buffer (its full extent for stage 0, the rank's
-shard for stages 1-3). Targets of one parameter group go to one optimizer param group.
+shard for stages 1-3) — 1-D on the flat path, one whole parameter with its shape on the
+ownership path. Targets of one parameter group go to one optimizer param group.
 
 Checkpoints see this state as :class:`Piece` s — "elements [start, stop) of parameter NAME, of
 kind KIND" — which is independent of stage and world size, so a checkpoint saved at one layout
@@ -36,20 +42,73 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     if hasattr(torch.optim, name)
 )
 
+# Optimizers whose update of a tensor reads that whole tensor (and its gradient and states) but
+# no other tensor: exact on the tensor-ownership path, where each rank steps whole tensors.
+PER_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Adafactor", "Muon", "Rprop", "ASGD") if hasattr(torch.optim, name))
+
+# Optimizers no data-parallel layout runs, and why (one line each).
+REFUSED_OPTIMIZERS: dict[str, str] = {
+    "LBFGS": "LBFGS is refused: its step() re-evaluates the loss through a closure and line-searches over all "
+             "parameters at once (closure-based and global), which no sharded layout runs exactly; use a first-order "
+             "optimizer (AdamW, SGD, Adafactor, Muon)",
+    "SparseAdam": "SparseAdam is refused: it needs sparse gradients (nn.Embedding(sparse=True)), and the engine's "
+                  "gradients are dense flat buffers; use Adam or AdamW",
+}
+
+#: ``optimizer_layout`` values (EngineConfig): "auto" picks "flat" for an elementwise optimizer,
+#: "owner" (tensor ownership) for a per-tensor one.
+OPTIMIZER_LAYOUTS = ("auto", "flat", "owner")
+FLAT, OWNER = "flat", "owner"
+#: Separator of a whole-tensor state's piece name: ``"fc.weight::row_var"`` (Adafactor's factors,
+#: shaped unlike their parameter, are saved whole by the parameter's owner).
+WHOLE_SEP = "::"
+
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def whole_name(name: str, kind: str) -> str:
+    """The piece name of parameter ``name``'s whole-tensor state ``kind``."""
+    return f"{name}{WHOLE_SEP}{kind}"
 
 
 @dataclass(frozen=True)
 class Target:
-    """One 1-D fp32 tensor the optimizer updates: elements ``[flat_start, flat_start + numel)``
-    of ``layout``, all of one parameter ``name`` (so that a parameter no rank used this step can
-    be skipped as a whole, as torch's optimizers skip a parameter whose ``.grad`` is None)."""
+    """One fp32 tensor the optimizer updates: elements ``[flat_start, flat_start + numel)`` of
+    ``layout``, all of one parameter ``name`` (so that a parameter no rank used this step can be
+    skipped as a whole, as torch's optimizers skip a parameter whose ``.grad`` is None). 1-D on
+    the flat path; on the ownership path the whole parameter, viewed with its shape (a 0-d
+    parameter as one element)."""
 
-    tensor: torch.Tensor  # 1-D fp32, the values the optimizer updates
+    tensor: torch.Tensor  # fp32, the values the optimizer updates (a view of the master)
     layout: FlatLayout
     flat_start: int
     group: int
     name: str | None = None  # the parameter these elements belong to
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The target's elements as a 1-D view."""
+        return self.tensor.view(-1)
+
+
+def whole_targets(tensor: torch.Tensor, layout: FlatLayout, flat_start: int,
+                  group_of: Callable[[str], int]) -> list[Target]:
+    """The ownership path's targets: every trainable parameter inside the held range ``tensor``
+    (elements ``[flat_start, flat_start + numel)`` of ``layout``) as one view with its shape."""
+    out = []
+    for sp in layout.spans(flat_start, flat_start + tensor.numel()):
+        g = group_of(sp.slot.name)
+        if g < 0:
+            continue
+        if sp.param_start != 0 or sp.param_stop != sp.slot.numel:
+            raise ValueError(f"{sp.slot.name} is cut by this rank's slice [{flat_start}, "
+                             f"{flat_start + tensor.numel()}): the ownership path needs an owner-aligned layout "
+                             "(zerodp internal error: please report it)")
+        lo = sp.flat_start - flat_start
+        view = tensor[lo:lo + sp.numel].view(sp.slot.shape or (1,))
+        out.append(Target(view, layout, sp.flat_start, g, sp.slot.name))
+    return out
 
 
 def param_targets(tensor: torch.Tensor, layout: FlatLayout, flat_start: int, group_of: Callable[[str], int],
@@ -94,13 +153,23 @@ class Piece:
     tensor: torch.Tensor  # 1-D view of stop - start elements
 
 
+def check_refused(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, in one line, the optimizers no layout runs (:data:`REFUSED_OPTIMIZERS`), their
+    subclasses included."""
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in REFUSED_OPTIMIZERS:
+            why = REFUSED_OPTIMIZERS[cls.__name__]
+            raise ValueError(why if cls is type(optimizer) else f"{type(optimizer).__name__} subclasses {why}")
+
+
 def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool = False) -> None:
-    """Refuse optimizers not known to be elementwise: their sharded update would be wrong.
+    """Refuse optimizers not known to be elementwise on the flat path: their sharded update would be wrong.
 
     Known means one of the stock classes themselves (``type(optimizer) in ELEMENTWISE_OPTIMIZERS``):
     a subclass may couple elements (LARS over SGD scales by a per-tensor trust ratio, and a target
     here spans several parameters), so it is trusted only when declared with
-    ``parallelize(..., elementwise_optimizer=True)``."""
+    ``parallelize(..., elementwise_optimizer=True)``; one that reads whole tensors can be declared
+    per-tensor instead, with ``optimizer_layout="owner"``."""
     if declared or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
         return
     known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
@@ -110,8 +179,58 @@ def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool = False) 
     raise ValueError(
         f"{what}: ZeRO runs the optimizer on 1/N slices of flattened parameters, which is exact only when each "
         f"element's update depends on that element alone (factored or matrix-wise optimizers such as Adafactor, "
-        f"Muon, LARS or LBFGS read whole rows, tensors or matrices). Use one of: {known}; or, if its update is "
-        f"elementwise, declare it with parallelize(..., elementwise_optimizer=True).")
+        f"Muon or LARS read whole rows, tensors or matrices). Use one of: {known}; if its update is elementwise, "
+        f"declare it with parallelize(..., elementwise_optimizer=True); if it reads each tensor whole but no "
+        f"other tensor, declare it with parallelize(..., optimizer_layout='owner') (each rank steps whole tensors).")
+
+
+def choose_layout(optimizer: torch.optim.Optimizer, declared_elementwise: bool = False,
+                  requested: str = "auto") -> str:
+    """``"flat"`` or ``"owner"``: the path ``optimizer`` runs on, for ``optimizer_layout=requested``.
+
+    ``"auto"``: flat for an elementwise optimizer (the stock list, or ``elementwise_optimizer=True``),
+    owner for a stock per-tensor one (:data:`PER_TENSOR_OPTIMIZERS`: Muon, Adafactor, ...); any
+    other is refused with what to declare. ``"owner"`` declares the optimizer per-tensor (exact for
+    elementwise ones too); ``"flat"`` insists on flat shards (refused unless elementwise).
+    LBFGS and SparseAdam are refused whatever is asked."""
+    if requested not in OPTIMIZER_LAYOUTS:
+        raise ValueError(f"optimizer_layout={requested!r}: use one of {', '.join(OPTIMIZER_LAYOUTS)}")
+    check_refused(optimizer)
+    if requested == OWNER:
+        return OWNER
+    if requested == "auto" and not declared_elementwise and type(optimizer) in PER_TENSOR_OPTIMIZERS:
+        return OWNER
+    check_elementwise(optimizer, declared_elementwise)
+    return FLAT
+
+
+def probe_factory(factory: OptimizerFactory, group_options: list[dict],
+                  params: list[tuple[str, tuple[int, ...], int]], device: torch.device) -> torch.optim.Optimizer:
+    """Build the user's optimizer once over stand-ins — one element per parameter, of the
+    parameter's number of dimensions — to learn its class before the flat buffers are laid out.
+
+    ``params``: (name, shape, param-group index) of the trainable parameters. When the optimizer
+    refuses them (Muon takes 2-D parameters only), the parameter it refuses is named, found by
+    building it over that one parameter's stand-in."""
+    def build(chosen):
+        groups = [{"params": [torch.zeros((1,) * len(shape), device=device) for _, shape, g2 in chosen if g2 == g],
+                   **opts} for g, opts in enumerate(group_options)]
+        return factory(groups)
+
+    try:
+        return build(params)
+    except (ValueError, RuntimeError, TypeError) as e:
+        for name, shape, g in params:
+            try:
+                build([(name, shape, g)])
+            except (ValueError, RuntimeError, TypeError) as one:
+                hint = ""
+                if "2D" in str(one) or "2-D" in str(one):
+                    hint = (" — Muon steps 2-D matrices only: freeze it (requires_grad=False) or train it with "
+                            "another optimizer in another engine")
+                raise ValueError(f"the optimizer refuses parameter {name!r} of shape {tuple(shape)}: {one}{hint}") \
+                    from None
+        raise e
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -127,8 +246,9 @@ class MasterOptimizer:
     """
 
     def __init__(self, factory: OptimizerFactory, targets: list[Target], group_options: list[dict],
-                 declared_elementwise: bool = False):
+                 declared_elementwise: bool = False, placement: str = FLAT):
         self.targets = targets
+        self.placement = placement  # "flat" (1-D slices) or "owner" (whole tensors, their shapes)
         param_groups = [{"params": [t.tensor for t in targets if t.group == g], **opts}
                         for g, opts in enumerate(group_options)]
         self.optimizer = factory(param_groups)
@@ -138,7 +258,11 @@ class MasterOptimizer:
                 f"torch.optim.Optimizer, e.g. lambda groups: torch.optim.AdamW(groups, lr=3e-4); "
                 f"it returned {type(self.optimizer).__name__}"
             )
-        check_elementwise(self.optimizer, declared_elementwise)
+        if placement == OWNER:
+            check_refused(self.optimizer)
+        else:
+            check_refused(self.optimizer)
+            check_elementwise(self.optimizer, declared_elementwise)
         given = {id(p) for grp in self.optimizer.param_groups for p in grp["params"]}
         if given != {id(t.tensor) for t in targets}:
             raise ValueError(
@@ -159,7 +283,8 @@ class MasterOptimizer:
             if g is None or (t.name in unused):
                 t.tensor.grad = None
             else:
-                t.tensor.grad = g if g.dtype == torch.float32 else g.float()
+                g = g if g.dtype == torch.float32 else g.float()
+                t.tensor.grad = g if g.shape == t.tensor.shape else g.view(t.tensor.shape)
 
     def zero_grad(self) -> None:
         for t in self.targets:
@@ -167,23 +292,30 @@ class MasterOptimizer:
 
     # ---- state as pieces --------------------------------------------------------------
     def state_kinds(self) -> list[str]:
-        """Per-element state names (e.g. exp_avg, exp_avg_sq) present now."""
+        """Per-element state names (e.g. exp_avg, exp_avg_sq) present now: tensors shaped like
+        their target (a 0-d scalar such as ``step`` is not one)."""
         kinds: set[str] = set()
         for t in self.targets:
-            for k, v in self.optimizer.state.get(t.tensor, {}).items():
-                if torch.is_tensor(v) and v.shape == t.tensor.shape and v.dim() == 1:
-                    kinds.add(k)
+            kinds.update(_elementwise_kinds(t, self.optimizer.state.get(t.tensor, {})))
         return sorted(kinds)
+
+    def whole_states(self, t: Target) -> dict[str, torch.Tensor]:
+        """``t``'s tensor states shaped unlike it (Adafactor's ``row_var``/``col_var``): kept whole
+        by the owner of a whole target (the ownership path; the flat path has none)."""
+        return _whole_states(t, self.optimizer.state.get(t.tensor, {}))
 
     def pieces(self, kinds: Iterable[str] | None = None,
                ranges: Callable[[Target], tuple[int, int]] | None = None) -> list[Piece]:
         """State as pieces. ``ranges(target)`` restricts each target to a flat range ``[lo, hi)``
         of its layout (stage 0 holds full replicas but each rank saves only its slice)."""
+        whole = kinds is None  # all kinds: whole-tensor states too; a list: those per-element kinds
         kinds = self.state_kinds() if kinds is None else list(kinds)
         out = []
         for t in self.targets:
             state = self.optimizer.state.get(t.tensor, {})
-            sources = [(PARAM, t.tensor)] + [(k, state[k]) for k in kinds if k in state]
+            sources = [(PARAM, t.flat)] + [(k, state[k].view(-1)) for k in kinds
+                                           if k in state and torch.is_tensor(state[k])
+                                           and state[k].shape == t.tensor.shape]
             start, stop = t.flat_start, t.flat_start + t.tensor.numel()
             if ranges is not None:
                 want = ranges(t)
@@ -193,6 +325,10 @@ class MasterOptimizer:
                 for kind, tensor in sources:
                     out.append(Piece(span.slot.name, kind, span.param_start, span.param_stop,
                                      span.slot.shape, tensor[lo:lo + span.numel]))
+            # Whole-tensor states go with the parameter's first element: saved by one rank.
+            if whole and t.name is not None and start <= t.flat_start < stop:
+                for kind, v in self.whole_states(t).items():
+                    out.append(Piece(whole_name(t.name, kind), kind, 0, v.numel(), tuple(v.shape), v.view(-1)))
         return out
 
     def scalar_state(self) -> dict:
@@ -212,6 +348,13 @@ class MasterOptimizer:
         out = {"kinds": self.state_kinds(), "groups": groups}
         if all(t.name is not None for t in self.targets):  # per-parameter targets
             out["params"] = params
+        if self.placement == OWNER:  # which states each parameter has, and the shapes of whole ones
+            out["param_kinds"], out["whole"] = {}, {}
+            for t in self.targets:
+                state = self.optimizer.state.get(t.tensor, {})
+                if state:
+                    out["param_kinds"][t.name] = _elementwise_kinds(t, state)
+                    out["whole"][t.name] = {k: list(v.shape) for k, v in _whole_states(t, state).items()}
         return out
 
     def load_scalar_state(self, scalars: dict) -> None:
@@ -227,6 +370,7 @@ class MasterOptimizer:
                 f"{len(self.optimizer.param_groups)}: build the engine with the same param groups"
             )
         by_param = scalars.get("params", {})
+        param_kinds, whole = scalars.get("param_kinds", {}), scalars.get("whole", {})
         group_of = {id(p): g for g, grp in enumerate(self.optimizer.param_groups) for p in grp["params"]}
         name_of = {id(t.tensor): t.name for t in self.targets}
         for grp in self.optimizer.param_groups:
@@ -241,8 +385,13 @@ class MasterOptimizer:
                 state.clear()
                 if saved is None:
                     continue
-                for kind in scalars.get("kinds", []):
+                # Per parameter where the checkpoint says which states it has (the ownership path:
+                # Adafactor keeps `variance` for vectors, `row_var`/`col_var` for matrices).
+                for kind in param_kinds.get(name, scalars.get("kinds", [])) if name is not None \
+                        else scalars.get("kinds", []):
                     state[kind] = torch.zeros_like(p)
+                for kind, shape in (whole.get(name, {}) if name is not None else {}).items():
+                    state[kind] = torch.zeros(tuple(shape), dtype=p.dtype, device=p.device)
                 for k, v in saved.items():
                     state[k] = torch.tensor(v, dtype=_scalar_dtype(),
                                             device=p.device if on_device else "cpu")
@@ -258,3 +407,11 @@ class MasterOptimizer:
                         f"[{piece.start}:{piece.stop}], expected {piece.tensor.numel()}"
                     )
                 piece.tensor.copy_(src.reshape(-1))
+
+
+def _elementwise_kinds(t: Target, state: dict) -> list[str]:
+    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape == t.tensor.shape)
+
+
+def _whole_states(t: Target, state: dict) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape != t.tensor.shape}

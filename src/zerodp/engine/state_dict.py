@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.engine.group import FROZEN
-from zerodp.engine.master import PARAM, Piece, Target
+from zerodp.engine.master import OWNER, PARAM, Piece, Target, whole_name
 from zerodp.engine.optim import UserGroups
 
 
@@ -325,6 +325,8 @@ def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
             v = master.optimizer.state.get(t.tensor, {}).get(kind)
             values.append(v if torch.is_tensor(v) and v.shape == t.tensor.shape else torch.zeros_like(t.tensor))
         full_kinds[kind] = engine._gather_full(values)
+    whole = _gather_whole_states(engine)  # collective; Adafactor's row/column factors
+    param_kinds = scalars.get("param_kinds", {})
     if rank0_only and engine.rank != 0:
         return {}
 
@@ -340,15 +342,36 @@ def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
             g = group_of[name]
             saved = group_scalars[g] if g < len(group_scalars) and group_scalars[g] else {}
         entry = {k: _scalar_tensor(v) for k, v in saved.items()}
-        for kind in kinds:
+        for kind in param_kinds.get(name, kinds):
             value = full_kinds[kind][name]
             entry[kind] = value.cpu() if cpu_offload else value
+        for kind, value in whole.get(name, {}).items():
+            entry[kind] = value.cpu() if cpu_offload else value.to(engine.device)
         state[name] = entry
     groups = []
     for g, group in enumerate(master.optimizer.param_groups):
         groups.append({**_group_options(group),
                        "params": [n for n, _ in engine.named_params if group_of[n] == g]})
     return {"state": state, "param_groups": groups}
+
+
+def _gather_whole_states(engine: EngineLike) -> dict[str, dict[str, torch.Tensor]]:
+    """Collective: every parameter's whole-tensor states (shaped unlike the parameter: Adafactor's
+    ``row_var``/``col_var``), by name, from the rank that owns it (the ownership path; {} on the
+    flat path, where there are none)."""
+    master = engine.master
+    if getattr(master, "placement", None) != OWNER:
+        return {}
+    mine = {t.name: {k: v.detach().cpu().clone() for k, v in master.whole_states(t).items()}
+            for t in master.targets}
+    mine = {n: states for n, states in mine.items() if states}
+    if engine.world_size > 1 and engine.stage > 0:
+        gathered: list = [None] * engine.world_size
+        dist.all_gather_object(gathered, mine, group=engine.group)
+        for other in gathered:
+            for name, states in other.items():
+                mine.setdefault(name, states)
+    return mine
 
 
 @torch.no_grad()
@@ -373,16 +396,31 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
     saved_state = {names.canonical.get(renamed[k], renamed[k]): v for k, v in state["state"].items()}  # tied: any name
     saved_groups = [{**g, "params": [renamed.get(n, n) if isinstance(n, str) else n for n in g.get("params", [])]}
                     if isinstance(g, Mapping) else g for g in state["param_groups"]]
-    problem = _check_optimizer_state(names, group_of, len(optimizer.param_groups), saved_state, saved_groups)
+    owner = getattr(engine.master, "placement", None) == OWNER
+    problem = _check_optimizer_state(names, group_of, len(optimizer.param_groups), saved_state, saved_groups,
+                                     whole_ok=owner)
     _agree(engine, problem, "load_optimizer_state_dict: the optimizer state does not fit this engine")
 
-    # Per-element kinds: the tensors of dimension >= 1 kept for parameters of dimension >= 1; the
-    # rest are scalars (a 0-d parameter's states are all 0-d: they follow the others' kinds).
-    kinds = {k for name, entry in saved_state.items() if names.shapes[name]
-             for k, v in entry.items() if torch.is_tensor(v) and v.dim() > 0}
+    # Per-element kinds: the tensors of dimension >= 1 kept for parameters of dimension >= 1 with
+    # the parameter's number of elements; the rest are scalars (a 0-d parameter's states are all
+    # 0-d: they follow the others' kinds) or, on the ownership path, whole-tensor states shaped
+    # unlike their parameter (Adafactor's row_var/col_var), loaded whole by the owner.
+    def elementwise(name, v):
+        return torch.is_tensor(v) and v.dim() > 0 and v.numel() == _numel(names.shapes[name])
+
+    whole = {name: {k: tuple(v.shape) for k, v in entry.items()
+                    if torch.is_tensor(v) and v.dim() > 0 and not elementwise(name, v)}
+             for name, entry in saved_state.items()}
+    param_kinds = {name: sorted(k for k, v in entry.items() if names.shapes[name] and elementwise(name, v))
+                   for name, entry in saved_state.items()}
+    kinds = {k for ks in param_kinds.values() for k in ks}
     if not kinds:  # only 0-d parameters: every tensor state but the step count is per element
         kinds = {k for entry in saved_state.values() for k, v in entry.items() if torch.is_tensor(v) and k != "step"}
-    params = {name: {k: float(v) for k, v in entry.items() if k not in kinds} for name, entry in saved_state.items()}
+    for name in param_kinds:
+        if not names.shapes[name]:
+            param_kinds[name] = sorted(k for k in kinds if k in saved_state[name])
+    params = {name: {k: float(v) for k, v in entry.items() if k not in kinds and k not in whole[name]}
+              for name, entry in saved_state.items()}
     # Engines whose targets span several parameters (stages 0-2 when every parameter is used in
     # every step) keep one set of scalars per param group: the first stepped parameter's.
     groups: list[dict | None] = [None] * len(optimizer.param_groups)
@@ -404,7 +442,12 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
 
     held = _held_pieces(engine)  # parameters: kept as they are
     device = engine.device
-    engine.load_scalar_state({"kinds": sorted(kinds), "groups": groups, "params": params})
+    scalars = {"kinds": sorted(kinds), "groups": groups, "params": params}
+    if owner:
+        scalars.update(param_kinds=param_kinds,
+                       whole={n: {k: list(sh) for k, sh in w.items()} for n, w in whole.items()})
+    engine.load_scalar_state(scalars)
+    whole_by_piece = {whole_name(n, k): (n, k) for n, w in whole.items() for k in w}
 
     def read(name: str, kind: str, start: int, stop: int) -> torch.Tensor:
         if kind == BUFFER:
@@ -412,6 +455,10 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
             return getattr(sub, local).detach().reshape(-1)[start:stop].clone()
         if kind == PARAM:
             return held[(name, kind, start, stop)]
+        if name in whole_by_piece:  # a whole-tensor state, read by its owner
+            param, state_kind = whole_by_piece[name]
+            return saved_state[param][state_kind].detach().reshape(-1)[start:stop].to(device=device,
+                                                                                    dtype=torch.float32)
         value = saved_state.get(name, {}).get(kind)
         if value is None:  # never stepped, or a state this parameter lacks: fresh zeros
             return torch.zeros(stop - start, dtype=torch.float32, device=device)
@@ -421,7 +468,7 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
 
 
 def _check_optimizer_state(names: _Names, group_of: dict[str, int], n_groups: int, saved_state: Mapping,
-                           saved_groups: list) -> str | None:
+                           saved_groups: list, whole_ok: bool = False) -> str | None:
     """What is wrong with an optimizer state dict for this engine, in one line (None if nothing)."""
     if len(saved_groups) != n_groups:
         return (f"it has {len(saved_groups)} param groups, this engine has {n_groups}: build the engine with the "
@@ -449,9 +496,10 @@ def _check_optimizer_state(names: _Names, group_of: dict[str, int], n_groups: in
             return f"state[{name!r}] is a {type(entry).__name__}, not a dict of the parameter's states"
         numel = _numel(names.shapes[name])
         for k, v in entry.items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.numel() != numel:
+            if torch.is_tensor(v) and v.dim() > 0 and v.numel() != numel and not whole_ok:
                 return (f"state[{name!r}][{k!r}] has {v.numel()} elements, the parameter has {numel} "
-                        f"(shape {names.shapes[name]})")
+                        f"(shape {names.shapes[name]}): a state shaped unlike its parameter (Adafactor's factors) "
+                        "loads only on the tensor-ownership path (optimizer_layout='owner')")
     return None
 
 
@@ -534,6 +582,10 @@ class StateContract:
                     if scalars and not mine["groups"][g]:
                         mine["groups"][g] = scalars
                 mine["kinds"] = sorted(set(mine["kinds"]) | set(other["kinds"]))
+                for key in ("param_kinds", "whole"):  # the ownership path: each from its owner
+                    if key in other:
+                        for name, value in other[key].items():
+                            mine.setdefault(key, {}).setdefault(name, value)
         return {"stage": self.stage, **mine}
 
     def load_scalar_state(self, scalars: dict) -> None:
@@ -597,7 +649,7 @@ class StateContract:
             local = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
             for i in by_group.get(id(layout), []):
                 t = self.master.targets[i]
-                local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i])
+                local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i].reshape(-1))
             if frozen_from_params:  # frozen parameters of a unit live in its master shard only
                 for slot, grp in zip(layout.slots, g.groups):
                     a, b = max(slot.offset, lo), min(slot.stop, hi)
@@ -613,7 +665,14 @@ class StateContract:
         return out
 
     def layout(self) -> list[dict]:
-        """The flat groups as data: which parameter sits at which offset, padding, owners."""
+        """The flat groups as data: which parameter sits at which offset, padding, owners.
+
+        ``owners``: each rank's slice ``[start, stop)``; on the ownership path each slot also
+        names its ``owner`` rank. ``cost``: the placement's price (:meth:`FlatLayout.cost`):
+        padding elements and bytes in the compute dtype (what each full-buffer copy — the
+        parameters, full gradients, every AllGather and ReduceScatter — carries for nothing), the
+        parameter elements in each rank's slice, and the imbalance (largest slice over the mean)
+        in elements and in fp32 master bytes."""
         out = []
         for i, g in enumerate(self.groups):
             d = g.layout.to_dict()
@@ -621,9 +680,32 @@ class StateContract:
             d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
                      options=self.group_options[trainable[0]] if trainable else None,
                      dtype=str(g.param_dtype), sharded=self.policy.shard_master,
-                     owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)])
+                     owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)],
+                     cost={**g.layout.cost(g.param_dtype.itemsize),
+                           "imbalance_bytes": g.layout.cost(4)["imbalance_bytes"]})
             out.append(d)
         return out
+
+    def layout_cost(self) -> dict:
+        """The placement's price over every group (per-group figures in :meth:`layout`): padding
+        elements and bytes (compute dtype), this rank's parameter elements and the most any rank
+        owns, and the imbalance in fp32 master bytes (the most loaded rank's master over the
+        mean's; optimizer states scale with it)."""
+        world = self.shard_comm.world_size if self.policy.shard_master else 1
+        owned = [0] * world
+        padding = padding_bytes = 0
+        for g in self.groups:
+            c = g.layout.cost(g.param_dtype.itemsize)
+            padding += c["padding"]
+            padding_bytes += c["padding_bytes"]
+            if self.policy.shard_master:
+                owned = [a + b for a, b in zip(owned, c["owned_numel"])]
+            else:
+                owned[0] += g.layout.numel
+        mean = sum(owned) / len(owned)
+        return {"placement": self.placement, "padding": padding, "padding_bytes": padding_bytes,
+                "owned_numel": owned, "max_owned_numel": max(owned),
+                "imbalance_bytes": round((max(owned) - mean) * 4, 3)}
 
     def state_dict(self, **options) -> dict[str, torch.Tensor]:
         """Collective: the model's parameters and persistent buffers by name, like

@@ -65,6 +65,9 @@ class EngineStats:
     compute_s: dict[str, float] = field(default_factory=dict)  # forward / backward / step spans
     step_time_s: float | None = None
     nonfinite: dict = field(default_factory=dict)  # the skip guard's counters (engine.guard)
+    # The optimizer's placement and its price over every flat group (StateContract.layout_cost):
+    # "flat" or "owner", padding elements and bytes, elements each rank owns, imbalance bytes.
+    layout: dict = field(default_factory=dict)
 
     @property
     def model_state_bytes(self) -> int:
@@ -92,6 +95,11 @@ class EngineStats:
         spans = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.compute_s.items())
         step = "n/a" if self.step_time_s is None else f"{self.step_time_s * 1e3:.2f} ms"
         lines.append(f"compute: {spans or 'n/a'}; exposed comm {self.exposed_comm_s * 1e3:.2f} ms; step {step}")
+        if self.layout:
+            lo = self.layout
+            lines.append(f"optimizer layout: {lo['placement']}; padding {lo['padding']:,} elements "
+                         f"({fmt_bytes(lo['padding_bytes'])}); most owned {lo['max_owned_numel']:,} elements; "
+                         f"imbalance {fmt_bytes(lo['imbalance_bytes'])} of fp32 master")
         return "\n".join(lines)
 
 
@@ -158,6 +166,7 @@ def collect_stats(engine) -> EngineStats:
         exposed_comm_s=sum(c.wait_s for c in colls.values()), compute_s=compute,
         step_time_s=engine.last_step_time_s,
         nonfinite=asdict(engine.guard.stats()) if getattr(engine, "guard", None) else {},
+        layout=engine.layout_cost() if hasattr(engine, "layout_cost") else {},
     )
 
 

@@ -189,13 +189,22 @@ def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
     AllReduce; only when every rank is ready does any of them touch the engine. (The price: this
     rank's share of the checkpoint is held in memory once more while loading.)
     """
+    from zerodp.engine.master import whole_name
+
     problem, cache, rng = "", {}, {}
     try:
         ck.check_pieces(engine.state_pieces())
-        kinds = ["param", *ck.manifest.get("scalars", {}).get("kinds", [])]
+        scalars = ck.manifest.get("scalars", {})
+        kinds, per_param = scalars.get("kinds", []), scalars.get("param_kinds", {})
         for p in engine.master.pieces(kinds=[]):  # the ranges this rank holds (parameters only)
-            for kind in kinds:
+            for kind in ["param", *per_param.get(p.name, kinds)]:  # the tensor-ownership path: its own kinds
                 cache[(p.name, kind, p.start, p.stop)] = ck.read(p.name, kind, p.start, p.stop)
+        held = {t.name for t in engine.master.targets}
+        for name, states in scalars.get("whole", {}).items():  # whole-tensor states (Adafactor's factors)
+            for kind, shape in states.items():
+                if name in held:
+                    key, n = whole_name(name, kind), math.prod(shape)
+                    cache[(key, kind, 0, n)] = ck.read(key, kind, 0, n)
         rng = ck.rng(ctx.rank)
     except Exception as e:  # noqa: BLE001 - any failure to read means: load nothing, anywhere
         problem = (str(e) if isinstance(e, ckpt.CheckpointError)

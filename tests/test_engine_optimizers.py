@@ -1,0 +1,319 @@
+"""Per-tensor optimizers on the tensor-ownership path (guide §12.3): Muon and Adafactor at stages 0-3.
+
+Each rank owns whole tensors (an owner-aligned layout, ``FlatLayout.owned``) and steps them with
+the stock ``torch.optim`` optimizer and their real shapes, so the run equals one process stepping
+the stock optimizer on the full batch. References are independent of the code under test: the
+same model and the stock optimizer on the full batch (every rank's rows) in the same process.
+A gradient here sums ``world × ROWS`` rows in another order than the reference, so parameters
+after k steps may differ by ``trajectory_tolerance`` of their largest element (relative,
+dtype-derived); the optimizers' second moments are squares of gradients, twice that.
+
+One spawned group per world size (2, then 3) runs every check; the world-3 group also loads the
+checkpoint that the world-2 group saved at another stage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerodp
+from _engine_common import trajectory_tolerance
+from zerodp.spawn import run_local
+
+pytestmark = pytest.mark.dist
+ROWS = 3  # rows per rank per micro-batch
+STEPS = 3
+STAGES = (0, 1, 2, 3)
+WORLDS = (2, 3)
+BUCKETS = dict(bucket_mb=0.0004, first_bucket_mb=0.0001)  # several buckets, some with several tensors
+
+
+class Net(nn.Module):
+    """Odd sizes; ``bias=False`` leaves only 2-D weights (Muon's case), ``bias=True`` adds
+    vectors (biases, a LayerNorm): Adafactor keeps ``variance`` for them, row/column factors for
+    the matrices."""
+
+    def __init__(self, seed: int = 0, bias: bool = True):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, 7, bias=bias)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(7, 9, bias=bias), nn.Tanh(), nn.Linear(9, 7, bias=bias))
+                                     for _ in range(2)])
+        self.norm = nn.LayerNorm(7) if bias else nn.Identity()
+        self.out = nn.Linear(7, 3, bias=bias)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = h + b(h)
+        return F.mse_loss(self.out(self.norm(h)), y)
+
+
+class LARS(torch.optim.SGD):
+    """SGD scaled by a per-tensor trust ratio: per-tensor, not elementwise (declared as such)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-9))
+        return super().step(closure)
+
+
+def muon(params):
+    return torch.optim.Muon(params, lr=0.05, weight_decay=0.01)
+
+
+def adafactor(params):
+    return torch.optim.Adafactor(params, lr=0.02)
+
+
+def lars(params):
+    return LARS(params, lr=0.05, momentum=0.9)
+
+
+#: name -> (factory, bias in the model, parallelize options)
+OPTIMIZERS = {"muon": (muon, False, {}), "adafactor": (adafactor, True, {}),
+              "lars": (lars, True, {"optimizer_layout": "owner"})}
+
+
+def batch(step: int, world: int):
+    g = torch.Generator().manual_seed(700 + 31 * world + step)
+    return torch.randn(world * ROWS, 5, generator=g), torch.randn(world * ROWS, 3, generator=g)
+
+
+def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * ROWS:(rank + 1) * ROWS]
+
+
+def build(name: str, stage: int, seed: int = 0):
+    factory, bias, options = OPTIMIZERS[name]
+    model = Net(seed, bias)
+    units = list(model.blocks) if stage == 3 else None
+    return zerodp.parallelize(model, optimizer=factory, stage=stage, units=units, **BUCKETS, **options)
+
+
+def train(engine, rank, world, steps, first=0):
+    for step in range(first, first + steps):
+        x, y = batch(step, world)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        engine.step()
+        engine.zero_grad()
+
+
+def reference(name: str, plan: list[tuple[int, int]]):
+    """The stock optimizer on the full batch: ``plan`` lists (step, world) of each batch."""
+    factory, bias, _ = OPTIMIZERS[name]
+    model = Net(0, bias)
+    opt = factory(model.parameters())
+    for step, world in plan:
+        model(*batch(step, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def param_error(full: dict, ref: nn.Module) -> float:
+    """The worst parameter's max |engine − reference| over the reference's largest element."""
+    return max((full[n] - p.detach()).abs().max().item() / max(p.detach().abs().max().item(), 1e-30)
+               for n, p in ref.named_parameters())
+
+
+def state_error(got: dict, want: dict) -> float | str:
+    """Worst relative error between two torch-format optimizer states (index-keyed), or what differs."""
+    if sorted(got["state"]) != sorted(want["state"]):
+        return f"state for parameters {sorted(got['state'])}, the reference has {sorted(want['state'])}"
+    worst = 0.0
+    for i, entry in want["state"].items():
+        mine_ = got["state"][i]
+        if sorted(mine_) != sorted(entry):
+            return f"parameter {i} has states {sorted(mine_)}, the reference {sorted(entry)}"
+        for k, v in entry.items():
+            if tuple(mine_[k].shape) != tuple(v.shape):
+                return f"state[{i}][{k}] has shape {tuple(mine_[k].shape)}, the reference {tuple(v.shape)}"
+            scale = max(v.double().abs().max().item(), 1e-30)
+            worst = max(worst, (mine_[k].double().cpu() - v.double()).abs().max().item() / scale)
+    return worst
+
+
+def layout_problems(engine, rank) -> str | None:
+    """None when every tensor lies whole in its owner's slice and this rank's master targets are
+    exactly its owned tensors, with their shapes (stages 1-3)."""
+    owned = set()
+    for d in engine.layout():
+        if d["placement"] != "owner" or not d["sharded"]:
+            return f"{d['label']}: placement {d['placement']}, sharded {d['sharded']}"
+        for s in d["slots"]:
+            lo, hi = d["owners"][s["owner"]]
+            numel = 1
+            for n in s["shape"]:
+                numel *= n
+            if not lo <= s["offset"] <= s["offset"] + numel <= hi:
+                return f"{s['name']} at {s['offset']} (+{numel}) outside its owner's slice [{lo}, {hi})"
+            if s["owner"] == rank:
+                owned.add((s["name"], tuple(s["shape"])))
+    targets = {(t.name, tuple(t.tensor.shape)) for t in engine.master.targets}
+    return None if targets == owned else f"targets {sorted(targets)} != owned {sorted(owned)}"
+
+
+def _trajectories(rank, world, out):
+    names = ("muon", "adafactor") + (("lars",) if world == 2 else ())
+    for name in names:
+        for stage in STAGES:
+            key = f"{name}/{stage}"
+            engine = build(name, stage)
+            train(engine, rank, world, STEPS)
+            ref, ref_opt = reference(name, [(s, world) for s in range(STEPS)])
+            out[f"{key}/param"] = (param_error(engine.full_state_dict(), ref),
+                                   trajectory_tolerance(world * ROWS, STEPS))
+            out[f"{key}/placement"] = engine.placement
+            if stage > 0:
+                out[f"{key}/layout"] = layout_problems(engine, rank)
+            out[f"{key}/cost"] = engine.stats().layout
+            # torch's format, full tensors, index-keyed: equal to the stock optimizer's state
+            saved = engine.optimizer.state_dict()
+            out[f"{key}/state"] = (state_error(saved, ref_opt.state_dict()),
+                                   2 * trajectory_tolerance(world * ROWS, STEPS))
+            # ... and it loads into another stage's engine, which then continues as the reference
+            other = build(name, (stage + 1) % 4, seed=9)
+            other.load_state_dict(engine.state_dict())
+            other.optimizer.load_state_dict(saved)
+            train(other, rank, world, 1, first=STEPS)
+            ref2, _ = reference(name, [(s, world) for s in range(STEPS + 1)])
+            out[f"{key}/reloaded"] = (param_error(other.full_state_dict(), ref2),
+                                      trajectory_tolerance(world * ROWS, STEPS + 1))
+
+
+def _refusals(rank, world, out):
+    for name, factory in (("LBFGS", lambda g: torch.optim.LBFGS(g)),
+                          ("SparseAdam", lambda g: torch.optim.SparseAdam(g))):
+        try:
+            zerodp.parallelize(Net(), factory, stage=2)
+            out[f"refuse/{name}"] = None
+        except ValueError as e:
+            out[f"refuse/{name}"] = str(e)
+    try:  # Muon over a model with biases: torch refuses 1-D parameters; the message names one
+        zerodp.parallelize(Net(bias=True), muon, stage=1)
+        out["refuse/muon-1d"] = None
+    except ValueError as e:
+        out["refuse/muon-1d"] = str(e)
+    try:  # an unknown optimizer is not guessed at: it says what to declare
+        zerodp.parallelize(Net(), lars, stage=1)
+        out["refuse/lars"] = None
+    except ValueError as e:
+        out["refuse/lars"] = str(e)
+    # an elementwise optimizer keeps the flat path; asked for, the owner path is exact for it too
+    flat = zerodp.parallelize(Net(), lambda g: torch.optim.AdamW(g, lr=1e-2), stage=2, **BUCKETS)
+    owner = zerodp.parallelize(Net(), lambda g: torch.optim.AdamW(g, lr=1e-2), stage=2, optimizer_layout="owner",
+                               **BUCKETS)
+    train(flat, rank, world, 2)
+    train(owner, rank, world, 2)
+    a, b = flat.full_state_dict(), owner.full_state_dict()
+    out["adamw/placements"] = (flat.placement, owner.placement)
+    out["adamw/owner_vs_flat"] = max((a[n] - b[n]).abs().max().item() / b[n].abs().max().item() for n in a)
+
+
+def _checkpoint(rank, world, out, root):
+    """World 2 saves Adafactor at stage 2 (pieces, zerodp.train.checkpoint); world 3 loads it at
+    stage 1 and world 2 at stage 3, and both continue as the reference."""
+    from zerodp.train import checkpoint as ckpt
+    from zerodp.train.loop import RankContext, load_into
+
+    path = root / "checkpoints" / ckpt.step_dir_name(STEPS)
+    if world == 2:
+        src = build("adafactor", 2)
+        train(src, rank, world, STEPS)
+        ckpt.save(src.state_pieces(), root / "checkpoints", STEPS, {"scalars": src.scalar_state()})
+    stage = 3 if world == 2 else 1
+    dst = build("adafactor", stage, seed=5)
+    ck = ckpt.Checkpoint.open(path)
+    out["ckpt/whole_pieces"] = sorted({p["name"] for p in ck.manifest["pieces"] if "::" in p["name"]})
+    load_into(dst, ck, RankContext(rank, world, rank, torch.device("cpu")))
+    ref, _ = reference("adafactor", [(s, 2) for s in range(STEPS)])
+    out["ckpt/loaded"] = (param_error(dst.full_state_dict(), ref), trajectory_tolerance(2 * ROWS, STEPS))
+    train(dst, rank, world, 1, first=STEPS)
+    ref, _ = reference("adafactor", [(s, 2) for s in range(STEPS)] + [(STEPS, world)])
+    out["ckpt/continued"] = (param_error(dst.full_state_dict(), ref),
+                             trajectory_tolerance(max(2, world) * ROWS, STEPS + 1))
+
+
+def _all_checks(rank, world, root):
+    torch.use_deterministic_algorithms(True)
+    out: dict = {}
+    _trajectories(rank, world, out)
+    if world == 2:
+        _refusals(rank, world, out)
+    _checkpoint(rank, world, out, root)
+    return out
+
+
+def _results(world: int, root) -> list[dict]:
+    return run_local(_all_checks, world, root, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("optimizers")
+    return {world: _results(world, root) for world in WORLDS}
+
+
+CASES = [(w, n, s) for w in WORLDS for n in ("muon", "adafactor", "lars") for s in STAGES
+         if not (n == "lars" and w == 3)]
+
+
+@pytest.mark.parametrize("world,name,stage", CASES)
+def test_per_tensor_optimizer_equals_the_stock_one(results, world, name, stage):
+    for rank, r in enumerate(results[world]):
+        key = f"{name}/{stage}"
+        assert r[f"{key}/placement"] == "owner"
+        err, tol = r[f"{key}/param"]
+        assert err <= tol, f"rank {rank}: parameters differ by {err:.3g} (bound {tol:.3g})"
+        if stage > 0:
+            assert r[f"{key}/layout"] is None, r[f"{key}/layout"]
+        err, tol = r[f"{key}/state"]
+        assert not isinstance(err, str), err
+        assert err <= tol, f"rank {rank}: optimizer state differs by {err:.3g} (bound {tol:.3g})"
+        err, tol = r[f"{key}/reloaded"]
+        assert err <= tol, f"rank {rank}: after a reload at stage {(stage + 1) % 4}, {err:.3g} (bound {tol:.3g})"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_padding_is_priced(results, world):
+    for r in results[world]:
+        for stage in (1, 2, 3):
+            cost = r[f"adafactor/{stage}/cost"]
+            assert cost["placement"] == "owner" and len(cost["owned_numel"]) == world
+            assert cost["padding"] >= 0 and cost["padding_bytes"] == 4 * cost["padding"]
+            assert cost["max_owned_numel"] == max(cost["owned_numel"])
+            mean = sum(cost["owned_numel"]) / world
+            assert cost["imbalance_bytes"] == pytest.approx(4 * (cost["max_owned_numel"] - mean), abs=1e-3)
+
+
+def test_refusals_are_one_line(results):
+    r = results[2][0]
+    assert "LBFGS is refused" in r["refuse/LBFGS"] and "closure" in r["refuse/LBFGS"]
+    assert "\n" not in r["refuse/LBFGS"]
+    assert "SparseAdam is refused" in r["refuse/SparseAdam"]
+    msg = r["refuse/muon-1d"]
+    assert msg and "inp.bias" in msg and "2D" in msg, msg
+    msg = r["refuse/lars"]
+    assert msg and "optimizer_layout='owner'" in msg and "elementwise_optimizer=True" in msg, msg
+
+
+def test_elementwise_optimizer_keeps_the_flat_path(results):
+    r = results[2][0]
+    assert r["adamw/placements"] == ("flat", "owner")
+    assert r["adamw/owner_vs_flat"] <= trajectory_tolerance(2 * ROWS, 2)
+
+
+def test_checkpoint_loads_at_another_world_and_stage(results):
+    for world in WORLDS:
+        for rank, r in enumerate(results[world]):
+            assert "out.weight::row_var" in r["ckpt/whole_pieces"]
+            for what in ("loaded", "continued"):
+                err, tol = r[f"ckpt/{what}"]
+                assert err <= tol, f"world {world} rank {rank}, {what}: {err:.3g} (bound {tol:.3g})"
