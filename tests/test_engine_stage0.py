@@ -89,7 +89,7 @@ def _modes(rank, world, out):
                 "first_comm_before_backward_end": min(e.start for e in comm) < backward.end,
                 "all_reduces": engine.stats().collectives["all_reduce"].count,
                 "bytes": engine.stats().collectives["all_reduce"].bytes,
-                "grad_bytes": sum(b.grad_full.numel() * b.grad_full.element_size() for b in engine.groups),
+                "grad_bytes": sum(b.grads.grad_full.numel() * b.grads.grad_full.element_size() for b in engine.groups),
             }
 
 

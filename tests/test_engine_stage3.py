@@ -237,7 +237,7 @@ def _scenarios(rank, world, ckpt):
     out["ours_bf16"] = (_train(rank, world, eng)[0], _state(eng))
     eng = _engine(_model(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                            reduce_dtype=torch.float32))
-    out["ours_bf16_reduce_fp32"] = (_train(rank, world, eng)[0], _state(eng), eng.groups[0].grad_shard.dtype)
+    out["ours_bf16_reduce_fp32"] = (_train(rank, world, eng)[0], _state(eng), eng.groups[0].grads.grad_shard.dtype)
     # E: gradient accumulation, both options (guide §5, §9.2).
     for every in (True, False):
         eng = _engine(_model(), reduce_every_microbatch=every)

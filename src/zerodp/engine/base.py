@@ -29,7 +29,7 @@ used by stage 3 only (FSDP units, guide §10.3); stages 0-2 ignore it.
 
 A stage subclass sets ``stage``, then in ``__init__`` (after ``super().__init__``) sets the
 dtypes (``_set_dtypes``), builds ``self.groups`` with ``_new_group``, runs the consistency check
-and ``_init_groups()``, installs its hooks (which call ``FlatGroup.take_grad`` and
+and ``_init_groups()``, installs its hooks (which call ``GradBuffers.take`` and
 ``_launch_reduce``) and calls ``_start_clock()``: :mod:`zerodp.engine.reducer` (stages 0-2) and
 :mod:`zerodp.engine.fsdp` (stage 3) are the two.
 """
@@ -52,13 +52,15 @@ from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
 from zerodp.engine.construct import Construction
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
-from zerodp.engine.group import FlatGroup, Policy, StoragePool
+from zerodp.engine.gradbuf import StoragePool
+from zerodp.engine.group import FlatGroup, Policy
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory
 from zerodp.engine.optim import EngineOptimizer, UserGroups, from_built
 from zerodp.engine.state_dict import BUFFER, StateContract  # noqa: F401 - BUFFER: zerodp.engine.hf reads it here
 from zerodp.engine.stats import collect_stats, measured_bytes
-from zerodp.engine.step import MAX_REDUCE_IN_FLIGHT, StepMachine, StepState
+from zerodp.engine.states import StepState
+from zerodp.engine.step import MAX_REDUCE_IN_FLIGHT, StepMachine
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
 _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -397,7 +399,7 @@ class StageEngine(StepMachine, StateContract, Construction):
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
         for g in self.groups:
-            g.scale_grads(coef)
+            g.grads.scale(coef)
         return norm
 
     def step(self) -> None:

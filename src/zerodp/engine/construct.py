@@ -111,7 +111,7 @@ class Construction:
             loads = self.__dict__.setdefault("_owner_loads", [0] * self.shard_comm.world_size)
             group.layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size,
                                             loads)
-        group.pool = self._grad_pool
+        group.grads.pool = self._grad_pool
         return group
 
     def _check_consistency(self, description: dict) -> None:
@@ -153,7 +153,7 @@ class Construction:
                 values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
             self._broadcast_from_rank0([values])
             g.init_values(values)
-            g.init_grads()
+            g.grads.init()
             del values
         self._broadcast_from_rank0(list(extra_broadcast))
         targets: list[Target] = []

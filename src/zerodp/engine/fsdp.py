@@ -63,12 +63,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from zerodp.engine.base import StageEngine, StepState, grad_hook
+from zerodp.engine.base import StageEngine, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
-from zerodp.engine.group import FlatGroup, Phase
+from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
+from zerodp.engine.schedule import UnitSchedule
+from zerodp.engine.states import Phase, StepState
 from zerodp.engine.stats import EngineStats, fmt_bytes
 from zerodp.engine.trace import COMPUTE
 from zerodp.engine.unit import plan_units
@@ -151,11 +153,7 @@ class FSDPEngine(StageEngine):
         if mp is not None:  # floating-point buffers compute in the param dtype, as at stages 0-2
             cast_floating_buffers(module, mp.param_dtype)
         self._init_groups(extra_broadcast=[b for b in module.buffers()])
-        # The sequence of unit collectives this rank issued since the last step, as a running
-        # hash (compared across ranks at step(): a unit skipped on some ranks shows up there) and
-        # a bounded log (to name the first unit where the ranks went different ways).
-        self._schedule_hash = 0
-        self._schedule_log: list[str] = []
+        self.schedule = UnitSchedule(self.comm, self.group, self.world_size, self.device)
 
         # Prefetch order: registration order until a forward has been seen, then the recorded one.
         order = list(self.groups)
@@ -201,7 +199,7 @@ class FSDPEngine(StageEngine):
         if self._forwarding:
             return None
         self._forwarding = True
-        self._finish_reduces()
+        self._inflight.wait_all()
         for u in self.groups:  # e.g. the kept unit of a forward that had no backward
             if u.gathered:
                 self._free(u)
@@ -282,7 +280,7 @@ class FSDPEngine(StageEngine):
         self._forwarding = False
         last, self._deferred = self._deferred, None
         if self._fwd_order and torch.is_grad_enabled() and self.world_size > 1:
-            self._check_forward_order()
+            self.schedule.check_forward_order(self._fwd_order)
         if self._fwd_order:
             seq = self._fwd_order
             self._next_fwd = {a.index: b for a, b in zip(seq, seq[1:])}
@@ -299,7 +297,7 @@ class FSDPEngine(StageEngine):
         i = u.index
         if u.bwd.phase is not Phase.WAITING:
             return
-        u.bwd.phase = Phase.RUNNING
+        u.bwd.move(Phase.RUNNING)
         self._backward_started()
         self._ensure_gathered(u)
         if self.config.prefetch:
@@ -316,9 +314,9 @@ class FSDPEngine(StageEngine):
     def _on_grad_final(self, u: Unit, j: int, param: nn.Parameter) -> None:
         self._backward_started()
         self._bound_in_flight(u)
-        u.take_grad(j, param)  # into the unit's gradient buffer; .grad is dropped at once
+        u.grads.take(j, param)  # into the unit's gradient buffer; .grad is dropped at once
         if u.bwd.phase is Phase.WAITING:  # no pre-backward hook ran: forward under no_grad, recomputed
-            u.bwd.phase = Phase.RUNNING   # in backward (reentrant activation checkpointing)
+            u.bwd.move(Phase.RUNNING)   # in backward (reentrant activation checkpointing)
         if u.bwd.over():
             self._post_backward(u)
 
@@ -331,17 +329,17 @@ class FSDPEngine(StageEngine):
         """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
         if u.bwd.phase is Phase.DONE:
             return
-        u.bwd.phase = Phase.DONE
+        u.bwd.move(Phase.DONE)
         ev = u.bwd.bwd_event
         if ev is not None:
             self.recorder.end(ev)
             u.bwd.bwd_event = None
         if u.trainable:  # every rank reduces every unit that ran, used or not: same collectives
-            u.fill_missing()  # parameters without a gradient in this backward count as zero
+            u.grads.fill_missing()  # parameters without a gradient in this backward count as zero
             if self._reduce_this_pass:
                 self._launch_reduce(u)
             else:
-                u.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
+                u.grads.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
         if self._kept is u:
             self._kept = None
         self._free(u)
@@ -356,7 +354,7 @@ class FSDPEngine(StageEngine):
             if u.gathered:
                 self._free(u)
         self._kept = None
-        self._finish_reduces()
+        self._inflight.wait_all()
         for u in self.groups:
             u.reset_backward()
 
@@ -375,14 +373,8 @@ class FSDPEngine(StageEngine):
             self._free(u)
 
     # ---- gather / free / reduce ---------------------------------------------------------------
-    def _log_collective(self, kind: str, u: Unit) -> None:
-        """Add one unit collective to this step's schedule (see ``_check_schedule``)."""
-        self._schedule_hash = (self._schedule_hash * 1_000_003 + (u.index + 1) * 4 + (kind == "RS")) % (1 << 50)
-        if len(self._schedule_log) < 4096:
-            self._schedule_log.append(f"{'ReduceScatter' if kind == 'RS' else 'AllGather'} of unit {u.label!r}")
-
     def _gather(self, u: Unit, async_op: bool) -> None:
-        self._log_collective("AG", u)
+        self.schedule.log("AG", u)
         u.gather(async_op=async_op)
         self._n_gathered += 1
         self._gathered_bytes += u.gathered_nbytes()  # measured: the storage just allocated
@@ -404,11 +396,8 @@ class FSDPEngine(StageEngine):
             u.free()
 
     def _launch_reduce(self, u: Unit) -> None:
-        self._log_collective("RS", u)
+        self.schedule.log("RS", u)
         super()._launch_reduce(u)
-
-    def _finish_reduces(self) -> None:
-        self._inflight.wait_all()
 
     def _cast_inputs(self, args, kwargs):
         if self.mixed_precision is None:
@@ -426,59 +415,18 @@ class FSDPEngine(StageEngine):
         (MAX of used-flags = OR), and whether every rank issued the same unit collectives
         (MAX of hash and of −hash: equal iff every rank's hash is the same)."""
         used = self._local_used()
-        h = float(self._schedule_hash)
+        h = float(self.schedule.hash)
         flags = torch.tensor([h, -h] + [1.0 if x else 0.0 for x in used], dtype=torch.float64,
                              device=self.device)
         if self.world_size > 1:
             self.comm.all_reduce_max(flags, "used_params")
             if flags[0].item() != -flags[1].item():
-                self._schedule_mismatch()
+                self.schedule.mismatch()
         return {n for (n, _), f in zip(self.named_params, flags[2:].tolist()) if f == 0.0}
-
-    def _check_forward_order(self) -> None:
-        """End of a training forward: did every rank run the same units in the same order? One
-        tiny AllReduce (MAX of hash and −hash); on a mismatch every rank raises, naming the first
-        unit where the ranks went different ways, before any gradient is reduced."""
-        h = 0
-        for u in self._fwd_order:
-            h = (h * 1_000_003 + u.index + 1) % (1 << 50)
-        flags = torch.tensor([float(h), -float(h)], dtype=torch.float64, device=self.device)
-        self.comm.all_reduce_max(flags, "unit_order")
-        if flags[0].item() == -flags[1].item():
-            return
-        orders: list = [None] * self.world_size
-        dist.all_gather_object(orders, [u.label for u in self._fwd_order], group=self.group)
-        where = next(i for i in range(max(map(len, orders)))
-                     if len({o[i] if i < len(o) else None for o in orders}) > 1)
-        seen = "; ".join(f"rank {r} ran {repr(o[where]) if where < len(o) else 'no further unit'}"
-                         for r, o in enumerate(orders))
-        self._forwarding = False
-        raise RuntimeError(
-            f"stage 3: the ranks ran different units in this forward (unit #{where + 1}: {seen}). A unit "
-            "skipped on some ranks (data-dependent control flow such as layer-drop or routing) makes "
-            "the ranks' AllGathers and ReduceScatters pair up wrongly, mixing parameters and gradients "
-            "between units or hanging. Every rank must run every unit in the same order in every "
-            "forward (multiply a dropped unit's output by zero instead of skipping it), or use "
-            "stages 0-2 with find_unused_parameters=True")
-
-    def _schedule_mismatch(self) -> None:
-        logs: list = [None] * self.world_size
-        dist.all_gather_object(logs, self._schedule_log, group=self.group)
-        where = next((i for i in range(max(map(len, logs)))
-                      if len({log[i] if i < len(log) else "nothing" for log in logs}) > 1), 0)
-        seen = "; ".join(f"rank {r}: {log[where] if where < len(log) else 'nothing'}"
-                         for r, log in enumerate(logs))
-        raise RuntimeError(
-            f"stage 3: the ranks issued different unit collectives this step (collective #{where + 1}: "
-            f"{seen}). A unit was skipped or run in another order on some ranks (data-dependent "
-            "control flow such as layer-drop or routing), so gathered parameters or reduced "
-            "gradients were mixed between units; nothing of this step was applied. Every rank must "
-            "run every unit in the same order in every forward (multiply a dropped unit's output by "
-            "zero instead of skipping it), or use stage 0-2 with find_unused_parameters=True")
 
     def step(self) -> None:
         super().step()
-        self._schedule_hash, self._schedule_log = 0, []  # compared across ranks at each step
+        self.schedule.reset()  # compared across ranks at each step
         # The gathered peak of the step just completed, for stats(); start the next one.
         self.last_peak_gathered_units = self._peak_units
         self.last_peak_gathered_bytes = self._peak_bytes

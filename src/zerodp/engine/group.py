@@ -24,9 +24,12 @@ tensor          size, dtype          lifetime
                                      batches (stages 1-3; fp32 with ``fp32_grad_accum``)
 ==============  ===================  ================================================================
 
-Its operations are the three collectives of the guide, each written once for every stage:
+The gradient tensors and their state are one part object, ``group.grads``
+(:class:`~zerodp.engine.gradbuf.GradBuffers`); the group holds the parameters' side and the
+backward state. Its operations are the three collectives of the guide, each written once for
+every stage:
 
-- :meth:`reduce` — AllReduce of ``grad_full`` (stage 0, §3-§4) or ReduceScatter into
+- ``grads.reduce`` — AllReduce of ``grad_full`` (stage 0, §3-§4) or ReduceScatter into
   ``grad_shard`` (stages 1-3, §9), straight into it when nothing is accumulated there and the
   dtypes agree, else through a shard-sized scratch that is then added (§5). Under hybrid
   sharding the shard is then averaged across the replicas (guide §14).
@@ -36,7 +39,7 @@ Its operations are the three collectives of the guide, each written once for eve
   the AllGather where parameters are not sharded.
 
 Freeing is ``untyped_storage().resize_(0)`` and re-allocating ``resize_(n)`` of the same storage
-(:func:`free_storage`, :func:`restore_storage`; guide §12), so tensors that autograd saved in
+(``gradbuf.free_storage`` / ``restore_storage``; guide §12), so tensors that autograd saved in
 forward (``weight.t()`` …) read the right values again in backward, and gradient views stay valid.
 The :class:`Policy` says which of these a stage uses; there is no other difference between a
 bucket and a unit.
@@ -44,32 +47,17 @@ bucket and a unit.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from zerodp.engine.comm import Collectives, Pending
+from zerodp.engine.gradbuf import GradBuffers, free_storage, restore_storage
 from zerodp.engine.layout import FlatLayout
+from zerodp.engine.states import PHASE_MOVES, Phase, moved
 
 FROZEN = -1  # param-group index of a parameter with requires_grad=False: gathered, never updated
-
-
-def free_storage(t: torch.Tensor) -> None:
-    """Drop ``t``'s memory; ``t`` and every view of its storage stay valid, empty (module docstring)."""
-    t.untyped_storage().resize_(0)
-
-
-def restore_storage(t: torch.Tensor) -> bool:
-    """Give ``t`` (a whole buffer, not a slice) its memory back, uninitialized, if
-    :func:`free_storage` dropped it; True if it did."""
-    storage = t.untyped_storage()
-    if storage.nbytes():
-        return False
-    storage.resize_(t.nbytes)
-    return True
 
 
 @dataclass(frozen=True)
@@ -105,75 +93,6 @@ class Policy:
                    shard_params=stage == 3, keep_local=not memory_first)
 
 
-class StoragePool:
-    """Released transient gradient storages, kept for the next group of the same size (guide §12.5).
-
-    A group's ``grad_full`` lives from its first gradient to the end of its collective; allocating
-    and freeing it every micro-batch costs fresh pages each time and leaves holes in a CPU heap.
-    Released storages wait here, at most ``capacity`` of them, and the next group whose buffer has
-    the same size takes one over instead of allocating (the buckets of a model, the blocks of a
-    transformer, are mostly of one size). The pool is emptied when the step's gradients are all
-    reduced (``clear``), so that the optimizer step and the time between steps hold none of them;
-    while it holds some, they count as ``comm_buffers``."""
-
-    def __init__(self, capacity: int = 2):
-        self.capacity = capacity
-        self.free: list[torch.UntypedStorage] = []
-
-    def take(self, nbytes: int) -> torch.UntypedStorage | None:
-        for i, storage in enumerate(self.free):
-            if storage.nbytes() == nbytes:
-                return self.free.pop(i)
-        return None
-
-    def give(self, storage: torch.UntypedStorage) -> None:
-        self.free.append(storage)
-        if len(self.free) > self.capacity:
-            self.free.pop(0)  # the oldest is freed
-
-    def clear(self) -> None:
-        self.free.clear()
-
-
-class GradState(enum.Enum):
-    """What a group's gradient buffers hold (guide §12.5). One value per group; every change goes
-    through :meth:`FlatGroup._move`, which refuses a transition not in ``GRAD_MOVES``.
-
-    ``NONE``: no gradient since ``zero_grad(set_to_none=True)`` (the master reads None, as torch
-    reads ``.grad is None``). ``ZEROS``: ``zero_grad(set_to_none=False)`` zeroed them: the master
-    reads zeros, which torch's optimizers still apply (momentum, weight decay). ``LOCAL``: local
-    gradients of ``no_sync`` backwards, not reduced. ``REDUCED``: the mean over ranks is where the
-    master reads it. ``REDUCED_LOCAL``: that, plus local gradients of later ``no_sync`` backwards
-    waiting in ``grad_full`` for the next reduction, which adds them."""
-
-    NONE = "none"
-    ZEROS = "zeros"
-    LOCAL = "local"
-    REDUCED = "reduced"
-    REDUCED_LOCAL = "reduced+local"
-
-
-_G = GradState
-GRAD_MOVES: dict[GradState, frozenset[GradState]] = {
-    _G.NONE: frozenset({_G.NONE, _G.LOCAL, _G.REDUCED}),
-    _G.ZEROS: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
-    _G.LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
-    _G.REDUCED: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
-    _G.REDUCED_LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
-}
-#: the states in which ``grad_full`` holds gradients not yet reduced
-HOLDS_LOCAL = frozenset({_G.LOCAL, _G.REDUCED_LOCAL})
-
-
-class Phase(enum.Enum):
-    """Where one group is in the current backward: no gradient yet, running (a gradient arrived
-    or, stage 3, the unit's pre-backward hook ran), done (its reduction launched, or kept local)."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    DONE = "done"
-
-
 @dataclass
 class BackwardState:
     """Where one group is in the current backward.
@@ -198,7 +117,10 @@ class BackwardState:
     def reset(self, trainable: int) -> None:
         self.remaining = trainable
         self.fired = [False] * trainable
-        self.phase = Phase.WAITING
+        self.move(Phase.WAITING)
+
+    def move(self, to: Phase) -> None:
+        self.phase = moved(PHASE_MOVES, self.phase, to, "backward phase")
 
     def fire(self, j: int) -> None:
         """Trainable parameter ``j`` got its gradient (once per backward; a second is an error)."""
@@ -234,33 +156,18 @@ class FlatGroup:
         self.quant_params = quant_params  # int8 AllGather with one scale per this many elements (§15)
         self.quant_grads = quant_grads  # int8 all-to-all gradient reduction, same
         self.module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
-        self.pool: StoragePool | None = None  # where released gradient storages wait (the engine's)
         self.bwd = BackwardState()
         self.bwd.reset(len(self.trainable))
-        # Set by init_values / init_grads.
+        # Set by init_values / grads.init.
         self.full: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
         self.master_start = 0  # where ``master`` starts in the layout
-        self.grad_full: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
         self.gathered = False
         self.pending_gather: Pending | None = None
-        self.grad_state = GradState.NONE  # what the gradient buffers hold (GradState)
-        self._shard_in_full = False  # grad_shard is a slice of grad_full (stage 1 on CPU, init_grads)
+        self.grads = GradBuffers(self)  # the gradient half: buffers, reductions, GradState
 
     # ---- bookkeeping --------------------------------------------------------------------------
-    def _move(self, to: GradState) -> None:
-        if to not in GRAD_MOVES[self.grad_state]:
-            raise RuntimeError(f"{self.label}: gradient state {self.grad_state.value} -> {to.value} is not a "
-                               "step of the training loop (zerodp internal error: please report it)")
-        self.grad_state = to
-
-    @property
-    def has_local(self) -> bool:
-        """``grad_full`` holds gradients not yet reduced (``GradState.LOCAL`` or ``REDUCED_LOCAL``)."""
-        return self.grad_state in HOLDS_LOCAL
-
     def reset_backward(self) -> None:
         """A backward is over (or was abandoned when it raised): the next one starts afresh."""
         self.bwd.reset(len(self.trainable))
@@ -272,11 +179,6 @@ class FlatGroup:
     @property
     def shard_range(self) -> tuple[int, int]:
         return self.layout.shard_range(self.rank)
-
-    @property
-    def holds_grads(self) -> bool:
-        """Whether ``grad_full`` has storage now (always, when full gradients are kept at rest)."""
-        return self.grad_full.numel() > 0
 
     @property
     def trainable_params(self) -> list[nn.Parameter]:
@@ -375,295 +277,15 @@ class FlatGroup:
     def full_nbytes(self) -> int:
         return self.layout.padded_numel * self.full.element_size()
 
-    # ---- gradients ---------------------------------------------------------------------------
-    def init_grads(self) -> None:
-        """Gradient buffers of the policy: a persistent ``grad_full`` that ``param.grad`` views
-        (full gradients at rest), or one allocated per reduction; ``grad_shard`` when sharded."""
-        n, s = self.layout.padded_numel, self.layout.shard_numel
-        # Left uninitialized where a gradient is always written before it is read (a trainable
-        # parameter's first gradient is copied in, a reduction overwrites the fresh shard), so that
-        # their pages are touched by the first backward, not at construction, as DDP's buckets.
-        if self.policy.full_grads:
-            self.grad_full = torch.empty(n, dtype=self.param_dtype, device=self.device)
-            self._zero_unwritten()
-            self._grad_views = self.views(self.grad_full, self.trainable)
-            # fp32 accumulation of full gradients (+4Ψ): every filled bucket is added in (guide §9).
-            self.acc_full = (torch.zeros(n, dtype=torch.float32, device=self.device)
-                             if self.accum_dtype == torch.float32 and self.param_dtype != torch.float32 else None)
-        else:
-            self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
-            self._grad_nbytes = n * self.grad_full.element_size()
-            self.acc_full = None
-        # Stage 1 on CPU: the in-place AllReduce leaves the mean in ``grad_full``, so its own
-        # slice is the gradient shard, no separate Ψ/N buffer (guide §12.5).
-        self._shard_in_full = (self.policy.full_grads and self.policy.shard_master and self.acc_full is None
-                               and self.accum_dtype == self.param_dtype == self.reduce_dtype
-                               and not self.quant_grads and not self._hybrid
-                               and self.comm.reduces_in_place(self.grad_full))
-        if self._shard_in_full:
-            lo, hi = self.shard_range
-            self.grad_shard = self.grad_full[lo:hi]
-        elif self.policy.shard_master:
-            self.grad_shard = torch.empty(s, dtype=self.accum_dtype, device=self.device)
-        for param in self.params:
-            param.grad = None
-        self._scratch: torch.Tensor | None = None  # shard-sized, while a reduction is in flight
-        self._cast: torch.Tensor | None = None  # grad_full in the reduce dtype, while in flight
-
-    def _ensure_grad_storage(self) -> None:
-        """``grad_full`` before a gradient is written to it: full gradients get their storage back
-        if ``zero_grad`` freed it (the views stay valid, guide §12); a transient ``grad_full`` takes
-        a storage from the pool, or a new one. Zeros where no gradient is ever written (frozen
-        parameters and the padding), and in a re-allocated fp32 accumulator."""
-        if self.policy.full_grads:
-            if restore_storage(self.grad_full):
-                self._zero_unwritten()
-                if self.acc_full is not None:
-                    restore_storage(self.acc_full)
-                    self.acc_full.zero_()
-            return
-        if self.grad_full.numel():
-            return
-        n = self.layout.padded_numel
-        storage = self.pool.take(self._grad_nbytes) if self.pool is not None else None
-        if storage is None:
-            storage = torch.UntypedStorage(self._grad_nbytes, device=self.device)
-        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(storage, 0, (n,))
-        self._grad_views = self.views(self.grad_full, self.trainable)
-        self._zero_unwritten()
-
-    def _zero_unwritten(self) -> None:
-        """Zeros in ``grad_full`` where no gradient is ever written: frozen parameters, padding."""
-        for sl, g in zip(self.layout.slots, self.groups):
-            if g == FROZEN:
-                self.grad_full[sl.offset:sl.stop].zero_()
-        self.grad_full[self.layout.numel:].zero_()
-
-    def _release_grad_storage(self) -> None:
-        if self.policy.full_grads or not self.grad_full.numel():
-            return
-        if self.pool is not None:
-            self.pool.give(self.grad_full.untyped_storage())
-        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
-        self._grad_views = []
-
-    def take_grad(self, j: int, param: nn.Parameter) -> None:
-        """The gradient hook's work for trainable parameter ``j`` (index into ``trainable``):
-        move its fresh gradient into ``grad_full`` (one copy, or an add onto local gradients of
-        earlier micro-batches). With full gradients at rest ``param.grad`` then *is* the view, so
-        later micro-batches accumulate in place; otherwise ``.grad`` is dropped at once."""
-        if self.policy.full_grads:
-            view = self._grad_views[j]
-            if param.grad is not view:  # first gradient since zero_grad: move it into the bucket
-                self._ensure_grad_storage()  # zero_grad may have freed it; only a first gradient can follow
-                view.copy_(param.grad)
-                param.grad = view
-        else:
-            self._ensure_grad_storage()
-            view = self._grad_views[j]
-            if self.has_local:
-                view.add_(param.grad)
-            else:
-                view.copy_(param.grad)
-            param.grad = None
-        self.bwd.fire(j)
-
-    def fill_missing(self) -> list[int]:
-        """Trainable parameters that got no gradient in this backward contribute zeros (their
-        local sum is kept where earlier micro-batches left one). Returns their indices."""
-        missing = [j for j, f in enumerate(self.bwd.fired) if not f]
-        if not missing:
-            return missing
-        self._ensure_grad_storage()
-        if self.policy.full_grads:
-            for j in missing:
-                param = self.params[self.trainable[j]]
-                if param.grad is not self._grad_views[j]:
-                    self._grad_views[j].zero_()
-                    param.grad = self._grad_views[j]
-        elif not self.has_local:
-            for j in missing:
-                self._grad_views[j].zero_()
-        return missing
-
-    def end_local(self) -> None:
-        """A backward filled this group but does not reduce it (``no_sync``): the gradients stay
-        local. With an fp32 accumulator they are added into it now, so the next micro-batch copies."""
-        self._move(GradState.REDUCED_LOCAL if self.grad_state in (GradState.REDUCED, GradState.REDUCED_LOCAL)
-                   else GradState.LOCAL)
-        if self.acc_full is not None:
-            self.fill_missing()
-            self.acc_full.add_(self.grad_full)
-            for param in self.trainable_params:
-                param.grad = None
-
-    def reduce(self, factor: float | None = None) -> tuple[Pending | None, Callable[[], None]]:
-        """Launch this group's gradient collective (guide §3-§4 stage 0, §9 stages 1-3); return
-        it and the finisher to run once it completed.
-
-        ``factor`` pre-multiplies local gradients (token averaging, guide §2.2). The ReduceScatter
-        overwrites ``grad_shard`` when ``grad_full`` holds the step's whole local sum (full
-        gradients at rest) or nothing was reduced since ``zero_grad``; otherwise it adds."""
-        if self.policy.full_grads:
-            self._ensure_grad_storage()
-        if self.acc_full is not None:
-            self.end_local()
-            src = self.acc_full
-        else:
-            src = self.grad_full
-        if factor is not None:
-            src.mul_(factor)
-        if self.acc_full is None and src.dtype != self.reduce_dtype:  # e.g. fp32 gradients sent in bf16
-            src = self._cast = src.to(self.reduce_dtype)
-        # Nothing reduced into the shard since zero_grad (or only zeros): the collective writes it.
-        fresh = self.grad_state in (GradState.NONE, GradState.ZEROS, GradState.LOCAL)
-        self._move(GradState.REDUCED)  # in flight now; the master reads it after the wait
-        if not self.policy.shard_master:
-            pending = self.comm.all_reduce_mean(src, self.label)
-            back = src is self._cast
-
-            def finish_all_reduce() -> None:
-                if back:
-                    (self.acc_full if self.acc_full is not None else self.grad_full).copy_(src)
-                self._cast = None
-            return pending, finish_all_reduce
-        overwrite = self.policy.full_grads or fresh
-        restore_storage(self.grad_shard)  # a shard of its own freed by zero_grad: written, not added
-        if self._hybrid:
-            return self._reduce_hybrid(src, overwrite)
-        in_place = self.comm.reduces_in_place(src, self.quant_grads)
-        direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.quant_grads or in_place
-        if not direct:
-            self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
-        pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
-                                                scratch=self._scratch, quant_block=self.quant_grads, clobber=True,
-                                                average_full=self.policy.full_grads)
-        return pending, self._finish_reduce
-
-    def _reduce_hybrid(self, src: torch.Tensor, overwrite: bool) -> tuple[Pending, Callable[[], None]]:
-        """Hybrid sharding (guide §14): ReduceScatter inside the shard group into a scratch of the
-        wire dtype, then the scratch — Ψ_g/g elements, this step's contribution only — averaged
-        across the replicas in that dtype, then written or added into ``grad_shard``."""
-        scratch = self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
-        pending = self.comm.reduce_scatter_grad(scratch, src, self.label, overwrite=True,
-                                                quant_block=self.quant_grads, clobber=True,
-                                                average_full=self.policy.full_grads)
-
-        def finish() -> None:
-            self.replicas.all_reduce_mean(scratch, f"{self.label} replicas", async_op=False)
-            self.grad_shard.copy_(scratch) if overwrite else self.grad_shard.add_(scratch)
-            self._finish_reduce()
-        return pending, finish
-
-    def _finish_reduce(self) -> None:
-        self._scratch = self._cast = None
-        if not self.policy.full_grads:
-            self._release_grad_storage()  # bounded by the groups in flight
-
-    def grad(self) -> torch.Tensor | None:
-        """The gradient the master reads (same range as ``master``): None in ``GradState.NONE``,
-        zeros in ``ZEROS``, the mean over ranks in ``REDUCED``. Local gradients are reduced before
-        anything reads them (``StageEngine._finish_grad_sync``)."""
-        if self.grad_state is GradState.NONE:
-            return None
-        if self.has_local:
-            raise RuntimeError(f"{self.label}: local gradients were read before their reduction (zerodp internal "
-                               "error: please report it)")
-        if not self.policy.shard_master:
-            return self.acc_full if self.acc_full is not None else self.grad_full
-        return self.grad_shard
-
-    def full_local(self) -> torch.Tensor | None:
-        """Where full gradients stay at rest beside a separate gradient shard, the buffer later
-        micro-batches add into (the fp32 accumulator, else ``grad_full``); None without one."""
-        if not self.policy.full_grads or not self.holds_grads:
-            return None
-        return self.acc_full if self.acc_full is not None else self.grad_full
-
-    @torch.no_grad()
-    def scale_grads(self, coef: torch.Tensor) -> None:
-        """Clip (guide §12.5): scale what the master reads and, where full gradients stay at rest,
-        the local sums the next reduction overwrites the shard with — so that micro-batches
-        accumulated after the clip add onto the clipped gradient, as onto a clipped ``.grad``
-        (the reduction is linear: mean(c·g₁ + g₂) = c·mean(g₁) + mean(g₂))."""
-        if self.grad_state is GradState.NONE:
-            return
-        full = self.full_local()
-        if full is not None:
-            full.mul_(coef.to(full.dtype))
-        if self.policy.shard_master and not self._shard_in_full:
-            self.grad_shard.mul_(coef.to(self.grad_shard.dtype))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Next step's gradients. With ``set_to_none`` (torch's default) they are None and their
-        storages are freed, as torch frees a ``.grad``: full gradients (and their fp32 accumulator)
-        until the group's first gradient of the next backward, a gradient shard of its own until the
-        first reduction. Forward runs without them: Ψ_g elements less at its peak with full
-        gradients (stages 0-1), Ψ_g/N with a shard (stages 2-3). ``set_to_none=False`` zeroes them
-        in place, as ``torch.optim.Optimizer.zero_grad(set_to_none=False)`` does: the next step
-        applies those zeros to every parameter that had a gradient (``GradState.ZEROS``), and
-        ``param.grad`` keeps viewing the bucket where full gradients stay at rest."""
-        if not set_to_none and self.grad_state is not GradState.NONE:
-            self._zero_in_place()
-            return
-        for param in self.trainable_params:
-            param.grad = None
-        if self.policy.full_grads:
-            for t in (self.grad_full, self.acc_full):  # the shard of stage 1 on CPU is a slice of grad_full
-                if t is not None:
-                    free_storage(t)
-        if self.grad_full is not None:
-            self._release_grad_storage()
-        if self.grad_shard is not None and not self._shard_in_full:
-            free_storage(self.grad_shard)
-        self._move(GradState.NONE)
-
-    @torch.no_grad()
-    def _zero_in_place(self) -> None:
-        if self.policy.full_grads:
-            self._ensure_grad_storage()
-            self.grad_full.zero_()
-            for param, view in zip(self.trainable_params, self._grad_views):
-                param.grad = view if self.acc_full is None else None
-        else:
-            self._release_grad_storage()  # local gradients of no_sync backwards: now zeros
-            for param in self.trainable_params:
-                param.grad = None
-        if self.acc_full is not None:
-            self.acc_full.zero_()
-        if self.grad_shard is not None and not self._shard_in_full:
-            restore_storage(self.grad_shard)
-            self.grad_shard.zero_()
-        self._move(GradState.ZEROS)
-
     def memory(self) -> dict[str, list[torch.Tensor]]:
         """This group's tensors by kind (``master`` and optimizer states are counted elsewhere)."""
-        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "gathered": [],
-                                              "comm_buffers": self.comm_tensors()}
+        out: dict[str, list[torch.Tensor]] = {"params": [], "gathered": [], **self.grads.memory()}
         if self.policy.shard_params:
             if self.param_shard is not self.master:
                 out["params"].append(self.param_shard)
             out["gathered"].append(self.full)
         else:
             out["params"].append(self.full)
-        if self.policy.full_grads:
-            out["grads"].append(self.grad_full)
-            if self.acc_full is not None:
-                out["grads"].append(self.acc_full)
-        elif self.policy.keep_local:  # full local gradients kept across no_sync micro-batches
-            out["grads"].append(self.grad_full)
-        if self.grad_shard is not None and not self.policy.full_grads:
-            out["grads"].append(self.grad_shard)
-        return out
-
-    def comm_tensors(self) -> list[torch.Tensor]:
-        """What serves communication only: full gradients in flight to the ReduceScatter (memory
-        first), the gradient shard beside full gradients (stage 1), scratch and cast copies."""
-        out = [t for t in (self._scratch, self._cast) if t is not None]
-        if not self.policy.full_grads and not self.policy.keep_local:
-            out.append(self.grad_full)
-        if self.grad_shard is not None and self.policy.full_grads and not self._shard_in_full:
-            out.append(self.grad_shard)
         return out
 
     @property

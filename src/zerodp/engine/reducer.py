@@ -31,12 +31,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerodp.engine.base import StageEngine, StepState, grad_hook
+from zerodp.engine.base import StageEngine, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers, plan_buckets
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.deferred import materialize_module
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
+from zerodp.engine.states import StepState
 
 
 class BucketEngine(StageEngine):
@@ -85,7 +86,7 @@ class BucketEngine(StageEngine):
             self._backward_started()
         if self._reducing and not g.policy.full_grads:
             self._bound_in_flight(g)
-        g.take_grad(j, param)
+        g.grads.take(j, param)
         if g.bwd.remaining == 0:
             self._bucket_full(g)
 
@@ -95,7 +96,7 @@ class BucketEngine(StageEngine):
 
     def _bucket_full(self, g: FlatGroup) -> None:
         if not self._reducing:
-            g.end_local()
+            g.grads.end_local()
             return
         self._ready[g.index] = True
         if self.config.sync != "naive":  # naive (guide §2.5): everything waits for the end of backward
@@ -115,7 +116,7 @@ class BucketEngine(StageEngine):
                 missing = []
                 for g in self.groups:
                     if g.bwd.remaining > 0:
-                        missing += [g.names[g.trainable[j]] for j in g.fill_missing()]
+                        missing += [g.names[g.trainable[j]] for j in g.grads.fill_missing()]
                         self._ready[g.index] = True
                 self._launch_ready()
                 self._inflight.wait_all()
@@ -134,8 +135,8 @@ class BucketEngine(StageEngine):
                 # every rank whatever each rank's data took (find_unused_parameters=True).
                 for g in self.groups:
                     if g.bwd.remaining > 0:
-                        g.fill_missing()
-                        g.end_local()
+                        g.grads.fill_missing()
+                        g.grads.end_local()
         finally:
             self._reset_backward()
 
@@ -149,7 +150,7 @@ class BucketEngine(StageEngine):
             for g in self.groups[self._next:]:
                 if not self._ready[g.index]:
                     self._bound_in_flight(g)
-                    g.fill_missing()
+                    g.grads.fill_missing()
                     self._ready[g.index] = True
                 self._launch_ready()
         self._reset_backward()

@@ -1,7 +1,7 @@
 """The step machine of every stage: where a step is, and what moves it on (guide §12.4, §12.5, §12.9).
 
 :class:`StepMachine` is the part of :class:`~zerodp.engine.base.StageEngine` that runs a step
-over ``self.groups`` once they exist: the step's state (:class:`StepState`, one value, checked
+over ``self.groups`` once they exist: the step's state (:class:`~zerodp.engine.states.StepState`, one value, checked
 transitions), the start and end of a backward (an autograd-engine callback), a backward that
 raised, the one queue of gradient collectives in flight and its bound, finishing the gradient
 sync, the master optimizer step on fp32 gradients, publishing parameters, zeroing, the
@@ -13,12 +13,11 @@ in ``_on_backward_end``, ``_local_used`` and friends (:mod:`zerodp.engine.reduce
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from zerodp.engine.grads import ShardedGrad
-from zerodp.engine.group import FlatGroup, GradState
+from zerodp.engine.group import FlatGroup
+from zerodp.engine.states import STEP_MOVES, GradState, StepState, moved
 from zerodp.engine.trace import COMPUTE
 
 #: gradient reductions allowed in flight before the oldest is waited for (bounds transient buffers)
@@ -27,39 +26,11 @@ MAX_REDUCE_IN_FLIGHT = 2
 STEP_BATCH_BYTES = 16 * 1024 * 1024
 
 
-class StepState(enum.Enum):
-    """Where the engine is in a training step (docs/porting.md; guide §12.9). One value per engine;
-    every change goes through ``StepMachine._move``, which refuses what ``STEP_MOVES`` does not list.
-
-    ``IDLE``: no gradient since construction or ``zero_grad``. ``BACKWARD``: a backward pass is
-    running through the engine's hooks; found at the start of any other call, it means that pass
-    raised before its end (the next call then says so, and ``zero_grad`` recovers). ``ACCUMULATED``:
-    backward passes finished, gradients held. ``STEPPED``: ``step`` applied them; they stay until
-    ``zero_grad``, so a second ``step`` applies them again, as torch's optimizers do."""
-
-    IDLE = "idle"
-    BACKWARD = "backward"
-    ACCUMULATED = "accumulated"
-    STEPPED = "stepped"
-
-
-_S = StepState
-STEP_MOVES: dict[StepState, frozenset[StepState]] = {
-    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-    _S.BACKWARD: frozenset({_S.ACCUMULATED, _S.IDLE}),
-    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-    _S.STEPPED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-}
-
-
 class StepMachine:
     """The step over the flat groups (module docstring); mixed into every stage engine."""
 
     def _move(self, to: StepState) -> None:
-        if to not in STEP_MOVES[self.step_state]:
-            raise RuntimeError(f"engine state {self.step_state.value} -> {to.value} is not a step of the "
-                               "training loop (zerodp internal error: please report it)")
-        self.step_state = to
+        self.step_state = moved(STEP_MOVES, self.step_state, to, "engine state")
 
     def _check_not_failed(self, call: str) -> None:
         """A backward that raised before its end (anomaly mode, an OOM caught by the script) left
@@ -122,13 +93,13 @@ class StepMachine:
         """Before a group allocates gradients for a reduction: wait for the oldest collectives
         while ``MAX_REDUCE_IN_FLIGHT`` are in flight, so that transient gradient buffers are
         bounded by the groups in flight, not by the model (guide §9.2)."""
-        if not g.holds_grads:
+        if not g.grads.holds_grads:
             while len(self._inflight) >= MAX_REDUCE_IN_FLIGHT:
                 self._inflight.wait_oldest()
 
     def _launch_reduce(self, g: FlatGroup) -> None:
-        self._inflight.add(*g.reduce(self._token_factor()))
-        held = (sum(t.untyped_storage().nbytes() for g in self.groups for t in g.comm_tensors())
+        self._inflight.add(*g.grads.reduce(self._token_factor()))
+        held = (sum(t.untyped_storage().nbytes() for g in self.groups for t in g.grads.comm_tensors())
                 + sum(st.nbytes() for st in self._grad_pool.free))
         self._comm_peak = max(self._comm_peak, held)
 
@@ -139,14 +110,14 @@ class StepMachine:
         gradients and let them drift apart. Then the released gradient storages are freed: the
         optimizer step creates its states next, and nothing reduces again before the next backward."""
         self._inflight.wait_all()
-        pending = [g for g in self.groups if g.has_local]
+        pending = [g for g in self.groups if g.grads.has_local]
         for g in pending:
             self._launch_reduce(g)
         self._inflight.wait_all()
         self._grad_pool.clear()
 
     def _master_grads(self) -> list[torch.Tensor | None]:
-        grads = {id(g): g.grad() for g in self.groups}
+        grads = {id(g): g.grads.read() for g in self.groups}
         return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self._target_slices]
 
     def _optimizer_step(self) -> None:
@@ -191,7 +162,7 @@ class StepMachine:
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.groups:
-            g.zero_grad(set_to_none)
+            g.grads.zero(set_to_none)
 
     def _record_used(self) -> None:
         """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
@@ -226,18 +197,18 @@ class StepMachine:
         nothing is attached while a group still holds unreduced gradients (that would need a
         collective, and ``parameters()`` is no collective)."""
         if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED) or not self.policy.shard_master \
-                or self._grads_under_sharded or any(g.has_local for g in self.groups):
+                or self._grads_under_sharded or any(g.grads.has_local for g in self.groups):
             return
         self._inflight.wait_all()
         for g in self.groups:
-            if g._shard_in_full or g.grad_state not in (GradState.REDUCED, GradState.ZEROS):
+            if g.grads.shard_in_full or g.grads.state not in (GradState.REDUCED, GradState.ZEROS):
                 continue
             lo, hi = g.shard_range
             for i in g.trainable:
                 slot, p = g.layout.slots[i], g.params[i]
                 a, b = max(slot.offset, lo), min(slot.stop, hi)
-                local = g.grad_shard[a - lo:b - lo] if a < b else g.grad_shard[:0]
-                full = g.full_local()
+                local = g.grads.grad_shard[a - lo:b - lo] if a < b else g.grads.grad_shard[:0]
+                full = g.grads.full_local()
                 self._grads_under_sharded[id(p)] = p.grad
                 p.grad = ShardedGrad(p, local, g.comm, also=None if full is None else full[slot.offset:slot.stop])
 

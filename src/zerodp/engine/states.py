@@ -1,0 +1,92 @@
+"""The lifecycle of a training step as enums with checked transitions (guide §12.9).
+
+Three objects move through a step, each with one state value: the engine (:class:`StepState`),
+each flat group's gradient buffers (:class:`GradState`), and each group within one backward pass
+(:class:`Phase`). A state changes only through :func:`moved`, which refuses a transition that its
+table does not list — a broken call sequence then fails at once with words, instead of leaving a
+flag set or a counter below zero for a later step to trip over.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+def moved(table: dict, state: enum.Enum, to: enum.Enum, what: str) -> enum.Enum:
+    """``to`` if ``table[state]`` lists it, else one line naming ``what`` and the transition."""
+    if to not in table[state]:
+        raise RuntimeError(f"{what}: {state.value} -> {to.value} is not a step of the training loop "
+                           "(zerodp internal error: please report it)")
+    return to
+
+
+class StepState(enum.Enum):
+    """Where the engine is in a training step (docs/porting.md; guide §12.9). One value per engine;
+    every change goes through :func:`moved`, which refuses what ``STEP_MOVES`` does not list.
+
+    ``IDLE``: no gradient since construction or ``zero_grad``. ``BACKWARD``: a backward pass is
+    running through the engine's hooks; found at the start of any other call, it means that pass
+    raised before its end (the next call then says so, and ``zero_grad`` recovers). ``ACCUMULATED``:
+    backward passes finished, gradients held. ``STEPPED``: ``step`` applied them; they stay until
+    ``zero_grad``, so a second ``step`` applies them again, as torch's optimizers do."""
+
+    IDLE = "idle"
+    BACKWARD = "backward"
+    ACCUMULATED = "accumulated"
+    STEPPED = "stepped"
+
+
+_S = StepState
+STEP_MOVES: dict[StepState, frozenset[StepState]] = {
+    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+    _S.BACKWARD: frozenset({_S.ACCUMULATED, _S.IDLE}),
+    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+    _S.STEPPED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
+}
+
+
+class GradState(enum.Enum):
+    """What a group's gradient buffers hold (guide §12.5). One value per group; every change goes
+    through :func:`moved`, which refuses a transition not in ``GRAD_MOVES``.
+
+    ``NONE``: no gradient since ``zero_grad(set_to_none=True)`` (the master reads None, as torch
+    reads ``.grad is None``). ``ZEROS``: ``zero_grad(set_to_none=False)`` zeroed them: the master
+    reads zeros, which torch's optimizers still apply (momentum, weight decay). ``LOCAL``: local
+    gradients of ``no_sync`` backwards, not reduced. ``REDUCED``: the mean over ranks is where the
+    master reads it. ``REDUCED_LOCAL``: that, plus local gradients of later ``no_sync`` backwards
+    waiting in ``grad_full`` for the next reduction, which adds them."""
+
+    NONE = "none"
+    ZEROS = "zeros"
+    LOCAL = "local"
+    REDUCED = "reduced"
+    REDUCED_LOCAL = "reduced+local"
+
+
+_G = GradState
+GRAD_MOVES: dict[GradState, frozenset[GradState]] = {
+    _G.NONE: frozenset({_G.NONE, _G.LOCAL, _G.REDUCED}),
+    _G.ZEROS: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
+    _G.LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
+    _G.REDUCED: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
+    _G.REDUCED_LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
+}
+#: the states in which ``grad_full`` holds gradients not yet reduced
+HOLDS_LOCAL = frozenset({_G.LOCAL, _G.REDUCED_LOCAL})
+
+
+class Phase(enum.Enum):
+    """Where one group is in the current backward: no gradient yet, running (a gradient arrived
+    or, stage 3, the unit's pre-backward hook ran), done (its reduction launched, or kept local)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+_P = Phase
+PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
+    _P.WAITING: frozenset({_P.WAITING, _P.RUNNING}),
+    _P.RUNNING: frozenset({_P.WAITING, _P.DONE}),
+    _P.DONE: frozenset({_P.WAITING}),
+}
