@@ -102,15 +102,15 @@ class Construction:
 
     def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
         quant = self.config.quant_block
-        group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
-                         reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
-                         quant_params=quant if self.config.quantize_params else 0,
-                         quant_grads=quant if self.config.quantize_grads else 0)
+        layout = None
         if self.placement == OWNER and self.policy.shard_master:
             # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups.
             loads = self.__dict__.setdefault("_owner_loads", [0] * self.shard_comm.world_size)
-            group.layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size,
-                                            loads)
+            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size, loads)
+        group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
+                         reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
+                         quant_params=quant if self.config.quantize_params else 0,
+                         quant_grads=quant if self.config.quantize_grads else 0, layout=layout)
         group.grads.pool = self._grad_pool
         return group
 

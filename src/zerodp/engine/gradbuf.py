@@ -153,12 +153,14 @@ class GradBuffers:
         self._zero_unwritten()
 
     def _zero_unwritten(self) -> None:
-        """Zeros in ``grad_full`` where no gradient is ever written: frozen parameters, padding."""
+        """Zeros in ``grad_full`` where no gradient is ever written: frozen parameters, padding
+        (at the end, and between the slices of an owner-aligned layout)."""
         trainable = set(self.g.trainable)
         for i, sl in enumerate(self.g.layout.slots):
             if i not in trainable:
                 self.grad_full[sl.offset:sl.stop].zero_()
-        self.grad_full[self.g.layout.numel:].zero_()
+        for lo, hi in self.g.layout.padding_ranges():
+            self.grad_full[lo:hi].zero_()
 
     def _release_storage(self) -> None:
         if self.g.policy.full_grads or not self.grad_full.numel():

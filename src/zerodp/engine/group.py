@@ -137,7 +137,7 @@ class FlatGroup:
     def __init__(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]], policy: Policy,
                  comm: Collectives, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  accum_dtype: torch.dtype, replicas: Collectives | None = None, quant_params: int = 0,
-                 quant_grads: int = 0):
+                 quant_grads: int = 0, layout: FlatLayout | None = None):
         self.index = index
         self.label = label
         self.policy = policy
@@ -147,7 +147,8 @@ class FlatGroup:
         self.params = [p for _, p, _ in entries]
         self.groups = [g for _, _, g in entries]
         self.trainable = [i for i, g in enumerate(self.groups) if g != FROZEN]
-        self.layout = FlatLayout.pack([(n, tuple(p.shape)) for n, p, _ in entries], comm.world_size)
+        # Packed back to back unless given (tensor ownership: FlatLayout.owned, guide §12.3).
+        self.layout = layout or FlatLayout.pack([(n, tuple(p.shape)) for n, p, _ in entries], comm.world_size)
         self.rank = comm.rank
         self.device = self.params[0].device
         self.param_dtype = param_dtype

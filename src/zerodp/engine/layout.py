@@ -166,6 +166,9 @@ class FlatLayout:
     def padding_ranges(self) -> list[tuple[int, int]]:
         """Every flat range ``[start, stop)`` that holds no parameter: the gaps between slots,
         between slices (owner-aligned) and at the end. Nothing writes gradients there."""
+        cached = self.__dict__.get("_padding_ranges")
+        if cached is not None:
+            return list(cached)
         out, at = [], 0
         for slot in sorted(self.slots, key=lambda s: s.offset):
             if slot.offset > at:
@@ -173,6 +176,7 @@ class FlatLayout:
             at = max(at, slot.stop)
         if at < self.padded_numel:
             out.append((at, self.padded_numel))
+        object.__setattr__(self, "_padding_ranges", tuple(out))  # frozen: computed once
         return out
 
     def owners_of(self, slot: Slot) -> list[int]:
