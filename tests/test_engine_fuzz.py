@@ -31,6 +31,7 @@ import os
 import random
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -355,8 +356,10 @@ class Run:
                 g["lr"] *= factor
 
     def sched(self):
-        for s in self.scheds:
-            s.step()
+        with warnings.catch_warnings():  # a scheduler step before any optimizer step is legal, if odd
+            warnings.simplefilter("ignore", UserWarning)
+            for s in self.scheds:
+                s.step()
 
     def save(self):
         self.snapshot = (

@@ -222,4 +222,5 @@ class Construction:
                     f"parameter {name!r} was {'trainable' if planned else 'frozen'} when parallelize built the engine "
                     f"and is {'trainable' if p.requires_grad else 'frozen'} now: the engine's buckets and optimizer "
                     "are planned at parallelize. Set requires_grad before parallelize (a parameter to train later "
-                    "can stay trainable in a param group with lr=0 until then), or parallelize the model again")
+                    "can stay trainable in a param group with lr=0 until then), or save a checkpoint and build a new "
+                    "engine over a fresh model with the new requires_grad")
