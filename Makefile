@@ -35,9 +35,11 @@ test-fast: setup
 
 # Property-based tests with many more generated cases than make test runs (profile "fuzz"),
 # 520 random combinations of the engine's differential matrix, and 5,000 generated call
-# sequences of the engine vs single-process torch (tests/test_engine_fuzz.py).
+# sequences of the engine vs single-process torch (tests/test_engine_fuzz.py); the three
+# torch.compile forms at every stage (make test: stages 0 and 3).
 fuzz: setup
 	ZERODP_MATRIX_RANDOM=520 ZERODP_ENGINE_FUZZ=5000 $(BIN)/python -m pytest -q -s -m fuzz --hypothesis-profile=fuzz
+	ZERODP_COMPILE_ALL=1 $(BIN)/python -m pytest -q tests/test_engine_compile.py
 
 # The chaos run: a seeded schedule of 7 faults over a 200-step run under --max-restarts, a report
 # of each, and the final state compared bitwise with an uninterrupted run (SEED=N draws another).

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerodp.engine.base import StageEngine
+from zerodp.engine.compiled import unwrap_compiled
 from zerodp.engine.config import EngineConfig, MixedPrecision
 from zerodp.engine.master import OptimizerFactory
 
@@ -68,10 +69,15 @@ def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
     length per rank. Without either, or with a profile of another world size, ``ValueError``
     says what to pass. Stage 3 has no gradient buckets: "auto" is accepted and ignored there.
     See :class:`EngineConfig` and :func:`zerodp.plan.calibrated.choose_bucket_mb`.
+
+    ``model`` may be compiled: ``torch.compile(model)`` (then compiled in place with the same
+    options, so every stored name is the model's own), ``model.compile()``; or compile the engine,
+    ``torch.compile(engine)``. The engine's hooks run outside the graphs (docs/engine.md, "torch.compile").
     """
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"stage", "mixed_precision"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"parallelize got unknown option(s) {unknown}; known options: {sorted(known)}")
     config = EngineConfig(stage=stage, mixed_precision=MixedPrecision.parse(mixed_precision), **options)
+    model = unwrap_compiled(model)  # torch.compile(model): compiled in place, so names stay plain
     return engine_class(stage)(model, optimizer, config, units=units, group=group)

@@ -48,6 +48,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from zerodp.engine.comm import Collectives, InFlight
+from zerodp.engine.compiled import activate, host_only
 from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
 from zerodp.engine.construct import Construction
 from zerodp.engine.deferred import init_device
@@ -186,6 +187,7 @@ class StageEngine(StepMachine, StateContract, Construction):
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"parallelize expects a torch.nn.Module, got {type(module).__name__}")
+        activate()  # the hooks' bookkeeping stays out of compiled graphs (zerodp.engine.compiled)
         if isinstance(optimizer_factory, torch.optim.Optimizer):  # the script's configure_optimizers()
             if config.param_groups is not None:
                 raise ValueError("parallelize got a built optimizer and param_groups: the optimizer's own param "
@@ -301,6 +303,18 @@ class StageEngine(StepMachine, StateContract, Construction):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        # Traced by torch.compile(engine): only the model's call is; the engine's entry and exit
+        # are host bookkeeping, kept out of the graph (zerodp.engine.compiled).
+        args, kwargs, span = self._enter_forward(args, kwargs)
+        try:
+            out = self._module(*args, **kwargs)
+        except BaseException:
+            self._fail_forward(span)
+            raise
+        return self._exit_forward(out, span)
+
+    @host_only
+    def _enter_forward(self, args: tuple, kwargs: dict):
         self._check_not_failed("forward")
         if torch.is_grad_enabled():
             self._check_requires_grad()
@@ -316,12 +330,16 @@ class StageEngine(StepMachine, StateContract, Construction):
             args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
         self._detach_sharded_grads()  # the next backward accumulates as before
         self._before_forward()
-        try:
-            with self.recorder.span("forward", COMPUTE):
-                out = self._module(*args, **kwargs)
-        except BaseException:
-            self._abort_forward()
-            raise
+        return args, kwargs, self.recorder.begin("forward", COMPUTE)
+
+    @host_only
+    def _fail_forward(self, span) -> None:
+        self.recorder.end(span)
+        self._abort_forward()
+
+    @host_only
+    def _exit_forward(self, out, span):
+        self.recorder.end(span)
         self._after_forward(out)
         first = _first_grad_tensor(out)
         if first is not None:  # the output's gradient is the first thing backward computes
@@ -515,6 +533,7 @@ def grad_hook(engine: "StageEngine", method: str, group: int, j: int) -> Callabl
     deleted engine and its flat buffers alive for the life of the process."""
     ref = weakref.ref(engine)
 
+    @host_only
     def hook(param: nn.Parameter) -> None:
         eng = ref()
         if eng is not None:

@@ -65,6 +65,7 @@ import torch.utils._pytree as pytree
 
 from zerodp.engine.base import StageEngine, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers
+from zerodp.engine.compiled import host_only
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
 from zerodp.engine.group import FlatGroup
@@ -195,6 +196,7 @@ class FSDPEngine(StageEngine):
                     grad_hook(self, "_on_grad_final", u.index, j)))
         self._handles.append(root.register_forward_hook(self._top_post_forward))
 
+    @host_only
     def _top_pre_forward(self, module, args):
         if self._forwarding:
             return None
@@ -211,6 +213,7 @@ class FSDPEngine(StageEngine):
         self._reduce_this_pass = self._sync or self.config.reduce_every_microbatch
         return None
 
+    @host_only
     def _pre_forward(self, u: Unit, args, kwargs):
         if not self._forwarding:
             # Called outside the model's own forward (a unit run on its own, or activation
@@ -256,6 +259,7 @@ class FSDPEngine(StageEngine):
         swap = {id(a): b for a, b in zip(flat, outs)}
         return _replace((args, kwargs), swap)
 
+    @host_only
     def _post_forward(self, u: Unit, out):
         ev = u.bwd.fwd_event
         if ev is not None:
@@ -274,6 +278,7 @@ class FSDPEngine(StageEngine):
                 t.register_hook(hook)
         return None
 
+    @host_only
     def _top_post_forward(self, module, args, out):
         if not self._forwarding:
             return None
@@ -293,6 +298,7 @@ class FSDPEngine(StageEngine):
                 self._free(last)
         return None
 
+    @host_only
     def _pre_backward(self, u: Unit) -> None:
         i = u.index
         if u.bwd.phase is not Phase.WAITING:
@@ -311,6 +317,7 @@ class FSDPEngine(StageEngine):
     # gradient (frozen) is still needed after the last trainable one, e.g. a frozen norm weight
     # at the start of a block. Units whose inputs need no gradient rely on (a); the end-of-backward
     # callback catches whatever got no gradient at all.
+    @host_only
     def _on_grad_final(self, u: Unit, j: int, param: nn.Parameter) -> None:
         self._backward_started()
         self._bound_in_flight(u)
@@ -320,11 +327,13 @@ class FSDPEngine(StageEngine):
         if u.bwd.over():
             self._post_backward(u)
 
+    @host_only
     def _on_inputs_grad(self, u: Unit, token: int) -> None:
         u.bwd.pending_inputs.discard(token)
         if u.bwd.phase is Phase.RUNNING and u.bwd.over():
             self._post_backward(u)
 
+    @host_only
     def _post_backward(self, u: Unit) -> None:
         """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
         if u.bwd.phase is Phase.DONE:

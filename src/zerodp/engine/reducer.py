@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from zerodp.engine.base import StageEngine, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers, plan_buckets
+from zerodp.engine.compiled import host_only
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.deferred import materialize_module
 from zerodp.engine.group import FlatGroup
@@ -80,6 +81,7 @@ class BucketEngine(StageEngine):
         self._start_clock()
 
     # ---- hooks (the hot path) -----------------------------------------------------------------
+    @host_only
     def _grad_ready(self, g: FlatGroup, j: int, param: nn.Parameter) -> None:
         """Hook of trainable parameter ``j`` of bucket ``g``: take its gradient, count down."""
         if self.step_state is not StepState.BACKWARD:

@@ -1,0 +1,181 @@
+"""torch.compile and the engine (docs/engine.md, "torch.compile").
+
+One spawned group of 2 gloo ranks trains the same small model, 3 AdamW steps, eagerly and in the
+three compiled forms: ``torch.compile(model)`` before ``parallelize``, ``model.compile()`` in
+place before it, and ``torch.compile(engine)``, at stages 0 and 3 (``make fuzz`` sets
+``ZERODP_COMPILE_ALL=1``: every stage 0-3). Backend ``aot_eager`` (dynamo's capture and AOT
+autograd's joint graph, without inductor's code generation, which alone costs minutes on CPU).
+
+Checked: each compiled run's parameters equal the eager engine's within
+``trajectory_tolerance`` (they run the same kernels, so in practice bitwise); the graph breaks
+dynamo records in a compiled stage-3 training step are all at the engine's ``host_only`` hooks
+(none inside a unit's forward) and at most ``MAX_STAGE3_BREAKS`` (the number docs/engine.md
+gives); a compiled run's ``state_dict()`` and ``optimizer.state_dict()`` carry the model's own
+names (no ``_orig_mod.``) and load into an eager engine, and an eager engine's into a compiled one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _engine_common import max_rel, shard, trajectory_tolerance
+from zerodp.spawn import run_local
+
+pytestmark = pytest.mark.dist
+WORLD = 2
+STEPS = 3
+ROWS = 3  # rows per rank
+BACKEND = "aot_eager"
+WAYS = ("torch.compile(model)", "model.compile()", "torch.compile(engine)")
+ALL = os.environ.get("ZERODP_COMPILE_ALL") == "1"
+STAGES = (0, 1, 2, 3) if ALL else (0, 3)
+N_TERMS = WORLD * ROWS * 4  # terms summed into one gradient element (rows x outputs)
+#: Graph breaks dynamo records in the first compiled training step at stage 3 of the 3-unit model
+#: below, per form (docs/engine.md): all are skips of the engine's host_only unit hooks (5 at a
+#: unit's pre-forward, 2 at a post-forward, as dynamo resumes after each); torch.compile(engine)
+#: adds 3 at the engine's forward entry. Measured 7, 7 and 10 on torch 2.13.
+MAX_STAGE3_BREAKS = {"torch.compile(model)": 7, "model.compile()": 7, "torch.compile(engine)": 10}
+
+
+class Net(nn.Module):
+    """Three units (stage 3: units=[inp, mid, out]) with a norm and a nonlinearity between."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.mid = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU())
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.out(self.mid(torch.tanh(self.inp(x)))), y)
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(WORLD * ROWS, 6, generator=g), torch.randn(WORLD * ROWS, 4, generator=g)
+
+
+def _build(stage: int, way: str | None):
+    import zerodp
+
+    torch.manual_seed(0)
+    net = Net()
+    model = net
+    if way == "torch.compile(model)":
+        model = torch.compile(net, backend=BACKEND)
+    elif way == "model.compile()":
+        net.compile(backend=BACKEND)
+    units = [net.inp, net.mid, net.out] if stage == 3 else None
+    engine = zerodp.parallelize(model, optimizer=lambda g: torch.optim.AdamW(g, lr=1e-2), stage=stage,
+                                units=units)
+    call = torch.compile(engine, backend=BACKEND) if way == "torch.compile(engine)" else engine
+    return engine, call
+
+
+def _step(engine, call, rank: int, step: int) -> None:
+    x, y = _batch(step)
+    call(shard(x, rank, ROWS), shard(y, rank, ROWS)).backward()
+    engine.optimizer.step()
+    engine.optimizer.zero_grad()
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.state_dict().items()}
+
+
+def _breaks() -> dict[str, int]:
+    import torch._dynamo.utils
+
+    return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def _all(rank: int, world: int, stages: tuple[int, ...]) -> dict:
+    import torch._dynamo
+
+    out: dict = {}
+    for stage in stages:
+        torch._dynamo.reset()
+        engine, call = _build(stage, None)
+        for s in range(STEPS):
+            _step(engine, call, rank, s)
+        ref = _params(engine)
+        for way in WAYS:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            engine, call = _build(stage, way)
+            _step(engine, call, rank, 0)
+            breaks = _breaks()
+            for s in range(1, STEPS):
+                _step(engine, call, rank, s)
+            got = _params(engine)
+            out[stage, way] = {
+                "names": sorted(got) == sorted(ref),
+                "err": max(max_rel(got[k], ref[k]) for k in ref) if sorted(got) == sorted(ref) else float("inf"),
+                "breaks": breaks,
+            }
+            if way == "torch.compile(model)":  # names stored plain; compiled <-> eager resume
+                out[stage, "resume"] = _resume(rank, stage, engine, call)
+    return out
+
+
+def _resume(rank: int, stage: int, compiled, compiled_call) -> dict:
+    model_sd = compiled.state_dict()
+    optim_sd = compiled.optimizer.state_dict()
+    names = list(model_sd) + list(compiled.optimizer.index_names()) + list(
+        compiled.optimizer_state_dict()["state"])
+    eager, _ = _build(stage, None)
+    eager.load_state_dict(model_sd)
+    eager.optimizer.load_state_dict(optim_sd)
+    _step(eager, eager, rank, STEPS)
+    _step(compiled, compiled_call, rank, STEPS)  # both continue one step from the same state
+    a, b = _params(eager), _params(compiled)
+    after_eager = max(max_rel(a[k], b[k]) for k in b)
+    back, back_call = _build(stage, "torch.compile(model)")  # and an eager run's state into a compiled one
+    back.load_state_dict(eager.state_dict())
+    back.optimizer.load_state_dict(eager.optimizer.state_dict())
+    c = _params(back)
+    return {"prefixed": sorted({n for n in names if "_orig_mod" in n or n.startswith("module.")}),
+            "eager_from_compiled": after_eager,
+            "compiled_from_eager": max(max_rel(c[k], a[k]) for k in a)}
+
+
+@functools.lru_cache(maxsize=None)
+def results(stages: tuple[int, ...] = STAGES) -> dict:
+    return run_local(_all, WORLD, stages, timeout=900)[0]
+
+
+TOL = trajectory_tolerance(N_TERMS, STEPS)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("way", WAYS)
+def test_compiled_equals_eager(stage, way):
+    r = results()[stage, way]
+    assert r["names"], f"{way} at stage {stage}: parameter names differ from the eager engine's"
+    assert r["err"] <= TOL, f"{way} at stage {stage}: parameters {r['err']:.3g} from eager's (bound {TOL:.3g})"
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_stage3_graph_breaks_only_at_hooks_and_bounded(way):
+    breaks = results()[3, way]["breaks"]
+    total = sum(breaks.values())
+    inside = {reason.splitlines()[0]: n for reason, n in breaks.items()
+              if "zerodp.engine.compiled" not in reason}  # not a host_only hook's own skip
+    assert not inside, f"{way}: graph breaks inside the engine's or the model's code: {inside}"
+    assert total <= MAX_STAGE3_BREAKS[way], (
+        f"{way}: {total} graph breaks in a compiled stage-3 step, docs/engine.md allows {MAX_STAGE3_BREAKS[way]}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_compiled_names_plain_and_resume_both_ways(stage):
+    r = results()[stage, "resume"]
+    assert r["prefixed"] == [], f"stage {stage}: stored names carry wrapper prefixes: {r['prefixed'][:4]}"
+    tol = trajectory_tolerance(N_TERMS, 1)
+    assert r["eager_from_compiled"] <= tol, f"stage {stage}: eager resumed from a compiled run: {r}"
+    assert r["compiled_from_eager"] == 0.0, f"stage {stage}: compiled loaded an eager run's state: {r}"
