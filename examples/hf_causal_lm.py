@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-activation-checkpointing", action="store_true",
                    help="keep every layer's activations instead of recomputing them in backward")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batches")
+    p.add_argument("--compile", action="store_true",
+                   help="model.compile() before parallelize (inductor on CUDA, aot_eager on CPU; docs/engine.md)")
     p.add_argument("--out", default=None, help="write the trained model here as a Hugging Face directory")
     p.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the saved weights")
@@ -127,6 +129,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
     if not args.no_activation_checkpointing:
         enable_activation_checkpointing(model)
     model.train()
+    if getattr(args, "compile", False):  # in place: the engine's hooks stay outside the graphs
+        model.compile(backend="inductor" if device.type == "cuda" else "aot_eager")
     engine = zerodp.parallelize(
         model, optimizer=lambda groups: torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay),
         stage=args.stage, units=decoder_layers(model) if args.stage == 3 else None,

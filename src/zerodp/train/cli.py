@@ -119,6 +119,9 @@ def _add_train(sub) -> None:
                    help="continue from a checkpoint directory or a run directory's newest checkpoint "
                         "(no value: the one in --out)")
     g.add_argument("--trace", action="store_true", help="write the Chrome trace of one step (trace.json)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (in place, before parallelize; inductor on CUDA, aot_eager on "
+                        "CPU); the engine's hooks stay outside the graphs (docs/engine.md, torch.compile)")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress output (default: a bar on a terminal; elsewhere, in pipes, CI and "
                         "relayed output, one line per --progress-every steps or --progress-every-s seconds)")

@@ -189,6 +189,7 @@ class TrainConfig:
     progress_every: int = 0  # without a terminal: a progress line every N steps; 0: a twentieth of the run
     progress_every_s: float = 30.0  # ... and at least every so many seconds
     tensorboard: bool = False  # also TensorBoard events in OUT/tensorboard (the tensorboard extra)
+    compile: bool = False  # model.compile() before parallelize: inductor on CUDA, aot_eager on CPU (docs/engine.md)
     plan: str | None = None  # "auto": the layout from a short trial of the planner's top 3 (train.autoplan)
 
     def __post_init__(self):

@@ -168,6 +168,8 @@ def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = GPT(mc).to(ctx.device)
     n_params = model.num_params()  # before wrapping: stage 3 frees the full parameters
+    if cfg.compile:  # in place: the engine's hooks run outside the graphs, names stay the model's own
+        model.compile(backend="inductor" if ctx.device.type == "cuda" else "aot_eager")
     wd, betas = cfg.weight_decay, (0.9, 0.95)
     engine = parallelize(model, optimizer=lambda groups: torch.optim.AdamW(
         groups, lr=cfg.lr, weight_decay=wd, betas=betas), stage=cfg.stage,
