@@ -82,6 +82,48 @@ def worst(errors: dict[str, float]) -> tuple[str, float]:
     return name, errors[name]
 
 
+class Net(nn.Module):
+    """The script-idiom model (tests/test_engine_idioms.py, tests/test_engine_fuzz.py): two blocks
+    in a ModuleList (stage 3: two units and the root), an ``extra`` branch used only when asked,
+    odd sizes (padding in every flat buffer), an optional hook on an activation."""
+
+    def __init__(self, seed: int = 0, batchnorm: bool = False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 7)) for _ in range(2)])
+        self.extra = nn.Linear(7, 7)
+        self.norm = nn.BatchNorm1d(7) if batchnorm else nn.Identity()
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x, y, use_extra: bool = True, hook=None):
+        h = self.norm(self.inp(x))
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+            if hook is not None and h.requires_grad:
+                h.register_hook(hook)
+                hook = None
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return F.mse_loss(self.out(h), y)
+
+
+class Boom(Exception):
+    """Raised inside backward by a tensor hook (anomaly mode, a caught OOM)."""
+
+
+class LARS(torch.optim.SGD):
+    """SGD scaled by a per-tensor trust ratio: per-tensor, not elementwise (refused unless declared)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-9))
+        return super().step(closure)
+
+
 # ---- tolerances from the dtype and the magnitude ------------------------------------------------
 # Two correct implementations of data parallelism compute the same per-rank values and differ in
 # the order in which they sum the n terms of a gradient (ranks, micro-batches, batch rows): a sum

@@ -36,10 +36,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import zerodp
-from _engine_common import sum_tolerance, trajectory_tolerance
+from _engine_common import Boom, Net, sum_tolerance, trajectory_tolerance
 from zerodp.spawn import RankFailure, run_local
 
 pytestmark = [pytest.mark.dist, pytest.mark.fuzz]
@@ -50,34 +49,6 @@ FUZZ_CASES = int(os.environ.get("ZERODP_ENGINE_FUZZ", "0"))  # make fuzz: this m
 # update error of up to lr·Δg/eps (see Run.adam_slack). eps = 1e-3 keeps that bounded and small.
 ADAM_EPS = 1e-3
 REPLAY = "ZERODP_FUZZ_CASE=%d:%d:%d pytest -q -s tests/test_engine_fuzz.py::test_replay"
-
-
-class Net(nn.Module):
-    """Two blocks (stage 3: two units and the root), an ``extra`` branch used only when asked,
-    odd sizes (padding in every flat buffer), an optional hook on an activation."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(5, 7)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 7)) for _ in range(2)])
-        self.extra = nn.Linear(7, 7)
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x, y, use_extra: bool = True, hook=None):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = h + torch.tanh(b(h))
-            if hook is not None and h.requires_grad:
-                h.register_hook(hook)
-                hook = None
-        if use_extra:
-            h = h + torch.tanh(self.extra(h))
-        return F.mse_loss(self.out(h), y)
-
-
-class Boom(Exception):
-    """Raised inside backward by a tensor hook (anomaly mode, a caught OOM)."""
 
 
 def boom(grad):

@@ -21,38 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import trajectory_tolerance
+from _engine_common import LARS, Boom, Net, trajectory_tolerance
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
 WORLD = 2
 ROWS = 3  # rows per rank per micro-batch
 STAGES = (0, 1, 2, 3)
-
-
-class Net(nn.Module):
-    """Two blocks in a ModuleList (stage 3: two units and the root), an ``extra`` branch used
-    only when asked, odd sizes (padding in every flat buffer)."""
-
-    def __init__(self, seed: int = 0, batchnorm: bool = False):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(5, 7)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 7)) for _ in range(2)])
-        self.extra = nn.Linear(7, 7)
-        self.norm = nn.BatchNorm1d(7) if batchnorm else nn.Identity()
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x, y, use_extra: bool = True, hook=None):
-        h = self.norm(self.inp(x))
-        for b in self.blocks:
-            h = h + torch.tanh(b(h))
-            if hook is not None and h.requires_grad:
-                h.register_hook(hook)
-                hook = None
-        if use_extra:
-            h = h + torch.tanh(self.extra(h))
-        return F.mse_loss(self.out(h), y)
 
 
 def batch(step: int):
@@ -232,10 +207,6 @@ def step_twice_applies_twice(rank, stage):
     return distance(engine, ref, 2)
 
 
-class Boom(Exception):
-    pass
-
-
 def raised_backward_is_recoverable(rank, stage):
     """A backward raises midway on every rank (anomaly mode, a caught OOM): the next forward says
     what to call; zero_grad() drops the partial step and training goes on as if it never ran."""
@@ -284,18 +255,6 @@ def uneven_evaluation_does_not_hang(rank, stage):
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, {k: v.sum().item() for k, v in full.items()})
     return None if gathered[0] == gathered[1] else "the replicas differ after the step"
-
-
-class LARS(torch.optim.SGD):
-    """SGD with a per-tensor trust ratio: not elementwise."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-9))
-        return super().step(closure)
 
 
 def subclass_of_sgd_is_refused(rank, stage):

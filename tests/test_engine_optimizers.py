@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import trajectory_tolerance
+from _engine_common import LARS, trajectory_tolerance
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
@@ -50,18 +50,6 @@ class Net(nn.Module):
         for b in self.blocks:
             h = h + b(h)
         return F.mse_loss(self.out(self.norm(h)), y)
-
-
-class LARS(torch.optim.SGD):
-    """SGD scaled by a per-tensor trust ratio: per-tensor, not elementwise (declared as such)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(p.norm() / (p.grad.norm() + 1e-9))
-        return super().step(closure)
 
 
 def muon(params):

@@ -381,20 +381,6 @@ class StageEngine(StepMachine, StateContract, Construction):
         finally:
             self._sync = previous
 
-    def count_tokens(self, n: int | float) -> None:
-        """With ``average_by_tokens=True``: add this micro-batch's token count on this rank.
-
-        Guide §2.2: when each rank's loss is the mean over its own tokens and ranks see different
-        token counts, plain averaging is biased; rank r's gradient is then weighted by
-        n_r / Σ n instead of 1/N, which equals the full-batch token mean. The step's count must be
-        complete before its first gradient reduction: the last micro-batch's backward for stages
-        0-1, the *first* backward for stage 2 (it reduces every micro-batch), so count all
-        micro-batches of the step up front there. The count resets at ``step()``.
-        """
-        if n < 0:
-            raise ValueError(f"token count must be >= 0, got {n}")
-        self._tokens += float(n)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm to ``max_norm``; return the norm before clipping.
 

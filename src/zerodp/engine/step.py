@@ -73,6 +73,20 @@ class StepMachine:
             g.reset_backward()
         self._move(StepState.IDLE)
 
+    def count_tokens(self, n: int | float) -> None:
+        """With ``average_by_tokens=True``: add this micro-batch's token count on this rank.
+
+        Guide §2.2: when each rank's loss is the mean over its own tokens and ranks see different
+        token counts, plain averaging is biased; rank r's gradient is then weighted by
+        n_r / Σ n instead of 1/N, which equals the full-batch token mean. The step's count must be
+        complete before its first gradient reduction: the last micro-batch's backward for stages
+        0-1, the *first* backward for stage 2 (it reduces every micro-batch), so count all
+        micro-batches of the step up front there. The count resets at ``step()``.
+        """
+        if n < 0:
+            raise ValueError(f"token count must be >= 0, got {n}")
+        self._tokens += float(n)
+
     def _token_factor(self) -> float | None:
         """Guide §2.2: factor to pre-multiply local gradients with before a mean reduction, so that
         the mean over ranks becomes Σ_r n_r g_r / Σ_r n_r. None when averaging plainly."""
