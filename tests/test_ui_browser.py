@@ -374,7 +374,7 @@ def test_chinese_renders_with_the_shipped_glyphs(plain_server, browser):
     visit = Visit(browser, plain_server.url + "?lang=zh", DESKTOP)
     try:
         page = visit.page
-        page.evaluate("document.fonts.ready")
+        page.evaluate("async () => { await document.fonts.ready; }")
         assert page.evaluate("document.fonts.check('16px \"zerodp CJK\"', '每卡显存')")
         faces = page.evaluate("[...document.fonts].map(f => [f.family, f.status])")
         assert ['"zerodp CJK"', "loaded"] in faces or ["zerodp CJK", "loaded"] in faces, faces
@@ -391,11 +391,19 @@ def test_chinese_renders_with_the_shipped_glyphs(plain_server, browser):
         # every character the font claims, drawn by it alone: no glyph falls back to another font
         chars = (Path(__file__).resolve().parents[1] / "src/zerodp/ui/static/zerodp-cjk-chars.txt"
                  ).read_text(encoding="utf-8").strip()
-        page.evaluate("(t) => document.body.append(Object.assign(document.createElement('p'), "
-                      "{id: 'all-cjk', textContent: t}))", chars)
+        # laid out and drawn before asking: the browser reports the fonts of text it has shaped
+        page.evaluate("""async (t) => {
+            const p = Object.assign(document.createElement('p'), {id: 'all-cjk', textContent: t});
+            document.body.append(p); p.getBoundingClientRect(); await document.fonts.ready;
+            await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r))); }""", chars)
         node = cdp.send("DOM.querySelector", {"nodeId": cdp.send("DOM.getDocument")["root"]["nodeId"],
                                               "selector": "#all-cjk"})["nodeId"]
         used = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
+        for _ in range(20):  # a slower machine may shape the new text a few frames later
+            if used:
+                break
+            page.wait_for_timeout(100)
+            used = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
         assert [(f["familyName"], f["glyphCount"]) for f in used] == [("zerodp CJK", len(chars))], used
         assert page.inner_text("#batch-title small") == "指南 §6.1"
         assert "guide" not in page.inner_text("header") + "".join(
