@@ -93,6 +93,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--shard-size", type=int, default=None, metavar="G",
                    help="also bench ours with hybrid sharding, shard groups of G ranks (G < --nproc, "
                         "dividing it), at stages 1-3, with each --compress (guide §14)")
+    b.add_argument("--compile", action="store_true",
+                   help="also bench ours and each stage's reference peer (DDP, ZeRO-opt + DDP, FSDP2) with the "
+                        "model compiled in place first, as zerodp train --compile does (aot_eager on CPU, inductor "
+                        "on CUDA); compilation runs in the untimed first step (docs/benchmarks.md)")
     b.add_argument("--out", default="bench-out",
                    help="folder for bench.json/png, roofline.json/png (default bench-out)")
     b.add_argument("--profile", default=None, help="calibration profile: predictions and the auto-bucket row")
@@ -263,7 +267,7 @@ def bench_command_line(args) -> str:
              ("--memory-steps", args.memory_steps, 3), ("--memory-repeats", args.memory_repeats, 1)]
     words = ["zerodp", "bench"]
     words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
-                              ("--roofline", args.roofline)) if on]
+                              ("--roofline", args.roofline), ("--compile", getattr(args, "compile", False))) if on]
     for flag, value, default in flags:
         if value is not None and value != default:
             words += [flag, str(value)]
@@ -305,7 +309,8 @@ def run_bench_cmd(args) -> int:
                              memory_repeats=args.memory_repeats,
                              bucket_mb=args.bucket_mb, stage2_bucket_mb=_stage2_bucket(args.stage2_bucket_mb),
                              profile=profile, compress=_compressions(args.compress), shard_size=args.shard_size,
-                             memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc)
+                             memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc,
+                             compile=args.compile)
     t0 = time.perf_counter()
     result = compare.run_bench(spec)
     bench_json = tables.write_json(result, os.path.join(args.out, "bench.json"))
@@ -332,6 +337,10 @@ def run_bench_cmd(args) -> int:
         if compressed:
             print()
             print(compressed)
+        compiled = tables.compiled_table(result)
+        if compiled:
+            print()
+            print(compiled)
         if rl is not None:
             print()
             print(roofline.table(rl))

@@ -67,6 +67,13 @@ against our plain row of its stage: time, ×floor, bytes per leg from the trace 
 the plain row's next to the planner's (:func:`zerodp.plan.hybrid.wire_bytes`). Without these
 options the bench is what it was.
 
+**Compiled** (``zerodp bench --compile``, :attr:`BenchSpec.compile`): beside the eager rows, ours
+and each stage's reference peer on a model compiled in place before it is wrapped
+(:func:`zerodp.engine.compiled.compile_in_place`, what ``zerodp train --compile`` calls: aot_eager
+on CPU, inductor on CUDA), in the same stage group, alternated with the rest. Compilation happens in
+the build step, which is never timed (its duration is kept, ``first_step_s``, the max over ranks);
+:func:`zerodp.bench.results.compiled_rows` sets compiled against eager and ours against the peer.
+
 On CUDA (``BenchSpec(device="cuda")``, what ``python -m zerodp.bench.gpu_check`` runs): NCCL, rank r
 on ``cuda:r`` (one GPU per rank, so world 1 is allowed there: the comparison then measures fixed
 costs), the device synchronized before each step's start and end time are read, peak memory from
@@ -146,7 +153,9 @@ def _regime_result(spec: BenchSpec, cal: dict | None, regime: Regime, ranks: lis
         c = ContenderResult(name, label, stage, role, times, statistics.median(times),
                             [r[name]["peak"] for r in ranks], [r[name]["states"] for r in ranks],
                             [r[name]["sent"] for r in ranks], r0["options"], r0["own_comm"],
-                            r0["first_loss"], wire_bytes=r0.get("wire"))
+                            r0["first_loss"], wire_bytes=r0.get("wire"),
+                            first_step_s=max(r[name]["first_step_s"] for r in ranks),
+                            timed_compiles=max(r[name]["timed_compiles"] for r in ranks))
         if role == "ours":
             c.predicted_wire_bytes = planner_wire_bytes(spec, regime, name)
         if cal is not None:

@@ -5,9 +5,13 @@ The builders are in :mod:`zerodp.bench.peers`; this module only says what exists
 - **the fixed contenders** (:data:`CONTENDERS`): the floor, our engine per stage, its PyTorch
   peers (:data:`COMPARISONS` pairs them, guide §9), and the ``bucket_mb="auto"`` row;
 - **variants of ours** (:class:`Variant`, :data:`VARIANTS`): our engine at a stage with compressed
-  collectives and/or hybrid sharding (guide §14-§15), built and timed beside ``ours{stage}``.
+  collectives and/or hybrid sharding (guide §14-§15), or compiled (``model.compile()`` before
+  ``parallelize``, :func:`zerodp.engine.compiled.compile_in_place`), built and timed beside
+  ``ours{stage}``;
+- **compiled peers** (:func:`compiled_peer`): each stage's reference peer with its model compiled
+  the same way before the peer wraps it (``ddp_bucket_view_compiled``, ``fsdp2_compiled``, ...).
 
-A new kind of variant (say, a compiled model) is one new field of :class:`Variant`: its name,
+A new kind of variant (as ``compiled`` was) is one new field of :class:`Variant`: its name,
 label, engine options and where it applies are all read from there, and :func:`variants_for` is
 the one enumeration the bench spec calls.
 """
@@ -62,6 +66,8 @@ COMPRESS_OPTIONS: dict[Compression, tuple[str, dict]] = {
     Compression.INT8: ("int8", {"quantize_params": True, "quantize_grads": True}),
 }
 
+COMPILED = "compiled"  # the name suffix and label part of compiled contenders (zerodp bench --compile)
+
 SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_view": "DDP bucket view",
                 "ours1": "zerodp", "zero_ddp": "ZeRO-opt + DDP", "ours2": "zerodp", "fsdp2_keep": "FSDP2 keep",
                 "ours3": "zerodp", "fsdp2": "FSDP2", "ours0_auto": "zerodp auto bucket"}
@@ -70,19 +76,21 @@ SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_v
 @dataclass(frozen=True)
 class Variant:
     """Our engine at ``stage`` with ``compress`` on its collectives and, with ``hybrid``, shard
-    groups of ``--shard-size`` ranks (guide §14-§15)."""
+    groups of ``--shard-size`` ranks (guide §14-§15); with ``compiled``, the model compiled in
+    place before ``parallelize`` (``zerodp bench --compile``)."""
 
     stage: int
     compress: Compression = Compression.NONE
     hybrid: bool = False
+    compiled: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "compress", Compression.parse(self.compress, "compress", optional=False))
 
     @property
     def plain(self) -> bool:
-        """Neither compressed nor hybrid: ``ours{stage}`` itself, not a variant."""
-        return self.compress is Compression.NONE and not self.hybrid
+        """Neither compressed, hybrid nor compiled: ``ours{stage}`` itself, not a variant."""
+        return self.compress is Compression.NONE and not self.hybrid and not self.compiled
 
     @property
     def applies(self) -> bool:
@@ -93,13 +101,15 @@ class Variant:
     @property
     def parts(self) -> list[str]:
         compressed = [] if self.compress is Compression.NONE else [self.compress.value]
-        return (["hybrid"] if self.hybrid else []) + compressed
+        return (["hybrid"] if self.hybrid else []) + compressed + ([COMPILED] if self.compiled else [])
 
     @property
     def name(self) -> str:
-        """``ours3_int8``, ``ours0_bf16``, ``ours3_hybrid``, ``ours3_hybrid_int8``; ``ours{stage}`` when plain."""
+        """``ours3_int8``, ``ours0_bf16``, ``ours3_hybrid``, ``ours3_hybrid_int8``, ``ours0_compiled``;
+        ``ours{stage}`` when plain."""
         suffix = (["hybrid"] if self.hybrid else []) + (
-            [COMPRESS_OPTIONS[self.compress][0]] if self.compress is not Compression.NONE else [])
+            [COMPRESS_OPTIONS[self.compress][0]] if self.compress is not Compression.NONE else []) + (
+            [COMPILED] if self.compiled else [])
         return "_".join([f"ours{self.stage}", *suffix])
 
     @property
@@ -120,22 +130,47 @@ class Variant:
         return out
 
 
-def variants_for(stage: int, compress: tuple[Compression, ...], hybrid: bool) -> list[Variant]:
+def variants_for(stage: int, compress: tuple[Compression, ...], hybrid: bool,
+                 compiled: bool = False) -> list[Variant]:
     """The variants a bench asking for ``compress`` (and, with ``hybrid``, hybrid sharding) runs at
-    ``stage``: flat ones first, then hybrid ones, each in the order ``compress`` names them."""
+    ``stage``: flat ones first, then hybrid ones, each in the order ``compress`` names them; with
+    ``compiled``, then ``ours{stage}`` compiled (compiled rows are of the plain engine only)."""
     out = []
     for h in (False, True) if hybrid else (False,):
         for c in dict.fromkeys(compress):
             v = Variant(stage, c, h)
             if not v.plain and v.applies:
                 out.append(v)
+    if compiled:
+        out.append(Variant(stage, compiled=True))
     return out
 
 
 #: name → :class:`Variant`: every variant any bench can run.
 VARIANTS: dict[str, Variant] = {v.name: v for stage in COMPARISONS
-                                for v in variants_for(stage, tuple(Compression), True)}
+                                for v in variants_for(stage, tuple(Compression), True, True)}
 CONTENDERS.update({n: (v.stage, "ours", v.label) for n, v in VARIANTS.items()})
+
+
+def compiled_peer(stage: int) -> str:
+    """The compiled form of ``stage``'s reference peer (the first of :data:`COMPARISONS`): its model
+    compiled in place (:func:`zerodp.engine.compiled.compile_in_place`) before the peer wraps it."""
+    return f"{COMPARISONS[stage][1][0]}_{COMPILED}"
+
+
+def is_compiled(name: str) -> bool:
+    """Whether contender ``name`` runs a compiled model (ours or a peer)."""
+    return name.endswith(f"_{COMPILED}")
+
+
+def eager_form(name: str) -> str:
+    """``name`` without its compile: ``fsdp2_compiled`` -> ``fsdp2``, ``ours0_compiled`` -> ``ours0``."""
+    return name.removesuffix(f"_{COMPILED}")
+
+
+for _stage in COMPARISONS:
+    _peer = COMPARISONS[_stage][1][0]
+    CONTENDERS[compiled_peer(_stage)] = (_stage, "peer", CONTENDERS[_peer][2] + ", compiled")
 
 
 def variant_name(stage: int, compress: Compression = Compression.NONE, hybrid: bool = False) -> str:
@@ -154,4 +189,8 @@ def variant_of(name: str) -> Variant:
 
 def short_label(name: str) -> str:
     """A bar's label: :data:`SHORT_LABELS`, or "zerodp int8", "zerodp hybrid bf16" for the variants."""
-    return SHORT_LABELS[name] if name in SHORT_LABELS else VARIANTS[name].short_label
+    if name in SHORT_LABELS:
+        return SHORT_LABELS[name]
+    if name in VARIANTS:
+        return VARIANTS[name].short_label
+    return SHORT_LABELS[eager_form(name)] + " " + COMPILED

@@ -15,7 +15,7 @@ import time
 from zerodp.bench.contenders import VARIANTS
 from zerodp.bench.results import PREDICTION_TOLERANCE, BenchResult, compressed_rows
 from zerodp.bench.spec import UNIT, Memory
-from zerodp.bench.tables import compressed_table, contenders_table, summary_table
+from zerodp.bench.tables import compiled_table, compressed_table, contenders_table, summary_table
 from zerodp.plan.units import MIB
 
 
@@ -192,6 +192,13 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
               f"![zerodp vs PyTorch]({_rel(bench_png, md_path)})", "", "## Every contender", "",
               "```", contenders_table(result), "```", ""]
     lines += compressed_section(result)
+    compiled = compiled_table(result)
+    if compiled:
+        lines += ["## Compiled (`--compile`)", "",
+                  "Ours and each stage's reference peer with the model compiled in place before it is wrapped "
+                  "(`zerodp.engine.compiled.compile_in_place`, as `zerodp train --compile`: aot_eager on CPU, "
+                  "inductor on CUDA), beside their eager rows, alternated in the same stage group.", "",
+                  "```", compiled, "```", ""]
     misses = _misses(result)
     if misses:
         lines += ["## Targets missed, and where the time goes", "", *misses, ""]

@@ -21,6 +21,13 @@ Our engine also runs with compressed collectives and hybrid sharding (guide §14
 (int8 parameter AllGathers and gradient reductions), ``ours0_bf16`` (gradients reduced in bf16), ``ours3_hybrid``
 (shard groups of G ranks, replicated), and their combinations; they have no PyTorch peer here.
 
+With ``zerodp bench --compile``, ``ours{stage}_compiled`` and the reference peer's
+``{peer}_compiled`` (``ddp_bucket_view_compiled``, ``zero_ddp_compiled``, ``fsdp2_keep_compiled``,
+``fsdp2_compiled``) build the same contender on a model compiled in place first, the way
+``zerodp train --compile`` does (:func:`zerodp.engine.compiled.compile_in_place`: ``model.compile()``,
+aot_eager on CPU, inductor on CUDA), before ``parallelize``, ``DistributedDataParallel`` or
+``fully_shard`` wraps it.
+
 plus the **floor**: the plain model and optimizer on each rank with no collectives at all — the
 same per-rank forward/backward/update, so that step time / floor is the price of data
 parallelism (guide §7: ≈ 1 when compute-bound, large when communication-bound).
@@ -40,7 +47,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from zerodp.bench.contenders import CONTENDERS, engine_options
+from zerodp.bench.contenders import CONTENDERS, eager_form, engine_options, is_compiled
 
 LR = 3e-4
 
@@ -119,6 +126,11 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
         raise ValueError(f"unknown contender {name!r}; use one of {', '.join(CONTENDERS)}")
     stage, role, label = CONTENDERS[name]
     model = make_model()
+    if is_compiled(name):
+        from zerodp.engine.compiled import compile_in_place
+
+        compile_in_place(model)  # before any wrapper, the same for ours and the peer
+    kind = eager_form(name) if role == "peer" else name
     opt_factory = lambda params: torch.optim.AdamW(params, lr=LR)  # noqa: E731
 
     if role == "ours":
@@ -146,17 +158,17 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
         opt = opt_factory(model.parameters())
         return Contender(name, stage, role, label, _plain_step(model, opt, False), _states_counter(model, opt))
 
-    if name in ("ddp", "ddp_bucket_view"):
+    if kind in ("ddp", "ddp_bucket_view"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        view = name == "ddp_bucket_view"
+        view = kind == "ddp_bucket_view"
         ddp = DDP(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=view)
         opt = opt_factory(ddp.parameters())
         # With bucket views the grads must stay (they alias the buckets): zero in place.
         return Contender(name, stage, role, label, _plain_step(ddp, opt, not view), _states_counter(model, opt),
                          {"bucket_mb": bucket_mb, "gradient_as_bucket_view": view})
 
-    if name == "zero_ddp":
+    if kind == "zero_ddp":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -169,11 +181,11 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
         return Contender(name, stage, role, label, _plain_step(ddp, zero, True), count,
                          {"bucket_mb": bucket_mb})
 
-    if name in ("fsdp2", "fsdp2_keep"):
+    if kind in ("fsdp2", "fsdp2_keep"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        reshard = name == "fsdp2"
+        reshard = kind == "fsdp2"
         mesh = init_device_mesh("cpu", (world_size,))
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)

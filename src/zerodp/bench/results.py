@@ -1,7 +1,8 @@
 """What ``zerodp bench`` measured, as data: per contender (:class:`ContenderResult`), per regime, the
 whole run (:class:`BenchResult`, to and from ``bench.json``), and the rows derived from it — ours
 against each peer (:func:`summary_rows`) and the compressed and hybrid variants against our plain
-row of their stage (:func:`compressed_rows`). The text and the plot are :mod:`zerodp.bench.tables`.
+row of their stage (:func:`compressed_rows`), and the compiled rows against the eager ones and ours
+against the peer (:func:`compiled_rows`). The text and the plot are :mod:`zerodp.bench.tables`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from zerodp.bench.contenders import COMPARISONS, VARIANTS
+from zerodp.bench.contenders import COMPARISONS, VARIANTS, compiled_peer, is_compiled
 from zerodp.bench.spec import BenchSpec, Regime
 
 RATIO_TARGET = 1.05  # ours/PyTorch median step time for stages 0 and 3
@@ -35,6 +36,8 @@ class ContenderResult:
     # collectives in the engine's trace (``sent_bytes``), median over timed steps; rank 0
     wire_bytes: dict | None = None
     predicted_wire_bytes: dict | None = None  # the planner's, by leg (bench.predict)
+    first_step_s: float | None = None  # the untimed build step (a compiled model compiles in it), max over ranks
+    timed_compiles: int | None = None  # graphs dynamo compiled during the timed steps, max over ranks (0 expected)
 
     @property
     def wire_total(self) -> float | None:
@@ -115,6 +118,7 @@ class BenchResult:
                          "contenders": {k: asdict(c) for k, c in r.contenders.items()}} for r in self.regimes],
             "rows": [asdict(row) | {"target": row.target} for row in self.rows()],
             "compressed_rows": [asdict(row) for row in compressed_rows(self)],
+            "compiled_rows": [asdict(row) for row in compiled_rows(self)],
         }
 
 
@@ -193,7 +197,7 @@ def compressed_rows(result: BenchResult) -> list[CompressedRow]:
         cs = rr.contenders
         floor = cs.get("floor")
         for c in cs.values():
-            if c.name not in VARIANTS:
+            if c.name not in VARIANTS or is_compiled(c.name):
                 continue
             plain = cs.get(f"ours{c.stage}")
             ms = c.median_s * 1e3
@@ -211,4 +215,52 @@ def compressed_rows(result: BenchResult) -> list[CompressedRow]:
                 pred, (pred - ms) / ms if pred is not None else None))
     return rows
 
+
+@dataclass
+class CompiledRow:
+    """One contender of a stage in ``zerodp bench --compile``'s table: its median and quartiles of
+    the timed steps, peak memory, the untimed first step, and the two ratios a reader asks for."""
+
+    regime: str
+    tokens_per_rank: int
+    stage: int
+    name: str
+    label: str
+    role: str  # "ours" or "peer"
+    compiled: bool
+    ms: float
+    q1_ms: float | None  # quartiles of the timed steps (None under 2 steps)
+    q3_ms: float | None
+    peak_rss_bytes: int | None  # rank 0
+    first_step_s: float | None  # the untimed build step: compilation for a compiled row
+    timed_compiles: int | None  # graphs compiled during the timed steps (0: none fell in a timed step)
+    vs_eager: float | None  # compiled rows: median / the same contender's eager median
+    ours_vs_peer: float | None  # ours rows: median / the peer's of the same form (eager or compiled)
+
+
+def compiled_rows(result: BenchResult) -> list[CompiledRow]:
+    """Per regime and stage of a ``--compile`` bench: ours, ours compiled, the reference peer, the
+    peer compiled (:func:`~zerodp.bench.contenders.compiled_peer`); empty without compiled rows."""
+    rows = []
+    for rr in result.regimes:
+        cs = rr.contenders
+        for stage in result.spec.stages:
+            ours, peers = COMPARISONS[stage]
+            peer = peers[0]
+            four = [(ours, peer), (f"{ours}_compiled", compiled_peer(stage)),
+                    (peer, None), (compiled_peer(stage), None)]
+            if not all(n in cs for n in (ours, peer, f"{ours}_compiled", compiled_peer(stage))):
+                continue
+            eager = {f"{ours}_compiled": ours, compiled_peer(stage): peer}
+            for name, against in four:
+                c = cs[name]
+                q = (statistics.quantiles(c.times_s, n=4, method="inclusive") if len(c.times_s) >= 2
+                     else [None, None, None])
+                rows.append(CompiledRow(
+                    rr.regime.name, rr.regime.tokens, stage, name, c.label, c.role, name in eager,
+                    c.median_s * 1e3, None if q[0] is None else q[0] * 1e3, None if q[2] is None else q[2] * 1e3,
+                    c.peak_rss_bytes[0], c.first_step_s, c.timed_compiles,
+                    c.median_s / cs[eager[name]].median_s if name in eager else None,
+                    c.median_s / cs[against].median_s if against else None))
+    return rows
 

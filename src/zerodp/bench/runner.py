@@ -4,6 +4,12 @@
 :func:`rank_memory` runs one contender alone in a fresh group for its peak memory. What is measured
 and why (barriers, untimed first steps of a turn, the warm-up before a peak) is
 :mod:`zerodp.bench.compare`'s docstring.
+
+Compiled contenders (``zerodp bench --compile``) compile in their build step, the first step of
+each regime (untimed, its time kept as ``first_step_s``): the process warm-up builds their eager
+form instead (the nano model's graphs would not serve the bench's model), and every timed step
+comes after the build step, the ``warmup - 1`` untimed rounds and the untimed first step of its
+turn, with the shapes of the regime fixed, so no compilation falls in a timed step.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import statistics
 import time
 
 from zerodp.bench import probe
+from zerodp.bench.contenders import eager_form, is_compiled
 from zerodp.bench.schedule import schedule, stage_groups, steps_per_contender
 from zerodp.bench.spec import BenchSpec, Device, Regime
 
@@ -23,6 +30,7 @@ def rank_bench(rank: int, world: int, spec: BenchSpec, names: list[str],
     import gc
 
     _set_rank_device(spec, rank)
+    _allow_recompiles(names)
     _warm_up_process(rank, world, spec, names)
     out = []
     for regime in spec.regimes:
@@ -41,6 +49,15 @@ def _set_rank_device(spec: BenchSpec, rank: int) -> None:
         torch.cuda.set_device(rank)
 
 
+def _allow_recompiles(names: list[str]) -> None:
+    """Every compiled contender is a fresh model per regime, each compiled once: lift dynamo's
+    per-code recompile limit (8) so that none falls back to eager after the eighth."""
+    if any(is_compiled(n) for n in names):
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 def _warm_up_process(rank: int, world: int, spec: BenchSpec, names: list[str]) -> None:
     """Build every contender once on the nano model, step it, drop it: the process's one-time
     costs (imports, first optimizer construction, gloo's first collectives, kernels) are paid
@@ -52,7 +69,7 @@ def _warm_up_process(rank: int, world: int, spec: BenchSpec, names: list[str]) -
     make = make_model_factory("nano", spec.seed, spec.device)
     regime = Regime("warm-up", 1, 8)
     x, y = make_batches(regime, 256, 1, rank, world, spec.seed, spec.device)[0]
-    for name in names:
+    for name in dict.fromkeys(eager_form(n) for n in names):  # compiled ones compile in their build step
         c = build(name, make, world, 25.0, None, regime.tokens, spec.shard_size)
         c.step(x, y)
         del c
@@ -101,18 +118,22 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
 
     from zerodp.bench.peers import build
 
-    contenders, peak, first_loss, states = {}, {}, {}, {}
+    contenders, peak, first_loss, states, first_s = {}, {}, {}, {}, {}
     for name in names:  # one at a time: its RSS peak while built and stepped once
         dist.barrier()
         with (_CudaPeak() if spec.device is Device.CUDA else probe.PeakMemory()) as mem:
             c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb), spec.profile, regime.tokens,
                       spec.shard_size)
+            t0 = time.perf_counter()  # the first step, untimed: a compiled contender compiles in it
             first_loss[name] = float(c.step(*batches[0]))
             settle(c)
+            _device_sync(spec.device)
+            first_s[name] = time.perf_counter() - t0
         contenders[name], peak[name] = c, mem.bytes
     times = {n: [] for n in names}
     sent = {n: [] for n in names}
     wire = {n: [] for n in names}
+    compiles = {n: 0 for n in names}  # graphs dynamo compiled during this contender's timed steps
     done = {n: 1 for n in names}  # steps each contender ran: its first, above
     for _, name, timed in schedule(names, spec.warmup, spec.rounds_for(regime), spec.turn, spec.seed):
         c = contenders[name]
@@ -129,6 +150,7 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
         dist.barrier()
         _device_sync(spec.device)
         w0 = probe.bytes_written() if spec.device is Device.CPU else None
+        g0 = compiled_graphs()
         t0 = time.perf_counter()
         c.step(*batches[k], on_backward=count_states if k == 1 else None)
         settle(c)
@@ -136,6 +158,7 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
         t1 = time.perf_counter()
         w1 = probe.bytes_written() if spec.device is Device.CPU else None
         if timed:
+            compiles[name] += compiled_graphs() - g0
             times[name].append(t1 - t0 - hook_s[0])
             sent[name].append(None if w0 is None else w1 - w0)
             if c.engine is not None:
@@ -149,7 +172,8 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
         out[name] = {"times": times[name], "peak": peak[name], "states": states[name],
                      "sent": statistics.median(s) if s else None, "options": c.options,
                      "own_comm": _own_comm(c) if rank == 0 else {}, "first_loss": first_loss[name],
-                     "wire": median_legs(wire[name])}
+                     "wire": median_legs(wire[name]), "first_step_s": first_s[name],
+                     "timed_compiles": compiles[name]}
     contenders.clear()
     dist.barrier()
     return out
@@ -163,6 +187,7 @@ def rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: st
     from zerodp.train.model import PRESETS
 
     _set_rank_device(spec, rank)
+    _allow_recompiles([name])
     if not probe.set_malloc(spec.malloc):
         raise RuntimeError(f"malloc={spec.malloc!r}: glibc's mallopt is not available on this machine")
     _warm_up_process(rank, world, spec, [name])
@@ -267,6 +292,15 @@ def trace_sent_bytes(engine) -> dict[str, float]:
             leg = e.args.get("leg", "intra")
             out[leg] = out.get(leg, 0.0) + float(e.args.get("sent_bytes", 0.0))
     return out
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (0 before anything imported it): read
+    around each timed step, so that a compilation in a timed step shows (``timed_compiles``)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
 def median_legs(per_step: list[dict[str, float]]) -> dict[str, float] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zerodp.bench.contenders import COMPARISONS, Compression, variants_for
+from zerodp.bench.contenders import COMPARISONS, Compression, compiled_peer, variants_for
 from zerodp.bench.probe import Malloc
 from zerodp.bench.schedule import timed_rounds
 from zerodp.train.config import Mode
@@ -78,6 +78,10 @@ class BenchSpec:
     # The fresh memory groups' allocator (zerodp.bench.probe.set_malloc): "default", glibc as a
     # user's job gets it; "mmap", its mmap threshold fixed, so that RSS follows the live tensors.
     malloc: Malloc = Malloc.DEFAULT
+    # zerodp bench --compile: beside the eager rows, ours and each stage's reference peer with the
+    # model compiled in place first (zerodp.engine.compiled.compile_in_place: aot_eager on CPU,
+    # inductor on CUDA). Compilation runs in the untimed build step (zerodp.bench.runner).
+    compile: bool = False
 
     def __post_init__(self):
         self._parse_modes()
@@ -143,14 +147,15 @@ class BenchSpec:
         return self.warmup - 1 + timed_rounds(self.steps_for(regime), self.turn)
 
     def variants(self, stage: int) -> list[str]:
-        """Our compressed and hybrid contenders at ``stage`` (:func:`zerodp.bench.contenders.variants_for`)."""
-        return [v.name for v in variants_for(stage, self.compress, self.shard_size is not None)]
+        """Our compressed, hybrid and compiled contenders at ``stage``
+        (:func:`zerodp.bench.contenders.variants_for`)."""
+        return [v.name for v in variants_for(stage, self.compress, self.shard_size is not None, self.compile)]
 
     def contenders(self, with_auto: bool) -> list[str]:
         names = ["floor"]
         for s in self.stages:
             ours, peers = COMPARISONS[s]
-            names += [ours, *peers, *self.variants(s)]
+            names += [ours, *peers, *self.variants(s), *([compiled_peer(s)] if self.compile else [])]
         if with_auto and 0 in self.stages:
             names.append("ours0_auto")
         return names

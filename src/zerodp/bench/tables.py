@@ -1,13 +1,13 @@
 """``zerodp bench``'s output: the tables it prints (every contender; ours against each peer; the
-compressed and hybrid rows), ``bench.json`` and ``bench.png``."""
+compressed and hybrid rows; the compiled rows), ``bench.json`` and ``bench.png``."""
 
 from __future__ import annotations
 
 import json
 
-from zerodp.bench.contenders import COMPARISONS, CONTENDERS, VARIANTS, short_label
+from zerodp.bench.contenders import COMPARISONS, CONTENDERS, VARIANTS, compiled_peer, short_label
 from zerodp.bench.probe import Malloc
-from zerodp.bench.results import BenchResult, compressed_rows, display_label
+from zerodp.bench.results import BenchResult, compiled_rows, compressed_rows, display_label
 from zerodp.bench.spec import Device
 from zerodp.plan.units import MIB
 
@@ -78,6 +78,39 @@ def compressed_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def compiled_table(result: BenchResult) -> str:
+    """``zerodp bench --compile``: per regime and stage, ours and its reference peer, eager and
+    compiled: median ms and quartiles, peak memory, the untimed first step, compiled/eager, ours/peer."""
+    rows = compiled_rows(result)
+    if not rows:
+        return ""
+    spec = result.spec
+    peak = "peak GPU MiB" if spec.device is Device.CUDA else "peak RSS MiB"
+    width = max(40, *(len(r.label) + 1 for r in rows))
+    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<{width}}{'median ms':>10}{'IQR ms':>16}"
+             f"{peak:>13}{'first step s':>13}{'timed compiles':>15}{'compiled/eager':>15}{'ours/peer':>10}"]
+
+    def f(v, fmt, width):
+        return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+    for r in rows:
+        iqr = "" if r.q1_ms is None else f"{r.q1_ms:.1f}-{r.q3_ms:.1f}"
+        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{r.stage:>6}  {r.label:<{width}}{r.ms:>10.1f}{iqr:>16}"
+                     f"{_mib(r.peak_rss_bytes):>13}{f(r.first_step_s, '.1f', 13)}"
+                     f"{f(r.timed_compiles if r.compiled else None, 'd', 15)}{f(r.vs_eager, '.3f', 15)}"
+                     f"{f(r.ours_vs_peer, '.3f', 10)}")
+    memory = (f"built and stepped {spec.memory_steps} times alone in a fresh group" if spec.memory.value == "fresh"
+              else "over the build and first step, in the timing group")
+    lines.append(f"median and IQR (quartiles) of the timed steps, each the max over ranks; warm-up excluded: the "
+                 f"first step (where a compiled model compiles; 'first step s', max over ranks), {spec.warmup - 1} "
+                 f"more warm-up round(s) and the first step of every turn of {spec.turn} are not timed; timed "
+                 "compiles: graphs dynamo compiled during timed steps (0: no compilation was timed); dynamo's "
+                 "cache is per process, so a compiled contender built after another with the same graphs (the "
+                 "peer after ours at stage 0) reuses them and its first step is short; "
+                 f"{peak} on rank 0, {memory}; compiled/eager: median / the same contender's eager median; "
+                 "ours/peer: zerodp's median / the peer's of the same form (eager vs eager, compiled vs compiled)")
+    return "\n".join(lines)
+
+
 def summary_table(result: BenchResult) -> str:
     """ours/peer per stage and regime, with the issue's targets where they apply."""
     lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'ours vs peer':<60}{'ours ms':>9}{'peer ms':>9}"
@@ -119,6 +152,7 @@ def plot(result: BenchResult, path: str) -> str:
             ours, peers = COMPARISONS[stage]
             group = [ours, *peers] + (["ours0_auto"] if stage == 0 and "ours0_auto" in rr.contenders else [])
             group += [n for n in result.spec.variants(stage) if n in rr.contenders]
+            group += [n for n in (compiled_peer(stage),) if n in rr.contenders]
             for name in group:
                 c = rr.contenders[name]
                 h = c.median_s / floor

@@ -12,6 +12,10 @@ dynamo's switch (about 2 µs a call); importing zerodp does not import dynamo.
 form (``model.compile()`` with the same backend and options), so the engine's hooks sit on the
 user's own modules and every name the engine stores, saves and loads is the model's own, without
 ``_orig_mod.``.
+
+:func:`compile_in_place` is the one way zerodp's apps compile a model (``zerodp train --compile``,
+``zerodp bench --compile``): ``model.compile()`` before ``parallelize``, inductor on CUDA,
+aot_eager on the CPU.
 """
 
 from __future__ import annotations
@@ -75,3 +79,12 @@ def unwrap_compiled(module: nn.Module) -> nn.Module:
     inner = module._orig_mod
     inner._compiled_call_impl = module.dynamo_ctx(inner._call_impl)  # what nn.Module.compile does
     return inner
+
+
+def compile_in_place(model: nn.Module) -> nn.Module:
+    """``model.compile(backend=...)`` in place (before ``parallelize`` or a peer's wrapper):
+    inductor where the model's parameters are on CUDA, aot_eager elsewhere; returns ``model``."""
+    param = next(model.parameters(), None)
+    on_cuda = param is not None and param.device.type == "cuda"
+    model.compile(backend="inductor" if on_cuda else "aot_eager")
+    return model

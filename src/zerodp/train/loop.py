@@ -164,12 +164,13 @@ def set_lr(engine, lr: float) -> None:
 
 def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
     from zerodp.engine import parallelize
+    from zerodp.engine.compiled import compile_in_place
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = GPT(mc).to(ctx.device)
     n_params = model.num_params()  # before wrapping: stage 3 frees the full parameters
     if cfg.compile:  # in place: the engine's hooks run outside the graphs, names stay the model's own
-        model.compile(backend="inductor" if ctx.device.type == "cuda" else "aot_eager")
+        compile_in_place(model)  # inductor on CUDA, aot_eager on CPU
     wd, betas = cfg.weight_decay, (0.9, 0.95)
     engine = parallelize(model, optimizer=lambda groups: torch.optim.AdamW(
         groups, lr=cfg.lr, weight_decay=wd, betas=betas), stage=cfg.stage,
