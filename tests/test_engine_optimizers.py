@@ -64,9 +64,48 @@ def lars(params):
     return LARS(params, lr=0.05, momentum=0.9)
 
 
-#: name -> (factory, bias in the model, parallelize options)
+def muon_adamw(model):
+    """Muon for the matrices, AdamW for the rest (biases, LayerNorm), built by the script over
+    ``model.parameters()``, as Muon is used: the engine takes the list and steps both."""
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    return [torch.optim.Muon(matrices, lr=0.05, weight_decay=0.01),
+            torch.optim.AdamW([{"params": rest[:2], "weight_decay": 0.0}, {"params": rest[2:]}], lr=0.02, eps=1e-3)]
+
+
+#: name -> (factory, or a function of the model giving the built optimizers; bias in the model;
+#: parallelize options)
 OPTIMIZERS = {"muon": (muon, False, {}), "adafactor": (adafactor, True, {}),
-              "lars": (lars, True, {"optimizer_layout": "owner"})}
+              "lars": (lars, True, {"optimizer_layout": "owner"}),
+              "muon_adamw": (muon_adamw, True, {})}
+BUILT = {"muon_adamw"}  # built over the model by the script, not a factory of param groups
+
+
+class Stepped:
+    """Several stock optimizers over disjoint parameters, stepped one after the other (the
+    single-process reference of a list; its state_dict() numbers parameters across them, in the
+    order given, as torch numbers one optimizer's)."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    def step(self):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self):
+        for o in self.optimizers:
+            o.zero_grad()
+
+    def state_dict(self):
+        state, groups, base = {}, [], 0
+        for o in self.optimizers:
+            sd = o.state_dict()
+            n = sum(len(g["params"]) for g in sd["param_groups"])
+            state.update({base + i: v for i, v in sd["state"].items()})
+            groups += [{**g, "params": [base + i for i in g["params"]]} for g in sd["param_groups"]]
+            base += n
+        return {"state": state, "param_groups": groups}
 
 
 def batch(step: int, world: int):
@@ -82,7 +121,8 @@ def build(name: str, stage: int, seed: int = 0):
     factory, bias, options = OPTIMIZERS[name]
     model = Net(seed, bias)
     units = list(model.blocks) if stage == 3 else None
-    return zerodp.parallelize(model, optimizer=factory, stage=stage, units=units, **BUCKETS, **options)
+    optimizer = factory(model) if name in BUILT else factory
+    return zerodp.parallelize(model, optimizer=optimizer, stage=stage, units=units, **BUCKETS, **options)
 
 
 def train(engine, rank, world, steps, first=0):
@@ -97,7 +137,7 @@ def reference(name: str, plan: list[tuple[int, int]]):
     """The stock optimizer on the full batch: ``plan`` lists (step, world) of each batch."""
     factory, bias, _ = OPTIMIZERS[name]
     model = Net(0, bias)
-    opt = factory(model.parameters())
+    opt = Stepped(factory(model)) if name in BUILT else factory(model.parameters())
     for step, world in plan:
         model(*batch(step, world)).backward()
         opt.step()
@@ -149,7 +189,7 @@ def layout_problems(engine, rank) -> str | None:
 
 
 def _trajectories(rank, world, out):
-    names = ("muon", "adafactor") + (("lars",) if world == 2 else ())
+    names = ("muon", "adafactor", "muon_adamw") + (("lars",) if world == 2 else ())
     for name in names:
         for stage in STAGES:
             key = f"{name}/{stage}"
@@ -212,6 +252,13 @@ def _refusals(rank, world, out):
         out["refuse/muon-1d"] = None
     except ValueError as e:
         out["refuse/muon-1d"] = str(e)
+    net = Net(bias=True)  # a list whose optimizers share a parameter: torch would step it twice
+    try:
+        zerodp.parallelize(net, [torch.optim.Muon([p for p in net.parameters() if p.ndim == 2]),
+                                 torch.optim.AdamW(net.parameters())], stage=1)
+        out["refuse/twice"] = None
+    except ValueError as e:
+        out["refuse/twice"] = str(e)
     try:  # an unknown optimizer is not guessed at: it says what to declare
         zerodp.parallelize(Net(), lars, stage=1)
         out["refuse/lars"] = None
@@ -273,7 +320,7 @@ def results(tmp_path_factory):
     return {world: _results(world, root) for world in WORLDS}
 
 
-CASES = [(w, n, s) for w in WORLDS for n in ("muon", "adafactor", "lars") for s in STAGES
+CASES = [(w, n, s) for w in WORLDS for n in ("muon", "adafactor", "muon_adamw", "lars") for s in STAGES
          if not (n == "lars" and w == 3)]
 
 
@@ -320,6 +367,8 @@ def test_refusals_are_one_line(results):
     assert "SparseAdam is refused" in r["refuse/SparseAdam"]
     msg = r["refuse/muon-1d"]
     assert msg and "inp.bias" in msg and "2D" in msg, msg
+    msg = r["refuse/twice"]
+    assert msg and "two of the given optimizers" in msg and "\n" not in msg, msg
     msg = r["refuse/lars"]
     assert msg and "optimizer_layout='owner'" in msg and "elementwise_optimizer=True" in msg, msg
 

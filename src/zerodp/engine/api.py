@@ -51,7 +51,10 @@ def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
     ``optimizer(param_groups)`` must build a ``torch.optim`` optimizer over the groups it is given
     (the engine's fp32 master tensors): an elementwise one runs on flat 1/N slices, a per-tensor one
     (Muon, Adafactor; or any declared with ``optimizer_layout="owner"``) on whole tensors owned by
-    one rank each (guide §12.3, ``EngineConfig.optimizer_layout``). ``mixed_precision``: None (fp32),
+    one rank each (guide §12.3, ``EngineConfig.optimizer_layout``). ``optimizer`` may instead be an
+    optimizer the script built over ``model.parameters()``, or a list of them over disjoint
+    parameters (``[Muon(matrices), AdamW(the rest)]``): each is rebuilt, with its class, defaults
+    and param groups, over the master, and ``engine.optimizer`` steps them as one. ``mixed_precision``: None (fp32),
     ``"bf16"`` or a :class:`MixedPrecision`. ``units``: FSDP units for stage 3 (e.g.
     ``list(model.blocks)``). Other keyword options are :class:`EngineConfig` fields
     (``bucket_mb``, ``sync``, ``find_unused_parameters``, ``average_by_tokens``, ``param_groups``,

@@ -57,7 +57,7 @@ from zerodp.engine.gradbuf import StoragePool
 from zerodp.engine.group import FlatGroup, Policy
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory
-from zerodp.engine.optim import EngineOptimizer, UserGroups, from_built
+from zerodp.engine.optim import EngineOptimizer, UserGroups, from_built, is_built
 from zerodp.engine.state_dict import BUFFER, StateContract  # noqa: F401 - BUFFER: zerodp.engine.hf reads it here
 from zerodp.engine.stats import collect_stats, measured_bytes
 from zerodp.engine.states import StepState
@@ -188,14 +188,15 @@ class StageEngine(StepMachine, StateContract, Construction):
         if not isinstance(module, nn.Module):
             raise TypeError(f"parallelize expects a torch.nn.Module, got {type(module).__name__}")
         activate()  # the hooks' bookkeeping stays out of compiled graphs (zerodp.engine.compiled)
-        if isinstance(optimizer_factory, torch.optim.Optimizer):  # the script's configure_optimizers()
+        if is_built(optimizer_factory):  # the script's configure_optimizers(): one optimizer, or a list
             if config.param_groups is not None:
                 raise ValueError("parallelize got a built optimizer and param_groups: the optimizer's own param "
                                  "groups say which options each parameter gets; pass one of the two")
             built = optimizer_factory
             optimizer_factory, user_groups = from_built(built, module)
             config = dataclasses.replace(config, param_groups=user_groups)
-            built.register_step_pre_hook(_rebuilt_optimizer_step)
+            for opt in [built] if isinstance(built, torch.optim.Optimizer) else built:
+                opt.register_step_pre_hook(_rebuilt_optimizer_step)
         if not callable(optimizer_factory):
             raise TypeError(
                 "optimizer must be a torch.optim.Optimizer over model.parameters() or a factory, e.g. "

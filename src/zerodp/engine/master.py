@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 import torch
 
 from zerodp.engine.layout import FlatLayout
+from zerodp.engine.optim import members
 
 PARAM = "param"
 
@@ -155,23 +156,31 @@ class Piece:
 
 def check_refused(optimizer: torch.optim.Optimizer) -> None:
     """Refuse, in one line, the optimizers no layout runs (:data:`REFUSED_OPTIMIZERS`), their
-    subclasses included."""
-    for cls in type(optimizer).__mro__:
-        if cls.__module__.startswith("torch.optim") and cls.__name__ in REFUSED_OPTIMIZERS:
-            why = REFUSED_OPTIMIZERS[cls.__name__]
-            raise ValueError(why if cls is type(optimizer) else f"{type(optimizer).__name__} subclasses {why}")
+    subclasses included (each member of an :class:`~zerodp.engine.optim.OptimizerSet`)."""
+    for member in members(optimizer):
+        for cls in type(member).__mro__:
+            if cls.__module__.startswith("torch.optim") and cls.__name__ in REFUSED_OPTIMIZERS:
+                why = REFUSED_OPTIMIZERS[cls.__name__]
+                raise ValueError(why if cls is type(member) else f"{type(member).__name__} subclasses {why}")
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool = False) -> None:
+def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool = False,
+                      per_tensor_ok: bool = False) -> None:
     """Refuse optimizers not known to be elementwise on the flat path: their sharded update would be wrong.
 
     Known means one of the stock classes themselves (``type(optimizer) in ELEMENTWISE_OPTIMIZERS``):
     a subclass may couple elements (LARS over SGD scales by a per-tensor trust ratio, and a target
     here spans several parameters), so it is trusted only when declared with
     ``parallelize(..., elementwise_optimizer=True)``; one that reads whole tensors can be declared
-    per-tensor instead, with ``optimizer_layout="owner"``."""
-    if declared or type(optimizer) in ELEMENTWISE_OPTIMIZERS:
-        return
+    per-tensor instead, with ``optimizer_layout="owner"``. Each member of a set is checked; on
+    the ownership path (``per_tensor_ok``) the stock per-tensor classes pass too."""
+    known_ok = ELEMENTWISE_OPTIMIZERS + (PER_TENSOR_OPTIMIZERS if per_tensor_ok else ())
+    for member in members(optimizer):
+        if not (declared or type(member) in known_ok):
+            _refuse_not_elementwise(member)
+
+
+def _refuse_not_elementwise(optimizer: torch.optim.Optimizer) -> None:
     known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
     base = next((c.__name__ for c in ELEMENTWISE_OPTIMIZERS if isinstance(optimizer, c)), None)
     what = (f"{type(optimizer).__name__} subclasses {base}, and a subclass may read whole tensors"
@@ -198,7 +207,9 @@ def choose_layout(optimizer: torch.optim.Optimizer, declared_elementwise: bool =
     check_refused(optimizer)
     if requested == OWNER:
         return OWNER
-    if requested == "auto" and not declared_elementwise and type(optimizer) in PER_TENSOR_OPTIMIZERS:
+    if requested == "auto" and not declared_elementwise \
+            and any(type(m) in PER_TENSOR_OPTIMIZERS for m in members(optimizer)):
+        check_elementwise(optimizer, per_tensor_ok=True)  # the others: stock elementwise or per-tensor
         return OWNER
     check_elementwise(optimizer, declared_elementwise)
     return FLAT
@@ -226,8 +237,8 @@ def probe_factory(factory: OptimizerFactory, group_options: list[dict],
             except (ValueError, RuntimeError, TypeError) as one:
                 hint = ""
                 if "2D" in str(one) or "2-D" in str(one):
-                    hint = (" — Muon steps 2-D matrices only: freeze it (requires_grad=False) or train it with "
-                            "another optimizer in another engine")
+                    hint = (" — Muon steps 2-D matrices only: give the rest to another optimizer, "
+                            "optimizer=[Muon(matrices), AdamW(the rest)], or freeze it (requires_grad=False)")
                 raise ValueError(f"the optimizer refuses parameter {name!r} of shape {tuple(shape)}: {one}{hint}") \
                     from None
         raise e

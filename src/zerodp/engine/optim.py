@@ -17,13 +17,16 @@ the master on no gradients. :class:`EngineOptimizer` is a ``torch.optim.Optimize
   saves), as with FSDP2's ``get_optimizer_state_dict``.
 
 It also turns an optimizer the user already built over ``model.parameters()`` into the engine's
-factory (:func:`from_built`): same class, defaults and param groups, rebuilt over the master.
+factory (:func:`from_built`): same class, defaults and param groups, rebuilt over the master — or
+several, over disjoint parameters (``optimizer=[Muon(matrices), AdamW(the rest)]``, the way Muon
+is used), rebuilt as one :class:`OptimizerSet` that steps them together.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,50 +52,129 @@ class UserGroups:
         return dict(self.options[self.group_of[id(p)]])
 
 
-def from_built(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[Callable[[list[dict]], Any], UserGroups]:
-    """A built optimizer → (factory, param-groups rule) that rebuild it over the master.
+def is_built(optimizer: Any) -> bool:
+    """An optimizer the script built (``configure_optimizers()``), or a list of them."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return True
+    return (isinstance(optimizer, Sequence) and not isinstance(optimizer, str) and len(optimizer) > 0
+            and all(isinstance(o, torch.optim.Optimizer) for o in optimizer))
 
-    The factory builds ``type(optimizer)(groups, **defaults)``; the rule gives each parameter the
-    options of the group it was in. A trainable parameter the optimizer does not hold, or a
-    parameter it holds that the model does not own, is refused in one line: torch would leave the
-    first untrained, and the second is not this model's."""
-    if optimizer.state:
-        raise ValueError(
-            f"the {type(optimizer).__name__} given to parallelize has already stepped (it holds state): "
-            "zerodp rebuilds it over its fp32 master, so pass it before its first step, and load a saved state "
-            "with engine.optimizer.load_state_dict(...) afterwards")
+
+def from_built(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+               model: nn.Module) -> tuple[Callable[[list[dict]], Any], UserGroups]:
+    """A built optimizer (or several over disjoint parameters) → (factory, param-groups rule)
+    that rebuild it over the master.
+
+    The factory builds ``type(optimizer)(groups, **defaults)`` — for several, each class over its
+    own groups, in one :class:`OptimizerSet`; the rule gives each parameter the options of the
+    group it was in (groups numbered across the optimizers, in the order given). A trainable
+    parameter no optimizer holds, one held twice, or one the model does not own is refused in one
+    line: torch would leave the first untrained, step the second twice, and the third is not this
+    model's."""
+    built = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     owned = {id(p) for p in model.parameters()}
-    options, group_of, order = [], {}, []
-    for g, group in enumerate(optimizer.param_groups):
-        options.append({k: v for k, v in group.items() if k != _PARAMS})
-        for p in group[_PARAMS]:
-            if id(p) not in owned:
-                raise ValueError(
-                    f"param group {g} of the given {type(optimizer).__name__} holds a tensor of shape "
-                    f"{tuple(p.shape)} that is not a parameter of this model: build the optimizer over "
-                    "model.parameters() of the model you parallelize")
-            group_of[id(p)] = g
-            order.append(id(p))
+    options, group_of, order, spans = [], {}, [], []
+    for opt in built:
+        what = type(opt).__name__
+        if opt.state:
+            raise ValueError(
+                f"the {what} given to parallelize has already stepped (it holds state): zerodp rebuilds it over its "
+                "fp32 master, so pass it before its first step, and load a saved state with "
+                "engine.optimizer.load_state_dict(...) afterwards")
+        first = len(options)
+        for g, group in enumerate(opt.param_groups):
+            options.append({k: v for k, v in group.items() if k != _PARAMS})
+            for p in group[_PARAMS]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"param group {g} of the given {what} holds a tensor of shape {tuple(p.shape)} that is not "
+                        "a parameter of this model: build the optimizer over model.parameters() of the model you "
+                        "parallelize")
+                if id(p) in group_of:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is in two of the given optimizers' param groups "
+                        "(torch would step it twice): give each parameter to one optimizer, e.g. the matrices to "
+                        "Muon and the rest to AdamW")
+                group_of[id(p)] = first + g
+                order.append(id(p))
+        spans.append((first, len(options)))
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in group_of:
+            held = " or ".join(type(o).__name__ for o in built)
             raise ValueError(
-                f"parameter {name!r} requires grad but is in none of the given {type(optimizer).__name__}'s param "
-                "groups, so nothing would train it: add it to the optimizer, or set requires_grad=False before "
-                "parallelize")
+                f"parameter {name!r} requires grad but is in none of the given {held}'s param groups, so nothing "
+                "would train it: add it to an optimizer, or set requires_grad=False before parallelize")
+    builders = [_rebuilder(opt) for opt in built]
+
+    def factory(groups: list[dict]) -> torch.optim.Optimizer:
+        if len(builders) == 1:
+            return builders[0](groups)
+        return OptimizerSet([b(groups[lo:hi]) for b, (lo, hi) in zip(builders, spans)])
+
+    return factory, UserGroups(tuple(options), group_of, tuple(order))
+
+
+def _rebuilder(optimizer: torch.optim.Optimizer) -> Callable[[list[dict]], torch.optim.Optimizer]:
     cls = type(optimizer)
     # The defaults the constructor takes (AdamW's defaults also hold Adam's decoupled_weight_decay,
     # which AdamW's constructor fixes itself); every group carries its full options anyway.
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return lambda groups: cls(groups, **defaults)
 
-    def factory(groups: list[dict]) -> torch.optim.Optimizer:
-        return cls(groups, **defaults)
 
-    return factory, UserGroups(tuple(options), group_of, tuple(order))
+def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The stock optimizers an optimizer stands for: an :class:`OptimizerSet`'s, else itself."""
+    return list(optimizer.optimizers) if isinstance(optimizer, OptimizerSet) else [optimizer]
+
+
+class OptimizerSet(torch.optim.Optimizer):
+    """Stock optimizers over disjoint parameters, stepped as one (Muon for the matrices and AdamW
+    for the rest, as Muon is used): their param groups in the order given, one ``state`` mapping
+    shared by all of them (its keys are tensors, each held by one member), and ``step()`` /
+    ``zero_grad()`` of each in turn. The engine's master optimizer when ``parallelize`` is given a
+    list of built optimizers (:func:`from_built`)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):  # noqa: D107 - groups are the members'
+        self.optimizers = list(optimizers)
+        self.state = defaultdict(dict)
+        for opt in self.optimizers:
+            self.state.update(opt.state)
+            opt.state = self.state
+        self.defaults = dict(self.optimizers[0].defaults)
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self, closure: Callable[[], Any] | None = None):
+        if closure is not None:
+            raise ValueError("an OptimizerSet steps its members without a closure")
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        for opt in self.optimizers:
+            opt.step()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none)
+
+    def __repr__(self) -> str:
+        return "OptimizerSet(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
 
 
 class EngineOptimizer(torch.optim.Optimizer):
     """torch's optimizer API over an engine (module docstring). Not built by the user."""
+
+    #: ``torch.amp.GradScaler.step`` hands an enabled scaler's scale to an optimizer that says it
+    #: handles scaling (as ``grad_scale``/``found_inf``) instead of unscaling ``param_groups``'
+    #: ``.grad`` — which are not where the engine's gradients are. ``step()`` refuses it in one
+    #: line: the engine needs no loss scaling (fp32, or bf16 with an fp32 master; fp16 is refused).
+    _step_supports_amp_scaling = True
 
     def __init__(self, engine):  # noqa: D107 - torch.optim.Optimizer.__init__ would register params
         self._engine = engine
@@ -121,6 +203,14 @@ class EngineOptimizer(torch.optim.Optimizer):
     # ---- the calls a training script makes ---------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None):
         """``engine.step()``; with a closure, as torch: evaluate it (with grad) first, return its loss."""
+        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:  # an enabled GradScaler's step
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise RuntimeError(
+                "an enabled torch.amp.GradScaler stepped engine.optimizer: zerodp trains in fp32 or in bf16 with an "
+                "fp32 master, which need no loss scaling (fp16 is refused), and the scaler cannot reach the engine's "
+                "gradients to unscale them; build it with GradScaler(enabled=False), as a DDP script does under "
+                "bf16 or fp32, or drop it")
         loss = None
         if closure is not None:
             with torch.enable_grad():
