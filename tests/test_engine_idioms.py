@@ -100,6 +100,28 @@ def optimizer_step_and_grad_scaler(rank, stage):
     return distance(engine, ref, 3)
 
 
+def enabled_grad_scaler_is_refused(rank, stage):
+    """An enabled GradScaler (loss scaling, which fp16 needs and the engine refuses) on
+    engine.optimizer: one line naming the fix, nothing stepped, and the engine trains on after."""
+    _, engine, ref = build(stage, lambda g: torch.optim.AdamW(g, lr=1e-2))
+    opt, ref_opt = engine.optimizer, torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = batch(0)
+    scaler.scale(engine(mine(x, rank), mine(y, rank))).backward()
+    problem = refused(lambda: scaler.step(opt), "GradScaler(enabled=False)", "an enabled GradScaler stepped silently")
+    if problem:
+        return problem
+    opt.zero_grad()
+    for step in range(2):  # the script, fixed, trains as the reference
+        x, y = batch(step)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_step(ref, ref_opt, step)
+        ref_opt.zero_grad()
+    return distance(engine, ref, 2)
+
+
 def built_optimizer_and_lr_by_hand(rank, stage):
     """``configure_optimizers()`` builds AdamW with decay groups before the wrap; LR set by hand."""
     model, ref = Net(), Net()
@@ -360,7 +382,8 @@ def torch_clip_with_gradients_reduced_in_bf16(rank, stage):
 
 
 CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16,
-          optimizer_step_and_grad_scaler, built_optimizer_and_lr_by_hand, torch_format_state_dict,
+          optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
+          torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,
           subclass_of_sgd_is_refused, unfreezing_later_is_refused, bf16_with_fp32_inputs,
           require_backward_grad_sync_is_honoured, no_sync_on_every_micro_batch, uneven_evaluation_does_not_hang]
