@@ -8,8 +8,8 @@ A gradient here sums ``world × ROWS`` rows in another order than the reference,
 after k steps may differ by ``trajectory_tolerance`` of their largest element (relative,
 dtype-derived); the optimizers' second moments are squares of gradients, twice that.
 
-One spawned group per world size (2, then 3; ``make fuzz``: 1 and 4 too) runs every check; the world-3 group also loads the
-checkpoint that the world-2 group saved at another stage.
+One spawned group per world size (2, then 3; ``make fuzz``: 1 and 4 too) runs every check; the
+world-3 group also loads the checkpoint that the world-2 group saved at another stage.
 """
 
 from __future__ import annotations
