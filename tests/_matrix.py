@@ -43,7 +43,9 @@ import torch.nn.functional as F
 
 STAGES = (0, 1, 2, 3)
 WORLDS = (1, 2, 3, 4)
-FEATURES = ("tied", "frozen", "buffer", "unused", "groups", "twice", "reduce_once")
+#: "owner": the same SGD declared per-tensor (``optimizer_layout="owner"``), so stages 1-3 take the
+#: tensor-ownership path of guide §12.3 (each tensor whole on one rank, owner-aligned layouts)
+FEATURES = ("tied", "frozen", "buffer", "unused", "groups", "twice", "reduce_once", "owner")
 #: flat: one shard group of every rank; hybrid (guide §14): shard groups of 2 ranks at world 4
 #: (2 × 2), of 1 rank at worlds 2-3 (every rank a replica: ReduceScatter over 1, AllReduce across)
 MESHES = ("flat", "hybrid")
@@ -369,6 +371,8 @@ def _build(case: Case, seed: int, stage: int, group, device: torch.device, world
         options["param_groups"] = param_groups
     if "reduce_once" in case.features and stage >= 2:
         options["reduce_every_microbatch"] = False
+    if "owner" in case.features:
+        options["optimizer_layout"] = "owner"
     if case.compress == "bf16":
         options["reduce_dtype"] = "bf16"
     if case.quantized(stage):

@@ -280,27 +280,29 @@ def _refusals(rank, world, out):
 
 
 def _checkpoint(rank, world, out, root):
-    """World 2 saves Adafactor at stage 2 (pieces, zerodp.train.checkpoint); world 3 loads it at
-    stage 1 and world 2 at stage 3, and both continue as the reference."""
+    """World 2 saves Adafactor, and Muon + AdamW, at stage 2 (pieces, zerodp.train.checkpoint);
+    world 3 loads each at stage 1 and world 2 at stage 3, and both continue as the reference."""
     from zerodp.train import checkpoint as ckpt
     from zerodp.train.loop import RankContext, load_into
 
-    path = root / "checkpoints" / ckpt.step_dir_name(STEPS)
-    if world == 2:
-        src = build("adafactor", 2)
-        train(src, rank, world, STEPS)
-        ckpt.save(src.state_pieces(), root / "checkpoints", STEPS, {"scalars": src.scalar_state()})
-    stage = 3 if world == 2 else 1
-    dst = build("adafactor", stage, seed=5)
-    ck = ckpt.Checkpoint.open(path)
-    out["ckpt/whole_pieces"] = sorted({p["name"] for p in ck.manifest["pieces"] if "::" in p["name"]})
-    load_into(dst, ck, RankContext(rank, world, rank, torch.device("cpu")))
-    ref, _ = reference("adafactor", [(s, 2) for s in range(STEPS)])
-    out["ckpt/loaded"] = (param_error(dst.full_state_dict(), ref), trajectory_tolerance(2 * ROWS, STEPS))
-    train(dst, rank, world, 1, first=STEPS)
-    ref, _ = reference("adafactor", [(s, 2) for s in range(STEPS)] + [(STEPS, world)])
-    out["ckpt/continued"] = (param_error(dst.full_state_dict(), ref),
-                             trajectory_tolerance(max(2, world) * ROWS, STEPS + 1))
+    for name in ("adafactor", "muon_adamw"):
+        where = root / f"checkpoints-{name}"
+        path = where / ckpt.step_dir_name(STEPS)
+        if world == 2:
+            src = build(name, 2)
+            train(src, rank, world, STEPS)
+            ckpt.save(src.state_pieces(), where, STEPS, {"scalars": src.scalar_state()})
+        stage = 3 if world == 2 else 1
+        dst = build(name, stage, seed=5)
+        ck = ckpt.Checkpoint.open(path)
+        out[f"ckpt/{name}/whole_pieces"] = sorted({p["name"] for p in ck.manifest["pieces"] if "::" in p["name"]})
+        load_into(dst, ck, RankContext(rank, world, rank, torch.device("cpu")))
+        ref, _ = reference(name, [(s, 2) for s in range(STEPS)])
+        out[f"ckpt/{name}/loaded"] = (param_error(dst.full_state_dict(), ref), trajectory_tolerance(2 * ROWS, STEPS))
+        train(dst, rank, world, 1, first=STEPS)
+        ref, _ = reference(name, [(s, 2) for s in range(STEPS)] + [(STEPS, world)])
+        out[f"ckpt/{name}/continued"] = (param_error(dst.full_state_dict(), ref),
+                                         trajectory_tolerance(max(2, world) * ROWS, STEPS + 1))
 
 
 def _all_checks(rank, world, root):
@@ -383,10 +385,12 @@ def test_elementwise_optimizer_keeps_the_flat_path(results):
     assert r["adamw/owner_vs_flat"] <= trajectory_tolerance(2 * ROWS, 2)
 
 
-def test_checkpoint_loads_at_another_world_and_stage(results):
+@pytest.mark.parametrize("name", ["adafactor", "muon_adamw"])
+def test_checkpoint_loads_at_another_world_and_stage(results, name):
     for world in WORLDS:
         for rank, r in enumerate(results[world]):
-            assert "out.weight::row_var" in r["ckpt/whole_pieces"]
+            if name == "adafactor":  # states shaped unlike their parameter are saved whole
+                assert "out.weight::row_var" in r[f"ckpt/{name}/whole_pieces"]
             for what in ("loaded", "continued"):
-                err, tol = r[f"ckpt/{what}"]
-                assert err <= tol, f"world {world} rank {rank}, {what}: {err:.3g} (bound {tol:.3g})"
+                err, tol = r[f"ckpt/{name}/{what}"]
+                assert err <= tol, f"{name}, world {world} rank {rank}, {what}: {err:.3g} (bound {tol:.3g})"

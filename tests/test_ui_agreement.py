@@ -1,7 +1,8 @@
 """Questions asked of the CLI, the API and the page (through the browser): same totals, same
 "fits", stage by stage. The first is the one where they used to disagree: Llama 3 70B on 512
-GPUs, 8192 tokens, selective recomputation. The last ones add guide §14's levers (shard groups,
-compression): the same memory, the same bytes and time per leg, the same roofline threshold."""
+GPUs, 8192 tokens, selective recomputation. Later ones add guide §14's levers (shard groups,
+compression): the same memory, the same bytes and time per leg, the same roofline threshold; the
+last two price tensor ownership (Muon + AdamW, Adafactor; guide §12.3)."""
 
 import contextlib
 import io
@@ -34,6 +35,8 @@ QUESTIONS = [
     dict(model="llama3-70b", n=512, seq=8192, recompute="selective", shard=8, compress="int8"),
     dict(model="zero-7.5b", n=64, shard=16, compress="bf16-reduce", precision="fp32", k=8),
     dict(model="llama3-8b", n=8, shard=4, compress="int8-grads"),
+    dict(model="llama3-8b", n=64, optimizer="muon", seq=4096),
+    dict(config="qwen2-7b", n=16, optimizer="adafactor", shard=8),
 ]
 # The page's recompute select starts at "none"; the CLI's default is "selective" when a sequence is
 # given (what FlashAttention-era training stores): every case names it, so all three ask the same.
@@ -55,7 +58,7 @@ def cli_json(q) -> dict:
     for name, v in q.get("shape", {}).items():
         argv += [f"--{name.replace('_', '-')}", str(v)]
     for key, flag in (("seq", "--seq"), ("mbs", "--mbs"), ("recompute", "--recompute"),
-                      ("precision", "--precision"), ("k", "--k")):
+                      ("precision", "--precision"), ("k", "--k"), ("optimizer", "--optimizer")):
         if key in q:
             argv += [flag, str(q[key])]
     if q.get("acc"):
@@ -82,7 +85,7 @@ def api_params(q) -> dict:
         p["params"] = q["params"]
     p.update(q.get("shape", {}))
     for key, name in (("seq", "seq"), ("mbs", "micro_batch"), ("recompute", "recompute"),
-                      ("precision", "precision"), ("k", "k")):
+                      ("precision", "precision"), ("k", "k"), ("optimizer", "optimizer")):
         if key in q:
             p[name] = q[key]
     if q.get("acc"):
@@ -122,6 +125,7 @@ def page_answer(page, url, q) -> list[dict]:
     page.select_option(f"{form} select[name=hardware]", q.get("hardware", "H100"))
     page.select_option(f"{form} select[name=precision]", q.get("precision", "bf16"))
     page.fill(f"{form} input[name=k]", str(q.get("k", "")))
+    page.select_option(f"{form} select[name=optimizer]", q.get("optimizer", "adamw"))
     page.set_checked(f"{form} input[name=fp32_grad_acc]", bool(q.get("acc")))
     page.fill(f"{form} input[name=seq]", str(q.get("seq", "")))
     page.fill(f"{form} input[name=micro_batch]", str(q.get("mbs", 1)))

@@ -16,6 +16,7 @@ from zerodp.plan.collectives import KINDS, RingCost, collective_time, network_co
 from zerodp.plan.hardware import get_hardware, hardware_names
 from zerodp.plan.hf import load_config
 from zerodp.plan.hybrid import COMPRESSION_ABOUT, COMPRESSIONS, QUANT_BLOCK, step_comm
+from zerodp.plan.ownership import OPTIMIZERS, PER_TENSOR
 from zerodp.plan.memory import (MAX_GPUS, MAX_K, MAX_MICRO_BATCH, MAX_PARAMS, MAX_SEQ, PRECISIONS,
                                 RECOMPUTE, max_params, memory_plan)
 from zerodp.plan.models import custom_model, get_model, model_names
@@ -217,7 +218,7 @@ def cmd_memory(args) -> int:
     model = _model(args, default="zero-7.5b")
     g = _shard_size(args, hw, args.gpus)
     mp = memory_plan(model, args.gpus, hw, args.precision, args.k, args.fp32_grad_acc, args.seq,
-                     args.mbs, args.recompute, shard_size=g)
+                     args.mbs, args.recompute, shard_size=g, optimizer=args.optimizer)
     stages = [s for s in mp.stages if args.stage is None or s["stage"] == args.stage]
     limit = max_params(hw.hbm_bytes, args.bytes_per_param) if args.bytes_per_param else None
     result = dict(mp.to_dict(), stages=stages, hardware=hw.to_dict(),
@@ -245,6 +246,8 @@ def cmd_memory(args) -> int:
                      f"{act['seq']:,}, micro-batch {act['micro_batch']}): "
                      f"{fmt_bytes(act['per_layer_bytes'])} per layer, "
                      f"{fmt_bytes(act['total_bytes'])} in all")
+    if args.optimizer in PER_TENSOR:
+        lines += ["", _ownership_table(stages, args.optimizer)]
     lines += [f"note: {w}" for w in mp.warnings]
     if limit:
         lines.append(f"largest model at {args.bytes_per_param:g} bytes/param in {fmt_bytes(hw.hbm_bytes)}: "
@@ -256,6 +259,24 @@ def cmd_memory(args) -> int:
         lines += ["", table(_COMM_HEAD, _comm_rows(steps),
                             title=f"communication per step, compress {args.compress} (guide §14)")]
     return _emit(args, result, "\n".join(lines))
+
+
+def _ownership_table(stages: list[dict], optimizer: str) -> str:
+    """Tensor ownership per stage (guide §12.3): the fullest rank against the Ψ/N share."""
+    rows = []
+    for s in stages:
+        o = s["ownership"]
+        rows.append([s["stage_name"], f"{o['tensors']:,}", f"{o['groups']:,}",
+                     f"{o['shard_numel'] / (o['params'] / o['n']):.3g}x",
+                     fmt_bytes(o["max_state_bytes"]), fmt_bytes(o["mean_state_bytes"]),
+                     f"{o['imbalance']:.3g}x", f"{o['comm_elements_per_step'] / o['params']:.3g}Ψ"])
+    return "\n".join([
+        table(["stage", "tensors", "groups", "slice / (Ψ/N)", "state, fullest rank", "state, Ψ/N share",
+               "imbalance", "comm elements"], rows,
+              title=f"Tensor ownership, {optimizer} (guide §12.3): each tensor whole on one rank "
+                    f"of a shard group of {stages[0]['ownership']['n']}"),
+        "slice: each rank's padded share of every group (master, gradient and ZeRO-3 parameter "
+        "shards); comm: elements the step's collectives move over the padded groups"])
 
 
 def cmd_comm_step(args) -> int:
@@ -535,6 +556,10 @@ def add_parser(subparsers) -> None:
                                     allow_zero=True),
                    help="optimizer bytes per parameter (default: the precision's, 12 for bf16)")
     p.add_argument("--fp32-grad-acc", action="store_true", help="add the fp32 gradient accumulation buffer")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw/adam/sgd: elementwise, flat shards (k bytes per parameter); "
+                        "adafactor, muon (Muon on the blocks' matrices, AdamW on the rest): whole "
+                        "tensors, priced by tensor ownership (guide §12.3; needs the model's shape)")
     _alias(p, "--seq-len", "--seq", dest="seq",
            type=_int_qty("seq", 1, MAX_SEQ, "ten million tokens at most"),
            help="sequence length: adds activations (default: none counted)")

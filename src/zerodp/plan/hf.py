@@ -179,7 +179,7 @@ def model_from_config(cfg: dict, name: str | None = None, source: str = "") -> M
         largest_block=float(max(dense_block if dense_layers else 0, moe_block if moe_layers else 0)),
         embedding=float(embedding + final_norm), trainable=bool(meta.get("trainable", False)),
         published_params=float(meta["published_params"]) if "published_params" in meta else None,
-        expert_ffn=moe_ffn if moe_layers else None)
+        expert_ffn=moe_ffn if moe_layers else None, config=cfg)
 
 
 def shape_model(name: str, layers: int, hidden: int, heads: int, heads_given: bool,

@@ -32,6 +32,7 @@ Plus, once per model, the paper's input/output terms: embedding dropout mask sbh
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count, check_positive
@@ -221,11 +222,11 @@ def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int
 #: bf16 mixed precision keeps an fp32 master copy and fp32 Adam moments (4 + 4 + 4); fp32 training
 #: needs no master copy (k = 8); fp8 parameters keep a bf16 master copy (2) and fp32 moments (8)
 PRECISIONS = {
-    "bf16": {"param_bytes": 2, "grad_bytes": 2, "k": 12,
+    "bf16": {"param_bytes": 2, "grad_bytes": 2, "k": 12, "master_bytes": 4,
              "about": "bf16 parameters and gradients, fp32 master weights and Adam moments"},
-    "fp32": {"param_bytes": 4, "grad_bytes": 4, "k": 8,
+    "fp32": {"param_bytes": 4, "grad_bytes": 4, "k": 8, "master_bytes": 0,
              "about": "fp32 parameters and gradients, fp32 Adam moments"},
-    "fp8": {"param_bytes": 1, "grad_bytes": 2, "k": 10,
+    "fp8": {"param_bytes": 1, "grad_bytes": 2, "k": 10, "master_bytes": 2,
             "about": "fp8 parameters, bf16 gradients and master weights, fp32 Adam moments"},
 }
 #: bounds that keep every answer meaningful and quick; each says why in :func:`check_bounds`
@@ -311,19 +312,25 @@ class MemoryPlan(ToDict):
     warnings_zh: list
     shard_size: int | None = None
     replicas: int = 1
+    optimizer: str = "adamw"
 
 
 def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | None = None,
                 fp32_grad_acc: bool = False, seq: int | None = None, micro_batch: int = 1,
                 recompute: str | None = None, shard_size: int | None = None,
-                headroom: float = HEADROOM) -> MemoryPlan:
+                headroom: float = HEADROOM, optimizer: str = "adamw") -> MemoryPlan:
     """Model states, ZeRO-3's two gathered units (from the model's largest block) and the
     activations of one micro-batch (when ``seq`` is given), per GPU, for stages 0–3, against the
     HBM of ``hardware`` (a :class:`~zerodp.plan.Hardware` or preset name). ``shard_size``: hybrid
     sharding (guide §14), stages 1–3 shard over groups of g GPUs, a divisor of ``n``; the
     states are the flat ones with N → g. None: flat, g = n. ``recompute``: None is
     :data:`DEFAULT_RECOMPUTE` with a ``seq``, "none" without. Each stage's ``verdict`` is
-    :func:`verdict` with ``headroom``; ``fits`` is verdict == "fits"."""
+    :func:`verdict` with ``headroom``; ``fits`` is verdict == "fits".
+
+    ``optimizer``: "adamw" (the k column above) or one that reads whole tensors, "adafactor" or
+    "muon" (Muon on the blocks' matrices, AdamW on the rest): stages 1–3 then hold what tensor
+    ownership gives the fullest rank (:mod:`zerodp.plan.ownership`, guide §12.3), each stage row
+    with an ``ownership`` dict; ``k`` is then the mean bytes per parameter (master + states)."""
     if recompute is None:
         recompute = "none" if seq is None else DEFAULT_RECOMPUTE
     from zerodp.plan.hardware import get_hardware
@@ -338,9 +345,26 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
         raise InputError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}",
                          "precision", f"精度必须是 {'、'.join(PRECISIONS)} 之一，收到的是 {precision!r}")
     prec = PRECISIONS[precision]
+    k_given = k is not None
     k = float(prec["k"] if k is None else check_range("k (optimizer bytes per parameter)", k, 0,
                                                       MAX_K, "Adam with fp64 states needs 24",
                                                       field="k"))
+    from zerodp.plan.ownership import OPTIMIZERS, PER_TENSOR, model_tensors, ownership
+    if optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}",
+                         "optimizer", f"优化器必须是 {'、'.join(OPTIMIZERS)} 之一，收到的是 {optimizer!r}")
+    owned = optimizer in PER_TENSOR
+    if owned and k_given:
+        raise InputError(f"k (--k) sets the bytes per parameter of an elementwise optimizer; {optimizer} "
+                         "is priced tensor by tensor: drop --k, or choose optimizer adamw", "k",
+                         f"k 是逐元素优化器每参数的字节数；{optimizer} 按张量逐个计价：请清空 k，或选择 adamw")
+    tensors = model_tensors(m, optimizer) if owned else None
+    if owned:
+        g_own = check_shard_size(n, shard_size)
+        one, three = (ownership(tensors, g_own, s, optimizer, elem_bytes=prec["param_bytes"]) for s in (1, 3))
+        per_tensor = [ownership(tensors, g_own, 0, optimizer), one,  # stage 2: stage 1's buckets
+                      dataclasses.replace(one, stage=2, stage_name=STAGE_NAMES[2]), three]
+        k = prec["master_bytes"] + per_tensor[0].max_state_bytes / per_tensor[0].params
     if fp32_grad_acc and prec["grad_bytes"] >= FP32:
         raise InputError("fp32 gradients already accumulate in fp32: drop fp32_grad_acc "
                          "(--fp32-grad-acc) or choose precision bf16/fp8", "fp32_grad_acc",
@@ -388,13 +412,17 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     for s in all_stages(m.params, g, k, fp32_grad_acc, unit or 0.0, layers,
                         prec["param_bytes"], prec["grad_bytes"], root):
         d = s.to_dict()
-        total = s.total_bytes + act_bytes
+        if owned:
+            _own(d, per_tensor[s.stage], prec, fp32_grad_acc)
+        total = d["model_state_bytes"] + d["gathered_unit_bytes"] + act_bytes
         v = verdict(total, hw.hbm_bytes, headroom)
         d.update(n=n, shard_size=g, activation_bytes=act_bytes, total_bytes=total,
                  fits=v == "fits", verdict=v)
         rows.append(d)
     includes = [f"parameters ({prec['param_bytes']:g} B)", f"gradients ({prec['grad_bytes']:g} B)",
-                f"optimizer states (k = {k:g} B)"]
+                f"optimizer states (k = {k:g} B)" if not owned else
+                f"{optimizer} states by tensor ownership (the fullest rank) + master "
+                f"({prec['master_bytes']:g} B)"]
     if fp32_grad_acc:
         includes.append("fp32 gradient accumulation (4 B)")
     includes.append("2 gathered blocks + the root unit (embedding, head) at ZeRO-3"
@@ -403,17 +431,52 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
         includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute})")
     zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算"}
     includes_zh = [f"参数（{prec['param_bytes']:g} B）", f"梯度（{prec['grad_bytes']:g} B）",
-                   f"优化器状态（k = {k:g} B）"]
+                   f"优化器状态（k = {k:g} B）" if not owned else
+                   f"{optimizer} 状态按张量归属（最满的一张卡）+ 主权重（{prec['master_bytes']:g} B）"]
     if fp32_grad_acc:
         includes_zh.append("fp32 梯度累积缓冲（4 B）")
     includes_zh.append("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root
                        else "ZeRO-3 的 2 个聚合单元")
     if act:
         includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}）")
+    if owned:
+        covered = per_tensor[0].params / m.params
+        if abs(covered - 1) > 1e-6:
+            warnings.append(f"tensor ownership: the rebuilt tensors hold {100 * covered:.3f}% of Ψ "
+                            f"({m.name}'s family has parameters the planner does not lay out one by one)")
+            warnings_zh.append(f"张量归属：重建的张量占 Ψ 的 {100 * covered:.3f}%（{m.name} 所属的模型族有"
+                               "规划器未逐个列出的参数）")
+        worst = max(per_tensor[1:], key=lambda o: o.imbalance)
+        if worst.imbalance > 1.5:
+            big = max(tensors, key=lambda t: t.numel)
+            warnings.append(f"tensor ownership ({optimizer}): the fullest rank holds "
+                            f"{worst.imbalance:.2f}x the mean optimizer state at {worst.stage_name}; "
+                            f"each tensor is owned whole (the largest, {big.name}, has "
+                            f"{big.numel:,} elements) and each group is padded to its largest "
+                            "owned set")
+            warnings_zh.append(f"张量归属（{optimizer}）：在 {worst.stage_name}，最满的一张卡的优化器状态是"
+                               f"平均值的 {worst.imbalance:.2f} 倍；每个张量整块归一张卡（最大的 "
+                               f"{big.name} 有 {big.numel:,} 个元素），每组按最大的归属集合补齐")
     return MemoryPlan(model=m.to_dict(), n=n, hardware=hw.name, hbm_bytes=hw.hbm_bytes,
                       precision=precision, param_bytes=prec["param_bytes"],
                       grad_bytes=prec["grad_bytes"], k=k, fp32_grad_acc=fp32_grad_acc, seq=seq,
                       micro_batch=micro_batch, recompute=recompute, stages=rows,
                       activations=act.to_dict() if act else None, includes=includes,
                       warnings=warnings, assumed_shape=shape, includes_zh=includes_zh,
-                      warnings_zh=warnings_zh, shard_size=g, replicas=n // g)
+                      warnings_zh=warnings_zh, shard_size=g, replicas=n // g, optimizer=optimizer)
+
+
+def _own(row: dict, o, prec: dict, fp32_grad_acc: bool) -> None:
+    """One stage row under tensor ownership (:mod:`zerodp.plan.ownership`): shards are each
+    rank's padded slices (Σ_groups the largest owned set), optimizer states the fullest rank's."""
+    stage, shard = row["stage"], o.shard_numel
+    if stage == 3:
+        row["param_bytes"] = prec["param_bytes"] * shard
+    if stage >= 2:
+        row["grad_bytes"] = prec["grad_bytes"] * shard
+        row["grad_acc_bytes"] = FP32 * shard if fp32_grad_acc else 0.0
+    row["optimizer_bytes"] = prec["master_bytes"] * shard + o.max_state_bytes
+    states = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] + row["grad_acc_bytes"]
+    row.update(model_state_bytes=states, k=row["optimizer_bytes"] / (o.params / o.n) if stage else
+               row["optimizer_bytes"] / o.params, bytes_per_param=states / o.params,
+               comm_elements_per_step=o.comm_elements_per_step, ownership=o.to_dict())

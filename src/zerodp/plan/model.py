@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zerodp.plan._common import ToDict, check_count, check_positive
 
@@ -49,6 +49,9 @@ class Model(ToDict):
     trainable: bool = False
     published_params: float | None = None
     expert_ffn: int | None = None
+    #: the parsed config.json it was read from (None for a count or a preset without one): what
+    #: :func:`zerodp.plan.ownership.model_tensors` rebuilds the tensors from; not in ``to_dict()``
+    config: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         check_positive("params", self.params)
@@ -136,6 +139,7 @@ class Model(ToDict):
 
     def to_dict(self) -> dict:
         d = super().to_dict()
+        d.pop("config", None)
         d.update(active=self.active, moe_factor=self.moe_factor, active_factor=self.active_factor,
                  embedding_params=self.embedding_params, block_params=self.block_params,
                  unit_params=self.unit_params, active_block_params=self.active_block_params)

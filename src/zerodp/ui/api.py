@@ -28,6 +28,7 @@ from zerodp.plan.roofline import labels as roofline_labels
 from zerodp.plan.recommend import COLUMNS as RECOMMEND_COLUMNS
 from zerodp.plan.recommend import rows as recommend_rows
 from zerodp.plan.recommend import text as recommend_text
+from zerodp.plan import ownership as plan_ownership
 from zerodp.plan import report as plan_report
 from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time, plural
 from zerodp.plan.hf import parse_config
@@ -160,6 +161,8 @@ class Api:
                 Param("k", "quantity", None, "optimizer bytes per parameter k", allow_zero=True,
                       optional=True, maximum=plan.memory.MAX_K,
                       why="Adam with fp64 states needs 24"),
+                Param("optimizer", "choice", "adamw", "optimizer (adafactor, muon: tensor ownership)",
+                      choices=lambda: list(plan_ownership.OPTIMIZERS)),
                 Param("n", "count", ZERO_PAPER_GPUS, "data-parallel GPUs N",
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
                 Param("fp32_grad_acc", "flag", False, "fp32 gradient accumulation"),
@@ -302,14 +305,14 @@ class Api:
             field = getattr(exc, "field", None) or field_of(str(exc), self.endpoints()["memory"].params)
             raise ApiError(field or "layers", str(exc)) from None
 
-    def memory(self, model, config, params, tied, precision, k, n, fp32_grad_acc, hardware, seq,
-               micro_batch, recompute, shard_size, compress, **shape):
+    def memory(self, model, config, params, tied, precision, k, optimizer, n, fp32_grad_acc, hardware,
+               seq, micro_batch, recompute, shard_size, compress, **shape):
         m = self._memory_model(model, config, params, shape, tied)
         hw = self.get_hardware(hardware)
 
         def bill(gpus):
             return plan.memory_plan(m, gpus, hw, precision, k, fp32_grad_acc, seq, micro_batch,
-                                    recompute, shard_size=shard_size)
+                                    recompute, shard_size=shard_size, optimizer=optimizer)
 
         mp = bill(n)
         try:  # the step's communication by leg (guide §14), where n fits this hardware's network

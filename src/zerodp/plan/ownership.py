@@ -1,0 +1,338 @@
+"""Tensor ownership priced (guide §12.3): what each rank holds when the optimizer reads whole tensors.
+
+An elementwise optimizer (Adam, AdamW, SGD) steps any slice of a flat buffer, so ZeRO gives each
+of the N ranks of a shard group Ψ/N elements and k·Ψ/N bytes of optimizer state. Muon
+(Newton–Schulz on each 2-D update) and Adafactor (row and column second moments) read whole
+tensors, so the engine's ownership path gives each tensor whole to one rank, its *owner*. What a
+rank then holds is set by its owned set, not by Ψ/N:
+
+* **groups**: the engine lays out one group at a time — stages 1–2 a gradient *bucket*
+  (parameters in reverse registration order, one open bucket per param group, closed at
+  ``min(first_bucket_mb, bucket_mb)`` MiB the first time, then ``bucket_mb``, in bytes of the
+  working dtype), stage 3 a *unit* (the root unit first — embeddings, head, final norm — then one
+  per block; inside a unit by param group);
+* **owners** (balanced greedy, LPT): in each group tensors by size, largest first (ties: the
+  earlier), each to the rank with the fewest elements of this group so far (ties: the fewest
+  owned in earlier groups, then the lower rank);
+* **padding**: every rank's slice of a group is padded to the largest owned set of that group,
+  so master weights, gradient shards (stage ≥ 2) and parameter shards (stage 3) are
+  Σ_groups max_r owned_r(group) elements per rank, and the collectives move N times that;
+* **optimizer state** is per tensor, on its owner only (fp32, after the first step):
+  Adam/AdamW 2·numel + a step scalar; SGD with momentum numel; Muon numel (momentum);
+  Adafactor for a tensor of shape (…, m, n) row variance ∏shape[:-1] + column variance
+  ∏shape[:-2]·n + a step, and numel + a step for a vector.
+
+``muon`` prices Muon the way it is used: Muon on the blocks' 2-D weights, AdamW (param group 1)
+on everything else — embeddings, head, norms, biases. Stage 0 shards nothing: every rank holds
+everything. Only the model's shape is needed (:func:`model_tensors` rebuilds its tensors from a
+``config.json``); torch-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from zerodp.plan._common import InputError, ToDict, check_count
+from zerodp.plan.units import MIB, STAGE_NAMES, STAGES
+
+FP32 = 4
+#: the optimizers priced here: elementwise ones shard flat, per-tensor ones by ownership
+ELEMENTWISE = ("adamw", "adam", "sgd")
+PER_TENSOR = ("adafactor", "muon")
+OPTIMIZERS = ELEMENTWISE + PER_TENSOR
+#: the engine's defaults (zerodp.engine.config: DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB)
+BUCKET_MB = 25.0
+FIRST_BUCKET_MB = 1.0
+#: per-rank lists (``owned_numel``, ``state_bytes``) are given for shard groups up to this size
+MAX_LISTED = 1024
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its name, shape, the block it lives in (None: the root unit) and its
+    param group (0, or 1 for AdamW's share under ``muon``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    block: int | None = None
+    group: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def state_numel(optimizer: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(state elements, step scalars) one tensor of ``shape`` holds after its first step (module
+    docstring); ``muon`` here is Muon itself (2-D only)."""
+    n = math.prod(shape)
+    if optimizer in ("adamw", "adam"):
+        return 2 * n, 1
+    if optimizer == "sgd":
+        return n, 0
+    if optimizer == "muon":
+        if len(shape) != 2:
+            raise ValueError(f"Muon steps 2-D matrices only; got a tensor of shape {tuple(shape)}")
+        return n, 0
+    if optimizer == "adafactor":
+        if len(shape) < 2:
+            return n, 1
+        return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1], 1
+    raise InputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}",
+                     "optimizer", f"优化器必须是 {'、'.join(OPTIMIZERS)} 之一，收到的是 {optimizer!r}")
+
+
+def tensor_optimizer(optimizer: str, t: Tensor) -> str:
+    """Which stock optimizer steps ``t``: under ``muon``, Muon for a block's 2-D weight and
+    AdamW for the rest; otherwise ``optimizer`` itself."""
+    if optimizer != "muon":
+        return optimizer
+    return "muon" if t.block is not None and len(t.shape) == 2 else "adamw"
+
+
+def state_bytes(optimizer: str, t: Tensor) -> int:
+    """fp32 bytes of ``t``'s optimizer state after the first step (elements + step scalars)."""
+    elements, scalars = state_numel(tensor_optimizer(optimizer, t), t.shape)
+    return FP32 * (elements + scalars)
+
+
+# ------------------------------------------------------------------------------------------
+# The model's tensors, rebuilt from its shape
+
+def model_tensors(model, optimizer: str = "adamw") -> list[Tensor]:
+    """Every parameter of ``model`` (a :class:`~zerodp.plan.Model` read from a config.json) in
+    registration order, with its block: GPT-2 style (the GPT ``zerodp train`` builds: learned
+    positions, fused q/k/v, LayerNorm with bias, a 2-matrix GELU MLP, biases) or Llama style
+    (separate q/k/v/o, a gated MLP — or a router and ``experts`` routed experts held, as
+    transformers holds them, in two 3-D tensors per layer — RMSNorm).
+    ``optimizer="muon"`` puts the tensors AdamW steps in param group 1."""
+    cfg = getattr(model, "config", None) or {}
+    m = model
+    if not (m.layers and m.hidden and m.heads and m.vocab):
+        raise InputError(f"{m.name} has no shape: tensor ownership is priced tensor by tensor; give "
+                         "a config.json (--config) or a preset with a shape",
+                         "model", f"{m.name} 没有结构信息：张量归属按张量逐个计价，请给出 config.json "
+                         "或带结构的预设模型")
+    if cfg.get("kv_lora_rank"):
+        raise InputError(f"{m.name} uses multi-head latent attention, whose tensors this planner "
+                         "does not rebuild: price it with an elementwise optimizer (adamw)",
+                         "optimizer", f"{m.name} 使用多头潜在注意力，规划器不重建其张量：请用逐元素优化器"
+                         "（adamw）计价")
+    h, ffn, vocab = m.hidden, m.ffn or 4 * m.hidden, m.vocab
+    mt = str(cfg.get("model_type", "")).lower()
+    out: list[Tensor] = []
+
+    def add(name, shape, block=None):
+        out.append(Tensor(name, tuple(int(s) for s in shape), block))
+
+    if not m.gated_mlp:  # GPT-2 / zerodp's GPT / a hand-typed 2-matrix MLP
+        bias = mt in ("gpt2", "zerodp-gpt")
+        positions = int(cfg.get("n_positions", 0) or 0) if bias else 0
+        add("tok_emb.weight", (vocab, h))
+        if positions:
+            add("pos_emb.weight", (positions, h))
+        for i in range(m.layers):
+            p = f"blocks.{i}."
+            add(p + "ln1.weight", (h,), i)
+            if bias:
+                add(p + "ln1.bias", (h,), i)
+            add(p + "attn.qkv.weight", (3 * h, h), i)
+            if bias:
+                add(p + "attn.qkv.bias", (3 * h,), i)
+            add(p + "attn.proj.weight", (h, h), i)
+            if bias:
+                add(p + "attn.proj.bias", (h,), i)
+            add(p + "ln2.weight", (h,), i)
+            if bias:
+                add(p + "ln2.bias", (h,), i)
+            add(p + "mlp.fc.weight", (ffn, h), i)
+            if bias:
+                add(p + "mlp.fc.bias", (ffn,), i)
+            add(p + "mlp.proj.weight", (h, ffn), i)
+            if bias:
+                add(p + "mlp.proj.bias", (h,), i)
+        add("ln_f.weight", (h,))
+        if bias:
+            add("ln_f.bias", (h,))
+        if not m.tied_embeddings:
+            add("head.weight", (vocab, h))
+    else:  # Llama / Mistral / Qwen2 / Mixtral
+        q_dim, kv_dim = m.q_dim, m.kv_dim
+        qkv_bias = bool(cfg.get("attention_bias")) or mt.startswith("qwen2")
+        mlp_bias = bool(cfg.get("mlp_bias"))
+        experts = m.experts
+        width = m.expert_ffn or ffn
+        add("model.embed_tokens.weight", (vocab, h))
+        for i in range(m.layers):
+            p = f"model.layers.{i}."
+            for proj, shape in (("q_proj", (q_dim, h)), ("k_proj", (kv_dim, h)),
+                                ("v_proj", (kv_dim, h))):
+                add(p + f"self_attn.{proj}.weight", shape, i)
+                if qkv_bias:
+                    add(p + f"self_attn.{proj}.bias", shape[:1], i)
+            add(p + "self_attn.o_proj.weight", (h, q_dim), i)
+            if cfg.get("attention_bias"):
+                add(p + "self_attn.o_proj.bias", (h,), i)
+            if experts > 1:  # transformers' layout: a router, then every expert in two 3-D tensors
+                add(p + "mlp.gate.weight", (experts, h), i)
+                add(p + "mlp.experts.gate_up_proj", (experts, 2 * width, h), i)
+                add(p + "mlp.experts.down_proj", (experts, h, width), i)
+            else:
+                for proj, shape in (("gate_proj", (ffn, h)), ("up_proj", (ffn, h)), ("down_proj", (h, ffn))):
+                    add(p + "mlp." + proj + ".weight", shape, i)
+                    if mlp_bias:
+                        add(p + "mlp." + proj + ".bias", shape[:1], i)
+            add(p + "input_layernorm.weight", (h,), i)
+            add(p + "post_attention_layernorm.weight", (h,), i)
+        add("model.norm.weight", (h,))
+        if not m.tied_embeddings:
+            add("lm_head.weight", (vocab, h))
+    if optimizer == "muon":
+        out = [Tensor(t.name, t.shape, t.block, 0 if tensor_optimizer("muon", t) == "muon" else 1)
+               for t in out]
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Groups and owners, as the engine forms them
+
+def plan_groups(tensors: list[Tensor], stage: int, bucket_mb: float = BUCKET_MB,
+                first_bucket_mb: float = FIRST_BUCKET_MB, elem_bytes: float = 2) -> list[list[int]]:
+    """Indices of ``tensors`` per group in the order the engine lays them out (module
+    docstring): buckets at stages 1–2, units at stage 3."""
+    if stage == 3:
+        blocks = sorted({t.block for t in tensors if t.block is not None})
+        members = [[i for i, t in enumerate(tensors) if t.block is None]] + \
+            [[i for i, t in enumerate(tensors) if t.block == b] for b in blocks]
+        return [sorted(g, key=lambda i: (tensors[i].group, i)) for g in members if g]
+    first = min(first_bucket_mb, bucket_mb)
+    closed: list[list[int]] = []
+    open_: dict[int, list[int]] = {}
+    open_bytes: dict[int, float] = {}
+    for i in reversed(range(len(tensors))):
+        g = tensors[i].group
+        open_.setdefault(g, []).append(i)
+        open_bytes[g] = open_bytes.get(g, 0) + tensors[i].numel * elem_bytes
+        if open_bytes[g] >= (first if not closed else bucket_mb) * MIB:
+            closed.append(open_.pop(g))
+            open_bytes.pop(g)
+    buckets = closed + list(open_.values())
+    return sorted(buckets, key=lambda b: -b[0])
+
+
+def assign_owners(sizes: list[list[int]], n: int) -> tuple[list[list[int]], list[dict[int, int]]]:
+    """LPT over each group of element counts, loads carried across groups (module docstring):
+    per group, the owner of each tensor and ``{rank: elements}`` for the ranks that own any.
+
+    The same choice as ``min(range(n), key=(mine[r], loads[r], r))`` per tensor, in
+    O(group·log n + loaded ranks) rather than O(group·n): while the group has fewer tensors than
+    ranks, each tensor goes to a rank that owns nothing of the group yet — the next by (loads, r),
+    where the ranks that never owned anything come first, by number."""
+    loads: dict[int, int] = {}
+    owners, owned = [], []
+    for group in sizes:
+        order = sorted(range(len(group)), key=lambda i: (-group[i], i))
+        own = [0] * len(group)
+        mine: dict[int, int] = {}
+        if len(group) <= n:
+            fresh = (r for r in range(n) if r not in loads)
+            idle = len(loads) < n
+            loaded = iter(sorted(loads, key=lambda r: (loads[r], r)))
+            picks = []
+            for _ in group:
+                r = next(fresh, None) if idle else None
+                if r is None:
+                    idle = False
+                    r = next(loaded)
+                picks.append(r)
+            for i, r in zip(order, picks):
+                own[i] = r
+                mine[r] = group[i]
+        else:
+            heap = [(0, loads.get(r, 0), r) for r in range(n)]
+            heapq.heapify(heap)
+            for i in order:
+                m, load, r = heapq.heappop(heap)
+                own[i] = r
+                mine[r] = m + group[i]
+                heapq.heappush(heap, (m + group[i], load, r))
+        for r, e in mine.items():
+            if e:
+                loads[r] = loads.get(r, 0) + e
+        owners.append(own)
+        owned.append(mine)
+    return owners, owned
+
+
+@dataclass(frozen=True)
+class Ownership(ToDict):
+    """One stage's bill under tensor ownership, per rank of a shard group of ``n``.
+    ``to_dict()`` keys: ``optimizer``, ``stage``, ``stage_name``, ``n``, ``tensors``,
+    ``groups``, ``params`` (Σ numel), ``owned_numel`` (per rank; null above
+    :data:`MAX_LISTED`), ``shard_numel`` (Σ_groups the largest owned set: each rank's padded
+    slice), ``padded_numel`` (N·shard_numel: what the collectives move), ``padding``,
+    ``state_bytes`` (optimizer state per rank, or null), ``max_state_bytes`` (the fullest rank:
+    what decides the fit), ``mean_state_bytes`` (the Ψ/N share), ``imbalance`` (max/mean
+    state), ``master_bytes`` (fp32 master per rank: 4·shard_numel) and
+    ``comm_elements_per_step`` (2 padded_numel at stages 1–2, 3 at stage 3, 2Ψ at stage 0)."""
+
+    optimizer: str
+    stage: int
+    stage_name: str
+    n: int
+    tensors: int
+    groups: int
+    params: int
+    owned_numel: list
+    shard_numel: int
+    padded_numel: int
+    padding: int
+    state_bytes: list
+    max_state_bytes: int
+    mean_state_bytes: float
+    imbalance: float
+    master_bytes: int
+    comm_elements_per_step: int
+
+
+def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
+              bucket_mb: float = BUCKET_MB, first_bucket_mb: float = FIRST_BUCKET_MB,
+              elem_bytes: float = 2) -> Ownership:
+    """What each of ``n`` ranks holds at ``stage`` when ``optimizer`` steps whole tensors
+    (stages 1–3) — or, stage 0, everything on every rank. ``elem_bytes``: bytes of one working
+    parameter, which sizes the buckets (bf16: 2)."""
+    n = check_count("n (ranks per shard group)", n)
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of 0 (DP), 1, 2, 3 (ZeRO-1/2/3); got {stage!r}")
+    state_numel(optimizer if optimizer != "muon" else "adamw", (1,))  # a clear line for a bad name
+    if not tensors:
+        raise ValueError("no tensors to price")
+    per = [state_bytes(optimizer, t) for t in tensors]
+    total = sum(t.numel for t in tensors)
+    if stage == 0:
+        everything = sum(per)
+        listed = n <= MAX_LISTED
+        return Ownership(optimizer, 0, STAGE_NAMES[0], n, len(tensors), 0, total,
+                         [total] * n if listed else None, total, total, 0,
+                         [everything] * n if listed else None, everything, float(everything), 1.0,
+                         FP32 * total, 2 * total)
+    groups = plan_groups(tensors, stage, bucket_mb, first_bucket_mb, elem_bytes)
+    owners, owned = assign_owners([[tensors[i].numel for i in g] for g in groups], n)
+    states: dict[int, int] = {}
+    loads: dict[int, int] = {}
+    for g, own, mine in zip(groups, owners, owned):
+        for i, r in zip(g, own):
+            states[r] = states.get(r, 0) + per[i]
+        for r, e in mine.items():
+            loads[r] = loads.get(r, 0) + e
+    shard = sum(max(mine.values(), default=0) for mine in owned)
+    mean = sum(per) / n
+    most = max(states.values(), default=0)
+    listed = n <= MAX_LISTED
+    return Ownership(optimizer, stage, STAGE_NAMES[stage], n, len(tensors), len(groups), total,
+                     [loads.get(r, 0) for r in range(n)] if listed else None, shard, n * shard,
+                     n * shard - total, [states.get(r, 0) for r in range(n)] if listed else None,
+                     most, mean, round(most / mean, 6) if mean else 1.0, FP32 * shard,
+                     (3 if stage == 3 else 2) * n * shard)

@@ -1,0 +1,189 @@
+"""The planner prices tensor ownership (guide §12.3, ``zerodp.plan.ownership``) as the engine lays it out.
+
+Each figure is checked against something the planner did not compute: the owner rule against the
+engine's own layout code (``FlatLayout.owned``) and the rule written out literally; each state
+formula against what torch's stock optimizer allocates after one step; the rebuilt tensors
+against the torch model (zerodp's GPT, and Hugging Face Llama / Qwen2 / Mixtral built from a
+config with random weights); and, on 2 and 3 gloo ranks, every rank's measured optimizer-state
+bytes (``engine.stats()``), owned elements and padding against the planner's figure — exactly:
+these are counts of bytes, not floating-point results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import zerodp
+from zerodp.engine.layout import FlatLayout
+from zerodp.plan.hf import parse_config
+from zerodp.plan.memory import memory_plan
+from zerodp.plan.models import get_model
+from zerodp.plan.ownership import assign_owners, model_tensors, ownership, state_numel
+from zerodp.spawn import run_local
+from zerodp.train.model import GPT, PRESETS
+
+BUCKETS = dict(bucket_mb=0.05, first_bucket_mb=0.01)  # several buckets of the nano GPT (fp32)
+OPTIMIZERS = ("adafactor", "muon")
+STAGES = (1, 2, 3)
+WORLDS = (2, 3)
+
+
+def literal_rule(sizes: list[list[int]], n: int) -> list[list[int]]:
+    """guide §12.3 written out: largest first (ties: earlier), to min (mine, loads, rank)."""
+    loads, out = [0] * n, []
+    for group in sizes:
+        mine, own = [0] * n, [0] * len(group)
+        for i in sorted(range(len(group)), key=lambda i: (-group[i], i)):
+            own[i] = min(range(n), key=lambda r: (mine[r], loads[r], r))
+            mine[own[i]] += group[i]
+        loads = [a + b for a, b in zip(loads, mine)]
+        out.append(own)
+    return out
+
+
+@given(n=st.integers(1, 9),
+       sizes=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=14), min_size=1, max_size=6))
+def test_owners_follow_the_engines_rule(n, sizes):
+    owners, _ = assign_owners(sizes, n)
+    assert owners == literal_rule(sizes, n), (n, sizes)
+    loads = [0] * n
+    engine = [list(FlatLayout.owned([(f"t{i}", (s,)) for i, s in enumerate(g)], n, loads).owners) for g in sizes]
+    assert owners == engine, (n, sizes)
+
+
+SHAPES = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "adamw", "adam", "sgd", "muon"])
+@given(shape=SHAPES)
+def test_state_elements_are_what_torch_allocates(name, shape):
+    if name == "muon" and len(shape) != 2:
+        shape = (shape[0], shape[-1] + 1)
+    p = torch.nn.Parameter(torch.randn(shape))
+    build = {"adafactor": lambda q: torch.optim.Adafactor(q), "adamw": lambda q: torch.optim.AdamW(q),
+             "adam": lambda q: torch.optim.Adam(q), "sgd": lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9),
+             "muon": lambda q: torch.optim.Muon(q)}[name]
+    opt = build([p])
+    p.grad = torch.randn(shape)
+    opt.step()
+    state = [v for v in opt.state[p].values() if torch.is_tensor(v)]
+    scalars = sum(1 for v in state if v.dim() == 0)
+    elements = sum(v.numel() for v in state if v.dim() > 0)
+    assert all(v.dtype == torch.float32 for v in state)
+    assert state_numel(name, shape) == (elements, scalars), (name, shape)
+
+
+def _hf_cases():
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=97)
+    return [("llama", transformers.LlamaConfig(**small, tie_word_embeddings=False), transformers.LlamaForCausalLM),
+            ("llama-tied", transformers.LlamaConfig(**small, tie_word_embeddings=True), transformers.LlamaForCausalLM),
+            ("qwen2", transformers.Qwen2Config(**small), transformers.Qwen2ForCausalLM),
+            ("mixtral", transformers.MixtralConfig(**small, num_local_experts=3, num_experts_per_tok=2),
+             transformers.MixtralForCausalLM)]
+
+
+def test_rebuilt_tensors_are_the_models():
+    for preset in ("nano", "tiny", "small"):
+        ours = [(t.name, t.shape) for t in model_tensors(get_model(preset))]
+        assert ours == [(n, tuple(p.shape)) for n, p in GPT(PRESETS[preset]).named_parameters()], preset
+    for label, cfg, cls in _hf_cases():
+        model = cls(cfg)
+        theirs = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        ours = [(t.name, t.shape) for t in model_tensors(parse_config(json.dumps(cfg.to_dict())))]
+        assert ours == theirs, label
+
+
+# ------------------------------------------------------------------------------------------
+# The engine's measured bytes per rank
+
+def _optimizer(model, name):
+    if name == "adafactor":
+        return lambda groups: torch.optim.Adafactor(groups, lr=1e-2)
+    # Muon on the blocks' matrices, AdamW on the rest: the planner's "muon", built by the script
+    group = {t.name: t.group for t in model_tensors(get_model("nano"), "muon")}
+    named = list(model.named_parameters())
+    return [torch.optim.Muon([p for n, p in named if group[n] == 0], lr=0.02),
+            torch.optim.AdamW([p for n, p in named if group[n] == 1], lr=1e-3)]
+
+
+def _measure(rank, world):
+    out = {}
+    for name in OPTIMIZERS:
+        for stage in STAGES:
+            torch.manual_seed(0)
+            model = GPT(PRESETS["nano"])
+            engine = zerodp.parallelize(model, optimizer=_optimizer(model, name), stage=stage, **BUCKETS)
+            x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+            engine(x, x).backward()
+            engine.step()
+            engine.zero_grad()
+            s = engine.stats()
+            out[name, stage] = {"placement": s.layout["placement"], "states": s.memory["optimizer_states"],
+                                "master": s.memory["master"], "owned": s.layout["owned_numel"],
+                                "padding": s.layout["padding"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {w: run_local(_measure, w, timeout=300) for w in WORLDS}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_per_rank_optimizer_state_bytes_equal_the_plan(measured, world, stage, name):
+    plan = ownership(model_tensors(get_model("nano"), name), world, stage, name, elem_bytes=4, **BUCKETS)
+    ranks = [m[name, stage] for m in measured[world]]
+    case = f"world {world}, stage {stage}, {name}"
+    assert {r["placement"] for r in ranks} == {"owner"}, case
+    assert [r["states"] for r in ranks] == plan.state_bytes, case
+    assert ranks[0]["owned"] == plan.owned_numel, case
+    assert ranks[0]["padding"] == plan.padding, case
+    assert plan.max_state_bytes > plan.mean_state_bytes, case  # ownership is not the Ψ/N share
+    if stage == 3:  # stages 1-2 with fp32 parameters count the master with the parameters
+        assert [r["master"] for r in ranks] == [plan.master_bytes] * world, case
+
+
+# ------------------------------------------------------------------------------------------
+# The memory plan and the command line
+
+def test_memory_plan_prices_the_fullest_rank():
+    m = get_model("llama3-8b")
+    flat = memory_plan(m, 64, "H100")
+    owned = memory_plan(m, 64, "H100", optimizer="muon")
+    for f, o in zip(flat.stages[1:], owned.stages[1:]):
+        own = o["ownership"]
+        assert o["optimizer_bytes"] == 4 * own["shard_numel"] + own["max_state_bytes"]
+        assert own["max_state_bytes"] >= 525_336_576 * 4 * 2  # the embedding's AdamW moments, on one rank
+        assert o["total_bytes"] > f["total_bytes"] * 0.5
+    assert any("tensor ownership" in w for w in owned.warnings)
+
+
+def _cli(*args):
+    exe = os.path.join(os.path.dirname(sys.executable), "zerodp")
+    return subprocess.run([exe, "plan", "memory", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_the_ownership_table_and_refuses_bad_input():
+    r = _cli("--model", "tiny", "--gpus", "2", "--optimizer", "adafactor")
+    assert r.returncode == 0, r.stderr
+    assert "Tensor ownership, adafactor" in r.stdout and "state, fullest rank" in r.stdout
+    got = json.loads(_cli("--model", "tiny", "--gpus", "3", "--optimizer", "muon", "--json").stdout)
+    own = {s["stage"]: s["ownership"] for s in got["stages"]}
+    assert own[3] == ownership(model_tensors(get_model("tiny"), "muon"), 3, 3, "muon").to_dict()
+    for args, words in ((("--optimizer", "muon", "--k", "12"), "drop --k"),
+                        (("--optimizer", "adafactor", "--model", "zero-7.5b"), "has no shape")):
+        r = _cli("--gpus", "8", *args)
+        assert r.returncode != 0 and words in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
