@@ -357,7 +357,7 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     if owned and k_given:
         raise InputError(f"k (--k) sets the bytes per parameter of an elementwise optimizer; {optimizer} "
                          "is priced tensor by tensor: drop --k, or choose optimizer adamw", "k",
-                         f"k 是逐元素优化器每参数的字节数；{optimizer} 按张量逐个计价：请清空 k，或选择 adamw")
+                         f"k 是按元素的优化器每参数的字节数；{optimizer} 按张量计算：请清空 k，或选择 adamw")
     tensors = model_tensors(m, optimizer) if owned else None
     if owned:
         g_own = check_shard_size(n, shard_size)
@@ -432,7 +432,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算"}
     includes_zh = [f"参数（{prec['param_bytes']:g} B）", f"梯度（{prec['grad_bytes']:g} B）",
                    f"优化器状态（k = {k:g} B）" if not owned else
-                   f"{optimizer} 状态按张量归属（最满的一张卡）+ 主权重（{prec['master_bytes']:g} B）"]
+                   f"{optimizer} 状态按张量分配（每个张量整块放在一张卡上，取最多的那张卡）+ fp32 参数"
+                   f"（{prec['master_bytes']:g} B）"]
     if fp32_grad_acc:
         includes_zh.append("fp32 梯度累积缓冲（4 B）")
     includes_zh.append("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root
@@ -444,8 +445,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
         if abs(covered - 1) > 1e-6:
             warnings.append(f"tensor ownership: the rebuilt tensors hold {100 * covered:.3f}% of Ψ "
                             f"({m.name}'s family has parameters the planner does not lay out one by one)")
-            warnings_zh.append(f"张量归属：重建的张量占 Ψ 的 {100 * covered:.3f}%（{m.name} 所属的模型族有"
-                               "规划器未逐个列出的参数）")
+            warnings_zh.append(f"张量分配：列出的张量是 Ψ 的 {100 * covered:.3f}%（{m.name} 有规划器"
+                               "没有一一列出的参数）")
         worst = max(per_tensor[1:], key=lambda o: o.imbalance)
         if worst.imbalance > 1.5:
             big = max(tensors, key=lambda t: t.numel)
@@ -454,9 +455,9 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                             f"each tensor is owned whole (the largest, {big.name}, has "
                             f"{big.numel:,} elements) and each group is padded to its largest "
                             "owned set")
-            warnings_zh.append(f"张量归属（{optimizer}）：在 {worst.stage_name}，最满的一张卡的优化器状态是"
-                               f"平均值的 {worst.imbalance:.2f} 倍；每个张量整块归一张卡（最大的 "
-                               f"{big.name} 有 {big.numel:,} 个元素），每组按最大的归属集合补齐")
+            warnings_zh.append(f"张量分配（{optimizer}）：在 {worst.stage_name}，最多的一张卡的优化器状态是"
+                               f"均值的 {worst.imbalance:.2f} 倍；每个张量整块放在一张卡上（最大的 "
+                               f"{big.name} 有 {big.numel:,} 个元素），每组按该组最多的那张卡的元素数分片")
     return MemoryPlan(model=m.to_dict(), n=n, hardware=hw.name, hbm_bytes=hw.hbm_bytes,
                       precision=precision, param_bytes=prec["param_bytes"],
                       grad_bytes=prec["grad_bytes"], k=k, fp32_grad_acc=fp32_grad_acc, seq=seq,

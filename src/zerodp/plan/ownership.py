@@ -113,13 +113,13 @@ def model_tensors(model, optimizer: str = "adamw") -> list[Tensor]:
     if not (m.layers and m.hidden and m.heads and m.vocab):
         raise InputError(f"{m.name} has no shape: tensor ownership is priced tensor by tensor; give "
                          "a config.json (--config) or a preset with a shape",
-                         "model", f"{m.name} 没有结构信息：张量归属按张量逐个计价，请给出 config.json "
+                         "model", f"{m.name} 没有结构信息：张量分配要按每个张量计算，请给出 config.json "
                          "或带结构的预设模型")
     if cfg.get("kv_lora_rank"):
         raise InputError(f"{m.name} uses multi-head latent attention, whose tensors this planner "
                          "does not rebuild: price it with an elementwise optimizer (adamw)",
-                         "optimizer", f"{m.name} 使用多头潜在注意力，规划器不重建其张量：请用逐元素优化器"
-                         "（adamw）计价")
+                         "optimizer", f"{m.name} 用的是多头隐式注意力，规划器无法给出其张量：请用按元素的"
+                         "优化器（adamw）计算")
     h, ffn, vocab = m.hidden, m.ffn or 4 * m.hidden, m.vocab
     mt = str(cfg.get("model_type", "")).lower()
     out: list[Tensor] = []

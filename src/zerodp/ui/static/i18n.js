@@ -113,7 +113,7 @@ const I18N = {
     "memory.title": "每卡显存", "memory.model": "模型",
     "memory.params": "参数量 Ψ", "memory.params.hint": "如 7.5e9、70B",
     "memory.precision": "精度", "memory.k": "每参数优化器字节数 k",
-    "memory.optimizer": "优化器（adafactor、muon：整张量归属，12.3 节）",
+    "memory.optimizer": "优化器（adafactor、muon：整块张量分配，12.3 节）",
     "memory.k.hint": "留空：按精度取默认值",
     "memory.n": "数据并行卡数 N", "memory.acc": "fp32 梯度累积",
     "memory.hbm": "显存容量取自", "memory.shape": "模型结构（留空：用模型自带的；修改即变为 custom）",
