@@ -83,6 +83,7 @@ def test_matrix_compressed_within_their_bounds():
     assert not failures, f"{len(failures)} of {ran} compressed cases failed:\n" + "\n".join(failures)
 
 
+@EXTRA
 def test_compressed_checks_fail_on_a_codec_two_percent_off():
     """The bounds are tight enough to matter: with every dequantized value 2% too large, both the
     gradient check (stage 2, qgZ) and the used-parameter check (stage 3 hybrid, qwZ) fail."""

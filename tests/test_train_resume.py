@@ -11,6 +11,7 @@ resume, the saved world-4 pieces for reshard, a plain single-process ``GPT`` for
 """
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def _world2(rank, world, root, x):
     return {k: v.numpy() for k, v in full.items()}, logits.numpy()
 
 
+@pytest.mark.skipif(not os.environ.get("ZERODP_ALL_WORLDS"),
+                    reason="4 ranks: make fuzz (ZERODP_ALL_WORLDS=1); make test reshards in test_train_checkpoint.py, "
+                           "test_state_dict.py (world 2 -> 3) and the matrix")
 def test_reshard_world4_stage3_to_world2_stage1_and_export(tmp_path):
     from zerodp.train.export import export, load_exported
     from zerodp.train.model import GPT, GPTConfig
