@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import zerodp
 from _engine_common import (FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt, make_odd,
                             max_rel, norm_rel, odd_batch, shard, sum_tolerance, trajectory_tolerance, worst)
-from zerodp.engine.buckets import MB, plan_buckets
+from zerodp.engine.buckets import MB
+from zerodp.plan.units import plan_buckets
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist

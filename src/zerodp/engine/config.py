@@ -198,7 +198,7 @@ def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_siz
 
     Called once by the bucket engines (stages 0-2) before they plan their buckets. The simulator
     sizes buckets in communicated bytes (``grad_dtype``, the dtype gradients travel in), the
-    engine in bytes of ``param_dtype`` (:func:`zerodp.engine.buckets.plan_buckets`); the two
+    engine in bytes of ``param_dtype`` (:func:`zerodp.plan.units.plan_buckets`); the two
     differ only when bf16 gradients are reduced in fp32, and the choice is converted then. The
     arithmetic is the planner's (:func:`zerodp.plan.calibrated.choose_bucket_mb`).
     """

@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from zerodp.plan.units import plan_buckets
 from zerodp.engine.base import StageEngine, grad_hook
-from zerodp.engine.buckets import cast_floating_buffers, plan_buckets
+from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.compiled import host_only
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.deferred import materialize_module

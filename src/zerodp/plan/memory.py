@@ -349,22 +349,12 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     k = float(prec["k"] if k is None else check_range("k (optimizer bytes per parameter)", k, 0,
                                                       MAX_K, "Adam with fp64 states needs 24",
                                                       field="k"))
-    from zerodp.plan.ownership import OPTIMIZERS, PER_TENSOR, model_tensors, ownership
-    if optimizer not in OPTIMIZERS:
-        raise InputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}",
-                         "optimizer", f"优化器必须是 {'、'.join(OPTIMIZERS)} 之一，收到的是 {optimizer!r}")
-    owned = optimizer in PER_TENSOR
+    from zerodp.plan.ownership import PER_TENSOR, check_optimizer, model_tensors, ownership
+    owned = check_optimizer(optimizer) in PER_TENSOR
     if owned and k_given:
         raise InputError(f"k (--k) sets the bytes per parameter of an elementwise optimizer; {optimizer} "
                          "is priced tensor by tensor: drop --k, or choose optimizer adamw", "k",
                          f"k 是按元素的优化器每参数的字节数；{optimizer} 按张量计算：请清空 k，或选择 adamw")
-    tensors = model_tensors(m, optimizer) if owned else None
-    if owned:
-        g_own = check_shard_size(n, shard_size)
-        one, three = (ownership(tensors, g_own, s, optimizer, elem_bytes=prec["param_bytes"]) for s in (1, 3))
-        per_tensor = [ownership(tensors, g_own, 0, optimizer), one,  # stage 2: stage 1's buckets
-                      dataclasses.replace(one, stage=2, stage_name=STAGE_NAMES[2]), three]
-        k = prec["master_bytes"] + per_tensor[0].max_state_bytes / per_tensor[0].params
     if fp32_grad_acc and prec["grad_bytes"] >= FP32:
         raise InputError("fp32 gradients already accumulate in fp32: drop fp32_grad_acc "
                          "(--fp32-grad-acc) or choose precision bf16/fp8", "fp32_grad_acc",
@@ -375,6 +365,11 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     micro_batch = int(check_range("micro_batch", micro_batch, 1, MAX_MICRO_BATCH, integer=True,
                                   field="micro_batch"))
     g = check_shard_size(n, shard_size)
+    if owned:  # tensor ownership over a shard group of g (stage 2 lays out stage 1's buckets)
+        tensors = model_tensors(m, optimizer)
+        zero, one, three = (ownership(tensors, g, s, optimizer, elem_bytes=prec["param_bytes"]) for s in (0, 1, 3))
+        per_tensor = [zero, one, dataclasses.replace(one, stage=2, stage_name=STAGE_NAMES[2]), three]
+        k = prec["master_bytes"] + zero.max_state_bytes / zero.params
     warnings, warnings_zh = [], []
     shape = None
     layers, unit = m.layers, m.unit_params

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count
-from zerodp.plan.units import MIB, STAGE_NAMES, STAGES
+from zerodp.plan.units import STAGE_NAMES, STAGES, plan_buckets
 
 FP32 = 4
 #: the optimizers priced here: elementwise ones shard flat, per-tensor ones by ownership
@@ -68,6 +68,7 @@ def state_numel(optimizer: str, shape: tuple[int, ...]) -> tuple[int, int]:
     """(state elements, step scalars) one tensor of ``shape`` holds after its first step (module
     docstring); ``muon`` here is Muon itself (2-D only)."""
     n = math.prod(shape)
+    check_optimizer(optimizer)
     if optimizer in ("adamw", "adam"):
         return 2 * n, 1
     if optimizer == "sgd":
@@ -76,12 +77,17 @@ def state_numel(optimizer: str, shape: tuple[int, ...]) -> tuple[int, int]:
         if len(shape) != 2:
             raise ValueError(f"Muon steps 2-D matrices only; got a tensor of shape {tuple(shape)}")
         return n, 0
-    if optimizer == "adafactor":
-        if len(shape) < 2:
-            return n, 1
-        return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1], 1
-    raise InputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}",
-                     "optimizer", f"优化器必须是 {'、'.join(OPTIMIZERS)} 之一，收到的是 {optimizer!r}")
+    if len(shape) < 2:  # adafactor
+        return n, 1
+    return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1], 1
+
+
+def check_optimizer(optimizer: str) -> str:
+    """``optimizer`` if it is one this module prices, else one line naming the choices."""
+    if optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}",
+                         "optimizer", f"优化器必须是 {'、'.join(OPTIMIZERS)} 之一，收到的是 {optimizer!r}")
+    return optimizer
 
 
 def tensor_optimizer(optimizer: str, t: Tensor) -> str:
@@ -207,19 +213,8 @@ def plan_groups(tensors: list[Tensor], stage: int, bucket_mb: float = BUCKET_MB,
         members = [[i for i, t in enumerate(tensors) if t.block is None]] + \
             [[i for i, t in enumerate(tensors) if t.block == b] for b in blocks]
         return [sorted(g, key=lambda i: (tensors[i].group, i)) for g in members if g]
-    first = min(first_bucket_mb, bucket_mb)
-    closed: list[list[int]] = []
-    open_: dict[int, list[int]] = {}
-    open_bytes: dict[int, float] = {}
-    for i in reversed(range(len(tensors))):
-        g = tensors[i].group
-        open_.setdefault(g, []).append(i)
-        open_bytes[g] = open_bytes.get(g, 0) + tensors[i].numel * elem_bytes
-        if open_bytes[g] >= (first if not closed else bucket_mb) * MIB:
-            closed.append(open_.pop(g))
-            open_bytes.pop(g)
-    buckets = closed + list(open_.values())
-    return sorted(buckets, key=lambda b: -b[0])
+    return plan_buckets([t.numel for t in tensors], [t.group for t in tensors], elem_bytes, "bucketed",
+                        bucket_mb, first_bucket_mb)
 
 
 def assign_owners(sizes: list[list[int]], n: int) -> tuple[list[list[int]], list[dict[int, int]]]:
@@ -306,7 +301,7 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
     n = check_count("n (ranks per shard group)", n)
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0 (DP), 1, 2, 3 (ZeRO-1/2/3); got {stage!r}")
-    state_numel(optimizer if optimizer != "muon" else "adamw", (1,))  # a clear line for a bad name
+    check_optimizer(optimizer)
     if not tensors:
         raise ValueError("no tensors to price")
     per = [state_bytes(optimizer, t) for t in tensors]
