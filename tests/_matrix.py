@@ -1,11 +1,12 @@
 """The differential test matrix of the engine: stage × world size × model features × usage.
 
 Every case trains a small model a few steps with ``zerodp.parallelize`` on W ranks and, in the
-same rank process, an independent single-process reference: a plain ``torch.nn.Module`` with a
-stock ``torch.optim.SGD`` (momentum, weight decay, optionally two param groups), whose loss is
-the mean over the W ranks' per-shard losses (what data parallelism computes, guide §2.2) — so
-rank-dependent control flow (a parameter used on one rank only) has a reference too. Gradients
-are compared before every step, parameters and buffers at the end.
+same rank process, an independent single-process reference: a plain ``torch.nn.Module`` with the
+case's stock optimizer (``torch.optim.SGD`` with momentum and weight decay, ``Adafactor``, ``Muon``
+for the matrices with ``AdamW`` for the rest, or a custom per-tensor optimizer; optionally two param
+groups), whose loss is the mean over the W ranks' per-shard losses (what data parallelism computes,
+guide §2.2) — so rank-dependent control flow (a parameter used on one rank only) has a reference
+too. Gradients are compared before every step, parameters and buffers at the end.
 
 Tolerances follow from the dtype and the magnitude (``torch.testing.assert_close`` semantics):
 each rank's forward and backward run on the same shapes in both, so they agree bitwise; what
@@ -17,6 +18,20 @@ cancellation can leave behind), n counting every term summed since the first ste
 of earlier steps is in the parameters the later gradients are taken at. SGD turns a gradient error
 into a parameter error of at most lr × (number of steps) per step (momentum 0.9 adds at most one
 step's worth per earlier step), which bounds the parameters.
+
+The per-tensor optimizers have no such bound: Adafactor and AdamW divide by a root mean square of
+past gradients (an element whose gradient is near zero turns the gradient's rounding into an
+update of order lr), and Muon orthogonalizes the update in bf16 (a rounding of the gradient may
+move the result by a bf16 unit). Their cases therefore check each step in two parts: the
+gradients against the reference's own, as above; then the reference steps on the engine's checked
+gradients, so that the stock optimizer and the engine's ownership path (guide §12.3) start each
+step from the same point. Given the same gradients, state and parameters, the stock optimizer
+repeats the same arithmetic on the same tensors; what may differ is how its kernels group
+tensors, at most one float32 rounding of each element per step, which the update carries forward
+(weight decay only shrinks it): after k steps the parameters agree within rtol = atol/max|θ| =
+2·k·ε(float32) (:func:`fed_tolerance`). The optimizer's state is compared too, in torch's own
+format (``engine.optimizer.state_dict()``), within the same bound relative to each state's
+largest element.
 
 A case prints as one line (``str(case)``); ``python tests/_matrix.py "<that line>"`` reruns it
 alone, and ``Case.parse`` reads it back.
@@ -53,6 +68,11 @@ USAGES = ("no_sync", "multi_backward", "two_forwards", "nograd_forward", "clip",
 #: compressed collectives (guide §15): none; ``reduce_dtype="bf16"`` (every stage); int8 (ZeRO++
 #: qwZ + qgZ together, stages 1-3 — a case drawn at stage 0 has no such combination)
 COMPRESS = ("none", "bf16", "int8")
+#: the case's optimizer: "sgd" (elementwise: flat shards, or whole tensors with the "owner"
+#: feature); "adafactor" and "muon_adamw" (stock per-tensor optimizers: Adafactor, and Muon for the
+#: 2-D weights with AdamW for the rest, the way Muon is used: the tensor-ownership path of guide
+#: §12.3 at stages 1-3); "lars" (a custom per-tensor optimizer, declared ``optimizer_layout="owner"``)
+OPTIMIZERS = ("sgd", "adafactor", "muon_adamw", "lars")
 QUANT_BLOCK = 16  # elements per int8 scale: several blocks, and partial ones, in the tiny model's shards
 U_BF16 = 2.0 ** -8  # unit roundoff of bf16
 ROWS = 12  # global batch rows per micro-batch: divisible by every world size 1-4
@@ -83,11 +103,12 @@ class Case:
     features: frozenset = field(default_factory=frozenset)
     mesh: str = "flat"
     compress: str = "none"
+    optimizer: str = "sgd"
 
     def __str__(self) -> str:
         feats = ",".join(sorted(self.features)) or "-"
         return (f"stage={self.stage} world={self.world} mesh={self.mesh} compress={self.compress} "
-                f"usage={self.usage} features={feats}")
+                f"optimizer={self.optimizer} usage={self.usage} features={feats}")
 
     @classmethod
     def parse(cls, text: str) -> "Case":
@@ -95,10 +116,12 @@ class Case:
         feats = frozenset() if kv["features"] == "-" else frozenset(kv["features"].split(","))
         unknown = feats - set(FEATURES)
         mesh, compress = kv.get("mesh", "flat"), kv.get("compress", "none")
-        if unknown or kv["usage"] not in USAGES or mesh not in MESHES or compress not in COMPRESS:
-            raise ValueError(f"unknown features {sorted(unknown)}, usage {kv['usage']!r}, mesh {mesh!r} "
-                             f"or compress {compress!r}")
-        case = cls(int(kv["stage"]), int(kv["world"]), kv["usage"], feats, mesh, compress)
+        optimizer = kv.get("optimizer", "sgd")
+        if (unknown or kv["usage"] not in USAGES or mesh not in MESHES or compress not in COMPRESS
+                or optimizer not in OPTIMIZERS):
+            raise ValueError(f"unknown features {sorted(unknown)}, usage {kv['usage']!r}, mesh {mesh!r}, "
+                             f"compress {compress!r} or optimizer {optimizer!r}")
+        case = cls(int(kv["stage"]), int(kv["world"]), kv["usage"], feats, mesh, compress, optimizer)
         if not valid(case.stage, case.compress):
             raise ValueError(f"{case}: int8 compresses the AllGather and ReduceScatter of stages 1-3 only")
         return case
@@ -128,13 +151,13 @@ def valid(stage: int, compress: str) -> bool:
 
 
 def _columns() -> list[tuple[str, tuple]]:
-    return ([("stage", STAGES), ("world", WORLDS), ("usage", USAGES), ("mesh", MESHES), ("compress", COMPRESS)]
-            + [(f, (False, True)) for f in FEATURES])
+    return ([("stage", STAGES), ("world", WORLDS), ("usage", USAGES), ("mesh", MESHES), ("compress", COMPRESS),
+             ("optimizer", OPTIMIZERS)] + [(f, (False, True)) for f in FEATURES])
 
 
 def _as_case(row: dict) -> Case:
     return Case(row["stage"], row["world"], row["usage"], frozenset(f for f in FEATURES if row[f]), row["mesh"],
-                row["compress"])
+                row["compress"], row["optimizer"])
 
 
 def _repair(row: list, cols, rng: random.Random, keep: tuple[int, ...] = ()) -> list:
@@ -267,6 +290,55 @@ def make_optimizer(groups):
     return torch.optim.SGD(groups, lr=LR, momentum=0.9, weight_decay=0.1)
 
 
+def _adafactor(groups):
+    return torch.optim.Adafactor(groups, lr=0.02, weight_decay=0.01)
+
+
+def _lars(groups):
+    from _engine_common import LARS
+
+    return LARS(groups, lr=0.05, momentum=0.9)
+
+
+def _muon_adamw(model: nn.Module, groups: bool) -> list[torch.optim.Optimizer]:
+    """Built by the script over the model, as Muon is used: Muon for the trainable 2-D weights,
+    AdamW for the rest (with the "groups" feature, AdamW's vectors take :func:`param_groups`'s
+    options, as the other optimizers' do)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    rest = {"params": [p for p in trainable if p.ndim != 2]}
+    if groups:
+        rest.update(param_groups("", torch.zeros(1)))
+    return [torch.optim.Muon([p for p in trainable if p.ndim == 2], lr=0.05, weight_decay=0.01),
+            torch.optim.AdamW([rest], lr=0.02, eps=1e-3, weight_decay=0.01)]
+
+
+#: factories of param groups (the engine calls them over its targets); "muon_adamw" is built
+FACTORIES = {"sgd": make_optimizer, "adafactor": _adafactor, "lars": _lars}
+
+
+def engine_optimizer(case: Case, model: nn.Module):
+    """(what ``parallelize`` takes as ``optimizer``, its options) for the case's optimizer."""
+    options: dict = {}
+    if case.optimizer == "lars" or "owner" in case.features:
+        options["optimizer_layout"] = "owner"
+    if case.optimizer == "muon_adamw":
+        return _muon_adamw(model, "groups" in case.features), options
+    if "groups" in case.features:
+        options["param_groups"] = param_groups
+    return FACTORIES[case.optimizer], options
+
+
+def fed(case: Case) -> bool:
+    """Whether the reference steps on the engine's checked gradients (the module docstring):
+    compressed cases (their gradients differ by the codec's bound) and per-tensor optimizers."""
+    return case.compress != "none" or case.optimizer != "sgd"
+
+
+def fed_tolerance(steps: int) -> float:
+    """rtol (and atol over the largest element) after ``steps`` steps on the same gradients."""
+    return tolerance(torch.float32, steps)
+
+
 def batch(step: int, micro: int):
     g = torch.Generator().manual_seed(10_000 + 100 * step + micro)
     return torch.randn(ROWS, 5, generator=g), torch.randn(ROWS, 3, generator=g)
@@ -299,7 +371,8 @@ class Reference:
     """Single process: fp32 master parameters, compute in ``dtype`` (a bf16 copy under bf16, and
     a copy that forward's parameters can be loaded into under a quantized AllGather)."""
 
-    def __init__(self, model: MatrixModel, dtype: torch.dtype, groups: bool, separate_compute: bool = False):
+    def __init__(self, model: MatrixModel, dtype: torch.dtype, groups: bool, separate_compute: bool = False,
+                 optimizer: str = "sgd"):
         self.master = model
         model.stats is not None and setattr(model.stats, "track", False)
         self.dtype = dtype
@@ -311,7 +384,12 @@ class Reference:
                     {"params": [p for n, p in trainable if p.ndim < 2], **param_groups("", torch.zeros(1))}]
         else:
             spec = [{"params": [p for _, p in trainable]}]
-        self.opt = make_optimizer(spec)
+        if optimizer == "muon_adamw":
+            from _engine_common import Stepped
+
+            self.opt = Stepped(_muon_adamw(model, groups))
+        else:
+            self.opt = FACTORIES[optimizer](spec)
 
     def sync_compute(self):
         if self.compute is not self.master:
@@ -367,17 +445,15 @@ def _build(case: Case, seed: int, stage: int, group, device: torch.device, world
     model = MatrixModel(case.features).to(device)
     # stages 0-2 tolerate a parameter without gradient only when told (as DDP)
     options = dict(find_unused_parameters=True) if stage < 3 and "unused" in case.features else {}
-    if "groups" in case.features:
-        options["param_groups"] = param_groups
+    optimizer, more = engine_optimizer(case, model)
+    options.update(more)
     if "reduce_once" in case.features and stage >= 2:
         options["reduce_every_microbatch"] = False
-    if "owner" in case.features:
-        options["optimizer_layout"] = "owner"
     if case.compress == "bf16":
         options["reduce_dtype"] = "bf16"
     if case.quantized(stage):
         options.update(quantize_params=True, quantize_grads=True, quant_block=QUANT_BLOCK)
-    engine = zerodp.parallelize(model, optimizer=make_optimizer, stage=stage,
+    engine = zerodp.parallelize(model, optimizer=optimizer, stage=stage,
                                 mixed_precision="bf16" if case.usage == "bf16" else None,
                                 units=list(model.blocks) if stage == 3 else None,
                                 bucket_mb=0.0002, first_bucket_mb=0.0001, group=group,
@@ -431,7 +507,7 @@ def run_case(case: Case, rank: int, device: str | None = None) -> None:
 
     torch.manual_seed(123)
     ref = Reference(MatrixModel(case.features).to(dev), dtype, "groups" in case.features,
-                    separate_compute=case.compress == "int8")
+                    separate_compute=case.compress == "int8", optimizer=case.optimizer)
     ema_inputs: list[torch.Tensor] = []
     engine = None
     plan = micro_plan(case.usage)
@@ -513,6 +589,8 @@ def run_case(case: Case, rank: int, device: str | None = None) -> None:
                                                atol=0.0, msg=lambda m: f"[{case}] step {step}: gradient norm: {m}")
             if member and (not compressed or case.usage == "clip"):
                 _compare_grads(case, step, engine.full_grad_dict(), ref.grad_dict(), dtype, terms_so_far)
+            if case.optimizer != "sgd":  # checked: the stock optimizer now steps on the engine's gradients
+                ref.feed(_everyones(engine.full_grad_dict() if member else None))
             if member:
                 engine.step()
                 engine.zero_grad()
@@ -710,12 +788,42 @@ def _compare_grads(case, step, got: dict, want: dict, dtype, n_terms, bound: dic
                                    msg=lambda m, name=name: f"[{case}] step {step}: gradient of {name}: {m}")
 
 
+def _compare_optimizer_state(case, engine, ref: Reference, rtol: float) -> None:
+    """``engine.optimizer.state_dict()`` (torch's format, full tensors) against the stock
+    optimizer's, matched by parameter name; tensors within ``rtol`` of their largest element."""
+    got = engine.optimizer.state_dict()["state"]
+    names = engine.optimizer.index_names()
+    mine = {names[i]: entry for i, entry in got.items()}
+    name_of = {id(p): n for n, p in ref.master.named_parameters()}
+    order = [p for grp in ref.opt.param_groups for p in grp["params"]]
+    want = {name_of[id(p)]: ref.opt.state[p] for p in order if ref.opt.state.get(p)}
+    if sorted(mine) != sorted(want):
+        raise AssertionError(f"[{case}] optimizer state for {sorted(mine)}; the stock optimizer has {sorted(want)}")
+    for name, entry in want.items():
+        if sorted(mine[name]) != sorted(entry):
+            raise AssertionError(f"[{case}] optimizer state of {name}: {sorted(mine[name])}, stock {sorted(entry)}")
+        for k, v in entry.items():
+            v = torch.as_tensor(v).double().cpu()
+            scale = v.abs().max().item() if v.numel() else 0.0
+            torch.testing.assert_close(torch.as_tensor(mine[name][k]).double().cpu(), v, rtol=rtol,
+                                       atol=rtol * scale, msg=lambda m, name=name, k=k:
+                                       f"[{case}] optimizer state {k} of {name}: {m}")
+
+
 def _compare_final(case, engine, ref: Reference, ema_inputs, dtype, grad_scale: float) -> None:
     state = engine.full_state_dict()
     steps = STEPS + (1 if case.usage == "reshard" else 0)
     n_terms = 4 * 3 * 2  # the most terms any usage sums (world 4, 3 micro-batches, 2 forwards)
     grad_rtol = tolerance(dtype, n_terms)
-    for name, p in ref.master.named_parameters():
+    if case.optimizer != "sgd":  # stepped on the same gradients (module docstring)
+        rtol = fed_tolerance(steps)
+        scale = max(p.detach().abs().max().item() for p in ref.master.parameters())
+        for name, p in ref.master.named_parameters():
+            torch.testing.assert_close(state[name].float().cpu(), p.detach().float().cpu(), rtol=rtol,
+                                       atol=rtol * scale, msg=lambda m, name=name:
+                                       f"[{case}] final parameter {name} (stepped on the same gradients): {m}")
+        _compare_optimizer_state(case, engine, ref, rtol)
+    for name, p in ([] if case.optimizer != "sgd" else ref.master.named_parameters()):
         # |Δθ| ≤ Σ_steps lr · (momentum-accumulated gradient error) ≤ lr · steps² · atol_grad, with
         # atol_grad relative to the largest reference gradient of the run.
         atol = LR * steps * steps * grad_rtol * grad_scale + 4 * torch.finfo(torch.float32).eps
@@ -762,6 +870,30 @@ def run_cases_miscaled(rank: int, world: int, cases: list[Case], factor: float) 
         return run_cases(rank, world, cases)
     finally:
         quant._dequantize_rows = exact
+
+
+def run_cases_lr_off(rank: int, world: int, cases: list[Case], factor: float) -> list[tuple[str, str | None]]:
+    """:func:`run_cases` with every learning rate of the engine's optimizer (not the reference's)
+    times ``factor``: a check of the checks — a per-tensor case must fail when the engine's step
+    is off by more than one rounding per step."""
+    exact = engine_optimizer
+
+    def scaled(optimizer):
+        for grp in optimizer.param_groups:
+            grp["lr"] *= factor
+        return optimizer
+
+    def off(case: Case, model: nn.Module):
+        optimizer, options = exact(case, model)
+        if isinstance(optimizer, list):
+            return [scaled(o) for o in optimizer], options
+        return (lambda groups: scaled(optimizer(groups))), options
+
+    globals()["engine_optimizer"] = off
+    try:
+        return run_cases(rank, world, cases)
+    finally:
+        globals()["engine_optimizer"] = exact
 
 
 if __name__ == "__main__":

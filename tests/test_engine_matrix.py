@@ -1,5 +1,6 @@
 """The differential matrix (tests/_matrix.py): every stage 0-3 × world sizes 1-4 × mesh (flat,
-hybrid) × compression (none, bf16 reduction, int8 qwZ + qgZ) × model features × usage, against a
+hybrid) × compression (none, bf16 reduction, int8 qwZ + qgZ) × optimizer (SGD, Adafactor, Muon +
+AdamW, LARS declared per-tensor) × model features × usage, against a
 single-process reference with dtype-derived tolerances, widened in compressed cases by each
 option's documented bound (guide §15), computed per element from every rank's own gradient.
 
@@ -16,7 +17,8 @@ import time
 
 import pytest
 
-from _matrix import COMPRESS, Case, pairwise_cases, random_cases, run_cases, run_cases_miscaled, valid
+from _matrix import (COMPRESS, OPTIMIZERS, STAGES, USAGES, WORLDS, Case, pairwise_cases, random_cases, run_cases,
+                     run_cases_lr_off, run_cases_miscaled, valid)
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
@@ -42,6 +44,8 @@ def test_pairwise_table_covers_every_pair():
     cases = pairwise_cases()
     assert {c.stage for c in cases} == {0, 1, 2, 3} and {c.world for c in cases} == {1, 2, 3, 4}
     assert {(c.stage, c.compress) for c in cases} == {(s, k) for s in range(4) for k in COMPRESS if valid(s, k)}
+    assert {(c.optimizer, c.stage) for c in cases} == {(o, s) for o in OPTIMIZERS for s in STAGES}
+    assert {(c.optimizer, c.world) for c in cases} == {(o, w) for o in OPTIMIZERS for w in WORLDS}
     assert all(any(c.usage == u and c.stage == s for c in cases) for u in {c.usage for c in cases} for s in range(4))
     assert len(cases) <= 60, len(cases)
     assert Case.parse(str(cases[0])) == cases[0]
@@ -59,9 +63,9 @@ HYBRID_2X2 = [Case.parse(f"stage={s} world=4 mesh=hybrid usage={u} features={f}"
 
 
 #: make test runs the pairwise table (which crosses every mesh and compression with every stage and
-#: world); make fuzz (ZERODP_ALL_WORLDS=1) adds these hand-picked 3- and 4-rank cases
+#: world); make fuzz (ZERODP_ALL_WORLDS=1) adds the hand-picked lists below
 EXTRA = pytest.mark.skipif(not os.environ.get("ZERODP_ALL_WORLDS"),
-                           reason="make fuzz (ZERODP_ALL_WORLDS=1) runs the extra hybrid and compressed cases")
+                           reason="make fuzz (ZERODP_ALL_WORLDS=1) runs the extra hand-picked cases")
 
 
 @EXTRA
@@ -93,6 +97,31 @@ def test_compressed_checks_fail_on_a_codec_two_percent_off():
         results = run_local(run_cases_miscaled, case.ranks_needed, [case], 1.02, timeout=180)
         errors = [err for rank_results in results for _, err in rank_results if err]
         assert errors and all(what in e for e in errors), (case, errors[:1])
+
+
+#: every per-tensor optimizer at every stage and world size (the pairwise table meets each with
+#: every stage and, separately, every world size), usage and features varying along the list
+PER_TENSOR = [Case(s, w, USAGES[i % len(USAGES)], frozenset([("tied", "groups"), ("frozen", "unused"), ("buffer",),
+                                                             ("twice", "reduce_once")][i % 4]), optimizer=o)
+              for i, (o, s, w) in enumerate((o, s, w) for o in OPTIMIZERS[1:] for s in STAGES for w in WORLDS)]
+
+
+@EXTRA
+def test_matrix_per_tensor_optimizers_at_every_stage_and_world():
+    failures, ran = _run(PER_TENSOR)
+    assert ran == 48
+    assert not failures, f"{len(failures)} of {ran} per-tensor optimizer cases failed:\n" + "\n".join(failures)
+
+
+def test_per_tensor_checks_fail_on_a_learning_rate_a_thousandth_off():
+    """The bound of the per-tensor cases is tight enough to matter: with the engine's learning
+    rates 0.1% too large (the reference's exact), each per-tensor optimizer's case fails."""
+    cases = [Case.parse(f"stage={s} world=2 optimizer={o} usage=no_sync features=-")
+             for s, o in ((1, "adafactor"), (2, "muon_adamw"), (3, "lars"))]
+    results = run_local(run_cases_lr_off, 2, cases, 1.001, timeout=180)
+    for i, case in enumerate(cases):
+        errors = [rank_results[i][1] for rank_results in results if rank_results[i][1]]
+        assert errors and all(str(case) in e for e in errors), (str(case), errors[:1])
 
 
 @pytest.mark.fuzz

@@ -10,6 +10,11 @@ dtype-derived); the optimizers' second moments are squares of gradients, twice t
 
 One spawned group per world size (2, then 3; ``make fuzz``: 1 and 4 too) runs every check; the
 world-3 group also loads the checkpoint that the world-2 group saved at another stage.
+
+The differential matrix (tests/_matrix.py) crosses the same optimizers with every stage, world
+size, mesh, compression, usage and model feature; this file checks what it does not: the owner
+layout itself, the padding, the refusals, the torch-format state against the stock optimizer's
+trajectory, and checkpoints written by ``zerodp.train.checkpoint``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import LARS, trajectory_tolerance
+from _engine_common import LARS, Stepped, trajectory_tolerance
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
@@ -83,33 +88,6 @@ OPTIMIZERS = {"muon": (muon, False, {}), "adafactor": (adafactor, True, {}),
               "lars": (lars, True, {"optimizer_layout": "owner"}),
               "muon_adamw": (muon_adamw, True, {})}
 BUILT = {"muon_adamw"}  # built over the model by the script, not a factory of param groups
-
-
-class Stepped:
-    """Several stock optimizers over disjoint parameters, stepped one after the other (the
-    single-process reference of a list; its state_dict() numbers parameters across them, in the
-    order given, as torch numbers one optimizer's)."""
-
-    def __init__(self, optimizers):
-        self.optimizers = optimizers
-
-    def step(self):
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self):
-        for o in self.optimizers:
-            o.zero_grad()
-
-    def state_dict(self):
-        state, groups, base = {}, [], 0
-        for o in self.optimizers:
-            sd = o.state_dict()
-            n = sum(len(g["params"]) for g in sd["param_groups"])
-            state.update({base + i: v for i, v in sd["state"].items()})
-            groups += [{**g, "params": [base + i for i in g["params"]]} for g in sd["param_groups"]]
-            base += n
-        return {"state": state, "param_groups": groups}
 
 
 def batch(step: int, world: int):

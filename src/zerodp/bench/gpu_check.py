@@ -24,6 +24,7 @@ them, and exits 1 if any phase failed or found a mismatch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -102,7 +103,7 @@ def gpu_cases(matrix, n: int) -> list:
     than ``n`` ranks (resharding to a larger world) left out."""
     out = set()
     for c in matrix.pairwise_cases():
-        case = matrix.Case(c.stage, min(c.world, n), c.usage, c.features)
+        case = dataclasses.replace(c, world=min(c.world, n))  # its mesh, compression, optimizer kept
         if case.ranks_needed <= n:
             out.add(case)
     return sorted(out, key=str)
