@@ -128,14 +128,11 @@ def worker(cfg_dict: dict, under_agent: bool = False) -> dict:
 
     from zerodp.train.checkpoint import checkpoint_step, complete_checkpoints
 
-    from zerodp.train import progress
-
     cfg = TrainConfig.from_dict(cfg_dict)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # Relayed output (a pipe, a log file, torchrun's --tee) shows each line when it is printed, not
     # when a block buffer fills or the rank ends; progress is a bar on a terminal, else lines.
     sys.stdout.reconfigure(line_buffering=True)
-    progress.configure(cfg.progress_every, cfg.progress_every_s)
     stopper = stopping.install(rank, cfg.grace_s)  # first, so that no SIGTERM finds the default action
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints where every thread of this rank is
         faulthandler.register(signal.SIGUSR1, all_threads=True)

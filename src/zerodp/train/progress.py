@@ -126,32 +126,20 @@ def clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-# The cadence of progress lines, set in each rank from --progress-every / --progress-every-s
-# (zerodp.train.launch.worker calls configure before training).
-EVERY_STEPS = 0  # 0: a twentieth of the run
-EVERY_S = 30.0
-
-
-def configure(every_steps: int = 0, every_s: float = 30.0) -> None:
-    """Set this process's cadence of progress lines (``--progress-every``, ``--progress-every-s``)."""
-    global EVERY_STEPS, EVERY_S
-    EVERY_STEPS, EVERY_S = int(every_steps), float(every_s)
-
-
 class ProgressBar:
     """Rank 0's progress: step, loss, tokens/s, step time and ETA — a tqdm bar on a terminal, one
     line per ``every_steps`` steps or ``every_s`` seconds elsewhere. ``mode``: auto (by the
     stream), bar or lines; silent unless ``enabled``."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, every_steps: int | None = None,
-                 every_s: float | None = None, mode: str = "auto", file=None, clock_fn=time.monotonic):
+    def __init__(self, total: int, initial: int, enabled: bool, every_steps: int = 0,
+                 every_s: float = 30.0, mode: str = "auto", file=None, clock_fn=time.monotonic):
         self.total, self.done, self.first = total, initial, initial
         self.enabled = bool(enabled)
         self.file = file if file is not None else sys.stderr
         self.mode = ("bar" if is_terminal(self.file) else "lines") if mode == "auto" else mode
-        every = EVERY_STEPS if every_steps is None else every_steps
-        self.every_steps = every if every > 0 else max(1, (total - initial) // 20)
-        self.every_s = EVERY_S if every_s is None else every_s
+        # every_steps 0: a twentieth of the run (--progress-every, --progress-every-s)
+        self.every_steps = int(every_steps) if every_steps > 0 else max(1, (total - initial) // 20)
+        self.every_s = float(every_s)
         self._clock = clock_fn
         self._t0 = self._last_t = clock_fn()
         self._val = None  # the latest validation loss, shown until the next one
