@@ -39,12 +39,12 @@ test-fast: setup
 # 520 random combinations of the engine's differential matrix, and 5,000 generated call
 # sequences of the engine vs single-process torch (tests/test_engine_fuzz.py); the three
 # torch.compile forms at every stage on 2 and 3 ranks (make test: stages 0 and 3, 2 ranks), the
-# per-tensor optimizers on 1 to 4 ranks (make test: 2 and 3), and the stage 0, ZeRO-1/2, stage 3
+# per-tensor optimizers on 1 to 4 ranks (make test: 2), and the stage 0, ZeRO-1/2, stage 3
 # and correctness suites at world sizes 2-4 (make test: 2 — the matrix covers 1-4 there) and the
 # planner's ownership check on 2 and 3 ranks (make test: 3); the 4-rank compressed/hybrid bench run,
 # the matrix's hand-picked hybrid, compressed and per-tensor optimizer (× every stage × world 1-4)
 # cases and its codec check (make test: the pairwise table), and the 4-to-2-rank reshard of a
-# training run with its export.
+# training run with its export and its bitwise resume at every stage (make test: 0, 1, 3).
 fuzz: setup
 	ZERODP_MATRIX_RANDOM=520 ZERODP_ENGINE_FUZZ=5000 $(BIN)/python -m pytest -q -s -m fuzz --hypothesis-profile=fuzz
 	ZERODP_COMPILE_ALL=1 ZERODP_OPTIMIZER_WORLDS=2,1,3,4 ZERODP_ALL_WORLDS=1 $(BIN)/python -m pytest -q -n 2 \

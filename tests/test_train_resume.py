@@ -25,7 +25,9 @@ from zerodp.train.config import TrainConfig
 pytestmark = pytest.mark.dist
 
 
-STAGES = [0, 1, 2, 3]
+#: make test: stages 0, 1 and 3 (stage 2, the default, resumes bitwise in test_chaos_short.py,
+#: test_preempt.py and test_reliability_faults.py); make fuzz (ZERODP_ALL_WORLDS=1): every stage
+STAGES = [0, 1, 2, 3] if os.environ.get("ZERODP_ALL_WORLDS") else [0, 1, 3]
 
 
 BASE = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=1024, micro_batch=4, steps=20,
