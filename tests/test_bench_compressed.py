@@ -7,10 +7,10 @@ row must be the planner's (``zerodp.plan.hybrid.wire_bytes``) for the collective
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
+from _engine_common import ALL_WORLDS
 from zerodp.bench import schedule
 from zerodp.bench import spec as bspec
 from zerodp.bench.contenders import CONTENDERS, VARIANTS, Compression, engine_options, variant_name
@@ -106,7 +106,7 @@ def test_predict_cli_compress(tmp_path, capsys):
 
 # ---- one real quick run: 4 ranks, stages 0 and 3, hybrid g = 2 (make fuzz) -----------------------
 @pytest.mark.dist
-@pytest.mark.skipif(not os.environ.get("ZERODP_ALL_WORLDS"),
+@pytest.mark.skipif(not ALL_WORLDS,
                     reason="4 ranks: make fuzz (ZERODP_ALL_WORLDS=1) runs it; the matrix checks the compressed paths")
 def test_bench_quick_compressed_and_hybrid(tmp_path, capsys):
     profile = synthetic_profile(tmp_path / "p.json", world=4)

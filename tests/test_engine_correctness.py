@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import sum_tolerance
+from _engine_common import ALL_WORLDS, sum_tolerance
 from _matrix import _gather_state
 from zerodp.spawn import run_local
 
@@ -369,7 +368,6 @@ def results(world: int, tmp: str = "") -> dict:
 
 #: make test: 2 ranks; make fuzz (ZERODP_ALL_WORLDS=1): 2 and 3 (the differential matrix covers
 #: every world size 1-4 in make test)
-ALL_WORLDS = bool(os.environ.get("ZERODP_ALL_WORLDS"))
 WORLD_SIZES = (2, 3) if ALL_WORLDS else (2,)
 
 

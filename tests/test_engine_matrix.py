@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from _engine_common import ALL_WORLDS
 from _matrix import (COMPRESS, OPTIMIZERS, STAGES, USAGES, WORLDS, Case, pairwise_cases, random_cases, run_cases,
                      run_cases_lr_off, run_cases_miscaled, valid)
 from zerodp.spawn import run_local
@@ -64,7 +65,7 @@ HYBRID_2X2 = [Case.parse(f"stage={s} world=4 mesh=hybrid usage={u} features={f}"
 
 #: make test runs the pairwise table (which crosses every mesh and compression with every stage and
 #: world); make fuzz (ZERODP_ALL_WORLDS=1) adds the hand-picked lists below
-EXTRA = pytest.mark.skipif(not os.environ.get("ZERODP_ALL_WORLDS"),
+EXTRA = pytest.mark.skipif(not ALL_WORLDS,
                            reason="make fuzz (ZERODP_ALL_WORLDS=1) runs the extra hand-picked cases")
 
 

@@ -18,8 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import (FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt, make_odd,
-                            max_rel, norm_rel, odd_batch, shard, sum_tolerance, trajectory_tolerance, worst)
+from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt,
+                            make_odd, max_rel, norm_rel, odd_batch, shard, sum_tolerance, trajectory_tolerance, worst)
 from zerodp.engine.buckets import MB
 from zerodp.plan.units import plan_buckets
 from zerodp.spawn import run_local
@@ -27,7 +27,7 @@ from zerodp.spawn import run_local
 pytestmark = pytest.mark.dist
 #: make test: 2 ranks; make fuzz (ZERODP_ALL_WORLDS=1): 2, 3 and 4 (the differential matrix
 #: covers every world size 1-4 in make test)
-WORLDS = (2, 3, 4) if os.environ.get("ZERODP_ALL_WORLDS") else (2,)
+WORLDS = (2, 3, 4) if ALL_WORLDS else (2,)
 MODES = ("naive", "overlap", "bucketed")
 STEPS = 20
 # Tolerances (_engine_common.sum_tolerance): a gradient here sums every token of the batch

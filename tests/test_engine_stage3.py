@@ -18,12 +18,12 @@ padding is exercised.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
+from _engine_common import ALL_WORLDS
 from zerodp.spawn import run_local
 from zerodp.train.model import GPT, GPTConfig
 
@@ -298,7 +298,7 @@ def _assert_traj(got, want, rtol, what):
 
 #: make test: 2 ranks; make fuzz (ZERODP_ALL_WORLDS=1): 2, 3 and 4 (the differential matrix covers
 #: stage 3 at every world size 1-4 in make test)
-STAGE3_WORLDS = [2, 3, 4] if os.environ.get("ZERODP_ALL_WORLDS") else [2]
+STAGE3_WORLDS = [2, 3, 4] if ALL_WORLDS else [2]
 
 
 @pytest.fixture(scope="module", params=STAGE3_WORLDS, ids=lambda w: f"world{w}")

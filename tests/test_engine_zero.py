@@ -8,15 +8,14 @@ memory ledger ``zerodp.plan.memory`` (bytes per rank).
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import zerodp
-from _engine_common import (FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt, max_rel,
-                            norm_rel, shard, worst)
+from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt,
+                            max_rel, norm_rel, shard, worst)
 from zerodp.engine.config import MixedPrecision
 from zerodp.engine.stats import compare_table, formula_by_kind
 from zerodp.spawn import run_local
@@ -24,7 +23,7 @@ from zerodp.spawn import run_local
 pytestmark = pytest.mark.dist
 #: make test: 2 ranks; make fuzz (ZERODP_ALL_WORLDS=1): 2, 3 and 4 (the differential matrix
 #: covers every world size 1-4 in make test)
-WORLDS = (2, 3, 4) if os.environ.get("ZERODP_ALL_WORLDS") else (2,)
+WORLDS = (2, 3, 4) if ALL_WORLDS else (2,)
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2^-7
 
 

@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import zerodp
+from _engine_common import ALL_WORLDS
 from zerodp.engine.layout import FlatLayout
 from zerodp.plan.hf import parse_config
 from zerodp.plan.memory import memory_plan
@@ -33,7 +34,7 @@ BUCKETS = dict(bucket_mb=0.05, first_bucket_mb=0.01)  # several buckets of the n
 OPTIMIZERS = ("adafactor", "muon")
 STAGES = (1, 2, 3)
 #: make test: 3 ranks (uneven owned sets); make fuzz (ZERODP_ALL_WORLDS=1): 2 and 3
-WORLDS = (2, 3) if os.environ.get("ZERODP_ALL_WORLDS") else (3,)
+WORLDS = (2, 3) if ALL_WORLDS else (3,)
 
 
 def literal_rule(sizes: list[list[int]], n: int) -> list[list[int]]:

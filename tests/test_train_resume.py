@@ -11,13 +11,13 @@ resume, the saved world-4 pieces for reshard, a plain single-process ``GPT`` for
 """
 
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from _engine_common import ALL_WORLDS
 from zerodp.spawn import run_local
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.dist
 
 #: make test: stages 0, 1 and 3 (stage 2, the default, resumes bitwise in test_chaos_short.py,
 #: test_preempt.py and test_reliability_faults.py); make fuzz (ZERODP_ALL_WORLDS=1): every stage
-STAGES = [0, 1, 2, 3] if os.environ.get("ZERODP_ALL_WORLDS") else [0, 1, 3]
+STAGES = [0, 1, 2, 3] if ALL_WORLDS else [0, 1, 3]
 
 
 BASE = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=1024, micro_batch=4, steps=20,
@@ -107,7 +107,7 @@ def _world2(rank, world, root, x):
     return {k: v.numpy() for k, v in full.items()}, logits.numpy()
 
 
-@pytest.mark.skipif(not os.environ.get("ZERODP_ALL_WORLDS"),
+@pytest.mark.skipif(not ALL_WORLDS,
                     reason="4 ranks: make fuzz (ZERODP_ALL_WORLDS=1); make test reshards in test_train_checkpoint.py, "
                            "test_state_dict.py (world 2 -> 3) and the matrix")
 def test_reshard_world4_stage3_to_world2_stage1_and_export(tmp_path):

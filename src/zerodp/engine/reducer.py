@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerodp.plan.units import plan_buckets
 from zerodp.engine.base import StageEngine, grad_hook
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.compiled import host_only
@@ -40,6 +39,7 @@ from zerodp.engine.deferred import materialize_module
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
 from zerodp.engine.states import StepState
+from zerodp.plan.units import plan_buckets
 
 
 class BucketEngine(StageEngine):
