@@ -57,7 +57,7 @@ fuzz: setup
 chaos: setup
 	$(BIN)/python -m zerodp.train.chaos --seed $(or $(SEED),0) --steps 200
 
-# The GPU path on this machine's CUDA GPUs (one rank per GPU, NCCL; about ten minutes): the
+# The GPU path on this machine's CUDA GPUs (one rank per GPU, NCCL; about five minutes): the
 # differential matrix, the CUDA-event trace, the memory ledger per stage, zerodp bench vs DDP/FSDP2;
 # writes docs/gpu.md. Without a GPU it prints one line and runs nothing.
 gpu-check: setup

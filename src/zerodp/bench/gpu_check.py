@@ -2,7 +2,7 @@
 
 ``python -m zerodp.bench.gpu_check [--out docs/gpu.md]``. Without CUDA it prints one line saying so
 and what it would run, and exits 0 having run nothing. With N ≥ 1 CUDA GPUs (one rank per GPU,
-NCCL), each phase time-boxed so that the whole fits in about ten minutes:
+NCCL), each phase time-boxed so that the whole fits in about five minutes:
 
 1. **matrix** — the differential matrix of ``tests/_matrix.py`` (engine against a single-process
    reference, dtype-derived tolerances) on CUDA: the pairwise table with every world size above N
@@ -38,8 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]  # the repository (src/zerodp/bench/ → ../../..)
 DEFAULT_OUT = ROOT / "docs" / "gpu.md"
 COMMAND = "make gpu-check  (python -m zerodp.bench.gpu_check)"
-#: seconds per phase: together under ten minutes with the spawns and CUDA/NCCL start-up
-LIMITS = {"matrix": 200, "trace": 60, "memory": 90, "bench": 200}
+#: seconds per phase: together under six minutes with the spawns and CUDA/NCCL start-up
+LIMITS = {"matrix": 110, "trace": 40, "memory": 50, "bench": 100}
 TRACE_STEPS = 4
 TRACE_SLACK_S = 50e-6  # device timestamps resolve to ~0.5 µs; the anchor to a few µs
 
