@@ -42,7 +42,7 @@ def engine_class(stage: int) -> type[StageEngine]:
     raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0 (DDP), 1, 2 or 3 (FSDP)")
 
 
-def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
+def parallelize(model: nn.Module, optimizer: OptimizerFactory | None = None, stage: int = 0,
                 mixed_precision: "str | MixedPrecision | None" = None,
                 units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None,
                 **options) -> StageEngine:
@@ -54,7 +54,9 @@ def parallelize(model: nn.Module, optimizer: OptimizerFactory, stage: int = 0,
     one rank each (guide §12.3, ``EngineConfig.optimizer_layout``). ``optimizer`` may instead be an
     optimizer the script built over ``model.parameters()``, or a list of them over disjoint
     parameters (``[Muon(matrices), AdamW(the rest)]``): each is rebuilt, with its class, defaults
-    and param groups, over the master, and ``engine.optimizer`` steps them as one. ``mixed_precision``: None (fp32),
+    and param groups, over the master, and ``engine.optimizer`` steps them as one. ``optimizer=None``: the
+    script builds its own over ``model.parameters()`` after the wrap, as a DDP script does, and the
+    engine adopts it at its first ``step()`` (:mod:`zerodp.engine.adopt`). ``mixed_precision``: None (fp32),
     ``"bf16"`` or a :class:`MixedPrecision`. ``units``: FSDP units for stage 3 (e.g.
     ``list(model.blocks)``). Other keyword options are :class:`EngineConfig` fields
     (``bucket_mb``, ``sync``, ``find_unused_parameters``, ``average_by_tokens``, ``param_groups``,

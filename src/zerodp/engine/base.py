@@ -45,19 +45,20 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
+from zerodp.engine.adopt import Adoption
 from zerodp.engine.comm import Collectives, InFlight
 from zerodp.engine.compiled import activate, host_only
 from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
-from zerodp.engine.construct import Construction
+from zerodp.engine.construct import Construction, resolve_param_groups
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
 from zerodp.engine.gradbuf import StoragePool
 from zerodp.engine.group import FlatGroup, Policy
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory
-from zerodp.engine.optim import EngineOptimizer, UserGroups, from_built, is_built
+from zerodp.engine.nest import cast_floats, grad_tensors
+from zerodp.engine.optim import EngineOptimizer, from_built, is_built
 from zerodp.engine.state_dict import BUFFER, StateContract  # noqa: F401 - BUFFER: zerodp.engine.hf reads it here
 from zerodp.engine.stats import collect_stats, measured_bytes
 from zerodp.engine.states import StepState
@@ -141,34 +142,6 @@ def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     return shard_pg, replica_pg
 
 
-def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
-                         rule: Callable[[str, nn.Parameter], dict] | None) -> tuple[list[dict], list[int]]:
-    """Map each parameter to an optimizer param group (e.g. no weight decay on norms and biases).
-
-    ``rule(name, param)`` returns the group's options; parameters with equal options share a
-    group, and each group gets its own flat buffers (a bucket never mixes groups). Returns the
-    option dicts and, per parameter, its group index. The groups of an optimizer the user built
-    (:class:`~zerodp.engine.optim.UserGroups`) are kept as they were, in their order.
-    """
-    if isinstance(rule, UserGroups):
-        return [dict(o) for o in rule.options], [rule.group_of[id(p)] for _, p in named_params]
-    options: list[dict] = []
-    index: list[int] = []
-    for name, p in named_params:
-        opts = {} if rule is None else rule(name, p)
-        if not isinstance(opts, dict):
-            raise ValueError(
-                f"param_groups({name!r}, param) returned {type(opts).__name__}; it must return a dict "
-                "of optimizer options such as {'weight_decay': 0.0} (or {} for the defaults)"
-            )
-        if "params" in opts:
-            raise ValueError(f"param_groups({name!r}, param) must not return 'params': the engine fills it")
-        if opts not in options:
-            options.append(dict(opts))
-        index.append(options.index(opts))
-    return options, index
-
-
 class StageEngine(StepMachine, StateContract, Construction):
     """Base class of the stage engines; see the module docstring for the subclass contract."""
 
@@ -188,6 +161,10 @@ class StageEngine(StepMachine, StateContract, Construction):
         if not isinstance(module, nn.Module):
             raise TypeError(f"parallelize expects a torch.nn.Module, got {type(module).__name__}")
         activate()  # the hooks' bookkeeping stays out of compiled graphs (zerodp.engine.compiled)
+        adopt = optimizer_factory is None  # the script builds its optimizer after the wrap (zerodp.engine.adopt)
+        if adopt:
+            optimizer_factory = _stand_in_optimizer
+        given = []
         if is_built(optimizer_factory):  # the script's configure_optimizers(): one optimizer, or a list
             if config.param_groups is not None:
                 raise ValueError("parallelize got a built optimizer and param_groups: the optimizer's own param "
@@ -197,6 +174,7 @@ class StageEngine(StepMachine, StateContract, Construction):
             config = dataclasses.replace(config, param_groups=user_groups)
             for opt in [built] if isinstance(built, torch.optim.Optimizer) else built:
                 opt.register_step_pre_hook(_rebuilt_optimizer_step)
+                given.append(opt)
         if not callable(optimizer_factory):
             raise TypeError(
                 "optimizer must be a torch.optim.Optimizer over model.parameters() or a factory, e.g. "
@@ -254,6 +232,7 @@ class StageEngine(StepMachine, StateContract, Construction):
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self.named_params:
             raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
+        _check_sparse(module, self.stage)
         self.group_options, self.param_group_of = resolve_param_groups(self.named_params, config.param_groups)
         self._group_by_name = {n: g for (n, _), g in zip(self.named_params, self.param_group_of)}
         self.buffers = persistent_buffers(module)
@@ -265,7 +244,8 @@ class StageEngine(StepMachine, StateContract, Construction):
         self._token_factor_value: float | None = None
         self.step_state = StepState.IDLE
         self._buffers_stale = True  # DDP's require_forward_param_sync (see forward)
-        self._grads_under_sharded: dict[int, torch.Tensor | None] = {}  # see _attach_sharded_grads
+        self._grads_under_sharded: dict[int, tuple] = {}  # id(param) -> (.grad under it, its ShardedGrad)
+        self._dropped: set[str] = set()  # reduced gradients the script set to None (model.zero_grad())
         self._backward_event = None
         self._facade: EngineOptimizer | None = None
         self._last_step_end: float | None = None
@@ -273,6 +253,7 @@ class StageEngine(StepMachine, StateContract, Construction):
         # Non-finite gradients: skip the step on every rank alike (see zerodp.engine.guard).
         skips = getattr(config, "max_nonfinite_skips", None)
         self.guard = None if skips is None else NonFiniteGuard(skips)
+        self.adoption = Adoption(self, pending=adopt, given=given)
 
     @property
     def module(self) -> nn.Module:
@@ -328,9 +309,10 @@ class StageEngine(StepMachine, StateContract, Construction):
             self._broadcast_buffers()
         self._buffers_stale = torch.is_grad_enabled() and self._sync
         if self.mixed_precision is not None:  # floating inputs compute in the param dtype, every stage
-            args, kwargs = _cast_floats((args, kwargs), self.param_dtype)
-        self._detach_sharded_grads()  # the next backward accumulates as before
+            args, kwargs = cast_floats((args, kwargs), self.param_dtype)
+        self._reconcile_grads()  # the module's .grad read back; the next backward accumulates as before
         self._before_forward()
+        self._take_module_values(fold=False)
         return args, kwargs, self.recorder.begin("forward", COMPUTE)
 
     @host_only
@@ -342,9 +324,8 @@ class StageEngine(StepMachine, StateContract, Construction):
     def _exit_forward(self, out, span):
         self.recorder.end(span)
         self._after_forward(out)
-        first = _first_grad_tensor(out)
-        if first is not None:  # the output's gradient is the first thing backward computes
-            first.register_hook(self._on_output_grad)
+        for t in grad_tensors(out):  # an output's gradient is the first thing backward computes
+            t.register_hook(self._on_output_grad)
         return out
 
     def train(self, mode: bool = True) -> "StageEngine":
@@ -392,19 +373,23 @@ class StageEngine(StepMachine, StateContract, Construction):
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type}: only the 2-norm is supported across shards")
         self._check_not_failed("clip_grad_norm_")
+        self._reconcile_grads()
         self._finish_grad_sync()
         grads = [g for g in self._master_grads() if g is not None]
         if grads:
-            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+            norms = torch._foreach_norm([g if g.dtype in (torch.float32, torch.float64) else g.float()
+                                          for g in grads])
             sq = torch.stack(norms).square().sum().reshape(1)
         else:
-            sq = torch.zeros(1, device=self.device)
+            sq = torch.zeros(1, dtype=self.master_dtype if self.master_dtype == torch.float64 else torch.float32,
+                             device=self.device)
         if self.grads_sharded and self.shard_comm.world_size > 1:  # replicas hold the same shards
             sq = self.shard_comm.all_reduce_sum(sq, "grad_norm")
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
         for g in self.groups:
             g.grads.scale(coef)
+        self._attach_sharded_grads()
         return norm
 
     def step(self) -> None:
@@ -421,9 +406,15 @@ class StageEngine(StepMachine, StateContract, Construction):
         (as with DDP); after ``zero_grad(set_to_none=False)`` the zeros are applied (momentum,
         weight decay); a second ``step()`` without ``zero_grad`` applies the gradients again."""
         self._check_not_failed("step")
+        if self.adoption.pending:
+            raise RuntimeError("engine.step(): zerodp.parallelize was given no optimizer and none has been built "
+                               "over model.parameters() yet: pass optimizer=lambda groups: torch.optim.AdamW(groups, "
+                               "lr=...) to parallelize, or build one over model.parameters() and call its step()")
+        self._reconcile_grads()
+        self._take_module_values(fold=True)
         with self.recorder.span("step", COMPUTE):
             self._finish_grad_sync()
-            self._unused = self._step_unused()  # collective where parameters may go unused
+            self._unused = self._step_unused() | self._dropped  # collective where parameters may go unused
             if self.guard is not None and self.guard.should_skip(self):  # collective
                 self._zero_grad()  # inf/NaN somewhere: apply nothing, on every rank
                 self._reset_used()
@@ -432,6 +423,7 @@ class StageEngine(StepMachine, StateContract, Construction):
             if not self.config.overlap_param_gather:
                 self._wait_params()  # step() returns with the model's parameters up to date
         self._move(StepState.STEPPED)
+        self._attach_sharded_grads()  # gradients stay on the parameters until zero_grad, as torch's
         self.last_comm_peak, self._comm_peak = self._comm_peak, 0
         self._tokens = 0.0
         self._token_factor_value = None
@@ -456,11 +448,31 @@ class StageEngine(StepMachine, StateContract, Construction):
         # What the step's gradients held, for stats(): the shards freed here exist again from the
         # next step's first reduction on (model states are what a step holds, guide §8).
         self.last_grad_bytes = measured_bytes({"grads": [t for g in self.groups for t in g.memory()["grads"]]})["grads"]
-        self._detach_sharded_grads()
+        self._reconcile_grads()
+        self._dropped.clear()
         self._zero_grad(set_to_none)
         if set_to_none:
             self._reset_used()  # torch: every .grad is None; used-flags start again
         self._move(StepState.IDLE)
+
+    def _take_module_values(self, fold: bool) -> None:
+        """The module's parameters are the truth (guide §12.9): rebound ``.data`` taken back, and
+        with ``fold`` values written into them since the last step folded into a separate master."""
+        for g in self.groups:
+            g.take_rebound()
+            if fold:
+                g.fold_into_master()
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = False) -> Iterator[nn.Module]:
+        """Every parameter of the module whole inside the block, on every rank (as FSDP1's
+        ``summon_full_params`` or DeepSpeed's ``GatheredParameters``); with ``writeback`` what the
+        block wrote into them is the engine's at its end. Stages 0-2 hold whole parameters at all
+        times; stage 3 gathers every unit for the block (a collective: every rank enters it)."""
+        self._wait_params()
+        yield self._module
+        if writeback:
+            self._take_module_values(fold=True)
 
     def stats(self):
         """Measured bytes per rank by kind, the last step's collectives, exposed comm, step time."""
@@ -499,6 +511,22 @@ class StageEngine(StepMachine, StateContract, Construction):
 
 
 
+def _check_sparse(module: nn.Module, stage: int) -> None:
+    """Sparse gradients (``nn.Embedding(sparse=True)``): stage 0 trains them as DDP does (summed
+    densely in its bucket); stages 1-3 ReduceScatter flat dense slices, so refuse in one line."""
+    if stage == 0:
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ValueError(f"{name or 'the model'} ({type(m).__name__}) has sparse=True: its sparse gradients cannot "
+                             f"be sharded at stage {stage}; build it with sparse=False, or use stage=0 (as DDP)")
+
+
+def _stand_in_optimizer(groups: list[dict]) -> torch.optim.Optimizer:
+    """The master's optimizer until the script's own is adopted (never stepped: step() refuses)."""
+    return torch.optim.SGD(groups, lr=0.0)
+
+
 def _rebuilt_optimizer_step(optimizer, args, kwargs):
     """Step pre-hook on an optimizer given to ``parallelize``: it was rebuilt over the engine's master."""
     raise RuntimeError(
@@ -506,10 +534,10 @@ def _rebuilt_optimizer_step(optimizer, args, kwargs):
         "master: step the engine's instead (optimizer = engine.optimizer after parallelize)")
 
 
-def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in a nest, cast to ``dtype`` (mixed precision's inputs, guide §1)."""
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, x)
+def remove_hooks(handles: list) -> None:
+    """Run by ``weakref.finalize`` when an engine is collected: its hooks leave the module."""
+    for h in handles:
+        h.remove()
 
 
 def grad_hook(engine: "StageEngine", method: str, group: int, j: int) -> Callable[[nn.Parameter], None]:
@@ -526,8 +554,3 @@ def grad_hook(engine: "StageEngine", method: str, group: int, j: int) -> Callabl
         if eng is not None:
             getattr(eng, method)(eng.groups[group], j, param)
     return hook
-
-
-def _first_grad_tensor(out: Any) -> torch.Tensor | None:
-    """The first tensor that requires grad in a nest of outputs (torch.utils._pytree's leaves)."""
-    return next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)

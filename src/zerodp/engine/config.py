@@ -22,15 +22,19 @@ BUCKET_COLLECTIVE = {0: "all_reduce", 1: "reduce_scatter", 2: "reduce_scatter"}
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+#: what the optimizer may step (``master_dtype``): fp64 too, never fp16 (no loss scaling)
+_MASTER_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+                  "fp64": torch.float64, "float64": torch.float64}
 
 
 def parse_dtype(value: str | torch.dtype | None, what: str) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
+    known = _MASTER_DTYPES if what == "master_dtype" else _DTYPES
     try:
-        return _DTYPES[str(value).lower()]
+        return known[str(value).lower()]
     except KeyError:
-        raise ValueError(f"{what}={value!r} is not a dtype I know; use one of {sorted(_DTYPES)}") from None
+        raise ValueError(f"{what}={value!r} is not a dtype I know; use one of {sorted(known)}") from None
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,10 @@ class EngineConfig:
     # drawn from init_seed and the module's name (the same values at any world size and stage).
     init_fn: "Callable[[torch.nn.Module], None] | None" = None
     init_seed: int = 0
+    # The dtype of the values the optimizer updates (guide §1, §12.3). None: fp32 under mixed
+    # precision; otherwise the model's own dtype, as torch's optimizers step it (an fp64 model in
+    # fp64, a model cast to bf16 in bf16). "fp32" keeps an fp32 master of a bf16 model (+4 B/param).
+    master_dtype: "str | torch.dtype | None" = None
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -154,6 +162,9 @@ class EngineConfig:
             raise ValueError(f"shard_size={self.shard_size!r}: give a positive number of ranks per shard group "
                              "(it must divide the world size), or None for one node")
         parse_dtype(self.reduce_dtype, "reduce_dtype")
+        master = parse_dtype(self.master_dtype, "master_dtype")
+        if master is not None and master not in _MASTER_DTYPES.values():
+            raise ValueError(f"master_dtype={self.master_dtype!r}: the optimizer steps fp32, fp64 or bf16 values")
         if self.optimizer_layout not in ("auto", "flat", "owner"):
             raise ValueError(f"optimizer_layout={self.optimizer_layout!r}: use 'auto' (flat for elementwise "
                              "optimizers, owner for per-tensor ones), 'flat' or 'owner' (guide §12.3)")

@@ -11,15 +11,18 @@ construction, the checks that what it planned still holds (buffers broadcast by 
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerodp.engine.config import parse_dtype
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.layout import FlatLayout
+from zerodp.engine.optim import UserGroups, from_built
 from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, param_targets, probe_factory,
                                   whole_targets)
 
@@ -52,6 +55,34 @@ def describe_difference(mine: Any, other: Any, path: str = "") -> str | None:
     return None if mine == other else f"{path.rstrip('.')}: {mine!r} vs {other!r}"
 
 
+def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
+                         rule: Callable[[str, nn.Parameter], dict] | None) -> tuple[list[dict], list[int]]:
+    """Map each parameter to an optimizer param group (e.g. no weight decay on norms and biases).
+
+    ``rule(name, param)`` returns the group's options; parameters with equal options share a
+    group, and each group gets its own flat buffers (a bucket never mixes groups). Returns the
+    option dicts and, per parameter, its group index. The groups of an optimizer the user built
+    (:class:`~zerodp.engine.optim.UserGroups`) are kept as they were, in their order.
+    """
+    if isinstance(rule, UserGroups):
+        return [dict(o) for o in rule.options], [rule.group_of[id(p)] for _, p in named_params]
+    options: list[dict] = []
+    index: list[int] = []
+    for name, p in named_params:
+        opts = {} if rule is None else rule(name, p)
+        if not isinstance(opts, dict):
+            raise ValueError(
+                f"param_groups({name!r}, param) returned {type(opts).__name__}; it must return a dict "
+                "of optimizer options such as {'weight_decay': 0.0} (or {} for the defaults)"
+            )
+        if "params" in opts:
+            raise ValueError(f"param_groups({name!r}, param) must not return 'params': the engine fills it")
+        if opts not in options:
+            options.append(dict(opts))
+        index.append(options.index(opts))
+    return options, index
+
+
 class Construction:
     """Building the flat groups (module docstring); mixed into every stage engine."""
 
@@ -67,6 +98,12 @@ class Construction:
         fp32 = torch.float32
         self.accum_dtype = fp32 if fp32 in (param_dtype, self.reduce_dtype) or (mp and mp.fp32_grad_accum) \
             else self.reduce_dtype
+        # What the optimizer steps: fp32 under mixed precision, else the model's own dtype (torch's
+        # semantics: fp64 stays fp64, a bf16 model steps in bf16), unless master_dtype says otherwise.
+        asked = parse_dtype(self.config.master_dtype, "master_dtype")
+        self.master_dtype = asked or (fp32 if mp is not None and mp.param_dtype != fp32 else param_dtype)
+        if self.accum_dtype.itemsize < self.reduce_dtype.itemsize:
+            self.accum_dtype = self.reduce_dtype
 
     def _shard_size(self) -> int:
         """Ranks per shard group (guide §14): ``config.shard_size``, else one node (torchrun's
@@ -148,7 +185,7 @@ class Construction:
         for g in self.groups:
             if self.deferred:
                 self._materialize(g)
-            values = torch.zeros(g.layout.padded_numel, dtype=torch.float32, device=self.device)
+            values = torch.zeros(g.layout.padded_numel, dtype=self.master_dtype, device=self.device)
             for slot, p in zip(g.layout.slots, g.params):
                 values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
             self._broadcast_from_rank0([values])
@@ -156,6 +193,14 @@ class Construction:
             g.grads.init()
             del values
         self._broadcast_from_rank0(list(extra_broadcast))
+        self._build_optimizer()
+        position = {n: i for i, (n, _) in enumerate(self.named_params)}
+        # Per group, per trainable parameter: its index in named_params (used-flags at step()).
+        self._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.groups]
+        self._step_used = [False] * len(self.named_params)
+
+    def _build_optimizer(self) -> None:
+        """The master optimizer over targets of every group's master (guide §12.3)."""
         targets: list[Target] = []
         self._target_slices: list[tuple[FlatGroup, int, int]] = []  # the gradient each target reads
         for g in self.groups:
@@ -164,10 +209,24 @@ class Construction:
                 targets.append(t)
                 self._target_slices.append((g, lo, lo + t.tensor.numel()))
         self.master = self._build_master(targets)
-        position = {n: i for i, (n, _) in enumerate(self.named_params)}
-        # Per group, per trainable parameter: its index in named_params (used-flags at step()).
-        self._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.groups]
-        self._step_used = [False] * len(self.named_params)
+
+    def rebuild_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adopt an optimizer the script built over the module's parameters after the wrap
+        (:mod:`zerodp.engine.adopt`): its class, defaults and param groups over the master, one
+        target per parameter (a bucket may mix its groups), the engine's optimizer from now on."""
+        if choose_layout(optimizer, self.config.elementwise_optimizer, self.config.optimizer_layout) != FLAT \
+                and self.placement == FLAT:
+            raise ValueError(f"{type(optimizer).__name__} steps whole tensors, and the engine laid its buffers out "
+                             "for flat shards at parallelize: pass it there, parallelize(model, optimizer=[...]), "
+                             "instead of building it after the wrap")
+        factory, user_groups = from_built(optimizer, self._module)
+        self.config = dataclasses.replace(self.config, param_groups=user_groups)
+        self.group_options, self.param_group_of = resolve_param_groups(self.named_params, user_groups)
+        self._group_by_name = {n: g for (n, _), g in zip(self.named_params, self.param_group_of)}
+        self._factory = factory
+        self._per_param_targets = True
+        self._build_optimizer()
+        self._facade = None
 
     def _materialize(self, g: FlatGroup) -> None:
         """A model built on the meta device: give ``g``'s parameters values (stage 3, per unit)."""
@@ -185,7 +244,7 @@ class Construction:
         if self.placement == OWNER:
             return whole_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1))
         chunk = CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
-        per_param = self.stage == 3 or self.config.find_unused_parameters
+        per_param = self.stage == 3 or self.config.find_unused_parameters or self.__dict__.get("_per_param_targets")
         return param_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1), chunk,
                              per_param=per_param)
 

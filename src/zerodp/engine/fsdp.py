@@ -52,24 +52,26 @@ rank issues the same collectives in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
-from zerodp.engine.base import StageEngine, grad_hook
+from zerodp.engine.base import StageEngine, grad_hook, remove_hooks
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.compiled import host_only
 from zerodp.engine.config import EngineConfig
 from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
+from zerodp.engine.module_view import restore_class, shard_view_class
+from zerodp.engine.nest import cast_floats, grad_tensors, replace, tensors
 from zerodp.engine.schedule import UnitSchedule
 from zerodp.engine.states import Phase, StepState
 from zerodp.engine.stats import EngineStats, fmt_bytes
@@ -184,22 +186,40 @@ class FSDPEngine(StageEngine):
 
     # ---- hooks ------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        root = self._module
-        self._handles.append(root.register_forward_pre_hook(self._top_pre_forward, prepend=True))
+        """The module's hooks hold the engine weakly (a module outlives its engine: ``del engine``
+        frees the engine and its buffers), and are removed when the engine is collected."""
+        root, ref = self._module, weakref.ref(self)
+
+        def call(method: str):
+            return functools.partial(_engine_hook, ref, method)
+
+        def unit_call(method: str, index: int, skip: int):
+            return functools.partial(_unit_hook, ref, method, index, skip)
+
+        self._handles.append(root.register_forward_pre_hook(call("_top_pre_forward"), prepend=True))
         for u in self.groups:
             self._handles.append(u.module.register_forward_pre_hook(
-                lambda m, a, k, u=u: self._pre_forward(u, a, k), with_kwargs=True))
+                unit_call("_pre_forward", u.index, 1), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(
-                lambda m, a, out, u=u: self._post_forward(u, out)))
+                unit_call("_post_forward", u.index, 2)))
             for j, p in enumerate(u.trainable_params):
                 self._handles.append(p.register_post_accumulate_grad_hook(
                     grad_hook(self, "_on_grad_final", u.index, j)))
-        self._handles.append(root.register_forward_hook(self._top_post_forward))
+        self._handles.append(root.register_forward_hook(call("_top_post_forward")))
+        # The module's own state dict holds full values (gathered: a collective), and its
+        # load_state_dict writes into the shards; deepcopy is refused (module_view).
+        self._handles.append(root.register_state_dict_post_hook(call("_module_state_dict")))
+        self._handles.append(root.register_load_state_dict_pre_hook(call("_module_load_state_dict")))
+        self._handles.append(root.register_load_state_dict_post_hook(call("_module_loaded")))
+        weakref.finalize(self, remove_hooks, list(self._handles))
+        weakref.finalize(self, restore_class, root, shard_view_class(root))
 
     @host_only
     def _top_pre_forward(self, module, args):
         if self._forwarding:
             return None
+        self._reconcile_grads()
+        self._take_module_values(fold=False)
         self._forwarding = True
         self._inflight.wait_all()
         for u in self.groups:  # e.g. the kept unit of a forward that had no backward
@@ -248,7 +268,7 @@ class FSDPEngine(StageEngine):
     def _watch_inputs(self, u: Unit, args, kwargs):
         """Route the unit's grad-requiring inputs through :class:`_InputsGradient`, whose backward
         runs once the gradient w.r.t. those inputs is complete, i.e. the unit's backward is over."""
-        flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
         if not flat:
             return args, kwargs
         token = next(self._tokens_issued)
@@ -257,7 +277,7 @@ class FSDPEngine(StageEngine):
         if isinstance(outs, torch.Tensor):
             outs = (outs,)
         swap = {id(a): b for a, b in zip(flat, outs)}
-        return _replace((args, kwargs), swap)
+        return replace((args, kwargs), swap)
 
     @host_only
     def _post_forward(self, u: Unit, out):
@@ -274,7 +294,7 @@ class FSDPEngine(StageEngine):
         self._post_order.append(u)
         if torch.is_grad_enabled():
             hook = lambda grad, u=u: self._pre_backward(u)  # noqa: E731
-            for t in _grad_tensors(out):
+            for t in grad_tensors(out):
                 t.register_hook(hook)
         return None
 
@@ -292,7 +312,7 @@ class FSDPEngine(StageEngine):
             back = self._post_order[::-1]
             self._next_bwd = {a.index: b for a, b in zip(back, back[1:])}
         if last is not None:
-            if torch.is_grad_enabled() and _grad_tensors(out):
+            if torch.is_grad_enabled() and grad_tensors(out):
                 self._kept = last  # guide §9.3: used first by backward, so never freed: 2L − 1
             else:
                 self._free(last)
@@ -381,6 +401,69 @@ class FSDPEngine(StageEngine):
             u.bwd.fwd_event = u.bwd.bwd_event = None
             self._free(u)
 
+    # ---- the module's own state dict and values (guide §12.9) ----------------------------------
+    def _take_module_values(self, fold: bool) -> None:
+        """Between calls, a unit still gathered (the last unit of a forward whose graph was dropped)
+        is freed first: what the script wrote into it meanwhile goes into the shard (``free``)."""
+        if not self._forwarding and self.step_state is not StepState.BACKWARD:
+            for u in self.groups:
+                self._free(u)
+            self._kept = self._deferred = None
+        super()._take_module_values(fold)
+
+    def _module_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """``model.state_dict()`` at stage 3: the module's entries are empty placeholders at rest, so
+        they are replaced by the full values (``engine.state_dict()``: a collective, every rank)."""
+        if self.__dict__.get("_raw_module_state"):
+            return
+        full = self.state_dict()
+        for key in list(state_dict):
+            name = key[len(prefix):]
+            value = state_dict[key]
+            if name in full and torch.is_tensor(value) and any(u.holds_placeholder(value) for u in self.groups):
+                state_dict[key] = full[name]
+
+    def _module_load_state_dict(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                                errors) -> None:
+        """``model.load_state_dict(sd)`` at stage 3: each parameter's value goes into the shard this
+        rank keeps, and its key leaves the dict torch loads from (a placeholder takes no copy);
+        ``_module_loaded`` then takes those keys off torch's missing list."""
+        where = {id(p): (u, i) for u in self.groups for i, p in enumerate(u.params)}
+        taken = self.__dict__.setdefault("_loaded_keys", set())
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key not in state_dict or id(p) not in where:
+                continue
+            u, i = where[id(p)]
+            value = state_dict[key]
+            if u.holds_placeholder(p) and torch.is_tensor(value) and tuple(value.shape) == u.layout.slots[i].shape:
+                u.write_param(i, value.detach().to(self.device))
+                del state_dict[key]
+                taken.add(key)
+
+    def _module_loaded(self, module, incompatible) -> None:
+        taken = self.__dict__.pop("_loaded_keys", set())
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = False):
+        """Every unit gathered for the block, on every rank (a collective); with ``writeback`` what
+        the block wrote into the parameters goes into the shards at its end (see the base class)."""
+        self._check_not_failed("gathered")
+        self._inflight.wait_all()
+        self._take_module_values(fold=False)
+        for u in self.groups:
+            self._ensure_gathered(u)
+        ok = False
+        try:
+            yield self._module
+            ok = True
+        finally:
+            for u in self.groups:
+                if ok and writeback:
+                    u.write_back()
+                self._free(u)
+
     # ---- gather / free / reduce ---------------------------------------------------------------
     def _gather(self, u: Unit, async_op: bool) -> None:
         self.schedule.log("AG", u)
@@ -412,7 +495,7 @@ class FSDPEngine(StageEngine):
         if self.mixed_precision is None:
             return None
         dt = self.param_dtype
-        return _cast_floats(args, dt), _cast_floats(kwargs, dt)
+        return cast_floats(args, dt), cast_floats(kwargs, dt)
 
     # ---- StageEngine contract ------------------------------------------------------------------
     def _local_used(self) -> list[bool]:
@@ -486,19 +569,16 @@ def _drop_token(engine: "weakref.ref[FSDPEngine]", unit: int, token: int) -> Non
         eng.groups[unit].bwd.pending_inputs.discard(token)
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    """Every tensor in a nest of tuples, lists and dicts (torch.utils._pytree's leaves)."""
-    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+@host_only
+def _engine_hook(ref: "weakref.ref[FSDPEngine]", method: str, *args):
+    """A module hook of the engine's, holding it weakly (``del engine`` frees it)."""
+    eng = ref()
+    return None if eng is None else getattr(eng, method)(*args)
 
 
-def _replace(x: Any, swap: dict[int, torch.Tensor]) -> Any:
-    return pytree.tree_map_only(torch.Tensor, lambda t: swap.get(id(t), t), x)
-
-
-def _grad_tensors(out: Any) -> list[torch.Tensor]:
-    return [t for t in _tensors(out) if t.requires_grad]
-
-
-def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, x)
+@host_only
+def _unit_hook(ref: "weakref.ref[FSDPEngine]", method: str, index: int, skip: int, *args):
+    """A unit's forward hook: ``method(unit, *args[skip:])`` (the module and, after forward, its
+    inputs left out), holding the engine weakly."""
+    eng = ref()
+    return None if eng is None else getattr(eng, method)(eng.groups[index], *args[skip:])

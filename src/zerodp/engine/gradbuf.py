@@ -175,19 +175,22 @@ class GradBuffers:
         move its fresh gradient into ``grad_full`` (one copy, or an add onto local gradients of
         earlier micro-batches). With full gradients at rest ``param.grad`` then *is* the view, so
         later micro-batches accumulate in place; otherwise ``.grad`` is dropped at once."""
+        grad = param.grad
+        if grad.layout != torch.strided:  # nn.Embedding(sparse=True), stage 0 only: the bucket is dense
+            grad = grad.to_dense()
         if self.g.policy.full_grads:
             view = self._grad_views[j]
-            if param.grad is not view:  # first gradient since zero_grad: move it into the bucket
+            if grad is not view:  # first gradient since zero_grad: move it into the bucket
                 self._ensure_storage()  # zero_grad may have freed it; only a first gradient can follow
-                view.copy_(param.grad)
+                view.copy_(grad)
                 param.grad = view
         else:
             self._ensure_storage()
             view = self._grad_views[j]
             if self.has_local:
-                view.add_(param.grad)
+                view.add_(grad)
             else:
-                view.copy_(param.grad)
+                view.copy_(grad)
             param.grad = None
         self.g.bwd.fire(j)
 
@@ -302,6 +305,53 @@ class GradBuffers:
         if not self.g.policy.full_grads or not self.holds_grads:
             return None
         return self.acc_full if self.acc_full is not None else self.grad_full
+
+    def held_grad(self, j: int) -> torch.Tensor | None:
+        """What ``param.grad`` of trainable parameter ``j`` is after a backward where full gradients
+        stay at rest (its view into ``grad_full``); None where no module tensor holds it."""
+        if self.g.policy.full_grads and self.acc_full is None and self._grad_views and self.state is not GradState.NONE:
+            return self._grad_views[j]
+        return None
+
+    def _ranges(self, j: int) -> list[tuple[torch.Tensor, int, int]]:
+        """The places that hold trainable parameter ``j``'s gradient for the next step: (buffer,
+        start, stop) in the local full buffer and in the gradient shard where it is separate."""
+        slot = self.g.layout.slots[self.g.trainable[j]]
+        out = []
+        full = self.full_local() if self.g.policy.full_grads else None
+        if full is not None:
+            out.append((full, slot.offset, slot.stop))
+        elif not self.g.policy.shard_master and self.holds_grads:
+            out.append((self.grad_full, slot.offset, slot.stop))
+        if self.g.policy.shard_master and not self.shard_in_full and self.grad_shard is not None:
+            lo, hi = self.g.shard_range
+            a, b = max(slot.offset, lo), min(slot.stop, hi)
+            if a < b:
+                out.append((self.grad_shard, a - lo, b - lo))
+        return out
+
+    @torch.no_grad()
+    def drop(self, j: int) -> None:
+        """The script set ``param.grad`` of trainable parameter ``j`` to None (``model.zero_grad()``,
+        ``p.grad = None``) after its reduction: what the engine holds for it becomes zeros, so a later
+        backward starts it afresh (guide §12.9); the step skips it unless one does, as torch's."""
+        if self.state is GradState.NONE:
+            return
+        for buf, a, b in self._ranges(j):
+            buf[a:b].zero_()
+
+    @torch.no_grad()
+    def write(self, j: int, grad: torch.Tensor) -> None:
+        """The script assigned ``param.grad = grad`` (the parameter's whole gradient, the same on every
+        rank, as DDP's would be): the engine takes it as the reduced gradient for the next step."""
+        slot = self.g.layout.slots[self.g.trainable[j]]
+        if tuple(grad.shape) != tuple(slot.shape):
+            raise RuntimeError(f"{slot.name}.grad was assigned a tensor of shape {tuple(grad.shape)}; the parameter's "
+                               f"shape is {tuple(slot.shape)}")
+        flat = grad.detach().reshape(-1)
+        for buf, a, b in self._ranges(j):
+            base = self.g.shard_range[0] if buf is self.grad_shard else 0  # buffer index + base = flat index
+            buf[a:b].copy_(flat[a + base - slot.offset:b + base - slot.offset])
 
     @torch.no_grad()
     def scale(self, coef: torch.Tensor) -> None:

@@ -10,14 +10,16 @@ shape whose data is this rank's slice of the gradient shard, and which implement
 
 - ``torch.linalg.vector_norm(g, p)``: the *global* p-norm of the parameter's gradient, from the
   local slices with one AllReduce over the shard group (MAX for p = inf, else Σ|x|^p);
-- ``g.mul_(c)``: scales the local slice, i.e. the gradient shard the optimizer step reads, and
-  where full local gradients stay at rest beside the shard (stage 1) the parameter's part of
-  them too, so that later micro-batches add onto the clipped gradient (guide §12.5).
+- ``g.mul_(c)``, ``g.div_(c)``, ``g.zero_()``: change the local slice, i.e. the gradient shard the
+  optimizer step reads, and where full local gradients stay at rest beside the shard (stage 1)
+  the parameter's part of them too, so that later micro-batches add onto the clipped gradient
+  (guide §12.5).
 
 Anything else raises one line naming ``engine.full_grad_dict()`` (the gathered gradients) and
 ``engine.clip_grad_norm_`` (one AllReduce for the whole model instead of one per parameter).
-``engine.parameters()`` puts these on the parameters while the step's gradients are reduced;
-the next forward or ``zero_grad`` takes them off again.
+They are on the module's parameters after every backward whose gradients were reduced and after
+``step()``; the engine reads them back (``model.zero_grad()``, ``p.grad = None``) before its next
+forward, backward, clip or step, and ``zero_grad`` takes them off (guide §12.9).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ import math
 import torch
 
 aten = torch.ops.aten
+#: in-place scalings a script applies to a gradient (a clip, an unscale, ``model.zero_grad(set_to_none=False)``):
+#: applied to this rank's slice and to the local gradient beside it
+_IN_PLACE = {aten.mul_.Tensor: torch.Tensor.mul_, aten.mul_.Scalar: torch.Tensor.mul_,
+             aten.div_.Tensor: torch.Tensor.div_, aten.div_.Scalar: torch.Tensor.div_,
+             aten.zero_.default: torch.Tensor.zero_}
 
 
 class ShardedGrad(torch.Tensor):
@@ -67,11 +74,11 @@ class ShardedGrad(torch.Tensor):
         if func is aten.linalg_vector_norm.default and not kwargs.get("dim") and len(args) <= 2:
             p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
             return args[0]._norm(p)
-        if func in (aten.mul_.Tensor, aten.mul_.Scalar) and isinstance(args[0], ShardedGrad):
-            other = args[1]
+        if func in _IN_PLACE and isinstance(args[0], ShardedGrad):
+            op, rest = _IN_PLACE[func], args[1:]
             for t in (args[0]._local, args[0]._also):
                 if t is not None:
-                    t.mul_(other.to(t.dtype) if isinstance(other, torch.Tensor) else other)
+                    op(t, *[o.to(t.dtype) if isinstance(o, torch.Tensor) else o for o in rest])
             return args[0]
         if func is aten.detach.default:
             return args[0]

@@ -217,15 +217,22 @@ class FlatGroup:
                 self.master = values[lo:hi] if share else values[lo:hi].clone()
                 self.master_start = lo
             self.param_shard = self.full[lo:hi]
+            self._full_views = self.views(self.full)
         else:
             self.master, self.master_start = values[lo:hi].clone(), lo
-            self.param_shard = self.master if self.param_dtype == torch.float32 else self.master.to(self.param_dtype)
+            same = self.param_dtype == self.master.dtype
+            self.param_shard = self.master if same else self.master.to(self.param_dtype)
             self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
             self._full_views = self.views(self.full)
-            self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+            # At rest each parameter keeps its shape over one shared element (a stride-0 view, as
+            # FSDP2's sharded DTensor keeps the global shape): p.shape, p.dim() and p.numel() stay
+            # what scripts group parameters by; in-place writes to it are refused by torch itself.
+            one = torch.zeros((), dtype=self.param_dtype, device=self.device)
+            self._placeholders = [one.expand(sl.shape) for sl in self.layout.slots]
             free_storage(self.full)
-            for param in self.params:
-                param.data = self._empty
+            for param, held in zip(self.params, self._placeholders):
+                param.data = held
+        self._versions = [p._version for p in self.params]
 
     def gather(self, async_op: bool = True) -> Pending | None:
         """``full`` ← every rank's ``param_shard`` (guide §9.1 step 5, §9.3). At stage 3 the
@@ -254,10 +261,13 @@ class FlatGroup:
         if not self.policy.shard_params or not self.gathered:
             return
         self.wait_gather()
-        for param in self.params:
-            param.data = self._empty
+        if any(p._version != v for p, v in zip(self.params, self._versions)):
+            self.write_back()  # written while gathered (a kept unit, between calls): the shard takes it
+        for param, held in zip(self.params, self._placeholders):
+            param.data = held
         free_storage(self.full)
         self.gathered = False
+        self._versions = [p._version for p in self.params]  # writes while gathered were to the gathered copy
 
     @torch.no_grad()
     def publish(self) -> Pending | None:
@@ -270,6 +280,85 @@ class FlatGroup:
         if self.policy.shard_master and not self.policy.shard_params:
             return self.gather(async_op=True)
         return None
+
+    # ---- the module's parameters are the truth between steps (guide §12.9) ----------------------
+    @torch.no_grad()
+    def take_rebound(self) -> None:
+        """A parameter whose ``.data`` the script rebound (``p.data = t``) is taken back: its value
+        copied into the flat buffer (stages 0-2) or this rank's slice of it into the shard (stage 3,
+        at rest), and the parameter viewing the engine's storage again."""
+        if self.policy.shard_params:
+            if self.gathered:
+                return
+            for i, (param, held) in enumerate(zip(self.params, self._placeholders)):
+                if param.data_ptr() != held.data_ptr() or param.stride() != held.stride():
+                    self.write_param(i, param.detach())
+                    param.data = held
+            self._check_sharded_writes()
+            return
+        for param, view in zip(self.params, self._full_views):
+            if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
+                view.copy_(param.detach().reshape(view.shape))
+                param.data = view
+
+    def _check_sharded_writes(self) -> None:
+        """Stage 3 at rest: a module parameter is a placeholder, so an in-place write that reached it
+        (``p.data.mul_``, ``p.detach().copy_``) changed nothing the engine keeps; refuse it in one line."""
+        for i, param in enumerate(self.params):
+            if param._version != self._versions[i]:
+                self._versions = [p._version for p in self.params]
+                raise RuntimeError(
+                    f"parameter {self.names[i]!r} was written in place while stage 3 holds only this rank's shard of "
+                    "it (at rest the module's parameter is a placeholder, so the write changed nothing): write "
+                    "inside `with engine.gathered(writeback=True):` on every rank, or load values with "
+                    "model.load_state_dict(...) / engine.load_state_dict(...)")
+
+    def holds_placeholder(self, t: torch.Tensor) -> bool:
+        """Stage 3: whether ``t`` is (a view of) this group's placeholder storage: a parameter at rest."""
+        return self.policy.shard_params and t.data_ptr() == self._placeholders[0].data_ptr()
+
+    @torch.no_grad()
+    def write_param(self, i: int, value: torch.Tensor) -> None:
+        """Parameter ``i``'s whole value (the same on every rank) → the part of it this rank keeps:
+        the master slice and, where separate, the compute-dtype shard (stage 3)."""
+        slot = self.layout.slots[i]
+        if value.numel() != slot.numel:
+            raise RuntimeError(f"{slot.name}: a value of shape {tuple(value.shape)} for a parameter of shape "
+                               f"{tuple(slot.shape)}")
+        lo, hi = self.shard_range
+        a, b = max(slot.offset, lo), min(slot.stop, hi)
+        if a >= b:
+            return
+        part = value.reshape(-1)[a - slot.offset:b - slot.offset]
+        self.master[a - lo:b - lo].copy_(part)
+        if self.param_shard is not self.master:
+            self.param_shard[a - lo:b - lo].copy_(part)
+
+    @torch.no_grad()
+    def fold_into_master(self) -> None:
+        """Values written into the parameters since the last step (in place, ``load_state_dict``,
+        ``model.apply``) go into a master kept apart from them (bf16 compute, fp32 master): each
+        element of the master's range that differs from the master's own cast takes the written
+        value; the others keep the master's full precision. Where the master is the parameters'
+        storage there is nothing to fold; under a quantized AllGather the slice holds dequantized
+        values, so nothing is read from it."""
+        m = self.master
+        if self.policy.shard_params or self.quant_params or \
+                m.untyped_storage().data_ptr() == self.full.untyped_storage().data_ptr():
+            return
+        src = self.full[self.master_start:self.master_start + m.numel()]
+        torch.where(src != m.to(src.dtype), src.to(m.dtype), m, out=m)
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Stage 3, leaving ``engine.gathered(writeback=True)``: this rank's slice of what the
+        gathered parameters hold now → the shard, elements that differ from the master's cast only."""
+        lo, hi = self.shard_range
+        src = self.full[lo:hi]
+        m = self.master
+        torch.where(src != m.to(src.dtype), src.to(m.dtype), m, out=m)
+        if self.param_shard is not m:
+            self.param_shard.copy_(m)
 
     def gathered_nbytes(self) -> int:
         """Bytes of the gathered parameters now, measured from the storage (0 when freed)."""

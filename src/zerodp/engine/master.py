@@ -294,7 +294,7 @@ class MasterOptimizer:
             if g is None or (t.name in unused):
                 t.tensor.grad = None
             else:
-                g = g if g.dtype == torch.float32 else g.float()
+                g = g if g.dtype == t.tensor.dtype else g.to(t.tensor.dtype)
                 t.tensor.grad = g if g.shape == t.tensor.shape else g.view(t.tensor.shape)
 
     def zero_grad(self) -> None:

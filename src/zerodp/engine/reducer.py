@@ -28,10 +28,12 @@ micro-batch into its gradient shard.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
-from zerodp.engine.base import StageEngine, grad_hook
+from zerodp.engine.base import StageEngine, grad_hook, remove_hooks
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.compiled import host_only
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
@@ -78,6 +80,7 @@ class BucketEngine(StageEngine):
         # Hooks: trainable parameter j of bucket g calls _grad_ready(g, j).
         self._hooks = [p.register_post_accumulate_grad_hook(grad_hook(self, "_grad_ready", i, j))
                        for i, g in enumerate(self.groups) for j, p in enumerate(g.trainable_params)]
+        weakref.finalize(self, remove_hooks, list(self._hooks))
         self._reset_backward()
         self._start_clock()
 

@@ -85,7 +85,12 @@ class _Names:
             first.setdefault(id(getattr(sub, local)), name)
         # Every key of module.state_dict(), in its order, with the name it is stored under.
         self.canonical: dict[str, str] = {}
-        for key, value in module.state_dict(keep_vars=True).items():
+        engine.__dict__["_raw_module_state"] = True  # the module's own entries, not the engine's (stage 3's hook)
+        try:
+            entries = module.state_dict(keep_vars=True)
+        finally:
+            engine.__dict__["_raw_module_state"] = False
+        for key, value in entries.items():
             if torch.is_tensor(value):
                 self.canonical[key] = first.get(id(value), key)
         known = set(self.params) | set(self.buffers)
@@ -161,8 +166,8 @@ def _held_pieces(engine: EngineLike) -> dict[tuple[str, str, int, int], torch.Te
     return {(p.name, p.kind, p.start, p.stop): p.tensor for p in engine.master.pieces()}
 
 
-def _flat(value: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return value.detach().reshape(-1).to(device=device, dtype=torch.float32)
+def _flat(value: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return value.detach().reshape(-1).to(device=device, dtype=dtype)
 
 
 @torch.no_grad()
@@ -172,7 +177,8 @@ def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
     ``load_state_pieces`` afterwards), else the module's own tensor (in its compute dtype)."""
     if not values:
         return
-    done = engine.load_frozen_pieces(lambda name, a, b: _flat(values[name], engine.device)[a:b], set(values))
+    done = engine.load_frozen_pieces(lambda name, a, b: _flat(values[name], engine.device, engine.master_dtype)[a:b],
+                                     set(values))
     params = dict(engine.module.named_parameters())
     for name, value in values.items():
         if name not in done:
@@ -259,7 +265,7 @@ def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
             sub, local = next((s, loc) for n, s, loc in engine.buffers if n == name)
             return getattr(sub, local).detach().reshape(-1)[start:stop].clone()
         if kind == PARAM and name in values:
-            return values[name].detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float32)
+            return values[name].detach().reshape(-1)[start:stop].to(device=device, dtype=engine.master_dtype)
         return held[(name, kind, start, stop)]  # kept as it is (optimizer states, missing keys)
 
     _load_frozen(engine, {n: values[n] for n in names.frozen if n in values})
@@ -458,11 +464,11 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
         if name in whole_by_piece:  # a whole-tensor state, read by its owner
             param, state_kind = whole_by_piece[name]
             return saved_state[param][state_kind].detach().reshape(-1)[start:stop].to(device=device,
-                                                                                    dtype=torch.float32)
+                                                                                    dtype=engine.master_dtype)
         value = saved_state.get(name, {}).get(kind)
         if value is None:  # never stepped, or a state this parameter lacks: fresh zeros
-            return torch.zeros(stop - start, dtype=torch.float32, device=device)
-        return value.detach().reshape(-1)[start:stop].to(device=device, dtype=torch.float32)
+            return torch.zeros(stop - start, dtype=engine.master_dtype, device=device)
+        return value.detach().reshape(-1)[start:stop].to(device=device, dtype=engine.master_dtype)
 
     engine.load_state_pieces(read)
 
@@ -606,10 +612,11 @@ class StateContract:
         """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
         every persistent buffer (rank 0's values; floating-point ones as fp32)."""
         self._finish_grad_sync()
+        self._take_module_values(fold=True)  # what the script wrote into the module since the step
         out = self._gather_full([t.tensor for t in self.master.targets], frozen_from_params=True)
         for name, p in self._module.named_parameters():  # frozen parameters outside the buffers
             if name not in out and p.numel() > 0:
-                out[name] = p.detach().float().clone()
+                out[name] = p.detach().to(self.master_dtype).clone()
         out.update(self._buffer_dict())
         return out
 
@@ -629,7 +636,7 @@ class StateContract:
             buf = getattr(sub, local).detach().clone()
             if self.world_size > 1:
                 self._broadcast_from_rank0([buf])
-            out[name] = buf.float() if buf.is_floating_point() else buf
+            out[name] = buf.to(self.master_dtype) if buf.is_floating_point() else buf
         return out
 
     def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
@@ -646,7 +653,7 @@ class StateContract:
         for g in self.groups:
             layout = g.layout
             lo, hi = g.shard_range if sharded else (0, layout.padded_numel)
-            local = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+            local = torch.zeros(hi - lo, dtype=self.master_dtype, device=self.device)
             for i in by_group.get(id(layout), []):
                 t = self.master.targets[i]
                 local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i].reshape(-1))
@@ -656,7 +663,7 @@ class StateContract:
                     if grp == FROZEN and a < b:
                         local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
             if sharded and g.comm.world_size > 1:
-                flat = torch.empty(layout.padded_numel, dtype=torch.float32, device=self.device)
+                flat = torch.empty(layout.padded_numel, dtype=self.master_dtype, device=self.device)
                 g.comm.all_gather(flat, local, "gather_full", async_op=False)
             else:
                 flat = local

@@ -48,6 +48,8 @@ class StepMachine:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def _on_output_grad(self, grad):
+        if self._grads_under_sharded and self.step_state is not StepState.BACKWARD:
+            self._reconcile_grads()  # before autograd accumulates into any parameter's .grad
         if self._backward_event is None:
             self._backward_event = self.recorder.begin("backward", COMPUTE)
         return None
@@ -58,6 +60,7 @@ class StepMachine:
             self.recorder.end(self._backward_event)
             self._backward_event = None
         self._on_backward_end()
+        self._attach_sharded_grads()  # the module shows the reduced gradients after every backward
 
     def _abandon_backward(self) -> None:
         """zero_grad after a raised backward: the stage completes the collectives the backward
@@ -147,7 +150,7 @@ class StepMachine:
         then run once per batch) is it done in one call."""
         grads = self._master_grads()
         batches = [range(len(grads))]
-        cast = any(g is not None and g.dtype != torch.float32 for g in grads)
+        cast = any(g is not None and g.dtype != self.master_dtype for g in grads)
         if cast and not _has_step_hooks(self.master.optimizer):
             batches, start, size = [], 0, 0
             for i, g in enumerate(grads):
@@ -182,9 +185,11 @@ class StepMachine:
         """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
         used = self._step_used
         for g, index in zip(self.groups, self._used_index):
-            for fired, i in zip(g.bwd.fired, index):
+            for j, (fired, i) in enumerate(zip(g.bwd.fired, index)):
                 if fired:
                     used[i] = True
+                    if self._dropped:
+                        self._dropped.discard(g.names[g.trainable[j]])
 
     def _reset_used(self) -> None:
         self._step_used = [False] * len(self.named_params)
@@ -206,10 +211,11 @@ class StepMachine:
         return {n for (n, _), f in zip(self.named_params, flags.tolist()) if f == 0.0}
 
     def _attach_sharded_grads(self) -> None:
-        """Reduced gradients that no module parameter holds (a shard of its own, stages 1-3) go on
-        the parameters as :class:`ShardedGrad` s until the next forward or ``zero_grad``. Local:
-        nothing is attached while a group still holds unreduced gradients (that would need a
-        collective, and ``parameters()`` is no collective)."""
+        """After a backward whose gradients were reduced (and on ``engine.parameters()``), the
+        module's parameters show them in torch's terms (guide §12.9): where no module tensor holds
+        the reduced gradient (a shard of its own, stages 1-3) ``param.grad`` becomes a
+        :class:`ShardedGrad` of this rank's slice, as FSDP2's DTensor gradient is. Local: nothing
+        is attached while a group still holds unreduced gradients (that would need a collective)."""
         if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED) or not self.policy.shard_master \
                 or self._grads_under_sharded or any(g.grads.has_local for g in self.groups):
             return
@@ -218,22 +224,51 @@ class StepMachine:
             if g.grads.shard_in_full or g.grads.state not in (GradState.REDUCED, GradState.ZEROS):
                 continue
             lo, hi = g.shard_range
+            full = g.grads.full_local()
             for i in g.trainable:
                 slot, p = g.layout.slots[i], g.params[i]
                 a, b = max(slot.offset, lo), min(slot.stop, hi)
                 local = g.grads.grad_shard[a - lo:b - lo] if a < b else g.grads.grad_shard[:0]
-                full = g.grads.full_local()
-                self._grads_under_sharded[id(p)] = p.grad
-                p.grad = ShardedGrad(p, local, g.comm, also=None if full is None else full[slot.offset:slot.stop])
+                sharded = ShardedGrad(p, local, g.comm, also=None if full is None else full[slot.offset:slot.stop])
+                self._grads_under_sharded[id(p)] = (p.grad, sharded)
+                p.grad = sharded
 
-    def _detach_sharded_grads(self) -> None:
-        if not self._grads_under_sharded:
+    def _reconcile_grads(self) -> None:
+        """Read the module's ``.grad`` back before anything uses the engine's gradients (a forward,
+        a backward, a clip, ``step``): ``model.zero_grad()`` or ``p.grad = None`` drops a reduced
+        gradient, ``p.grad.zero_()`` zeroes it (torch then still applies the zeros), ``p.grad = t``
+        replaces it — exactly as torch's optimizers would see it (guide §12.9). The sharded gradients
+        come off the parameters again, so that the next backward accumulates as before."""
+        attached, self._grads_under_sharded = self._grads_under_sharded, {}
+        if self.step_state is StepState.BACKWARD:
+            for g in self.groups:  # (a backward in progress: only put back what was under)
+                for p in g.trainable_params:
+                    if id(p) in attached:
+                        p.grad = attached[id(p)][0]
             return
         for g in self.groups:
-            for p in g.trainable_params:
-                if id(p) in self._grads_under_sharded:
-                    p.grad = self._grads_under_sharded[id(p)]
-        self._grads_under_sharded = {}
+            if g.grads.state is GradState.NONE:
+                continue
+            for j, i in enumerate(g.trainable):
+                p = g.params[i]
+                entry = attached.get(id(p))
+                expected = entry[1] if entry is not None else g.grads.held_grad(j)
+                if entry is not None:
+                    seen, p.grad = p.grad, entry[0]
+                else:
+                    seen = p.grad
+                if expected is None or seen is expected:
+                    continue
+                if seen is None:
+                    g.grads.drop(j)
+                    self._dropped.add(g.names[i])
+                else:
+                    g.grads.write(j, seen)
+                    self._dropped.discard(g.names[i])
+                    if entry is None and expected is not None:
+                        p.grad = expected
+            if all(n in self._dropped for n in (g.names[i] for i in g.trainable)):
+                g.grads.zero(set_to_none=True)  # model.zero_grad(): as engine.zero_grad() for this group
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {}
@@ -249,5 +284,9 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` runs hooks (its own or torch's global ones)."""
     from torch.optim import optimizer as torch_optimizer
 
+    from zerodp.engine.adopt import is_adoption_hook
+
+    hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
+             *torch_optimizer._global_optimizer_post_hooks.values()]
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+                or any(not is_adoption_hook(h) for h in hooks))

@@ -1,0 +1,133 @@
+"""An optimizer the script builds over the module's parameters after the wrap (guide §12.9).
+
+A DDP script ports by its wrap line: ``model = DDP(model)`` becomes ``model = zerodp.parallelize(
+model, stage=s)``, and the script's next line, ``optimizer = torch.optim.SGD(model.parameters(),
+...)``, builds a stock optimizer over the module's parameters — which hold no gradient the engine
+would apply, and whose values the engine overwrites from its master at every step. So the engine
+watches every stock optimizer's ``step()`` (torch's global step hooks, removed with the engine):
+
+- a ``parallelize`` given no optimizer **adopts** the first one that steps its parameters: its
+  class, defaults and param groups are rebuilt over the master (as a built optimizer given to
+  ``parallelize`` is, :func:`zerodp.engine.optim.from_built`), state it loaded before its first
+  step goes in with it, and from then on its ``step()`` is ``engine.step()`` (its own hyper-
+  parameters — an LR set by a scheduler — copied to the master first; the stock body then runs
+  over no parameters), its ``zero_grad`` ``engine.zero_grad``, its ``state_dict`` and
+  ``load_state_dict`` the engine optimizer's (torch's format, full tensors: collective);
+- an optimizer over the module's parameters when the engine already has one is refused at its
+  first ``step()`` in one line: two optimizers would both claim the parameters.
+
+A per-tensor optimizer (Muon, Adafactor) cannot be adopted: the flat buffers were laid out for
+flat shards at ``parallelize`` (guide §12.3); it is refused with the line that says to pass it there.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+_PARAMS = "params"
+
+
+def is_adoption_hook(hook) -> bool:
+    """Whether a global optimizer hook is one of these (the engine's own step ignores them)."""
+    return getattr(hook, "_zerodp_adoption", False)
+
+
+class Adoption:
+    """One engine's watch over the stock optimizers stepped in its process (module docstring)."""
+
+    def __init__(self, engine, pending: bool, given: list = ()):
+        self.pending = pending  # parallelize got no optimizer: adopt the first that steps the module
+        self._given = {id(o) for o in given}  # built optimizers given to parallelize: they refuse their own step
+        self.adopted: torch.optim.Optimizer | None = None
+        ref = weakref.ref(engine)
+        self._param_ids = {id(p) for p in engine._module.parameters()}
+        self._emptied: dict[int, list] = {}
+
+        def pre(optimizer, args, kwargs):
+            eng = ref()
+            return None if eng is None else self.before_step(eng, optimizer, args, kwargs)
+
+        def post(optimizer, args, kwargs):
+            saved = self._emptied.pop(id(optimizer), None)
+            if saved is not None:
+                for group, params in zip(optimizer.param_groups, saved):
+                    group[_PARAMS] = params
+
+        pre._zerodp_adoption = post._zerodp_adoption = True
+        self._handles = [torch_optimizer.register_optimizer_step_pre_hook(pre),
+                         torch_optimizer.register_optimizer_step_post_hook(post)]
+        weakref.finalize(engine, _remove, list(self._handles))
+
+    def _holds_module_params(self, optimizer) -> bool:
+        return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g[_PARAMS])
+
+    def before_step(self, engine, optimizer, args, kwargs):
+        """A stock optimizer is about to step: if it holds this module's parameters, the engine steps
+        instead, and the stock body runs over no parameters (its post hook gives them back)."""
+        if optimizer is not self.adopted:
+            if id(optimizer) in self._given or not self._holds_module_params(optimizer):
+                return None
+            if not self.pending:
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} steps parameters of a model that zerodp.parallelize already gave "
+                    "an optimizer: the engine trains its fp32 master, so step engine.optimizer instead (or pass this "
+                    "optimizer to parallelize and build none before)")
+            self.adopt(engine, optimizer)
+        _copy_options(optimizer.param_groups, engine.master.optimizer.param_groups)  # an LR set by a scheduler
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        engine.step()
+        self._emptied[id(optimizer)] = [g[_PARAMS] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g[_PARAMS] = []
+        return (args[0],), {}
+
+    def adopt(self, engine, optimizer: torch.optim.Optimizer) -> None:
+        """Rebuild ``optimizer`` over the engine's master and route its calls to the engine."""
+        saved = None
+        if optimizer.state:  # loaded before its first step (a resume): carried over
+            saved = torch.optim.Optimizer.state_dict(optimizer)
+            optimizer.state.clear()
+        engine.rebuild_optimizer(optimizer)
+        self.pending = False
+        self.adopted = optimizer
+        ref = weakref.ref(engine)
+
+        def state_dict() -> dict:
+            eng = ref()
+            _copy_options(optimizer.param_groups, eng.master.optimizer.param_groups)
+            return eng.optimizer.state_dict()
+
+        def load_state_dict(state: dict) -> None:
+            eng = ref()
+            eng.optimizer.load_state_dict(state)
+            _copy_options(eng.master.optimizer.param_groups, optimizer.param_groups)
+
+        optimizer.zero_grad = lambda set_to_none=True: _call(ref, "zero_grad", set_to_none)
+        optimizer.state_dict = state_dict
+        optimizer.load_state_dict = load_state_dict
+        if saved is not None:
+            load_state_dict(saved)
+
+
+def _copy_options(src: list[dict], dst: list[dict]) -> None:
+    """Each param group's options (lr, weight decay, ...) from ``src`` to ``dst``, in order."""
+    for a, b in zip(src, dst):
+        b.update({k: v for k, v in a.items() if k != _PARAMS})
+
+
+def _call(ref, method: str, *args):
+    eng = ref()
+    if eng is not None:
+        return getattr(eng, method)(*args)
+    return None
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
