@@ -9,17 +9,18 @@ the way DDP scripts are: AdamW with decay / no-decay param groups built before t
 gradient accumulation with ``require_backward_grad_sync``, ``torch.nn.utils.clip_grad_norm_(
 model.parameters(), 1.0)``, a ``GradScaler`` that is disabled in fp32 (``scaler.step(optimizer)``),
 evaluation under ``no_grad`` on rank 0, and a checkpoint of ``model.state_dict()`` and
-``optimizer.state_dict()`` that ``--resume`` continues from. ``--wrap ddp`` and ``--wrap zerodp``
-run the same code but for the wrap::
+``optimizer.state_dict()`` that ``--resume`` continues from — built, as pytorch/examples' scripts do,
+after the wrap: ``raw_model = model.module``, the optimizer over ``raw_model.parameters()``,
+``model.zero_grad()``, ``raw_model.state_dict()`` in the checkpoint. ``--wrap ddp`` and ``--wrap
+zerodp`` run the same code but for the wrap line::
 
-    # DDP
-    model = DDP(model)
-    # zerodp, stage 0 (DDP), 1, 2 (ZeRO-1/2) or 3 (ZeRO-3 / FSDP)
-    model = zerodp.parallelize(model, optimizer=optimizer, stage=stage)
-    optimizer = model.optimizer   # the optimizer built above, rebuilt over the engine's fp32 master
+    model = DDP(model)                                 # DDP
+    model = zerodp.parallelize(model, stage=stage)     # zerodp: 0 (DDP), 1, 2 (ZeRO-1/2), 3 (FSDP)
 
+(the optimizer built next is adopted by the engine at its first step: rebuilt over the fp32 master)
 and, at stage 3 only, which ranks evaluate: the parameters are sharded, so every forward gathers
-them and every rank must run it (``rank == 0 or stage == 3``). ``train(rank, world, wrap, stage,
+them and every rank must run it (``rank == 0 or stage == 3``); evaluating on rank 0 alone ends
+every rank with the engine's message naming that fix. ``train(rank, world, wrap, stage,
 steps)`` is one rank of a run and returns its per-step losses: ``tests/test_porting.py`` calls it on
 2 gloo ranks with each wrap and compares the losses. Gloo on CPU, NCCL when CUDA is available;
 without torchrun it runs as a single process (world size 1).
@@ -132,22 +133,19 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     model = TinyGPT().to(device)
-    optimizer = configure_optimizers(model)
 
-    # ---- the only lines that differ between DDP and zerodp ------------------------------------
-    if wrap == "ddp":
-        model = DDP(model)
-    else:
-        model = zerodp.parallelize(model, optimizer=optimizer, stage=stage)
-        optimizer = model.optimizer
-    evaluates = rank == 0 or (wrap == "zerodp" and stage == 3)  # stage 3: every rank runs each forward
+    # ---- the only line that differs between DDP and zerodp -------------------------------------
+    model = DDP(model) if wrap == "ddp" else zerodp.parallelize(model, stage=stage)
     # --------------------------------------------------------------------------------------------
+    raw_model = model.module
+    optimizer = configure_optimizers(raw_model)  # after the wrap, over the module's parameters
+    evaluates = rank == 0 or (wrap == "zerodp" and stage == 3)  # stage 3: every rank runs each forward
 
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # enabled only for fp16 autocast
     start = 0
     if resume:
         ckpt = torch.load(checkpoint, map_location=device, weights_only=True)
-        model.load_state_dict(ckpt["model"])
+        raw_model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         start = ckpt["step"]
 
@@ -168,7 +166,7 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         out["loss"].append(loss_sum)
         out["grad_norm"].append(norm.item())
 
@@ -181,7 +179,7 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
 
         if checkpoint is not None and step + 1 == save_at:
             # Every rank builds the state dicts (zerodp gathers them: collective), rank 0 writes.
-            ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
+            ckpt = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
             if rank == 0:
                 torch.save(ckpt, checkpoint)
             dist.barrier()

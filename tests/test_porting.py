@@ -1,4 +1,4 @@
-"""examples/porting_ddp.py: a DDP script run unchanged on zerodp but for the wrap (docs/porting.md).
+"""examples/porting_ddp.py: a DDP script run unchanged on zerodp but for the wrap line (docs/porting.md).
 
 One spawned group of 2 gloo ranks runs the example's ``train`` with ``--wrap ddp`` and with zerodp
 at stages 0-3, each uninterrupted for STEPS steps (writing its own checkpoint after SAVE_AT) and
@@ -42,7 +42,7 @@ def _every_wrap(rank: int, world: int, folder: str) -> dict:
         full = ex.train(rank, world, wrap, stage, STEPS, checkpoint=path, save_at=SAVE_AT)
         resumed = ex.train(rank, world, wrap, stage, STEPS, checkpoint=path, resume=True)
         out[wrap, stage] = full, resumed
-    for stage in STAGES:  # a DDP run's checkpoint (module.-prefixed names, torch's optimizer state)
+    for stage in STAGES:  # a DDP run's checkpoint (raw_model's names, torch's optimizer state)
         out["from ddp", stage] = ex.train(rank, world, "zerodp", stage, STEPS, checkpoint=f"{folder}/ddp-0.pt",
                                           resume=True)
     return out
@@ -106,8 +106,8 @@ def test_resume_from_the_scripts_own_checkpoint_continues_identically(wrap, stag
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_zerodp_resumes_a_ddp_checkpoint(stage):
-    """DDP's model.state_dict() (``module.`` names) and its optimizer's torch-format state load as
-    they are; the run continues as DDP's own did, within the same bounds."""
+    """DDP's ``model.module.state_dict()`` and its optimizer's torch-format state load as they are
+    into the module and the optimizer built after the wrap; the run continues as DDP's own did."""
     for rank, r in enumerate(results()):
         ddp, _ = r["ddp", 0]
         resumed = r["from ddp", stage]
