@@ -10,7 +10,11 @@ the optimizer, LR changes by hand and by a scheduler, save / load (the engine's 
 plain torch run's), and misuse that must be refused in one line (a forward after a raised
 backward, a ``requires_grad`` flipped after ``parallelize``). Every rank runs the same sequence;
 the reference — the same model and a stock ``torch.optim`` optimizer in one process on the full
-batch — runs it too.
+batch — runs it too. The calls reach the module itself as well (guide §12.9): ``model.zero_grad()``,
+``p.grad = None``, in-place writes and ``model.apply`` between steps (at stage 3 inside
+``engine.gathered(writeback=True)``, or refused when made on a placeholder), ``model.load_state_dict``,
+``p.data`` rebound, ``copy.deepcopy(model)``; the model may return a tensor, a dict, a NamedTuple or
+a dataclass, and train in fp32, fp64, bf16 (mixed precision, an fp32 master) or pure bf16.
 
 After every step the parameters must equal the reference's within the dtype-derived trajectory
 bound (``tests/_engine_common.py``); every loss and clip norm the engine returns must equal the
@@ -24,6 +28,7 @@ sequence, and the command that reruns it alone::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -56,6 +61,41 @@ def boom(grad):
 
 
 PARAM_NAMES = [n for n, _ in Net(0).named_parameters()]
+Packed = collections.namedtuple("Packed", "loss aux")
+
+
+@dataclasses.dataclass
+class Result:
+    loss: torch.Tensor
+    aux: torch.Tensor
+
+
+class Shaped(Net):
+    """:class:`Net` whose forward returns its loss in the structure ``output`` names."""
+
+    def __init__(self, seed: int, output: str):
+        super().__init__(seed)
+        self.output = output
+
+    def forward(self, x, y, use_extra: bool = True, hook=None):
+        loss = super().forward(x, y, use_extra, hook)
+        if self.output == "dict":
+            return {"loss": loss, "aux": x.sum()}
+        if self.output == "namedtuple":
+            return Packed(loss, x.sum())
+        if self.output == "dataclass":
+            return Result(loss, x.sum())
+        return loss
+
+
+def loss_of(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out["loss"] if isinstance(out, dict) else out.loss
+
+
+#: the dtypes a case trains in: the model's parameters and inputs, the engine's mixed precision,
+#: and the dtype whose ε bounds the comparison (a bf16 compute against an fp32 reference: bf16's)
+DTYPES = {"fp32": (torch.float32, None, torch.float32), "fp64": (torch.float64, None, torch.float64),
+          "bf16": (torch.float32, "bf16", torch.bfloat16), "pure_bf16": (torch.bfloat16, None, torch.bfloat16)}
 
 
 # ---- the case: options and a sequence of calls --------------------------------------------------
@@ -70,6 +110,8 @@ class Options:
     sync: str  # stages 0-2: naive, overlap or bucketed (guide §2.5-§4)
     reduce_every_microbatch: bool  # stages 2-3: False keeps full local gradients across micro-batches
     prefetch: bool  # stage 3
+    dtype: str = "fp32"  # a key of DTYPES
+    output: str = "tensor"  # what the model returns: tensor, dict, namedtuple or dataclass
 
 
 def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
@@ -80,8 +122,13 @@ def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
                    find_unused=stage < 3 and rng.random() < 0.7, tiny_buckets=rng.random() < 0.7,
                    overlap_param_gather=stage in (1, 2) and rng.random() < 0.3, scheduler=rng.random() < 0.3,
                    sync=rng.choice(["naive", "overlap", "bucketed", "bucketed"]) if stage < 3 else "bucketed",
-                   reduce_every_microbatch=stage < 2 or rng.random() < 0.6, prefetch=stage < 3 or rng.random() < 0.7)
+                   reduce_every_microbatch=stage < 2 or rng.random() < 0.6, prefetch=stage < 3 or rng.random() < 0.7,
+                   dtype=rng.choices(list(DTYPES), weights=[6, 2, 2, 2])[0],
+                   output=rng.choice(["tensor", "tensor", "dict", "namedtuple", "dataclass"]))
     unused_ok = stage == 3 or opts.find_unused
+    # Gradients a stage-3 rank accumulates locally (reduce_every_microbatch=False, no_sync) are on no
+    # module tensor (as FSDP2's), so the module-level zeroing of them is drawn only when none are held.
+    hidden_local = stage == 3 and not opts.reduce_every_microbatch
     ops: list[tuple] = []
     raised = False  # the last backward raised: only a refused forward or zero_grad may follow
     grads = False  # some .grad is not None (the reference's view)
@@ -95,8 +142,9 @@ def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
             ops.append(("zero", rng.choice(["engine", "optimizer"]), True))
             raised = grads = local = False
             continue
-        kind = rng.choices(["train", "step", "zero", "eval", "clip", "lr", "save", "load", "dropped", "freeze"],
-                           weights=[30, 15, 12, 8, 8, 6, 5, 5, 4, 3])[0]
+        kind = rng.choices(["train", "step", "zero", "eval", "clip", "lr", "save", "load", "dropped", "freeze",
+                            "grad_none", "write", "copy"],
+                           weights=[30, 15, 12, 8, 8, 6, 5, 5, 4, 3, 4, 6, 2])[0]
         if kind == "train":
             batch += 1
             sync = rng.choices(["sync", "no_sync", "attr"], weights=[6, 2, 1])[0]
@@ -118,9 +166,23 @@ def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
             local = False  # the step reduced what no_sync left
         elif kind == "zero":
             to_none = rng.random() < 0.6
-            ops.append(("zero", rng.choice(["engine", "optimizer"]), to_none))
+            via = rng.choice(["engine", "optimizer", "model"])
+            if via == "model" and local and hidden_local:
+                via = "engine"
+            ops.append(("zero", via, to_none))
             grads = grads and not to_none
             local = False
+        elif kind == "grad_none" and grads and not local and unused_ok:
+            # One parameter's .grad set to None: the step skips it (torch's rule) where the optimizer
+            # steps parameters one by one (stage 3, find_unused_parameters=True; docs/engine.md).
+            ops.append(("grad_none", rng.choice(PARAM_NAMES)))
+        elif kind == "write":
+            how = rng.choice(["mul", "apply", "load", "rebind"])
+            if stage == 3 and how in ("mul", "apply"):
+                how = rng.choice([how + "_gathered", how + "_gathered", "mul_refused"])
+            ops.append(("write", how, rng.choice(PARAM_NAMES)))
+        elif kind == "copy":
+            ops.append(("copy",))
         elif kind == "eval":
             mode = rng.choice(["eval", "no_grad", "inference_mode"])
             counts = tuple([rng.randint(1, 2)] * world) if stage == 3 else \
@@ -180,14 +242,16 @@ class Run:
         self.stage, self.world, self.rank = stage, world, rank
         self.opts, self.ops = generate(seed, stage, world)
         o = self.opts
-        self.model, self.ref = Net(seed), Net(seed)
+        self.dtype, mixed, self.eps_dtype = DTYPES[o.dtype]
+        self.model = Shaped(seed, o.output).to(self.dtype)
+        self.ref = Shaped(seed, o.output).to(self.dtype)
         self.ref_opt = make_optimizer(o.optimizer, adamw_groups(self.ref) if o.built else self.ref.parameters())
         if o.built:
             optimizer = make_optimizer(o.optimizer, adamw_groups(self.model))
         else:
             def optimizer(groups, kind=o.optimizer):
                 return make_optimizer(kind, groups)
-        options = dict(stage=stage, timeout_s=20)  # a collective mismatch ends with a message
+        options = dict(stage=stage, timeout_s=20, mixed_precision=mixed)  # a mismatch ends with a message
         if stage < 3:
             options["find_unused_parameters"] = o.find_unused
         if o.tiny_buckets:
@@ -213,10 +277,10 @@ class Run:
 
     # ---- tolerances: n terms summed in another order, over the steps so far
     def rtol(self) -> float:
-        return trajectory_tolerance(self.world * ROWS * max(self.micro, 1), self.steps + 1)
+        return trajectory_tolerance(self.world * ROWS * max(self.micro, 1), self.steps + 1, self.eps_dtype)
 
     def same(self, what: str, got: float, want: float) -> None:
-        tol = self.rtol() * max(abs(want), 1e-30) + sum_tolerance(1)
+        tol = self.rtol() * max(abs(want), 1e-30) + sum_tolerance(1, self.eps_dtype)
         if not abs(got - want) <= tol:
             raise Divergence(f"{what}: engine {got!r}, reference {want!r} (bound {tol:.3g})")
 
@@ -225,20 +289,23 @@ class Run:
 
     def ref_loss(self, x, y, use_extra=True) -> float:
         with torch.no_grad():
-            return self.ref(self.mine(x), self.mine(y), use_extra).item()
+            return loss_of(self.ref(self.mine(x), self.mine(y), use_extra)).item()
+
+    def batch(self, b: int):
+        return tuple(t.to(self.dtype) for t in batch_of(b, self.world))
 
     # ---- the calls
     def train(self, b, uses, sync, raises):
         """``uses[r]``: whether rank r's rows take the extra branch (the reference sums each
         rank's mean loss / world — the full-batch mean when every rank does the same)."""
-        x, y = batch_of(b, self.world)
+        x, y = self.batch(b)
         use_extra = uses[self.rank]
         ctx = self.engine.no_sync() if sync == "no_sync" else contextlib.nullcontext()
         if sync == "attr":
             self.engine.require_backward_grad_sync = False
         try:
             with ctx:
-                loss = self.engine(self.mine(x), self.mine(y), use_extra, hook=boom if raises else None)
+                loss = loss_of(self.engine(self.mine(x), self.mine(y), use_extra, hook=boom if raises else None))
                 self.same("training loss", loss.item(), self.ref_loss(x, y, use_extra))
                 try:
                     loss.backward()
@@ -251,14 +318,14 @@ class Run:
         if raises:
             raise Divergence("the hook did not raise")
         if len(set(uses)) == 1:
-            self.ref(x, y, use_extra).backward()
+            loss_of(self.ref(x, y, use_extra)).backward()
         else:
-            sum(self.ref(x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS], u)
+            sum(loss_of(self.ref(x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS], u))
                 for r, u in enumerate(uses)).div(self.world).backward()
         self.micro += 1
 
     def forward_after_raise(self):
-        x, y = batch_of(0, self.world)
+        x, y = self.batch(0)
         self.refused(lambda: self.engine(self.mine(x), self.mine(y)), "zero_grad")
 
     def refused(self, call, words: str) -> None:
@@ -290,28 +357,86 @@ class Run:
             return 0.0
         grads = [p.grad.abs().max().item() for p in self.ref.parameters() if p.grad is not None]
         lr = max(g["lr"] for g in self.ref_opt.param_groups)
-        return lr * sum_tolerance(self.world * ROWS * max(self.micro, 1)) * max(grads, default=0.0) / ADAM_EPS
+        return lr * sum_tolerance(self.world * ROWS * max(self.micro, 1), self.eps_dtype) * max(grads, default=0.0) \
+            / ADAM_EPS
 
     def zero(self, via, set_to_none):
-        (self.engine if via == "engine" else self.engine.optimizer).zero_grad(set_to_none=set_to_none)
+        target = {"engine": self.engine, "optimizer": self.engine.optimizer, "model": self.model}[via]
+        target.zero_grad(set_to_none=set_to_none)
         self.ref_opt.zero_grad(set_to_none=set_to_none)
         self.micro = 0
         if self.engine._inflight:
             raise Divergence(f"{len(self.engine._inflight)} reductions still in flight after zero_grad")
 
     def eval(self, b, mode, counts):
-        x, y = batch_of(b, self.world)
+        x, y = self.batch(b)
         if mode == "eval":
             self.engine.eval()
         ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
         with ctx:
             for _ in range(counts[self.rank]):
-                self.same(f"{mode} loss", self.engine(self.mine(x), self.mine(y)).item(), self.ref_loss(x, y))
+                self.same(f"{mode} loss", loss_of(self.engine(self.mine(x), self.mine(y))).item(),
+                          self.ref_loss(x, y))
         self.engine.train()
 
     def dropped(self, b):
-        x, y = batch_of(b, self.world)
-        self.same("dropped-graph loss", self.engine(self.mine(x), self.mine(y)).item(), self.ref_loss(x, y))
+        x, y = self.batch(b)
+        self.same("dropped-graph loss", loss_of(self.engine(self.mine(x), self.mine(y))).item(), self.ref_loss(x, y))
+
+    def grad_none(self, name):
+        for m in (self.model, self.ref):
+            dict(m.named_parameters())[name].grad = None
+
+    @torch.no_grad()
+    def write(self, how, name):
+        """A write to the module between calls: the reference takes the same one. At stage 3 an
+        in-place write to a parameter at rest is refused (by torch at the write, or by the engine at
+        the next call, in one line naming engine.gathered(writeback=True)); inside that block it holds."""
+        values = {k: v.clone() * 0.9 for k, v in self.ref.state_dict().items()}  # before either is written
+
+        def apply(m):
+            p = dict(m.named_parameters())[name]
+            if how.startswith("mul"):
+                p.mul_(0.5)
+            elif how.startswith("apply"):
+                m.apply(lambda sub: nn.init.constant_(sub.bias, 0.01) if getattr(sub, "bias", None) is not None
+                        else None)
+            elif how == "load":
+                m.load_state_dict(values)
+            else:  # rebind
+                p.data = values[name].clone()
+        if how == "mul_refused":  # no gathered block: refused at rest, kept where its unit is still gathered
+            try:
+                apply(self.model)
+                x, y = self.batch(0)
+                self.engine(self.mine(x), self.mine(y))
+            except RuntimeError as e:
+                if "single memory location" not in str(e) and "engine.gathered(writeback=True)" not in str(e):
+                    raise Divergence(f"refused without naming engine.gathered(writeback=True): {e}") from e
+                return
+            apply(self.ref)  # the last unit of a dropped graph was still gathered: the write must hold
+            return
+        apply(self.ref)
+        if how.endswith("_gathered"):
+            with self.engine.gathered(writeback=True):
+                apply(self.model)
+        else:
+            apply(self.model)
+
+    def copy(self):
+        """``copy.deepcopy(model)``: the copy holds the values (stages 0-2); stage 3 refuses it."""
+        try:
+            clone = copy.deepcopy(self.model)
+        except RuntimeError as e:
+            if self.stage != 3 or "engine.state_dict()" not in str(e):
+                raise Divergence(f"deepcopy refused: {e}") from e
+            return
+        if self.stage == 3:
+            raise Divergence("a stage-3 module was deep-copied")
+        self.engine._wait_params()
+        for (name, p), (_, q) in zip(clone.named_parameters(), self.model.named_parameters()):
+            if not torch.equal(p, q):
+                raise Divergence(f"the copy's {name} is not the module's")
 
     def clip(self, via, max_norm):
         if via == "torch":
@@ -354,7 +479,7 @@ class Run:
     def freeze(self, name):
         p = dict(self.model.named_parameters())[name]
         p.requires_grad_(not p.requires_grad)
-        x, y = batch_of(0, self.world)
+        x, y = self.batch(0)
         try:
             self.refused(lambda: self.engine(self.mine(x), self.mine(y)), name)
         finally:
@@ -365,7 +490,7 @@ class Run:
         full = self.engine.full_state_dict()  # collective
         tol = self.rtol()
         for name, p in self.ref.named_parameters():
-            err = (full[name] - p.detach()).abs().max().item()
+            err = (full[name].double() - p.detach().double()).abs().max().item()
             bound = tol * p.detach().abs().max().item() + self.adam_slack
             if not err <= bound:
                 raise Divergence(f"after step {self.steps}: {name} differs by {err:.3g} (bound {bound:.3g})")
@@ -395,10 +520,29 @@ def plain_peak(world: int, rank: int) -> int:
     return engine.stats().peak_gathered_units
 
 
-def run_cases(rank: int, world: int, cases: list[tuple[int, int]], journal: str) -> dict:
+def _ignore_module_grads(engine) -> None:
+    """A planted bug for the check of the checks: the engine takes its sharded gradients off the
+    module without reading back what the script did to them (``model.zero_grad()`` is ignored)."""
+    attached, engine._grads_under_sharded = engine._grads_under_sharded, {}
+    for g in engine.groups:
+        for p in g.trainable_params:
+            if id(p) in attached:
+                p.grad = attached[id(p)][0]
+
+
+PLANTED = {"ignore_module_zero_grad": ("_reconcile_grads", _ignore_module_grads)}
+
+
+def run_cases(rank: int, world: int, cases: list[tuple[int, int]], journal: str, planted: str | None = None) -> dict:
     """Every ``(seed, stage)`` case on this rank; stops at the first divergence (the ranks may no
     longer agree on the collectives that follow). ``journal`` names the case being run, for a
-    rank that dies (gloo aborts the process on a collective mismatch)."""
+    rank that dies (gloo aborts the process on a collective mismatch). ``planted``: a key of
+    ``PLANTED``, a bug put into the engine of this process (the check of the checks)."""
+    if planted is not None:
+        from zerodp.engine.step import StepMachine
+
+        name, bug = PLANTED[planted]
+        setattr(StepMachine, name, bug)
     torch.use_deterministic_algorithms(True)
     peak = plain_peak(world, rank)
     start = time.monotonic()
@@ -415,11 +559,11 @@ def run_cases(rank: int, world: int, cases: list[tuple[int, int]], journal: str)
     return {"ran": len(cases), "failed": None, "seconds": time.monotonic() - start}
 
 
-def verdict(world: int, cases: list[tuple[int, int]], timeout: float) -> str | None:
+def verdict(world: int, cases: list[tuple[int, int]], timeout: float, planted: str | None = None) -> str | None:
     with tempfile.TemporaryDirectory() as tmp:
         journal = os.path.join(tmp, "case")
         try:
-            results = run_local(run_cases, world, cases, journal, timeout=timeout)
+            results = run_local(run_cases, world, cases, journal, planted, timeout=timeout)
         except RankFailure as e:
             seed, stage = (int(v) for v in open(journal).read().split())
             return f"{e}\n{describe(seed, stage, world)}"
@@ -459,6 +603,29 @@ def test_replay():
     assert problem is None, problem
 
 
+def _zeroed_through_the_module(stage: int, count: int) -> list[tuple[int, int]]:
+    """The first ``count`` seeds whose sequence zeroes the gradients through the module
+    (``model.zero_grad()``) and then trains and steps at ``stage``."""
+    found = []
+    for seed in range(10_000):
+        ops = generate(seed, stage, 2)[1]
+        at = next((i for i, op in enumerate(ops) if op[:3] == ("zero", "model", True)), None)
+        if at is not None and any(op[0] == "train" and not op[4] for op in ops[at:]):
+            found.append((seed, stage))
+            if len(found) == count:
+                return found
+    return found
+
+
+def test_a_planted_bug_makes_the_fuzzer_fail():
+    """The check of the checks: with the engine ignoring ``model.zero_grad()`` (its read-back of the
+    module's gradients taken out), the seeded sequences that zero through the module diverge."""
+    cases = _zeroed_through_the_module(2, 2) + _zeroed_through_the_module(3, 2)
+    assert len(cases) == 4
+    problem = verdict(2, cases, timeout=240, planted="ignore_module_zero_grad")
+    assert problem is not None and "differs" in problem, problem
+
+
 def test_generated_sequences_cover_every_call():
     """The generator reaches every call and every variant across the make-test and fuzz cases."""
     seen = set()
@@ -466,9 +633,16 @@ def test_generated_sequences_cover_every_call():
         for seed in range(40):
             for op in generate(seed, stage, 2)[1]:
                 seen.add(op[0])
-                if op[0] in ("train", "step", "zero", "eval", "load", "clip"):
+                if op[0] == "write":
+                    seen.add(("write", op[1]))
+                elif op[0] in ("train", "step", "zero", "eval", "load", "clip"):
                     seen.add((op[0],) + tuple(v for v in op[1:] if isinstance(v, str)))
+            opts = generate(seed, stage, 2)[0]
+            seen.update({("dtype", opts.dtype), ("output", opts.output)})
     want = {"train", "step", "zero", "eval", "clip", "lr", "sched", "save", "load", "dropped", "freeze",
             "forward_after_raise", ("step", "scaler"), ("step", "optimizer"), ("eval", "inference_mode"),
-            ("train", "no_sync"), ("train", "attr"), ("load", "torch-ddp-names"), ("clip", "torch")}
+            ("train", "no_sync"), ("train", "attr"), ("load", "torch-ddp-names"), ("clip", "torch"),
+            ("zero", "model"), "grad_none", "write", "copy", ("write", "rebind"), ("write", "load"),
+            ("write", "mul_gathered"), ("write", "mul_refused"), ("write", "apply")} | \
+        {("dtype", d) for d in DTYPES} | {("output", o) for o in ("tensor", "dict", "namedtuple", "dataclass")}
     assert want <= seen, want - seen
