@@ -21,8 +21,9 @@ what the guide's ledger says.
   collectives, rank 0) against the planner's, counting the collectives the row's usage runs —
   a micro-batch under ``no_sync`` reduces nothing at stages 0-1, still reduce-scatters its
   gradients at stage 2 (``reduce_every_microbatch``) and gathers the parameters again (forward
-  and backward) at stage 3; plus the check's own fp32 AllGather of the averaged gradients at
-  stages 1-3 (``engine.full_grad_dict()``, one per step), which a training step does not make.
+  and backward) at stage 3; plus the check's own fp32 AllGathers at stages 1-3, which a training
+  step does not make: the averaged gradients (``engine.full_grad_dict()``) and, after the step
+  before, the parameters (``engine.full_state_dict()``).
   The band: padding, plus the clip norm's and the buffers' small collectives, plus 5 %.
 """
 
@@ -69,7 +70,7 @@ def planned_sent(row: dict) -> float | None:
         per_step += extra_micro * psi  # each micro-batch's ReduceScatter
     elif stage == 3:
         per_step += extra_micro * 3 * psi  # gathers in forward and backward, and a ReduceScatter
-    own = 4 * psi if stage >= 1 else 0  # the check's own fp32 AllGather of the gradients (full_grad_dict)
+    own = row.get("own_gathers", 0) * 4 * psi if stage >= 1 else 0  # the check's own fp32 gathers
     return (per_step * elem + own) * (n - 1) / n
 
 

@@ -97,6 +97,41 @@ class Reference:
                 out[name] = torch.zeros(p.shape, device=p.device) if g is None else g.detach().float()
         return out
 
+    def master_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.detach().clone() for n, p in self.master.named_parameters() if p.requires_grad}
+
+    def clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Put ``grads`` on the master and clip them there with ``torch.nn.utils.clip_grad_norm_``."""
+        self.feed(grads)
+        return torch.nn.utils.clip_grad_norm_([p for p in self.master.parameters() if p.requires_grad], max_norm)
+
+    def compare(self, state: dict[str, torch.Tensor], rtol: float, buffer_rtol: float) -> core.Closeness:
+        """The engine's parameters (``full_state_dict()``) against the master's, each tensor within
+        ``rtol`` of its own largest element; buffers (rank 0's) within ``buffer_rtol``."""
+        worst = core.NONE
+        for name, p in self.master.named_parameters():
+            want = p.detach()
+            worst = worst.worse(core.measure(state[name], want, rtol, rtol * float(want.abs().max()), name)
+                                if name in state else core.Closeness(float("inf"), 0.0, float("inf"), name))
+        for name, b in self.compute.named_buffers():
+            if name in state and b.is_floating_point():
+                want = b.detach().float()
+                scale = float(want.abs().max()) if want.numel() else 0.0
+                worst = worst.worse(core.measure(state[name], want, buffer_rtol, buffer_rtol * scale, name))
+            elif name in state and not torch.equal(state[name].cpu(), b.detach().cpu()):
+                worst = worst.worse(core.Closeness(float("inf"), 0.0, float("inf"), name))
+        return worst
+
+    @torch.no_grad()
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Start the next step from the engine's parameters and buffers (checked just before)."""
+        for name, p in self.master.named_parameters():
+            p.copy_(state[name])
+        for name, b in self.compute.named_buffers():
+            if name in state:
+                b.copy_(state[name])
+        self.sync_compute()
+
     def feed(self, grads: dict[str, torch.Tensor]) -> None:
         for name, p in self.master.named_parameters():
             if p.requires_grad:
@@ -175,8 +210,7 @@ def run_row(cfg: CheckConfig, rank: int, world: int, stage: int, groups: dict) -
     started = time.perf_counter()
 
     ref = Reference(cfg, dev, dtype) if lead else None
-    grad_worst, norm_worst = core.NONE, core.NONE
-    terms = 0
+    grad_worst, norm_worst, param_worst = core.NONE, core.NONE, core.NONE
     engine, base_lr, stats = None, [], None
     for phase, (w, s, steps) in enumerate(phases):
         member = rank < w
@@ -208,48 +242,59 @@ def run_row(cfg: CheckConfig, rank: int, world: int, stage: int, groups: dict) -
                         (loss * (1.0 / cfg.micro_batches)).backward()
                 if lead:
                     ref.backward(batch, step, micro, w)
-            terms += w * cfg.micro_batches
+            terms = w * cfg.micro_batches  # gradient terms summed this step (ranks × micro-batches)
+            rtol = core.tolerance(dtype, terms)
             got = engine.full_grad_dict() if member else None
             if lead:
-                want = ref.grads()
-                grad_worst = grad_worst.worse(core.compare_dicts(got, want, core.tolerance(dtype, terms)))
-                ref.feed(got)
+                grad_worst = grad_worst.worse(core.compare_dicts(got, ref.grads(), rtol))
             if cfg.clip is not None:
                 norm = engine.clip_grad_norm_(cfg.clip) if member else None
+                clipped = engine.full_grad_dict() if member else None
                 if lead:
-                    ref_norm = torch.nn.utils.clip_grad_norm_(
-                        [p for p in ref.master.parameters() if p.grad is not None], cfg.clip)
-                    norm_worst = norm_worst.worse(core.measure(norm.float().reshape(1), ref_norm.float().reshape(1),
-                                                               core.tolerance(dtype, terms), 0.0, "gradient norm"))
+                    # The norm: |‖g_e‖ − ‖g_r‖| ≤ ‖g_e − g_r‖ ≤ √Ψ · (the elementwise bound above), plus
+                    # its own rounding (rtol·‖g‖). Both sides clip by max_norm/‖g‖: the engine's
+                    # clipped gradients are the engine's own scaled by the reference's coefficient,
+                    # within the coefficient's relative error.
+                    want = ref.grads()
+                    numel = sum(t.numel() for t in want.values())
+                    gmax = max(float(t.abs().max()) for t in want.values() if t.numel())
+                    ref_norm = ref.clip(want, cfg.clip)
+                    allowed = rtol * float(ref_norm) + numel ** 0.5 * rtol * gmax
+                    gap = abs(float(norm) - float(ref_norm))
+                    norm_worst = norm_worst.worse(core.Closeness(gap, allowed, gap / allowed if gap else 0.0,
+                                                                 "gradient norm"))
+                    ref.clip(got, cfg.clip)
+                    coef_rtol = allowed / max(float(ref_norm), cfg.clip) + core.tolerance(torch.float32, 1)
+                    grad_worst = grad_worst.worse(core.compare_dicts(clipped, ref.master_grads(), coef_rtol))
+                    got = clipped
+            if lead:
+                ref.feed(got)  # both step from the same (checked) gradients
             if member:
                 engine.step()
                 engine.zero_grad()
             if lead:
                 ref.step()
+            now = engine.full_state_dict() if member else None
+            if lead:  # both stepped from the same parameters and gradients: one fp32 rounding apart
+                param_worst = param_worst.worse(ref.compare(now, core.fed_tolerance(1), core.tolerance(dtype, terms)))
+                ref.load(now)  # the next step starts from the same parameters again
         if phase == 0:
             mine = _row_stats(engine, dev) if member else None
             stats = [None] * world_all
             dist.all_gather_object(stats, mine)
 
     result = None
-    final = engine.full_state_dict() if rank < phases[-1][0] else None
     optim = engine.optimizer_state_dict() if rank < phases[-1][0] else None
     if lead:
-        rtol = core.fed_tolerance(cfg.steps)
-        params = {n: p.detach() for n, p in ref.master.named_parameters()}
-        param_worst = core.compare_dicts(final, params, rtol)
-        buffers = {n: b.detach().float() for n, b in ref.compute.named_buffers() if n in final}
-        buffer_worst = core.NONE
-        btol = core.tolerance(dtype, terms)  # one rounding per update, in the buffer's dtype
-        for n, b in buffers.items():
-            scale = float(b.abs().max()) if b.numel() else 0.0
-            buffer_worst = buffer_worst.worse(core.measure(final[n], b, btol, btol * scale, n))
+        rtol = core.fed_tolerance(cfg.steps)  # one rounding per step, carried in the states
         state_worst = _compare_optimizer(optim, ref, rtol)
         result = {"stage": stage, "world": world, "reshard": [load_stage, load_world] if cfg.reshard else None,
                   "steps": cfg.steps, "micro_batches": cfg.micro_batches, "precision": cfg.precision,
-                  "grad": _as_dict(grad_worst.worse(norm_worst)), "param": _as_dict(param_worst.worse(buffer_worst)),
+                  "grad": _as_dict(grad_worst.worse(norm_worst)), "param": _as_dict(param_worst),
                   "optimizer_state": _as_dict(state_worst), "ranks": [s for s in stats if s is not None],
-                  "planned_state_numel": planned_state_numel(ref), "seconds": time.perf_counter() - started}
+                  "planned_state_numel": planned_state_numel(ref),
+                  "own_gathers": (2 if cfg.clip is not None else 1) + (len(phases[0][2]) > 1),
+                  "seconds": time.perf_counter() - started}
         result["ok"] = all(result[k]["ratio"] <= 1.0 for k in ("grad", "param", "optimizer_state"))
     dist.barrier()
     return result
