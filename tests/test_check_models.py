@@ -26,7 +26,8 @@ def _configs():
 
     return {
         "convnet+sgd": dict(model=check_convnet.build, optimizer="sgd",
-                            optimizer_args={"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}, input_shape=(3, 32, 32)),
+                            optimizer_args={"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
+                            input_shape=(3, 32, 32)),
         "llama+adamw": dict(config=str(ROOT / "examples" / "configs" / "check-llama"), optimizer="adamw",
                             optimizer_args={"lr": 1e-2, "weight_decay": 0.1}),
         "gpt+muon": dict(model=check_muon_gpt.build, optimizer_factory=check_muon_gpt.optimizers,
