@@ -116,7 +116,10 @@ def run_check(args) -> int:
         if wrong:
             raise ValueError(wrong[0].split("CheckInputError: ", 1)[1]) from None
         print(text, file=sys.stderr)
-        last = [line for line in text.splitlines() if line.strip()][-1]
+        # the cause: a rank's own error, not a peer's "connection closed" that followed it
+        ends = [[line for line in part.splitlines() if line.strip()][-1:] for part in text.split("--- rank ")]
+        ends = [e[0] for e in ends if e]
+        last = next((e for e in ends if "peer" not in e), ends[-1])
         print(f"zerodp check: error: a rank failed ({last.strip()}); its traceback is above", file=sys.stderr)
         return 1
     if args.json:

@@ -56,6 +56,7 @@ class Reference:
         self.compute = self.master if dtype == torch.float32 else copy.deepcopy(self.master).to(dtype)
         self.opt = reference_optimizer(cfg, self.master)
         self.names = [n for n, p in self.master.named_parameters() if p.requires_grad]
+        self.unused: set[str] = set()  # parameters no rank used in this step
 
     def sync_compute(self) -> None:
         if self.compute is not self.master:
@@ -91,14 +92,18 @@ class Reference:
         """The master gradients by name (from the compute copy under mixed precision)."""
         out = {}
         compute = dict(self.compute.named_parameters())
+        self.unused = set()
         for name, p in self.master.named_parameters():
             if p.requires_grad:
                 g = compute[name].grad
+                if g is None:  # no rank used it this step: the engine leaves it alone (as DDP)
+                    self.unused.add(name)
                 out[name] = torch.zeros(p.shape, device=p.device) if g is None else g.detach().float()
         return out
 
     def master_grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.detach().clone() for n, p in self.master.named_parameters() if p.requires_grad}
+        return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                for n, p in self.master.named_parameters() if p.requires_grad}
 
     def clip(self, grads: dict[str, torch.Tensor], max_norm: float) -> torch.Tensor:
         """Put ``grads`` on the master and clip them there with ``torch.nn.utils.clip_grad_norm_``."""
@@ -135,7 +140,7 @@ class Reference:
     def feed(self, grads: dict[str, torch.Tensor]) -> None:
         for name, p in self.master.named_parameters():
             if p.requires_grad:
-                p.grad = grads[name].to(p.device, p.dtype).clone()
+                p.grad = None if name in self.unused else grads[name].to(p.device, p.dtype).clone()
         for p in self.compute.parameters():
             if self.compute is not self.master:
                 p.grad = None
