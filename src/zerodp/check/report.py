@@ -93,7 +93,10 @@ def verdicts(row: dict) -> dict:
         slack = pad * (2 * elem + 4 + 8) + max((r.get("imbalance_bytes", 0) for r in ranks), default=0) * 3
         gap = abs(out["states_measured"] - out["states_planned"])
         out["states_ok"] = gap <= slack + MEMORY_BAND * out["states_planned"]
-        if not out["states_ok"]:
+        if not out["states_ok"] and row.get("stateless_numel"):
+            notes.append(f"memory: {row['stateless_numel']:,} parameters no rank used have no optimizer state, "
+                         "which the planner counts")
+        elif not out["states_ok"]:
             notes.append(f"memory: measured {fmt_mib(out['states_measured'])} vs planned "
                          f"{fmt_mib(out['states_planned'])} MiB, outside padding + imbalance + 1 %")
     if out["sent_planned"] is None or out["sent_measured"] is None:

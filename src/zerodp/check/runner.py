@@ -298,6 +298,8 @@ def run_row(cfg: CheckConfig, rank: int, world: int, stage: int, groups: dict) -
                   "grad": _as_dict(grad_worst.worse(norm_worst)), "param": _as_dict(param_worst),
                   "optimizer_state": _as_dict(state_worst), "ranks": [s for s in stats if s is not None],
                   "planned_state_numel": planned_state_numel(ref),
+                  "stateless_numel": sum(p.numel() for p in ref.master.parameters()
+                                         if p.requires_grad and not ref.opt.state.get(p)),
                   "own_gathers": (2 if cfg.clip is not None else 1) + (len(phases[0][2]) > 1),
                   "seconds": time.perf_counter() - started}
         result["ok"] = all(result[k]["ratio"] <= 1.0 for k in ("grad", "param", "optimizer_state"))
