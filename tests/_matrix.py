@@ -56,6 +56,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+# The differential core is the package's, shared with ``zerodp check`` (src/zerodp/check/core.py):
+# the tolerances' formulas, the elementwise bound and the checkpoint gather. The cases, the model
+# and the derivation of each bound stay here.
+from zerodp.check.core import assert_within as _assert_within
+from zerodp.check.core import fed_tolerance, tolerance
+from zerodp.check.core import gather_state as _core_gather_state
+
 STAGES = (0, 1, 2, 3)
 WORLDS = (1, 2, 3, 4)
 #: "owner": the same SGD declared per-tensor (``optimizer_layout="owner"``), so stages 1-3 take the
@@ -334,11 +341,6 @@ def per_tensor(case: Case) -> bool:
     return case.optimizer != "sgd"
 
 
-def fed_tolerance(steps: int) -> float:
-    """rtol (and atol over the largest element) after ``steps`` steps on the same gradients."""
-    return tolerance(torch.float32, steps)
-
-
 def batch(step: int, micro: int):
     g = torch.Generator().manual_seed(10_000 + 100 * step + micro)
     return torch.randn(ROWS, 5, generator=g), torch.randn(ROWS, 3, generator=g)
@@ -359,11 +361,6 @@ def micro_plan(usage: str) -> list[tuple[int, bool]]:
     if usage == "bf16":
         return [(0, False), (1, True)]
     return [(0, True)]
-
-
-def tolerance(dtype: torch.dtype, n_terms: int) -> float:
-    """rtol for a sum of ``n_terms`` terms taken in another order (see the module docstring)."""
-    return 2 * n_terms * torch.finfo(dtype).eps
 
 
 # ---- the reference -------------------------------------------------------------------------
@@ -462,22 +459,9 @@ def _build(case: Case, seed: int, stage: int, group, device: torch.device, world
 
 
 def _gather_state(engine, members: list[int]):
-    """Every rank's checkpoint pieces and scalars, assembled into full flat tensors."""
-    pieces = [] if engine is None else [(p.name, p.kind, p.start, p.stop, p.shape, p.tensor.detach().cpu().clone())
-                                        for p in engine.state_pieces()]
-    scalars = None if engine is None else engine.scalar_state()
-    everything: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, (pieces, scalars))
-    full: dict = {}
-    for rank_pieces, _ in everything:
-        for name, kind, start, stop, shape, t in rank_pieces:
-            numel = 1
-            for s in shape:
-                numel *= s
-            fill = float("nan") if t.is_floating_point() else 0  # NaN marks what no rank saved
-            buf = full.setdefault((name, kind), torch.full((numel,), fill, dtype=t.dtype))
-            buf[start:stop] = t
-    return full, everything[members[0]][1]
+    """Every rank's checkpoint pieces and scalars, assembled into full flat tensors (rank
+    ``members[0]``'s scalars): :func:`zerodp.check.core.gather_state`."""
+    return _core_gather_state(engine, lead=members[0])
 
 
 def run_case(case: Case, rank: int, device: str | None = None) -> None:
@@ -751,19 +735,6 @@ def _check_used_params(case, step, ref: Reference, used: dict, layouts, world, d
         _assert_within(used[name], theta, rtol, atol, bound,
                        f"[{case}] step {step}: parameter {name} as forward used it (quantized AllGather)")
     ref.load_compute(used)
-
-
-def _assert_within(got, want, rtol: float, atol: float, extra, msg: str) -> None:
-    """|got − want| ≤ atol + rtol·|want| + extra, element by element (``assert_close`` semantics,
-    widened by ``extra``: a documented error bound per element)."""
-    got, want = got.double().cpu(), want.double().cpu()
-    err = (got - want).abs()
-    allowed = atol + rtol * want.abs() + (0.0 if extra is None else extra)
-    if not bool((err <= allowed).all()):
-        i = int((err - allowed).reshape(-1).argmax())
-        raise AssertionError(f"{msg}: {int((err > allowed).sum())} of {err.numel()} elements off; element {i}: "
-                             f"got {got.reshape(-1)[i]:.6e}, expected {want.reshape(-1)[i]:.6e}, "
-                             f"|diff| {err.reshape(-1)[i]:.3e} > allowed {allowed.reshape(-1)[i]:.3e}")
 
 
 class _nullcontext:

@@ -28,7 +28,7 @@ def _imports() -> dict[str, set[str]]:
 
 
 def test_engine_imports_nothing_from_the_apps():
-    up = {m: sorted(d for d in deps if d.startswith(("zerodp.train", "zerodp.bench", "zerodp.ui")))
+    up = {m: sorted(d for d in deps if d.startswith(("zerodp.train", "zerodp.bench", "zerodp.check", "zerodp.ui")))
           for m, deps in _imports().items() if m.startswith("zerodp.engine")}
     assert not any(up.values()), {m: d for m, d in up.items() if d}
 
@@ -71,7 +71,7 @@ for stage in (0, 1, 2, 3):
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     e = zerodp.parallelize(m, optimizer=lambda g: torch.optim.AdamW(g), stage=stage)
     e(torch.randn(2, 4)).sum().backward(); e.step(); e.stats()
-print(sorted(k for k in sys.modules if k.startswith(("zerodp.train", "zerodp.bench", "zerodp.ui"))))
+print(sorted(k for k in sys.modules if k.startswith(("zerodp.train", "zerodp.bench", "zerodp.check", "zerodp.ui"))))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

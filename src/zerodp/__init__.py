@@ -3,6 +3,7 @@
 - ``zerodp.plan``   torch-free cost models: memory, collectives, roofline, batch, timeline.
 - ``zerodp.engine`` the training engine on torch.distributed (stages 0-3).
 - ``zerodp.spawn``  run a function on N local ranks (tests, benchmarks, examples).
+- ``zerodp.check``  is sharding exact for this model and optimizer? ``zerodp.check(...)`` (docs/check.md).
 """
 
 __version__ = "0.1.0"
@@ -14,4 +15,8 @@ def __getattr__(name):
         from zerodp.engine import parallelize
 
         return parallelize
+    if name == "check":  # a subpackage; importing it sets the attribute, as for any submodule
+        import importlib
+
+        return importlib.import_module("zerodp.check")
     raise AttributeError(f"module 'zerodp' has no attribute {name!r}")

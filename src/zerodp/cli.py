@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "zerodp.train.cli",
     "zerodp.ui.cli",
     "zerodp.bench.cli",
+    "zerodp.check.cli",
 ]
 #: what to run when torch is missing (the planner and the page need no torch)
 TRAIN_EXTRA = "pip install 'zerodp[train]'"

@@ -15,10 +15,13 @@ AllGather that publishes the parameters fills in the rest); stage 0 keeps full r
 everything. Values are cast to the engine's fp32 master dtype; the returned :class:`HFLoad`
 counts the bytes this rank read.
 
-:func:`save_hf` writes the other way: the full fp32 state (gathered from the shards with a
-collective) as sharded ``model-00001-of-0000N.safetensors`` files plus the index, in fp32 or bf16,
-written by rank 0 and atomically. It also takes a plain ``{name: tensor}`` state dict in a single
-process, which is what ``zerodp export --format hf`` uses.
+:func:`save_hf` writes the other way, streaming: the shards' files are planned from the names and
+shapes alone, then filled unit by unit — each unit's full tensors summed onto rank 0 from the
+ranks' disjoint checkpoint pieces, written at their offsets and dropped — so no rank holds more
+than its shard plus one unit's full tensors; sharded ``model-00001-of-0000N.safetensors`` files
+plus the index, in fp32 or bf16, written by rank 0 and atomically. It also takes a plain
+``{name: tensor}`` state dict, or lazy :class:`TensorSource` values, in a single process, which is
+what ``zerodp export --format hf`` uses (one tensor assembled from a checkpoint at a time).
 
 Names: the checkpoint's keys are the model's ``named_parameters()`` names, as for a
 ``transformers`` model. Tied weights (one tensor under two names, e.g. ``lm_head.weight`` and
@@ -38,7 +41,7 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -340,54 +343,123 @@ def _distinct(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_hf(state: Mapping[str, torch.Tensor], directory: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, config: Mapping | None = None,
-             metadata: Mapping[str, object] | None = None) -> Path:
-    """Single process: write ``state`` as a Hugging Face directory (see :func:`save_hf`)."""
-    from safetensors.torch import save as st_save
+@dataclass(frozen=True)
+class TensorSource:
+    """A tensor to write that is read only when its turn comes (:func:`write_hf` streams them):
+    its full ``shape``, its ``dtype`` as stored, and ``load()`` returning it."""
 
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"save_hf writes float32, bfloat16 or float16, got dtype={dtype}")
-    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
-    state = _distinct(state)
-    if not state:
-        raise ValueError("save_hf got an empty state dict: there is nothing to write")
-    tensors = {}
-    for name, t in state.items():
-        t = t.detach().to("cpu")
-        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
-    # Greedy, in the state dict's order (layer by layer): a new shard when the next tensor would
-    # overflow this one; a tensor larger than the limit gets a shard of its own.
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    n = len(shards)
-    names = [shard_file_name(i + 1, n) for i in range(n)]
-    weight_map = {k: names[i] for i, shard in enumerate(shards) for k in shard}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total, **dict(metadata or {})}, "weight_map": weight_map}
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
 
-    out = Path(directory)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a directory: save_hf writes a directory of safetensors files")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        for name, shard in zip(names, shards):
-            write_durable(tmp / name, st_save(shard, metadata={"format": "pt"}))
-        if config is not None:
-            write_durable(tmp / CONFIG_FILE, (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode())
-        write_durable(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...] | None = None) -> "TensorSource":
+        """The same tensor through ``fn`` (a transpose, a rename's reshape), still lazy."""
+        return TensorSource(tuple(self.shape if shape is None else shape), self.dtype, lambda: fn(self.load()))
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # as written
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _stored(dtype: torch.dtype, floating_as: torch.dtype) -> torch.dtype:
+    return floating_as if dtype.is_floating_point else dtype
+
+
+class _ShardWriter:
+    """Safetensors shards planned from the tensors' names, shapes and dtypes alone, written tensor
+    by tensor at their offsets into a temporary directory, then committed atomically: no more than
+    the tensor being written is held (guide §12.7). The headers are JSON with sorted keys, so the
+    bytes depend only on the tensors and the metadata."""
+
+    def __init__(self, entries: list[_Entry], directory: str | os.PathLike, max_shard_bytes: int,
+                 config: Mapping | None, metadata: Mapping[str, object] | None):
+        if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
+        if not entries:
+            raise ValueError("save_hf got an empty state dict: there is nothing to write")
+        # Greedy, in the given order (layer by layer): a new shard when the next tensor would
+        # overflow this one; a tensor larger than the limit gets a shard of its own.
+        shards: list[list[_Entry]] = [[]]
+        size = 0
+        for e in entries:
+            if shards[-1] and size + e.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(e)
+            size += e.nbytes
+        n = len(shards)
+        self.names = [shard_file_name(i + 1, n) for i in range(n)]
+        self.where: dict[str, tuple[int, int, _Entry]] = {}  # name -> (shard, byte offset in the file, entry)
+        self.headers = []
+        for i, shard in enumerate(shards):
+            header: dict = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for e in shard:
+                header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                                  "data_offsets": [offset, offset + e.nbytes]}
+                offset += e.nbytes
+            text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+            text += b" " * (-len(text) % 8)
+            start = 8 + len(text)
+            for e in shard:
+                self.where[e.name] = (i, start + header[e.name]["data_offsets"][0], e)
+            self.headers.append((len(text).to_bytes(8, "little") + text, start + offset))
+        weight_map = {name: self.names[i] for name, (i, _, _) in self.where.items()}
+        self.index = {"metadata": {"total_size": sum(e.nbytes for e in entries), **dict(metadata or {})},
+                      "weight_map": weight_map}
+        self.config = config
+        self.out = Path(directory)
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"{self.out} exists and is not a directory: save_hf writes a directory of safetensors "
+                             "files")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        self.files = []
+        for name, (head, total) in zip(self.names, self.headers):
+            f = open(self.tmp / name, "wb")
+            f.write(head)
+            f.truncate(total)
+            self.files.append(f)
+        self.written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        i, offset, e = self.where[name]
+        t = tensor.detach().to("cpu")
+        if tuple(t.shape) != e.shape:
+            raise ValueError(f"save_hf: {name} has shape {tuple(t.shape)}, {list(e.shape)} was planned")
+        t = t.to(e.dtype).contiguous().reshape(-1)
+        f = self.files[i]
+        f.seek(offset)
+        f.write(memoryview(t.view(torch.uint8).numpy()))
+        self.written.add(name)
+
+    def commit(self) -> Path:
+        missing = sorted(set(self.where) - self.written)
+        if missing:
+            raise RuntimeError(f"save_hf: {len(missing)} tensor(s) were never written (first: {missing[0]})")
+        for f in self.files:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        out, tmp = self.out, self.tmp
+        if self.config is not None:
+            write_durable(tmp / CONFIG_FILE, (json.dumps(dict(self.config), indent=2, sort_keys=True) + "\n").encode())
+        write_durable(tmp / INDEX_FILE, (json.dumps(self.index, indent=2) + "\n").encode())
         fsync_dir(tmp)
         if not out.exists():
             tmp.rename(out)  # the whole directory appears at once
@@ -400,45 +472,89 @@ def write_hf(state: Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
             for p in sorted(tmp.iterdir(), key=lambda p: p.name == INDEX_FILE):
                 os.replace(p, out / p.name)
             for p in old:
-                if p.name not in names:
+                if p.name not in self.names:
                     p.unlink()
             tmp.rmdir()
         fsync_dir(out)
         fsync_dir(out.parent)
+        return out
+
+    def abort(self) -> None:
+        for f in self.files:
+            f.close()
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_hf(state: Mapping[str, "torch.Tensor | TensorSource"], directory: str | os.PathLike, *,
+             dtype: torch.dtype = torch.float32, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+             config: Mapping | None = None, metadata: Mapping[str, object] | None = None) -> Path:
+    """Single process: write ``state`` as a Hugging Face directory (see :func:`save_hf`), one
+    tensor at a time: a :class:`TensorSource` is loaded only when it is written, and each tensor
+    is cast on its own, so the process holds what ``state`` holds plus one tensor."""
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_hf writes float32, bfloat16 or float16, got dtype={dtype}")
+    for name, t in state.items():
+        if not isinstance(t, (torch.Tensor, TensorSource)):
+            raise TypeError(f"save_hf: {name} is a {type(t).__name__}, not a tensor")
+    tensors = _distinct({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    seen: set[int] = set()  # a source under two names (tied weights) is written once, as a tensor is
+    items = {}
+    for k, v in state.items():
+        if k in tensors or (isinstance(v, TensorSource) and id(v) not in seen):
+            items[k] = v
+            seen.add(id(v))
+    entries = [_Entry(k, tuple(v.shape), _stored(v.dtype, dtype)) for k, v in items.items()]
+    writer = _ShardWriter(entries, directory, max_shard_bytes, config, metadata)
+    try:
+        for name, v in items.items():
+            writer.write(name, v.load() if isinstance(v, TensorSource) else v)
+        return writer.commit()
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        writer.abort()
 
 
-def save_hf(source: StageEngine | Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
+def save_hf(source: StageEngine | Mapping[str, "torch.Tensor | TensorSource"], directory: str | os.PathLike, *,
             dtype: torch.dtype = torch.float32, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             config: Mapping | None = None, metadata: Mapping[str, object] | None = None) -> Path | None:
     """Write a Hugging Face directory: ``model-0000i-of-0000N.safetensors`` shards of at most
     ``max_shard_bytes`` keyed by the model's own names, and ``model.safetensors.index.json``;
     ``config.json`` too when ``config`` (a dict, e.g. ``model.config.to_dict()``) is given.
 
-    ``source`` is an engine — a collective: the full fp32 state is gathered on every rank
-    (guide §12.1), rank 0 writes, and every rank returns once the files are complete (rank 0 gets
-    the path, the others None; a write error is raised on every rank) — or a plain
-    ``{name: tensor}`` state dict, written by this process. Floating tensors are written in
-    ``dtype`` (float32 or bfloat16); tied weights once, under their first name. The directory is
-    written atomically: into a temporary directory, fsynced, then renamed (see :func:`write_hf`)."""
+    ``source`` is an engine — a collective that streams (guide §12.1, §12.7): unit by unit (a
+    flat group, or a run of its tensors of at most the largest unit's size), every rank lays the
+    pieces of its shard (``engine.state_pieces()``) into a zero buffer of the unit's full tensors
+    and the buffers are summed onto rank 0 (the pieces are disjoint, so the sum is exact), which
+    writes them at their planned offsets and drops them; so no rank holds more than its shard plus
+    one unit's full tensors. Rank 0 gets the path, the others None; a write error is raised on
+    every rank. Frozen parameters that stage 3 keeps inside its units are not in the pieces: an
+    engine with those is exported through ``engine.state_dict()`` (the whole model on rank 0),
+    with a warning. ``source`` may instead be a ``{name: tensor or TensorSource}`` mapping,
+    written by this process one tensor at a time (:func:`write_hf`). Floating tensors are written
+    in ``dtype`` (float32, bfloat16 or float16); tied weights once, under their first name. The
+    directory is written atomically: into a temporary directory, fsynced, then renamed."""
     if not isinstance(source, StageEngine):
         if not isinstance(source, Mapping):
             raise TypeError(f"save_hf takes an engine or a {{name: tensor}} state dict, got {type(source).__name__}")
         return write_hf(source, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, config=config,
                         metadata=metadata)
     engine = source
-    state = _engine_state(engine)
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_hf writes float32, bfloat16 or float16, got dtype={dtype}")
     error = None
     path = None
-    if engine.rank == 0:
-        try:
-            path = write_hf(state, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, config=config,
-                            metadata=metadata)
-        except Exception as e:  # noqa: BLE001 - every rank raises the same error below
-            error = f"{type(e).__name__}: {e}"
+    if _frozen_inside_units(engine):
+        warnings.warn("save_hf: frozen parameters inside stage 3's units are not in the checkpoint pieces; "
+                      "the export gathers the whole model on rank 0 (engine.state_dict())", stacklevel=2)
+        state = _engine_state(engine)
+        if engine.rank == 0:
+            try:
+                path = write_hf(state, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, config=config,
+                                metadata=metadata)
+            except Exception as e:  # noqa: BLE001 - every rank raises the same error below
+                error = f"{type(e).__name__}: {e}"
+    else:
+        path, error = _stream_engine(engine, directory, dtype, max_shard_bytes, config, metadata)
     if engine.world_size > 1:
         box = [error]
         src = dist.get_global_rank(engine.group, 0) if engine.group is not None else 0
@@ -447,6 +563,89 @@ def save_hf(source: StageEngine | Mapping[str, torch.Tensor], directory: str | o
     if error is not None:
         raise RuntimeError(f"save_hf: rank 0 could not write {directory}: {error}")
     return path
+
+
+def _frozen_inside_units(engine: StageEngine) -> bool:
+    """Whether a frozen parameter sits in a flat group of a stage-3 engine (kept in its units'
+    shards, outside the checkpoint pieces)."""
+    if engine.stage != 3:
+        return False
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    return any(slot["name"] in frozen for layout in engine.layout() for slot in layout["slots"])
+
+
+def _stream_engine(engine: StageEngine, directory, dtype: torch.dtype, max_shard_bytes: int,
+                   config: Mapping | None, metadata: Mapping | None) -> tuple[Path | None, str | None]:
+    """Collective (every rank, the same reductions in the same order): see :func:`save_hf`."""
+    lead = engine.rank == 0
+    pieces: dict[str, list] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for pc in engine.state_pieces():
+        if pc.kind == PARAM:
+            pieces.setdefault(pc.name, []).append(pc)
+        elif pc.kind == BUFFER:
+            buffers[pc.name] = pc.tensor.reshape(pc.shape)
+    # Runs of tensors, each run summed onto rank 0 at once: a flat group's slots, cut where a run
+    # would outgrow the largest group (a stage 0-2 engine built with one huge bucket still streams).
+    groups = [[(slot["name"], tuple(slot["shape"])) for slot in layout["slots"]] for layout in engine.layout()]
+    limit = max((sum(math.prod(s) for _, s in g) for g in groups), default=0)
+    limit = min(limit, max((math.prod(s) for g in groups for _, s in g), default=0) + (1 << 24))
+    runs: list[list[tuple[str, tuple[int, ...]]]] = []
+    for g in groups:
+        runs.append([])
+        for name, shape in g:
+            if runs[-1] and sum(math.prod(s) for _, s in runs[-1]) + math.prod(shape) > limit:
+                runs.append([])
+            runs[-1].append((name, shape))
+    in_groups = {name for run in runs for name, _ in run}
+    outside = {n: p for n, p in engine.module.named_parameters() if n not in in_groups}  # full on every rank
+    writer, error = None, None
+    if lead:
+        entries = [_Entry(n, s, dtype) for run in runs for n, s in run]
+        entries += [_Entry(n, tuple(p.shape), _stored(p.dtype, dtype)) for n, p in outside.items()]
+        entries += [_Entry(n, tuple(b.shape), _stored(b.dtype, dtype)) for n, b in buffers.items()]
+        try:
+            writer = _ShardWriter(entries, directory, max_shard_bytes, config, metadata)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by save_hf
+            error = f"{type(e).__name__}: {e}"
+    dst = dist.get_global_rank(engine.group, 0) if engine.group is not None and engine.world_size > 1 else 0
+    device = next((pc.tensor.device for pcs in pieces.values() for pc in pcs), torch.device("cpu"))
+    try:
+        # One buffer for every run, zeroed in between: the allocator sees one allocation, not one per unit.
+        flat = buffer = torch.empty(max((sum(math.prod(s) for _, s in run) for run in runs), default=0),
+                             dtype=torch.float32, device=device)
+        for run in runs:
+            flat = buffer[:sum(math.prod(s) for _, s in run)].zero_()
+            at = 0
+            for name, shape in run:
+                for pc in pieces.get(name, []):
+                    flat[at + pc.start:at + pc.stop].copy_(pc.tensor.reshape(-1))
+                at += math.prod(shape)
+            if engine.world_size > 1:
+                dist.reduce(flat, dst=dst, op=dist.ReduceOp.SUM, group=engine.group)
+            if writer is not None and error is None:
+                try:
+                    at = 0
+                    for name, shape in run:
+                        writer.write(name, flat[at:at + math.prod(shape)].view(shape))
+                        at += math.prod(shape)
+                except Exception as e:  # noqa: BLE001 - keep taking part in the reductions
+                    error = f"{type(e).__name__}: {e}"
+        del buffer, flat
+        if writer is not None and error is None:
+            for n, p in outside.items():
+                writer.write(n, p)
+            for n, b in buffers.items():
+                writer.write(n, b)
+            return writer.commit(), None
+        return None, error
+    except Exception as e:  # noqa: BLE001
+        if writer is None:
+            raise
+        return None, f"{type(e).__name__}: {e}"
+    finally:
+        if writer is not None:
+            writer.abort()
 
 
 def _engine_state(engine: StageEngine) -> dict[str, torch.Tensor]:

@@ -109,6 +109,26 @@ def checkpoint_state(path: str | Path, log=print) -> tuple[dict[str, torch.Tenso
     return state, ck
 
 
+def checkpoint_sources(path: str | Path, log=print) -> tuple[dict, "ckpt.Checkpoint"]:
+    """:func:`checkpoint_state` without reading a tensor: each parameter (fp32 master values) and
+    persistent buffer as a :class:`zerodp.engine.hf.TensorSource` that assembles it from the
+    ranks' pieces when it is written, so an export holds one tensor at a time."""
+    from zerodp.engine.hf import TensorSource
+
+    ck = ckpt.Checkpoint.open(ckpt.find(path, log=log))
+    sources = {}
+    for name in ck.names():
+        kinds = ck.kinds(name)
+        kind = "param" if "param" in kinds else "buffer" if "buffer" in kinds else None
+        if kind is None:
+            continue
+        dtype = getattr(torch, ck.dtypes[(name, kind)])
+        sources[name] = TensorSource(tuple(ck.shapes[name]), dtype, lambda name=name, kind=kind: ck.full(name, kind))
+    if not sources:
+        raise ckpt.CheckpointError(f"{ck.path / ckpt.MANIFEST} lists no parameters: there is nothing to export")
+    return sources, ck
+
+
 def export_hf(path: str | Path, out: str | Path, dtype: str = "float32",
               max_shard_bytes: int | None = None, log=print, native_names: bool = False) -> Path:
     """Write a checkpoint as a Hugging Face directory: sharded safetensors plus
@@ -119,7 +139,9 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32",
     :func:`gpt2_config`) with ``config.json`` and ``generation_config.json``, so that
     ``AutoModelForCausalLM.from_pretrained(out)`` loads it; ``native_names=True`` keeps its own
     names instead (what ``zerodp.engine.hf.load_hf`` reads back into a GPT engine). Any other
-    model is written by the names its checkpoint holds, without a config."""
+    model is written by the names its checkpoint holds, without a config. It streams: each tensor
+    is assembled from the checkpoint's pieces, renamed, written and dropped in turn
+    (:func:`checkpoint_sources`), so the process holds one tensor at a time, not the model."""
     from zerodp.engine.hf import DEFAULT_MAX_SHARD_BYTES, save_hf
 
     if dtype not in HF_DTYPES:
@@ -127,7 +149,7 @@ def export_hf(path: str | Path, out: str | Path, dtype: str = "float32",
     out = Path(out)
     if out.suffix == ".safetensors":
         raise ValueError(f"--format hf writes a directory: give a directory path, not {out}")
-    state, ck = checkpoint_state(path, log=log)
+    state, ck = checkpoint_sources(path, log=log)
     meta: dict = {"step": ck.step, "source": str(ck.path)}
     config = None
     if ck.model_config:
@@ -171,15 +193,26 @@ def generation_config() -> dict:
 def gpt2_state(state: dict[str, torch.Tensor], mc: GPTConfig) -> dict[str, torch.Tensor]:
     """The bundled GPT's parameters under GPT-2's names: ``transformers`` keeps GPT-2's linear
     layers as ``Conv1D``, whose weight is the transpose of ``nn.Linear``'s; a GPT built with
-    ``bias=False`` gets zero biases, which compute the same."""
-    d, ffn = mc.d_model, mc.ffn_mult * mc.d_model
+    ``bias=False`` gets zero biases, which compute the same. ``state``'s values may be tensors or
+    :class:`zerodp.engine.hf.TensorSource` (then so are the results: still unread)."""
+    from zerodp.engine.hf import TensorSource
 
-    def get(name: str, shape=None) -> torch.Tensor:
+    d, ffn = mc.d_model, mc.ffn_mult * mc.d_model
+    lazy = any(isinstance(v, TensorSource) for v in state.values())
+
+    def get(name: str, shape=None):
         if name in state:
             return state[name]
         if shape is not None and name.endswith(".bias"):
+            if lazy:
+                return TensorSource((shape,), torch.float32, lambda: torch.zeros(shape, dtype=torch.float32))
             return torch.zeros(shape, dtype=torch.float32)
         raise ckpt.CheckpointError(f"the checkpoint lacks {name}, which a GPT of this config holds")
+
+    def transposed(v):
+        if isinstance(v, TensorSource):
+            return v.map(lambda t: t.t().contiguous(), tuple(reversed(v.shape)))
+        return v.t().contiguous()
 
     out = {"transformer.wte.weight": get("tok_emb.weight"), "transformer.wpe.weight": get("pos_emb.weight")}
     for i in range(mc.n_layer):
@@ -189,7 +222,7 @@ def gpt2_state(state: dict[str, torch.Tensor], mc: GPTConfig) -> dict[str, torch
             out[f"{dst}{b}.bias"] = get(f"{src}{a}.bias", n)
         for a, b, n in (("attn.qkv", "attn.c_attn", 3 * d), ("attn.proj", "attn.c_proj", d),
                         ("mlp.fc", "mlp.c_fc", ffn), ("mlp.proj", "mlp.c_proj", d)):
-            out[f"{dst}{b}.weight"] = get(f"{src}{a}.weight").t().contiguous()
+            out[f"{dst}{b}.weight"] = transposed(get(f"{src}{a}.weight"))
             out[f"{dst}{b}.bias"] = get(f"{src}{a}.bias", n)
     out["transformer.ln_f.weight"] = get("ln_f.weight")
     out["transformer.ln_f.bias"] = get("ln_f.bias", d)
