@@ -15,7 +15,7 @@ Averages are done as SUM followed by a division by N on our side: ``ReduceOp.AVG
 on gloo or has been silently wrong there in several releases.
 
 Calls a script makes (state dicts, gradient norms, traces) run through :class:`Control`, a small
-process group of the engine's own (guide §13.4): each carries its call's name and step, so a call
+process group of the engine's own (guide §12.9): each carries its call's name and step, so a call
 made on some ranks only, or two different calls on different ranks, end every rank within
 ``timeout_s`` with one line naming the call and its fix, and the process then exits.
 """
@@ -316,7 +316,7 @@ class Collectives:
         return tensor
 
 
-# ---- calls a script makes: named, bounded, on a group of their own (guide §13.4) -----------------
+# ---- calls a script makes: named, bounded, on a group of their own (guide §12.9) -----------------
 @dataclass(frozen=True)
 class Call:
     """A collective call a script makes, as the script spells it, and the one-line fix when it is
@@ -388,7 +388,7 @@ _ROW = 4
 
 
 class Control:
-    """The engine's process group for the calls a script makes, and its failure channel (guide §13.4).
+    """The engine's process group for the calls a script makes, and its failure channel (guide §12.9).
 
     - Every user call (:func:`user_call`) starts with one tiny AllReduce on this group of
       ``(code, step)`` per rank, so every rank checks that every other one makes the same call at
@@ -414,23 +414,31 @@ class Control:
         self._engine_group = group
         self._calls: list[Call] = []  # the user calls in progress on this rank, outermost first
         self.failure: str | None = None
-        self.group = self.name = None
-        if self.world_size > 1:
-            self.group, self.name = self._connect(group, timeout_s)
+        self.group = None  # connected at the first call (most engines never make one)
+        self.name = self._name(group) if self.world_size > 1 else None
         self._comms = [c for c in comms if c is not None]
         for c in self._comms:
             c.control = self
 
-    def _connect(self, group: dist.ProcessGroup | None, timeout_s: float | None):
-        """A gloo group of the engine's ranks, rendezvoused in the job's store under a name of its
-        own: the engine group's name and how many controls each of its ranks built before (every
-        rank builds its engines in the same order). Only the engine's ranks take part, and it is
-        not registered with torch: it is this object's, and goes with it."""
-        store = dist.distributed_c10d._get_default_store()
+    def _name(self, group: dist.ProcessGroup | None) -> str:
+        """This control's name in the job's store: the engine group's name and how many controls
+        each of its ranks built before (every rank builds its engines in the same order)."""
         base = f"zerodp/control/{group.group_name if group is not None else 'world'}"
-        name = f"{base}/{store.add(f'{base}/built/{self.rank}', 1)}"
-        limit = datetime.timedelta(seconds=2 * timeout_s + 10 if timeout_s else 1800)
-        return dist.ProcessGroupGloo(dist.PrefixStore(name, store), self.rank, self.world_size, limit), name
+        return f"{base}/{self._store().add(f'{base}/built/{self.rank}', 1)}"
+
+    def _connected(self, call: Call):
+        """The gloo group of the engine's ranks, connected through the job's store under this
+        control's name at the first call that needs it (bounded by ``timeout_s`` like any wait).
+        Only the engine's ranks take part, and torch does not register it: it goes with this object."""
+        if self.group is None:
+            limit = datetime.timedelta(seconds=self.timeout_s or 1800)
+            try:
+                self.group = dist.ProcessGroupGloo(dist.PrefixStore(self.name, self._store()), self.rank,
+                                                   self.world_size, limit)
+            except RuntimeError as e:
+                self.failed(f"{call.name} (connecting the ranks)", e, True, call)
+                raise
+        return self.group
 
     # ---- calls ----------------------------------------------------------------------------------
     @property
@@ -459,13 +467,14 @@ class Control:
         """One AllReduce on this group: every rank's ``(call, step, detail)`` is checked against
         every other's (:class:`CallMismatch` on every rank when they differ) and every rank's
         ``value`` comes back, by rank."""
-        if self.group is None:
+        if self.world_size == 1:
             return [value]
+        group = self._connected(call)
         rows = torch.zeros(self.world_size, _ROW, dtype=torch.float64)
         rows[self.rank] = torch.tensor([call.code, self.recorder.step, detail, value], dtype=torch.float64)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
-        self._wait(self.group.allreduce([rows], options), call)
+        self._wait(group.allreduce([rows], options), call)
         table = rows.tolist()
         if len({tuple(r[:3]) for r in table}) > 1:
             raise CallMismatch(self._mismatch(table))
@@ -474,14 +483,14 @@ class Control:
     def all_gather_object(self, obj, call: Call | None = None) -> list:
         """``dist.all_gather_object`` on this group, bounded and tagged (the current call's name)."""
         call = call or self.current or UNIT_SCHEDULE
-        if self.group is None:
+        if self.world_size == 1:
             return [obj]
         data = pickle.dumps(obj)
         sizes = [int(n) for n in self.exchange(call, float(len(data)))]
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._wait(self.group.allgather([out], [padded]), call)
+        self._wait(self._connected(call).allgather([out], [padded]), call)
         return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(out, sizes)]
 
     def _wait(self, work, call: Call) -> None:
@@ -538,7 +547,7 @@ class Control:
         raise CollectiveTimeout(self.failure) from error
 
     def _store(self):
-        if self.group is None:
+        if self.world_size == 1:
             return None
         try:
             return dist.distributed_c10d._get_default_store()
