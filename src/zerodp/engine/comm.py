@@ -527,9 +527,10 @@ class Control:
             posts = self._read(store, wait_s=0.0)
             if posts is None:  # the store went with the rank that hosted it: that rank's process ended
                 self.abandon()
+                said = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 raise CollectiveTimeout(
                     f"{what} failed: another rank's process ended (its own message says why: a call made on "
-                    "some ranks only, a crash, or a stall); the job ends") from error
+                    f"some ranks only, a crash, or a stall); the job ends (backend said: {said[:300]})") from error
             if not posts:
                 return
         call = call or self.current
