@@ -383,6 +383,9 @@ def user_call(call: Call):
     return wrap
 
 
+#: The longest a rank whose wait ran out waits for the other ranks to say what they were doing
+#: (those in the step's collectives run out at about the same time; others may never say).
+POSTS_WAIT_S = 30.0
 #: Columns of a control exchange: the call's code, the step, a detail (a tensor's size), a value.
 _ROW = 4
 
@@ -398,7 +401,7 @@ class Control:
       here: the hot path keeps its collectives as they were.
     - Every wait is bounded by ``timeout_s``. When one runs out — here or on the engine's groups
       (:class:`Pending`) — this rank posts what it was doing in the job's store, reads what the
-      other ranks posted (waiting up to ``timeout_s`` for them), and raises one
+      other ranks posted (waiting up to ``timeout_s``, at most POSTS_WAIT_S, for them), and raises one
       :class:`CollectiveTimeout` naming the call made on some ranks only and its fix; it then keeps
       its process groups from being destroyed, whose destructors would wait for the collective
       that never completes, so that the process exits as soon as the script ends.
@@ -537,7 +540,7 @@ class Control:
         mine = {"call": call.name if call else None, "what": what}
         with contextlib.suppress(Exception):
             store.set(self._key("failed", self.rank), json.dumps(mine))
-        posts = self._read(store, wait_s=self.timeout_s or 0.0) or {}
+        posts = self._read(store, wait_s=min(self.timeout_s or 0.0, POSTS_WAIT_S)) or {}
         posts[self.rank] = mine
         with contextlib.suppress(Exception):  # the store may live in this process: the others read first
             store.set(self._key("read", self.rank), "1")
