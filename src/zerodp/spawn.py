@@ -59,6 +59,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _collective_failed(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is the engine's ``CollectiveTimeout``: its process
+    groups hold a collective that never completes, and are left to the process's exit."""
+    from zerodp.engine.comm import CollectiveTimeout
+
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, CollectiveTimeout):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def _rank_main(job: _Job, rank: int, results: "mp.Queue") -> None:
     os.environ.update(job.env)
     os.environ.update(
@@ -82,8 +95,11 @@ def _rank_main(job: _Job, rank: int, results: "mp.Queue") -> None:
         )
         try:
             out = job.fn(rank, job.world_size, *job.args)
-        finally:
-            dist.destroy_process_group()
+        except BaseException as e:
+            if not _collective_failed(e):  # else destroying would wait for the collective that never ends
+                dist.destroy_process_group()
+            raise
+        dist.destroy_process_group()
         # Pickled here, by value: a tensor sent through the queue as-is would live in this
         # process's shared memory, which is gone once it exits.
         results.put((rank, True, pickle.dumps(out)))

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerodp.engine.adopt import Adoption
-from zerodp.engine.comm import Collectives, InFlight
+from zerodp.engine.comm import CHROME_TRACE, CLIP_GRAD_NORM, Collectives, Control, InFlight, user_call
 from zerodp.engine.compiled import activate, host_only
 from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
 from zerodp.engine.construct import Construction, resolve_param_groups
@@ -215,6 +215,7 @@ class StageEngine(StepMachine, StateContract, Construction):
             self.shard_comm = Collectives(self.recorder, shard_pg, leg="intra", timeout_s=timeout_s)
             self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter", timeout_s=timeout_s)
             self.comm.leg = "world"  # control values (flags, token counts) cross every rank
+        self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, self.replica_comm))
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self._inflight = InFlight()  # gradient collectives issued, not yet waited for
         self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
@@ -384,7 +385,7 @@ class StageEngine(StepMachine, StateContract, Construction):
             sq = torch.zeros(1, dtype=self.master_dtype if self.master_dtype == torch.float64 else torch.float32,
                              device=self.device)
         if self.grads_sharded and self.shard_comm.world_size > 1:  # replicas hold the same shards
-            sq = self.shard_comm.all_reduce_sum(sq, "grad_norm")
+            sq = self.shard_comm.reduce_for(CLIP_GRAD_NORM, sq)
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
         for g in self.groups:
@@ -478,11 +479,10 @@ class StageEngine(StepMachine, StateContract, Construction):
         """Measured bytes per rank by kind, the last step's collectives, exposed comm, step time."""
         return collect_stats(self)
 
+    @user_call(CHROME_TRACE)
     def export_chrome_trace(self, path: str | os.PathLike, step: int | None = None) -> str | None:
         """Collective: rank 0 writes every rank's events as Chrome-trace JSON (Perfetto-loadable)."""
-        events = self.recorder.chrome_events(step)
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, events, group=self.group)
+        gathered = self.control.all_gather_object(self.recorder.chrome_events(step))
         if self.rank != 0:
             return None
         return write_chrome_trace(path, [e for rank_events in gathered for e in rank_events])

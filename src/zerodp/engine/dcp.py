@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from zerodp.engine.comm import LOAD_DCP, SAVE_DCP
 from zerodp.engine.state_dict import EngineLike
 
 _SINGLE_PROCESS_WARNING = ".*assuming the intent is to (save|load) in a single process.*"
@@ -89,9 +90,17 @@ def save_dcp(engine_or_state_dict: EngineLike | Mapping[str, torch.Tensor], path
     group = None
     if _is_engine(engine_or_state_dict):
         group = engine_or_state_dict.group
+        control = getattr(engine_or_state_dict, "control", None)
+        if control is not None:  # named and bounded on a subset of ranks (the engine's timeout_s)
+            with control.call(SAVE_DCP):
+                return _save(engine_or_state_dict.state_dict(cpu_offload=True), path, group)
         state = engine_or_state_dict.state_dict(cpu_offload=True)
     else:
         state = {k: v.cpu() for k, v in _check_state(engine_or_state_dict, "save_dcp").items()}
+    return _save(state, path, group)
+
+
+def _save(state: dict[str, torch.Tensor], path: Path, group) -> Path:
     distributed = dist.is_available() and dist.is_initialized()
     if not distributed or dist.get_rank(group) == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -142,6 +151,14 @@ def load_dcp(engine: EngineLike, path: str | os.PathLike, *, prefix: str | None 
     """
     if not _is_engine(engine):
         raise TypeError(f"load_dcp expects an engine from zerodp.parallelize, got {type(engine).__name__}")
+    control = getattr(engine, "control", None)
+    if control is not None:  # named and bounded on a subset of ranks (the engine's timeout_s)
+        with control.call(LOAD_DCP):
+            return _load(engine, path, prefix, strict)
+    return _load(engine, path, prefix, strict)
+
+
+def _load(engine: EngineLike, path: str | os.PathLike, prefix: str | None, strict: bool):
     available = read_keys(path)
     wanted = list(engine.module.state_dict(keep_vars=True))
     if prefix is None:

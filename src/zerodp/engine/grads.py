@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from zerodp.engine.comm import GRAD_NORM
+
 aten = torch.ops.aten
 #: in-place scalings a script applies to a gradient (a clip, an unscale, ``model.zero_grad(set_to_none=False)``):
 #: applied to this rank's slice and to the local gradient beside it
@@ -60,12 +62,10 @@ class ShardedGrad(torch.Tensor):
         local = self._local.detach().float()
         if math.isinf(p):
             value = (local.abs().max() if local.numel() else torch.zeros((), device=local.device)).reshape(1)
-            if self._comm.world_size > 1:
-                self._comm.all_reduce_max(value, "grad_norm")
+            self._comm.reduce_for(GRAD_NORM, value, "max", detail=self.numel())
             return value[0]
         value = local.abs().pow(p).sum().reshape(1)
-        if self._comm.world_size > 1:
-            self._comm.all_reduce_sum(value, "grad_norm")
+        self._comm.reduce_for(GRAD_NORM, value, detail=self.numel())
         return value[0].pow(1.0 / p)
 
     @classmethod

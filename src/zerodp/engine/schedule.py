@@ -18,6 +18,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from zerodp.engine.comm import UNIT_SCHEDULE
+
 HASH_MOD = 1 << 50  # exact in float64, which the AllReduce carries
 LOG_LIMIT = 4096  # collectives named in a mismatch report
 _ADVICE = ("Every rank must run every unit in the same order in every forward (multiply a dropped "
@@ -55,8 +57,7 @@ class UnitSchedule:
         self.comm.all_reduce_max(flags, "unit_order")
         if flags[0].item() == -flags[1].item():
             return
-        orders: list = [None] * self.world_size
-        dist.all_gather_object(orders, [u.label for u in units], group=self.group)
+        orders = self._gather([u.label for u in units])
         where = _first_difference(orders, None)
         seen = "; ".join(f"rank {r} ran {repr(o[where]) if where < len(o) else 'no further unit'}"
                          for r, o in enumerate(orders))
@@ -66,10 +67,18 @@ class UnitSchedule:
             "the ranks' AllGathers and ReduceScatters pair up wrongly, mixing parameters and gradients "
             f"between units or hanging. {_ADVICE}")
 
+    def _gather(self, obj) -> list:
+        """Every rank's ``obj``: on the engine's control group (bounded, named) where there is one."""
+        control = getattr(self.comm, "control", None)
+        if control is not None:
+            return control.all_gather_object(obj, UNIT_SCHEDULE)
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def mismatch(self) -> None:
         """The step's hashes differed across ranks: name the first collective that did, and raise."""
-        logs: list = [None] * self.world_size
-        dist.all_gather_object(logs, self._log, group=self.group)
+        logs = self._gather(self._log)
         where = _first_difference(logs, "nothing")
         seen = "; ".join(f"rank {r}: {log[where] if where < len(log) else 'nothing'}" for r, log in enumerate(logs))
         raise RuntimeError(

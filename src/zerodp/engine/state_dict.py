@@ -30,8 +30,9 @@ from collections import namedtuple
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import torch
-import torch.distributed as dist
 
+from zerodp.engine.comm import (FULL_GRAD_DICT, FULL_STATE_DICT, LOAD_OPTIMIZER_STATE_DICT, LOAD_STATE_DICT,
+                                OPTIMIZER_STATE_DICT, SCALAR_STATE, STATE_DICT, user_call)
 from zerodp.engine.group import FROZEN
 from zerodp.engine.master import OWNER, PARAM, Piece, Target, whole_name
 from zerodp.engine.optim import UserGroups
@@ -50,6 +51,7 @@ class EngineLike(Protocol):
     named_params: list
     param_group_of: list[int]
     buffers: list
+    control: Any  # zerodp.engine.comm.Control: user calls, named and bounded
 
     @property
     def module(self) -> torch.nn.Module: ...
@@ -146,8 +148,7 @@ def _agree(engine: EngineLike, problem: str | None, what: str) -> None:
     alone would leave the others waiting in the next collective)."""
     problems = [problem]
     if engine.world_size > 1:
-        problems = [None] * engine.world_size
-        dist.all_gather_object(problems, problem, group=engine.group)
+        problems = engine.control.all_gather_object(problem)
     for rank, p in enumerate(problems):
         if p:
             where = f" (rank {rank})" if engine.world_size > 1 else ""
@@ -187,6 +188,7 @@ def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
 
 
 # ---- model state -------------------------------------------------------------------------------
+@user_call(STATE_DICT)
 @torch.no_grad()
 def state_dict(engine: EngineLike, *, rank0_only: bool = False, cpu_offload: bool = False,
                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -219,6 +221,7 @@ def state_dict(engine: EngineLike, *, rank0_only: bool = False, cpu_offload: boo
     return out
 
 
+@user_call(LOAD_STATE_DICT)
 @torch.no_grad()
 def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
                     strict: bool = True) -> IncompatibleKeys:
@@ -293,9 +296,7 @@ def _stepped_names(engine: EngineLike) -> set[str]:
                 start = t.flat_start
                 mine.update(sp.slot.name for sp in t.layout.spans(start, start + t.tensor.numel()))
     if engine.world_size > 1 and engine.stage > 0:
-        gathered: list = [None] * engine.world_size
-        dist.all_gather_object(gathered, sorted(mine), group=engine.group)
-        mine = {n for names in gathered for n in names}
+        mine = {n for names in engine.control.all_gather_object(sorted(mine)) for n in names}
     return mine
 
 
@@ -308,6 +309,7 @@ def _group_options(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+@user_call(OPTIMIZER_STATE_DICT)
 @torch.no_grad()
 def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
                          cpu_offload: bool = False) -> dict:
@@ -372,14 +374,13 @@ def _gather_whole_states(engine: EngineLike) -> dict[str, dict[str, torch.Tensor
             for t in master.targets}
     mine = {n: states for n, states in mine.items() if states}
     if engine.world_size > 1 and engine.stage > 0:
-        gathered: list = [None] * engine.world_size
-        dist.all_gather_object(gathered, mine, group=engine.group)
-        for other in gathered:
+        for other in engine.control.all_gather_object(mine):
             for name, states in other.items():
                 mine.setdefault(name, states)
     return mine
 
 
+@user_call(LOAD_OPTIMIZER_STATE_DICT)
 @torch.no_grad()
 def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
     """Collective: load an :func:`optimizer_state_dict` saved at any stage and world size.
@@ -575,13 +576,12 @@ class StateContract:
             warnings.warn(f"the checkpoint holds no values for the buffers {missing}; they keep "
                           "their current values", stacklevel=3)
 
+    @user_call(SCALAR_STATE)
     def scalar_state(self) -> dict:
         """Collective: the optimizer's scalars (per parameter and per group) from every rank."""
         mine = self.master.scalar_state()
         if self.world_size > 1 and self.stage > 0:
-            gathered: list = [None] * self.world_size
-            dist.all_gather_object(gathered, mine, group=self.group)
-            for other in gathered:
+            for other in self.control.all_gather_object(mine):
                 for name, scalars in other.get("params", {}).items():
                     mine["params"].setdefault(name, scalars)
                 for g, scalars in enumerate(other["groups"]):
@@ -607,6 +607,7 @@ class StateContract:
             return target.flat_start, target.flat_start
         return target.flat_start, target.flat_start + target.tensor.numel()
 
+    @user_call(FULL_STATE_DICT)
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
@@ -620,6 +621,7 @@ class StateContract:
         out.update(self._buffer_dict())
         return out
 
+    @user_call(FULL_GRAD_DICT)
     @torch.no_grad()
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the averaged gradient the next ``step`` would apply, as

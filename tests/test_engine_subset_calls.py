@@ -1,0 +1,275 @@
+"""Issue 35, point 2: a collective call made on some ranks only ends every rank, named, and exits.
+
+Each case runs two gloo ranks as a script under torchrun would: rank 0 makes a call that every
+rank must make (a state dict for a rank-0 checkpoint, a gradient norm for a log line, an
+evaluation) while rank 1 trains on. Every rank must then raise the engine's one-line message —
+naming the call and its fix — within about ``timeout_s``, and every process must exit within
+seconds of it: no hang, no backend abort with a generic message, no pairing with the other rank's
+collectives, no process held at exit by its process group's destructor.
+
+Two pairs of spawned ranks run the cases one after another, each case on a process group of its
+own (the groups of a case that failed are left as the engine left them), and end as a script ends
+after their last case (an exception that is not caught, no ``destroy_process_group``); the time
+from each rank's last message to its process's exit is watched from here with a wall-clock limit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerodp
+from _engine_common import Net
+from zerodp.spawn import free_port
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT_S = 3.0  # the engine's timeout_s in every case
+WORLD = 2
+ROWS = 4
+LIMIT_S = 150.0  # the whole file: two pairs of ranks, cases of at most a few limits each
+MESSAGE_S = 2 * TIMEOUT_S + 6  # the call's start to its message on every rank: the limit, the ranks' posts
+EXIT_S = 10.0  # a rank's last message to its process's exit (interpreter teardown on a busy machine)
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(700 + step)
+    x, y = torch.randn(WORLD * ROWS, 5, generator=g), torch.randn(WORLD * ROWS, 3, generator=g)
+    return x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]
+
+
+def _engine(stage: int, group):
+    return zerodp.parallelize(Net(), optimizer=lambda g: torch.optim.AdamW(g, lr=1e-2), stage=stage,
+                              timeout_s=TIMEOUT_S, group=group)
+
+
+def _train_step(engine, step: int, rank: int) -> None:
+    engine(*_batch(step, rank)).backward()
+    engine.step()
+    engine.zero_grad()
+
+
+def _rank0_call_rank1_trains(stage: int, call: str, rank: int, group, clock: dict) -> None:
+    """One step on every rank; then rank 0 makes ``call`` alone while rank 1 trains on."""
+    engine = _engine(stage, group)
+    _train_step(engine, 0, rank)
+    clock["call"] = time.time()
+    if rank == 0:
+        if call == "state_dict":
+            engine.state_dict()
+        elif call == "optimizer.state_dict":
+            torch.save(engine.optimizer.state_dict(), os.path.join(tempfile.gettempdir(), "never-written.pt"))
+        raise AssertionError(f"{call} on rank 0 alone returned")
+    for step in range(1, 4):
+        _train_step(engine, step, rank)
+    raise AssertionError("rank 1 trained on while rank 0 was in a call of its own")
+
+
+def _grad_norm_logged_on_rank0(rank: int, group, clock: dict) -> None:
+    """Stage 3: every rank's backward; rank 0 alone logs one gradient's norm; then the step."""
+    engine = _engine(3, group)
+    engine(*_batch(0, rank)).backward()
+    params = list(engine.parameters())  # every rank: the sharded gradients on the parameters
+    clock["call"] = time.time()
+    if rank == 0:
+        print(f"grad norm {params[0].grad.norm().item():.4f}")
+    engine.step()
+    engine.zero_grad()
+    _train_step(engine, 1, rank)
+    raise AssertionError("the step after a norm taken on rank 0 alone went through")
+
+
+def _eval_on_rank0(rank: int, group, clock: dict) -> None:
+    """Stage 3: rank 0 evaluates alone; rank 1 is elsewhere for a while (a long host-side task),
+    then trains on."""
+    engine = _engine(3, group)
+    _train_step(engine, 0, rank)
+    clock["call"] = time.time()
+    if rank == 0:
+        with torch.no_grad():
+            engine(*_batch(9, rank))
+        raise AssertionError("an evaluation on rank 0 alone returned")
+    time.sleep(2 * TIMEOUT_S)
+    _train_step(engine, 1, rank)
+    raise AssertionError("rank 1 trained on after rank 0 ended")
+
+
+def _different_calls(rank: int, group, clock: dict) -> list[str]:
+    """Rank 0 takes the state dict while rank 1 takes the optimizer's: both hear of both at once,
+    and the group stays usable — the same calls on every rank then work."""
+    engine = _engine(1, group)
+    _train_step(engine, 0, rank)
+    clock["call"] = time.time()
+    said = []
+    try:
+        engine.state_dict() if rank == 0 else engine.optimizer.state_dict()
+    except RuntimeError as e:
+        said.append(f"{time.time() - clock['call']:.2f}|{e}")
+    sd = engine.state_dict()
+    osd = engine.optimizer.state_dict()
+    grads = engine.full_grad_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.export_chrome_trace(os.path.join(tmp, "trace.json"))
+    _train_step(engine, 1, rank)
+    said.append(f"ok {len(sd)} {len(osd['state'])} {len(grads)}")
+    return said
+
+
+CASES = {
+    "state_dict_stage1": functools.partial(_rank0_call_rank1_trains, 1, "state_dict"),
+    "state_dict_stage3": functools.partial(_rank0_call_rank1_trains, 3, "state_dict"),
+    "optimizer_state_dict_stage0": functools.partial(_rank0_call_rank1_trains, 0, "optimizer.state_dict"),
+    "checkpoint_stage2": functools.partial(_rank0_call_rank1_trains, 2, "optimizer.state_dict"),
+    "grad_norm_stage3": _grad_norm_logged_on_rank0,
+    "eval_stage3": _eval_on_rank0,
+    "different_calls": _different_calls,
+}
+#: Each pair's cases in order; the last one's exit is the process's.
+PAIRS = (("different_calls", "state_dict_stage1", "optimizer_state_dict_stage0", "checkpoint_stage2"),
+         ("state_dict_stage3", "grad_norm_stage3", "eval_stage3"))
+
+
+def _rank(cases: tuple[str, ...], rank: int, port: int, results) -> None:
+    """One rank running ``cases``, each on a new process group; ended as a script ends: what the
+    last case raised reaches the interpreter's exit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=90))
+    for case in cases:
+        group = dist.new_group(list(range(WORLD)), backend="gloo", timeout=datetime.timedelta(seconds=60))
+        clock: dict = {}
+        try:
+            out = CASES[case](rank, group, clock)
+        except BaseException as e:
+            results.put((case, rank, clock.get("call"), time.time(), f"{type(e).__name__}: {e}",
+                         traceback.format_exc()))
+            if case == cases[-1]:
+                raise
+            continue
+        results.put((case, rank, clock.get("call"), time.time(), out, None))
+    dist.destroy_process_group()
+
+
+def _run_all() -> dict:
+    """Both pairs at once; per case and rank: the call's start, the message's time, the message,
+    and for each pair's last case the process's exit time (None: still alive at the limit)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = {}
+    for cases in PAIRS:
+        port = free_port()
+        for r in range(WORLD):
+            procs[cases[-1], r] = ctx.Process(target=_rank, args=(cases, r, port, results), daemon=True)
+    for p in procs.values():
+        p.start()
+    out: dict = {(case, r): {"exit": None, "said": None} for case in CASES for r in range(WORLD)}
+
+    def collect(wait_s: float) -> bool:
+        try:
+            case, rank, called, at, said, tb = results.get(timeout=wait_s)
+        except queue.Empty:
+            return False
+        out[case, rank].update(call=called, at=at, said=said, traceback=tb)
+        return True
+
+    deadline = time.monotonic() + LIMIT_S
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs.values()):
+        collect(0.05)
+        for key, p in procs.items():
+            if out[key]["exit"] is None and not p.is_alive():
+                out[key]["exit"] = time.time()
+    while collect(0.5):
+        pass
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def results() -> dict:
+    return _run_all()
+
+
+def _check_ended(case: str, names: tuple[str, ...], fix: str) -> list[str]:
+    """Every rank raised the engine's message naming the call and its fix within MESSAGE_S of the
+    call, and (a pair's last case) its process exited within EXIT_S of it. Returns the messages."""
+    out = results()
+    messages = []
+    for rank in range(WORLD):
+        got = out[case, rank]
+        said = got["said"]
+        assert said is not None, f"{case}: rank {rank} said nothing within {LIMIT_S:.0f} s (a hang)"
+        assert said.startswith("CollectiveTimeout"), f"{case}, rank {rank}: {said}\n{got['traceback']}"
+        assert all(n in said for n in names) and fix in said, f"{case}, rank {rank}: {said}"
+        waited = got["at"] - got["call"]
+        assert waited < MESSAGE_S, f"{case}, rank {rank}: the message came {waited:.1f} s after the call"
+        if any(case == cases[-1] for cases in PAIRS):  # the rank's last case: its process ends after it
+            assert got["exit"] is not None, (f"{case}: rank {rank}'s process did not exit within {LIMIT_S:.0f} s "
+                                             f"(its message came {waited:.1f} s after the call): {said}")
+            lingered = got["exit"] - got["at"]
+            assert lingered < EXIT_S, f"{case}: rank {rank}'s process exited {lingered:.1f} s after its message"
+        messages.append(said)
+    return messages
+
+
+STATE_DICT_FIX = "take the state dict on every rank, save it on rank 0"
+OPTIMIZER_FIX = "take the optimizer state dict on every rank, save it on rank 0"
+
+
+def test_state_dict_on_rank0_only_ends_every_rank_stage1():
+    _check_ended("state_dict_stage1", ("engine.state_dict() was called on rank 0 only",), STATE_DICT_FIX)
+
+
+def test_state_dict_on_rank0_only_ends_every_rank_stage3():
+    _check_ended("state_dict_stage3", ("engine.state_dict() was called on rank 0 only",), STATE_DICT_FIX)
+
+
+def test_optimizer_state_dict_on_rank0_only_ends_every_rank_stage0():
+    _check_ended("optimizer_state_dict_stage0", ("engine.optimizer.state_dict()", "on rank 0 only"), OPTIMIZER_FIX)
+
+
+def test_grad_norm_logged_on_rank0_only_ends_every_rank_stage3():
+    messages = _check_ended("grad_norm_stage3", ("the norm of a sharded gradient (p.grad.norm()", "on rank 0 only"),
+                            "compute gradient norms on every rank")
+    assert "rank 1 was in" in messages[0], messages[0]  # what the other rank was doing meanwhile
+
+
+def test_rank0_checkpoint_with_optimizer_state_dict_ends_and_every_process_exits_stage2():
+    _check_ended("checkpoint_stage2", ("engine.optimizer.state_dict()", "on rank 0 only"), OPTIMIZER_FIX)
+
+
+def test_rank0_eval_ends_and_every_process_exits_stage3():
+    """Rank 1 is away past the limit: rank 0 names its AllGather and ends; rank 1, back, learns
+    that rank 0's process ended, and ends too — both processes exit."""
+    out = results()
+    first = out["eval_stage3", 0]["said"] or ""
+    assert "did not complete within 3 s" in first and "run it on every rank" in first, first
+    _check_ended("eval_stage3", ("",), "")
+    second = out["eval_stage3", 1]["said"]
+    assert "another rank's process ended" in second or "did not complete" in second, second
+
+
+def test_different_calls_on_different_ranks_are_named_on_both_and_the_group_stays_usable():
+    out = results()
+    for rank in range(WORLD):
+        said = out["different_calls", rank]["said"]
+        assert isinstance(said, list) and len(said) == 2, (said, out["different_calls", rank].get("traceback"))
+        waited, _, message = said[0].partition("|")
+        assert "rank 0 made engine.state_dict() at step 1" in message, message
+        assert "rank 1 made engine.optimizer.state_dict()" in message, message
+        assert STATE_DICT_FIX in message and OPTIMIZER_FIX in message, message
+        assert float(waited) < TIMEOUT_S, waited  # at once: the exchange itself tells them apart
+        assert said[1].startswith("ok "), said
