@@ -59,9 +59,11 @@ class ShardedGrad(torch.Tensor):
                 "engine.full_grad_dict() gathers the whole gradient)")
 
     def _norm(self, p: float) -> torch.Tensor:
-        local = self._local.detach().float()
+        local = self._local.detach()
+        local = local if local.dtype in (torch.float32, torch.float64) else local.float()  # fp64 keeps its precision
         if math.isinf(p):
-            value = (local.abs().max() if local.numel() else torch.zeros((), device=local.device)).reshape(1)
+            value = (local.abs().max() if local.numel() else torch.zeros((), dtype=local.dtype,
+                                                                         device=local.device)).reshape(1)
             self._comm.reduce_for(GRAD_NORM, value, "max", detail=self.numel())
             return value[0]
         value = local.abs().pow(p).sum().reshape(1)
