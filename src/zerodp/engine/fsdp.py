@@ -126,7 +126,7 @@ class FSDPEngine(StageEngine):
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):
         super().__init__(module, optimizer_factory, config, units=units, group=group)
-        mp = config.mixed_precision
+        mp = self.mixed_precision  # the engine's one policy (reduce_dtype folded in at construction)
         group_index = {id(p): g for (_, p), g in zip(self.named_params, self.param_group_of)}
         specs = plan_units(module, units, lambda fqn, p: group_index[id(p)])
         dtypes = sorted({str(p.dtype) for spec in specs for _, p, _ in spec.params})
@@ -168,8 +168,6 @@ class FSDPEngine(StageEngine):
         self._kept: Unit | None = None  # the last forward unit, kept gathered into backward
         self._forwarding = False
         self._reduce_this_pass = True
-        self._n_gathered = 0
-        self._gathered_bytes = 0
         self._peak_units = 0
         self._peak_bytes = 0
         self.last_peak_gathered_units = 0
@@ -468,12 +466,14 @@ class FSDPEngine(StageEngine):
     def _gather(self, u: Unit, async_op: bool) -> None:
         self.schedule.log("AG", u)
         u.gather(async_op=async_op)
-        self._n_gathered += 1
-        self._gathered_bytes += u.gathered_nbytes()  # measured: the storage just allocated
-        if self._n_gathered > self._peak_units:
-            self._peak_units = self._n_gathered
-        if self._gathered_bytes > self._peak_bytes:
-            self._peak_bytes = self._gathered_bytes
+        units, nbytes = self._gathered_now()
+        self._peak_units = max(self._peak_units, units)
+        self._peak_bytes = max(self._peak_bytes, nbytes)
+
+    def _gathered_now(self) -> tuple[int, int]:
+        """Units gathered (or gathering) now and their bytes, measured from the storages."""
+        held = [u for u in self.groups if u.gathered]
+        return len(held), sum(u.gathered_nbytes() for u in held)
 
     def _ensure_gathered(self, u: Unit) -> None:
         if not u.gathered:
@@ -482,10 +482,7 @@ class FSDPEngine(StageEngine):
             u.wait_gather()
 
     def _free(self, u: Unit) -> None:
-        if u.gathered:
-            self._n_gathered -= 1
-            self._gathered_bytes -= u.gathered_nbytes()
-            u.free()
+        u.free()
 
     def _launch_reduce(self, u: Unit) -> None:
         self.schedule.log("RS", u)
@@ -522,7 +519,7 @@ class FSDPEngine(StageEngine):
         # The gathered peak of the step just completed, for stats(); start the next one.
         self.last_peak_gathered_units = self._peak_units
         self.last_peak_gathered_bytes = self._peak_bytes
-        self._peak_units, self._peak_bytes = self._n_gathered, self._gathered_bytes
+        self._peak_units, self._peak_bytes = self._gathered_now()
 
     # ---- stage-3 specific views ------------------------------------------------------------------
     def stats(self) -> "FSDPStats":

@@ -55,7 +55,7 @@ import torch.nn as nn
 from zerodp.engine.comm import Collectives, Pending
 from zerodp.engine.gradbuf import GradBuffers, free_storage, restore_storage
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.states import PHASE_MOVES, Phase, moved
+from zerodp.engine.states import PARAM_MOVES, PHASE_MOVES, ParamState, Phase, moved
 
 FROZEN = -1  # param-group index of a parameter with requires_grad=False: gathered, never updated
 
@@ -97,25 +97,27 @@ class Policy:
 class BackwardState:
     """Where one group is in the current backward.
 
-    ``fired[i]``: trainable parameter i got its gradient in this backward; ``remaining``: how many
-    have not. A unit (stage 3) is also over only when the gradient w.r.t. its inputs was computed
+    ``fired[i]``: trainable parameter i got its gradient in this backward; ``remaining`` (derived):
+    how many have not. A unit (stage 3) is also over only when the gradient w.r.t. its inputs was computed
     for every live graph that fed it inputs needing one (``pending_inputs`` is empty): a frozen
     parameter can still be needed after the last trainable one. ``pending_inputs`` holds one token
     per forward call whose graph is alive and not yet backwarded through the unit; a graph that is
     dropped (a validation loss under grad, a GAN's ``G(z).detach()``) takes its token with it."""
 
-    remaining: int = 0
-    fired: list[bool] | None = None
+    fired: list[bool] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     pending_inputs: set[int] = field(default_factory=set)
     fwd_event: object = None  # the trace's open "forward <unit>" span
     bwd_event: object = None
 
+    @property
+    def remaining(self) -> int:
+        return self.fired.count(False)
+
     def over(self) -> bool:
-        return self.remaining <= 0 and not self.pending_inputs
+        return self.remaining == 0 and not self.pending_inputs
 
     def reset(self, trainable: int) -> None:
-        self.remaining = trainable
         self.fired = [False] * trainable
         self.move(Phase.WAITING)
 
@@ -128,7 +130,6 @@ class BackwardState:
             raise RuntimeError("a parameter received two gradients in one backward pass through its group: "
                                "a parameter used twice must be reached by one autograd path per backward")
         self.fired[j] = True
-        self.remaining -= 1
 
 
 class FlatGroup:
@@ -164,11 +165,19 @@ class FlatGroup:
         self.param_shard: torch.Tensor | None = None
         self.master: torch.Tensor | None = None
         self.master_start = 0  # where ``master`` starts in the layout
-        self.gathered = False
-        self.pending_gather: Pending | None = None
+        self.param_state = ParamState.SHARDED  # GATHERED from init_values where parameters are not sharded
+        self._gather_work: Pending | None = None  # the AllGather in flight, while GATHERING
         self.grads = GradBuffers(self)  # the gradient half: buffers, reductions, GradState
 
     # ---- bookkeeping --------------------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        """Whether the full buffer is allocated and the parameters view it (gathered or gathering)."""
+        return self.param_state is not ParamState.SHARDED
+
+    def _move_params(self, to: ParamState) -> None:
+        self.param_state = moved(PARAM_MOVES, self.param_state, to, f"{self.label}: parameters")
+
     def reset_backward(self) -> None:
         """A backward is over (or was abandoned when it raised): the next one starts afresh."""
         self.bwd.reset(len(self.trainable))
@@ -207,7 +216,7 @@ class FlatGroup:
             self.full = values if self.param_dtype == values.dtype else values.to(self.param_dtype)
             for param, view in zip(self.params, self.views(self.full)):
                 param.data = view
-            self.gathered = True
+            self._move_params(ParamState.GATHERED)
             if not p.shard_master:
                 self.master, self.master_start = values, 0  # is ``full`` itself in fp32
             else:
@@ -241,20 +250,22 @@ class FlatGroup:
             restore_storage(self.full)
             for param, view in zip(self.params, self._full_views):
                 param.data = view
-            self.gathered = True
         if self.comm.world_size == 1:
             if self.policy.shard_params:
                 self.full.copy_(self.param_shard)
+            self._move_params(ParamState.GATHERED)
             return None
         pending = self.comm.all_gather(self.full, self.param_shard, self.label, async_op=async_op,
                                        quant_block=self.quant_params)
-        self.pending_gather = pending if async_op else None
-        return self.pending_gather
+        self._gather_work = pending if async_op else None
+        self._move_params(ParamState.GATHERING if async_op else ParamState.GATHERED)
+        return self._gather_work
 
     def wait_gather(self) -> None:
-        if self.pending_gather is not None:
-            self.pending_gather.wait()
-            self.pending_gather = None
+        if self.param_state is ParamState.GATHERING:
+            self._gather_work.wait()
+            self._gather_work = None
+            self._move_params(ParamState.GATHERED)
 
     def free(self) -> None:
         """Stage 3: drop the gathered parameters (``resize_(0)``; the views stay, empty)."""
@@ -266,7 +277,7 @@ class FlatGroup:
         for param, held in zip(self.params, self._placeholders):
             param.data = held
         free_storage(self.full)
-        self.gathered = False
+        self._move_params(ParamState.SHARDED)
         self._versions = [p._version for p in self.params]  # writes while gathered were to the gathered copy
 
     @torch.no_grad()

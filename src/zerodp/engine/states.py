@@ -1,10 +1,11 @@
 """The lifecycle of a training step as enums with checked transitions (guide §12.9).
 
-Three objects move through a step, each with one state value: the engine (:class:`StepState`),
-each flat group's gradient buffers (:class:`GradState`), and each group within one backward pass
-(:class:`Phase`). A state changes only through :func:`moved`, which refuses a transition that its
-table does not list — a broken call sequence then fails at once with words, instead of leaving a
-flag set or a counter below zero for a later step to trip over.
+Four objects move through a step, each with one state value: the engine (:class:`StepState`),
+each flat group's gradient buffers (:class:`GradState`), its parameters (:class:`ParamState`), and
+each group within one backward pass (:class:`Phase`). A state changes only through :func:`moved`,
+which refuses a transition that its table does not list — a broken call sequence then fails at
+once with words, instead of leaving a flag set or a counter below zero for a later step to trip
+over; counts (gradients still to come, units gathered) are derived from these states.
 """
 
 from __future__ import annotations
@@ -73,6 +74,26 @@ GRAD_MOVES: dict[GradState, frozenset[GradState]] = {
 }
 #: the states in which ``grad_full`` holds gradients not yet reduced
 HOLDS_LOCAL = frozenset({_G.LOCAL, _G.REDUCED_LOCAL})
+
+
+class ParamState(enum.Enum):
+    """Where a group's parameters are (guide §9.3, §12.1): ``SHARDED`` — only this rank's slice
+    exists, the module's parameters are placeholders (stage 3 at rest); ``GATHERING`` — an
+    AllGather into the full buffer is in flight (stage 3's prefetch, stages 1-2 after the step);
+    ``GATHERED`` — the full buffer holds every rank's slice and the parameters view it (always, at
+    stages 0-2, between those AllGathers)."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+_R = ParamState
+PARAM_MOVES: dict[ParamState, frozenset[ParamState]] = {
+    _R.SHARDED: frozenset({_R.GATHERING, _R.GATHERED}),
+    _R.GATHERING: frozenset({_R.GATHERED}),
+    _R.GATHERED: frozenset({_R.GATHERING, _R.GATHERED, _R.SHARDED}),
+}
 
 
 class Phase(enum.Enum):

@@ -176,6 +176,8 @@ class StepMachine:
 
     def _wait_params(self) -> None:
         self._param_gathers.wait_all()
+        for g in self.groups:
+            g.wait_gather()  # GATHERING -> GATHERED (the work itself is done)
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.groups:
