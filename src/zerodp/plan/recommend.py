@@ -277,8 +277,10 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         samples = b.samples
         for g in (shard_sizes(n, gpn) if shard_sizes_searched is None else shard_sizes_searched):
             for rc in recompute:
-                if b.gpu_rich:
-                    count = sum(1 for s in stages if g == n or s > 0)
+                if b.gpu_rich:  # every (stage, compression, bucket) of this point
+                    count = sum(len([c for c in compress if s > 0 or c == "none"])
+                                * (len(bucket_mb) if s < 3 else 1)
+                                for s in stages if g == n or s > 0)
                     searched += count
                     r = rejected.setdefault("grad_acc < 1", {
                         "reason": "grad_acc < 1", "count": 0,
