@@ -564,7 +564,7 @@ def cmd_report(args) -> int:
 # ---------------------------------------------------------------------------------------------
 def add_parser(subparsers) -> None:
     plan = subparsers.add_parser("plan", help="the guide's cost models: memory, comm, roofline, "
-                                 "batch, simulate, report",
+                                 "batch, simulate, recommend (the fastest setup that fits), report",
                                  description="Plan data-parallel training with the guide's cost models.")
     sub = plan.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
     plan.set_defaults(func=lambda a: (plan.print_help(), 2)[1])

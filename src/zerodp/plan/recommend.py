@@ -371,6 +371,12 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     best = kept[0] if kept else None
     ranked = [best] if best else []
     seen = {_shape(best)} if best else set()
+    if best is not None and top > 1:  # the simplest tie is always shown: a stated preference
+        ties = [c for c in kept if c.seconds_per_token <= best.seconds_per_token * (1 + TIE)]
+        simplest = min(ties, key=lambda c: (_complexity(c), c.seconds_per_token))
+        if _shape(simplest) not in seen:
+            seen.add(_shape(simplest))
+            ranked.append(replace(simplest, lost_because=lost_because(simplest, best)))
     for c in kept[1:]:
         if len(ranked) >= top:
             break
@@ -378,6 +384,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
             continue
         seen.add(_shape(c))
         ranked.append(replace(c, lost_because=lost_because(c, best)))
+    ranked.sort(key=lambda c: (c.seconds_per_token, _complexity(c), c.memory_bytes))
     if not kept:
         notes.append("nothing fits: more GPUs, a shorter sequence, recomputation or a smaller "
                      "model")
@@ -435,7 +442,7 @@ def lost_because(c: Candidate, best: Candidate) -> str:
             ("less recomputation", RECOMPUTE.index(c.recompute) < RECOMPUTE.index(best.recompute)),
             ("a lower stage", c.stage < best.stage)) if yes]
         gap = 100 * (c.seconds_per_token / best.seconds_per_token - 1)
-        return (f"tie: +{gap:.2g}% per token (within {TIE:.0%})"
+        return (f"tie: +{gap:.2f}% per token (within {TIE:.0%})"
                 + (f"; simpler: {', '.join(simpler)}" if simpler else ""))
     per = best.tokens_per_step / c.tokens_per_step
     d_compute = c.compute_s * per - best.compute_s
@@ -497,3 +504,41 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
     out += [f"note: {x}" for x in r.notes]
     out.append(f"searched in {r.elapsed_s:.2f} s")
     return "\n".join(out)
+
+
+#: the English this module writes (cells, examples, notes) in Chinese, pattern by pattern, in
+#: order; terms as the guide's Chinese (重计算, 微批次, 暴露通信, 屋顶线)
+_ZH = [
+    (r"^first pick: fastest$", "首选：最快"),
+    (r"^tie: \+(\S+)% per token \(within (\S+)%\)", r"并列：每 token 慢 \1%（在 \2% 以内）"),
+    (r"; simpler: ", "；更简单："), (r"no compression", "不压缩"),
+    (r"less recomputation", "重计算更少"), (r"a lower stage", "阶段更低"), (r", ", "、"),
+    (r"^\+(\S+ \S+) of compute \((.*)\)$", r"计算多 \1（\2）"),
+    (r"^\+(\S+ \S+) of exposed communication$", r"暴露通信多 \1"),
+    (r"（recomputation）", "（重计算）"), (r"smaller micro-batches", "微批次更小"),
+    (r"larger micro-batches", "微批次更大"),
+    (r"the optimizer steps all of Ψ on every GPU", "每张卡的优化器都更新全部 Ψ"),
+    (r"the optimizer step", "优化器更新"),
+    (r"^yes$", "是"), (r"^no$", "否"), (r"^none$", "无"), (r"^selective$", "选择性"),
+    (r"^full$", "完全"), (r"^unit$", "按单元"),
+    (r"^(\S+)、g (\d+)、micro-batch (\d+)、recompute (\w+): (.+) of (.+)$",
+     r"\1，分片组 \2，微批次 \3，重计算 \4：\5（显存 \6）"),
+    (r"^micro-batch (\d+) on ([\d,]+) GPUs needs ([\d,]+) samples、the global batch is ([\d,]+)$",
+     r"微批次 \1 × \2 张卡需要 \3 个样本，而全局批次只有 \4 个"),
+    (r"^every configuration that fits is communication-bound .*$",
+     "放得下的配置全都受通信限制（低于指南 §7 的屋顶线阈值）：加大全局批次或减少卡数会有帮助"),
+    (r"^nothing fits: .*$", "都放不下：增加卡数、缩短序列、重计算，或换更小的模型"),
+    (r"^the first pick is communication-bound .*$",
+     "首选受通信限制（指南 §7）：它的暴露通信已计入每步时间；加大全局批次可以把它藏起来"),
+    (r"^global batch rounded to ([\d,]+) samples of ([\d,]+) tokens \((\S+) tokens; guide §6.1\)$",
+     r"全局批次取整为 \1 个样本 × \2 token（\3 token；指南 §6.1）"),
+]
+
+
+def zh(text: str) -> str:
+    """One of this module's English strings in Chinese (:data:`_ZH`); unknown text unchanged."""
+    import re
+
+    for pattern, repl in _ZH:
+        text = re.sub(pattern, repl, text)
+    return text

@@ -28,6 +28,7 @@ from zerodp.plan.roofline import labels as roofline_labels
 from zerodp.plan.recommend import COLUMNS as RECOMMEND_COLUMNS
 from zerodp.plan.recommend import rows as recommend_rows
 from zerodp.plan.recommend import text as recommend_text
+from zerodp.plan.recommend import zh as recommend_zh
 from zerodp.plan import ownership as plan_ownership
 from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time, plural
 from zerodp.plan.hf import parse_config
@@ -443,6 +444,9 @@ class Api:
         d = r.to_dict()
         d["columns"] = RECOMMEND_COLUMNS
         d["rows"] = recommend_rows(r)  # the CLI's cells, its rounding
+        d["rows_zh"] = [[recommend_zh(cell) for cell in row] for row in d["rows"]]
+        d["rejected"] = [dict(x, example_zh=recommend_zh(x["example"])) for x in d["rejected"]]
+        d["notes_zh"] = [recommend_zh(x) for x in d["notes"]]
         d["text"] = recommend_text(r)
         d["labels"] = {"n": plural(r.n, "GPU"), "samples": f"{r.samples:,}",
                        "target": fmt_count(r.global_batch_tokens), "hbm": fmt_bytes(r.hbm_bytes)}

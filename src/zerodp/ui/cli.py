@@ -11,7 +11,8 @@ from zerodp.ui.server import is_loopback, make_server
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "ui", help="interactive calculators in the browser (memory, bucket overlap, roofline, batch)",
+        "ui", help="interactive calculators in the browser (memory, bucket overlap, roofline, batch, "
+              "recommend)",
         description="Serve the guide's calculators as a local web page. Every figure on the page "
                     "comes from zerodp.plan, the same code as 'zerodp plan'.")
     p.add_argument("--host", default="127.0.0.1",

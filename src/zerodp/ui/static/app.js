@@ -542,7 +542,8 @@ function renderRecommend(d, panel) {
   const head = document.createElement("tr");
   head.append(...d.columns.map((c) => Object.assign(document.createElement("th"),
     { textContent: t("recommend.col." + c), scope: "col" })));
-  const body = d.rows.map((r) => {
+  const zh = pageLang() === "zh";
+  const body = (zh ? d.rows_zh : d.rows).map((r) => {
     const tr = document.createElement("tr");
     tr.append(...r.map((cell) => Object.assign(document.createElement("td"), { textContent: cell })));
     return tr;
@@ -556,8 +557,20 @@ function renderRecommend(d, panel) {
   document.getElementById("recommend-rejected").replaceChildren(...d.rejected.map((x) =>
     Object.assign(document.createElement("li"), {
       textContent: `${x.count.toLocaleString("en")} · ${I18N[pageLang()]["reason." + x.reason] || x.reason}`
-        + (x.example ? ` — ${x.example}` : "") })));
-  document.getElementById("recommend-notes").textContent = d.notes.join(" ");
+        + (x.example ? ` — ${zh ? x.example_zh : x.example}` : "") })));
+  document.getElementById("recommend-notes").textContent = (zh ? d.notes_zh : d.notes).join(" ");
+  document.getElementById("recommend-train").textContent =
+    d.train_flags ? t("recommend.train") + "zerodp train " + d.train_flags : "";
+}
+
+function wireRecommend(panel) {
+  // a picked config.json goes into the paste box; either one replaces the preset
+  document.getElementById("recommend-config-file").addEventListener("change", async (ev) => {
+    const file = ev.target.files[0];
+    if (!file) return;
+    panel.control("config").value = await file.text();
+    panel.schedule();
+  });
 }
 
 // ---------------------------------------------------------------- start
@@ -588,7 +601,7 @@ async function main() {
     overlap: [renderOverlap, wireOverlap],
     roofline: [renderRoofline, wireRoofline],
     batch: [renderBatch, null],
-    recommend: [renderRecommend, null],
+    recommend: [renderRecommend, wireRecommend],
   };
   for (const [id, [render, wire]] of Object.entries(specs)) {
     const panel = new Panel(document.getElementById(id), render);
