@@ -88,6 +88,18 @@ def test_simulation_work_is_bounded(capsys, argv):
     assert code == 2 and "buckets" in err and "at least" in err and err.count("\n") == 1
 
 
+def test_a_malformed_config_is_named_by_its_path(capsys, tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"hidden_size": 12,')
+    empty = tmp_path / "y.json"
+    empty.write_text('{"a": 1}')
+    for argv, needle in ((["plan", "memory", "--config", str(bad)], f"--config {bad} is not valid JSON"),
+                         (["plan", "recommend", "--config", str(empty)], f"--config {empty} has no hidden_size"),
+                         (["plan", "comm", "--config", str(bad)], f"--config {bad} is not valid JSON")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["plan", "memory", "--gpus", "1e30"], "--gpus: gpus must be between 1 and 1,000,000"),
     (["plan", "batch", "--global-batch-tokens", "1e30", "--seq-len", "4096", "--micro-batch", "1",

@@ -29,6 +29,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _open(url: str) -> bool:
+    """Open ``url`` in the default browser: False when Python finds none (a server, a container)."""
+    try:
+        webbrowser.get()
+    except webbrowser.Error:
+        return False
+    return bool(webbrowser.open(url))
+
+
 def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
@@ -45,8 +54,9 @@ def run(args) -> int:
               "who can reach it can use the page (it only reads; requests must name an IP "
               "address or this machine's name). Use --host 127.0.0.1 to keep it local.",
               file=sys.stderr, flush=True)
-    if args.open_browser:
-        webbrowser.open(server.url)
+    if args.open_browser and not _open(server.url):
+        print(f"zerodp ui: no web browser found to open; open {server.url} yourself",
+              file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
