@@ -136,8 +136,12 @@ def test_report_covers_design_table():
 def test_activation_memory_korthikanti():
     # Korthikanti et al. 2022 (t = 1): sbh(34 + 5as/h), selective 34sbh, full 2sbh per layer
     s, b, h, a, L = 2048, 2, 1024, 16, 4
-    none = plan.activations(L, h, a, s, b, recompute="none")
+    none = plan.activations(L, h, a, s, b, recompute="none", attention="eager")
     assert none.per_layer_bytes == s * b * h * (34 + 5 * a * s / h)
+    # FlashAttention/SDPA (the default) stores no a·s²·b scores, with or without recomputation
+    assert plan.activations(L, h, a, s, b).per_layer_bytes == 34 * s * b * h
+    assert plan.activations(L, h, a, s, b, recompute="selective",
+                            attention="eager").per_layer_bytes == 34 * s * b * h
     assert plan.activations(L, h, a, s, b, recompute="selective").per_layer_bytes == 34 * s * b * h
     full = plan.activations(L, h, a, s, b, recompute="full", vocab=1000)
     assert full.per_layer_bytes == 2 * s * b * h

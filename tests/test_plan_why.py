@@ -88,25 +88,42 @@ def test_simulation_work_is_bounded(capsys, argv):
     assert code == 2 and "buckets" in err and "at least" in err and err.count("\n") == 1
 
 
+def test_a_malformed_config_is_named_by_its_path(capsys, tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"hidden_size": 12,')
+    empty = tmp_path / "y.json"
+    empty.write_text('{"a": 1}')
+    for argv, needle in ((["plan", "memory", "--config", str(bad)], f"--config {bad} is not valid JSON"),
+                         (["plan", "recommend", "--config", str(empty)], f"--config {empty} has no hidden_size"),
+                         (["plan", "comm", "--config", str(bad)], f"--config {bad} is not valid JSON")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["plan", "memory", "--gpus", "1e30"], "--gpus: gpus must be between 1 and 1,000,000"),
-    (["plan", "batch", "--tokens", "1e30", "--seq", "4096", "--mbs", "1", "--gpus", "8"],
-     "--tokens: tokens must be between 1 and"),
+    (["plan", "batch", "--global-batch-tokens", "1e30", "--seq-len", "4096", "--micro-batch", "1",
+      "--gpus", "8"], "--global-batch-tokens: global-batch-tokens must be between 1 and"),
+    (["plan", "batch", "--tokens", "1e30"], "--tokens: global-batch-tokens must be between 1 and"),
     (["plan", "batch", "--tokens", "1e15", "--seq", "1", "--mbs", "1", "--gpus", "1"],
      "grad_acc"),
-    (["plan", "memory", "--seq", "0"], "--seq: seq must be between 1"),
-    (["plan", "memory", "--model", "llama3-8b", "--mbs", "4"], "give seq (--seq) too"),
-    (["plan", "memory", "--model", "llama3-8b", "--recompute", "full"], "give seq (--seq) too"),
+    (["plan", "memory", "--seq-len", "0"], "--seq-len: seq-len must be between 1"),
+    (["plan", "memory", "--model", "llama3-8b", "--micro-batch", "4"], "give seq (--seq-len) too"),
+    (["plan", "memory", "--model", "llama3-8b", "--recompute", "full"], "give seq (--seq-len) too"),
+    (["plan", "memory", "--model", "llama3-8b", "--attention", "eager"], "give seq (--seq-len) too"),
+    (["plan", "memory", "--attention", "paged"], "--attention: invalid choice: 'paged'"),
     (["plan", "memory", "--seq", "4096"], "activations need the model's shape"),
     (["plan", "memory", "--bytes-per-param", "0"], "--bytes-per-param: bytes-per-param must be"),
-    (["plan", "roofline", "--batch-tokens", "0"], "--batch-tokens: batch-tokens must be"),
+    (["plan", "roofline", "--global-batch-tokens", "0"],
+     "--global-batch-tokens: global-batch-tokens must be"),
     (["plan", "report", "--hardware", "B200"], "unrecognized arguments: --hardware B200"),
     (["plan", "batch", "--hardware", "B200", "--tokens", "4M", "--seq", "4096", "--mbs", "1",
       "--gpus", "8"], "unrecognized arguments: --hardware B200"),
     (["plan", "memory", "--params", "-7e9"], "--params: params must be between 1"),
     (["plan", "memory", "--model", "llama3-8b", "--layers", "4"], "drop --layers"),
     (["plan", "memory", "--precision", "fp32", "--fp32-grad-acc"], "already accumulate in fp32"),
-    (["plan", "simulate", "--fsdp", "--bucket", "25MB"], "--bucket does not apply to --fsdp"),
+    (["plan", "simulate", "--fsdp", "--bucket-mb", "50"], "--bucket-mb does not apply to --fsdp"),
+    (["plan", "simulate", "--fsdp", "--bucket", "25MB"], "--bucket-mb does not apply to --fsdp"),
     (["plan", "simulate", "--no-prefetch"], "--no-prefetch only applies with --fsdp"),
     (["plan", "roofline", "--model", "deepseek-v3", "--experts", "8"], "drop --experts/--top-k"),
     (["plan", "roofline", "--axes", "4"], "--axes: axes must be between 1 and 3"),

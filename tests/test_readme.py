@@ -49,7 +49,8 @@ def test_the_quickstart_runs_as_written_and_prints_what_the_readme_shows(monkeyp
     monkeypatch.chdir(ROOT)  # the commands name files relative to the repository
     section = _section("Plan my model on my cluster")
     commands = [line.split("#")[0].strip() for line in _blocks(section, "bash")[0].splitlines() if line.strip()]
-    assert len(commands) == 5 and all(c.startswith("zerodp ") for c in commands)
+    assert len(commands) == 6 and all(c.startswith("zerodp ") for c in commands)
+    assert any(c.startswith("zerodp plan recommend ") for c in commands)  # on the plan path
     outputs = {}
     for command in commands:
         argv = shlex.split(command)[1:]

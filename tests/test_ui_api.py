@@ -263,11 +263,11 @@ def test_refusals_come_in_chinese_too(server, endpoint, params):
 
 
 @pytest.mark.parametrize("argv, endpoint, params, rename", [
-    (["plan", "memory", "--seq", "0"], "memory", {"seq": "0"}, None),
+    (["plan", "memory", "--seq-len", "0"], "memory", {"seq": "0"}, ("seq-len", "seq")),
     (["plan", "memory", "--k", "1000"], "memory", {"k": "1000"}, None),
     (["plan", "memory", "--gpus", "1e30"], "memory", {"n": "1e30"}, ("gpus", "n")),
-    (["plan", "batch", "--tokens", "4M", "--seq", "0", "--mbs", "1", "--gpus", "8"], "batch",
-     {"seq": "0"}, None),
+    (["plan", "batch", "--global-batch-tokens", "4M", "--seq-len", "0", "--micro-batch", "1",
+      "--gpus", "8"], "batch", {"seq": "0"}, ("seq-len", "seq")),
     (["plan", "memory", "--model", "llama3-8b", "--mbs", "4"], "memory",
      {"model": "llama3-8b", "micro_batch": "4"}, None),
     (["plan", "simulate", "--bucket", "1000"], "overlap", {"bucket_bytes": "1000"}, None),
@@ -307,6 +307,6 @@ def test_recommend_endpoint_gives_the_clis_table():
 
     d = Api().handle("recommend", {"nodes": "2", "gpus_per_node": "8", "seq": "4096"})
     r = recommend("llama3-8b", "H100", nodes=2, gpus_per_node=8, global_batch_tokens=4 * 2**20, seq=4096)
-    assert d["rows"][0][-1] == "first pick" and len(d["rows"]) == len(r.candidates)
+    assert d["rows"][0][-1] == "first pick: fastest" and len(d["rows"]) == len(r.candidates)
     assert d["text"].split("\nsearched in")[0] == text(r).split("\nsearched in")[0]
     assert d["columns"][0] == "#" and d["candidates"][0]["stage"] == r.best.stage

@@ -270,8 +270,9 @@ def test_default_bucket_is_the_clis(plain_server, browser):
     cli = json.loads(out.getvalue())["timeline"]
     visit = Visit(browser, plain_server.url, DESKTOP)
     try:
-        assert visit.number("#overlap output[data-field='labels.buckets']") == cli["num_buckets"] == 643
-        assert visit.page.inner_text("#overlap output[for=bucket]") == "25 MB"
+        # 25 MiB, DDP's bucket_cap_mb and zerodp train's --bucket-mb 25 (zerodp.plan.defaults)
+        assert visit.number("#overlap output[data-field='labels.buckets']") == cli["num_buckets"] == 613
+        assert visit.page.inner_text("#overlap output[for=bucket]") == "26.2 MB"
     finally:
         visit.close()
 
@@ -427,6 +428,128 @@ def test_recommend_panel_shows_the_clis_table(desktop):
     desktop.settle("recommend")
     cells = page.eval_on_selector_all("#recommend-table tbody tr:first-child td", "els => els.map(e => e.innerText)")
     from zerodp.plan.recommend import recommend, rows
-    r = recommend("llama3-8b", "H100", nodes=8, gpus_per_node=8, global_batch_tokens=4 * 2**20, seq=8192)
-    assert cells == rows(r)[0] and cells[-1] == "first pick"
+    r = recommend("llama3-8b", "H100", nodes=1, global_batch_tokens=4 * 2**20, seq=4096)
+    assert cells == rows(r)[0] and cells[-1] == "first pick: fastest"
     assert page.locator("#recommend-rejected li").count() == len(r.rejected)
+    assert page.inner_text("#recommend-train").endswith("zerodp train " + r.train_flags)
+
+
+def test_recommend_panel_takes_a_picked_or_pasted_config_json(desktop):
+    """A config.json from the file picker, then pasted: the table is the CLI's for that model."""
+    from zerodp.plan import load_config
+    from zerodp.plan.recommend import recommend, rows
+
+    page = desktop.page
+    path = DATA / "llama-3.2-1b" / "config.json"
+    r = recommend(load_config(path), "H100", nodes=1, global_batch_tokens=4 * 2**20, seq=4096)
+    page.set_input_files("#recommend-config-file", str(path))
+    page.wait_for_function("() => document.querySelector('#recommend-table caption')"
+                           " && document.querySelector('#recommend-table caption').textContent"
+                           ".startsWith('config.json')", timeout=15_000)
+    desktop.settle("recommend")
+    first = page.eval_on_selector_all("#recommend-table tbody tr:first-child td", "els => els.map(e => e.innerText)")
+    assert first == rows(r)[0]
+    page.fill("#recommend textarea[name=config]", "")
+    desktop.settle("recommend")
+    page.fill("#recommend textarea[name=config]", path.read_text())
+    desktop.settle("recommend")
+    assert page.inner_text("#recommend-table caption").startswith("config.json")
+    page.fill("#recommend textarea[name=config]", "{not json")
+    desktop.settle("recommend")
+    assert "config" in page.inner_text("#recommend .field-error")
+    page.fill("#recommend textarea[name=config]", "")
+    desktop.settle("recommend")
+    assert desktop.errors == []
+
+
+#: English the Chinese page may show: technical names the guide's Chinese keeps as they are, and
+#: every value of a choice (presets, compressions, ...), taken from /api/schema below
+TERMS = {"GPU", "GQA", "HBM", "MFU", "MLP", "MiB", "NVLink", "SwiGLU", "TPU", "ZeRO", "AllReduce",
+         "ReduceScatter", "token", "config", "json", "grad_acc", "mbs", "seq", "gbs", "zerodp"}
+
+
+def _english_words(text: str) -> set[str]:
+    import re
+
+    text = re.sub(r"zerodp [a-z]+(?: [a-z]+)?(?: --?[a-z0-9-]+(?: [^\s-][^\s]*)?)*", " ", text)
+    return set(re.findall(r"[A-Za-z][A-Za-z_]{2,}", text))
+
+
+def test_chinese_is_complete(plain_server, browser):
+    """?lang=zh: no English words in the panels but technical names and choice values; the
+    recommend table's cells, its rejected examples and notes too."""
+    import re
+    import urllib.request
+
+    schema = json.loads(urllib.request.urlopen(plain_server.url + "api/schema").read())
+    allowed = set(TERMS)
+    for endpoint in schema.values():
+        for p in endpoint["params"]:
+            for choice in p.get("choices", []):
+                allowed |= set(re.findall(r"[A-Za-z][A-Za-z_]{2,}", choice))
+    visit = Visit(browser, plain_server.url + "?lang=zh", DESKTOP)
+    try:
+        page = visit.page
+        # a recommend answer with runners-up, rejected regions and a note
+        page.fill("#recommend input[name=nodes]", "8")
+        page.select_option("#recommend select[name=model]", "mixtral-8x7b")
+        visit.settle("recommend")
+        texts = page.eval_on_selector_all("section.panel", "els => els.map(e => e.innerText)")
+        assert "为何不是首选" in texts[-1] and "并列" in texts[-1] and "显存放不下" in texts[-1]
+        left = set().union(*(_english_words(t) for t in texts)) - allowed
+        assert not left, f"untranslated English on the Chinese page: {sorted(left)}"
+        assert visit.errors == []
+    finally:
+        visit.close()
+
+
+def test_an_error_follows_the_language_switch(browser, server):
+    """An error shown in English is shown in Chinese right after the switch (and back)."""
+    visit = Visit(browser, server.url, DESKTOP)  # English unless the URL says otherwise
+    try:
+        page = visit.page
+        page.fill("#batch input[name=dp]", "0")
+        visit.settle("batch")
+        _, api = _api(visit, "batch", dp="0")
+        assert page.inner_text("#batch .field-error") == api["error"]
+        page.click("nav.lang a[data-lang=zh]")
+        assert page.inner_text("#batch .field-error") == api["error_zh"]  # at once, no refetch
+        visit.settle("batch")
+        assert page.inner_text("#batch .field-error") == api["error_zh"]
+        page.click("nav.lang a[data-lang=en]")
+        visit.settle("batch")
+        assert page.inner_text("#batch .field-error") == api["error"]
+        page.fill("#batch input[name=dp]", "128")
+        visit.settle("batch")
+    finally:
+        visit.close()
+
+
+CONTENT_BOTTOM = ("s => Math.max(...[...s.children].filter(c => c.offsetParent)"
+                  ".map(c => c.getBoundingClientRect().bottom))")
+BOX = "el => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; }"
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("viewport", [PHONE, DESKTOP], ids=["390px", "1280px"])
+def test_layout_at_390_and_1280_px(plain_server, browser, viewport, lang):
+    """The batch legend inside its chart; the recommend table one line per row (it scrolls
+    sideways on a phone); at 1280 px no panel is more than a little empty below its content."""
+    visit = Visit(browser, plain_server.url + f"?lang={lang}", viewport)
+    try:
+        page = visit.page
+        chart = page.eval_on_selector("#batch-sweep", BOX)
+        entries = page.eval_on_selector_all("#batch-sweep .legend .traces", f"els => els.map({BOX})")
+        assert entries and all(chart[0] - 1 <= e[0] and e[2] <= chart[2] + 1 for e in entries), (chart, entries)
+        heights = page.eval_on_selector_all("#recommend-table tbody tr",
+                                            "els => els.map(e => e.getBoundingClientRect().height)")
+        assert heights and max(heights) <= 30, heights
+        if viewport is DESKTOP:
+            for panel in ("memory", "overlap", "roofline", "batch", "recommend"):
+                box = page.eval_on_selector(f"#{panel}", BOX)
+                bottom = page.eval_on_selector(f"#{panel}", CONTENT_BOTTOM)
+                assert box[3] - bottom <= 40, (panel, box, bottom)
+        assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+        assert visit.errors == []
+    finally:
+        visit.close()

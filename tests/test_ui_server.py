@@ -100,3 +100,54 @@ def test_the_heaviest_requests_take_under_a_second(server, path):
     timing = dict(part.strip().split(";dur=") for part in r.getheader("Server-Timing").split(","))
     print(path, r.status, timing)
     assert float(timing["cpu"]) < 1000, timing
+
+
+def test_a_client_that_leaves_costs_no_traceback(capsys):
+    """BrokenPipe/ConnectionReset from a client that went away are not server errors; anything
+    else still prints its traceback."""
+    from zerodp.ui.server import make_server
+
+    srv = make_server(port=0)
+    try:
+        for exc in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "reset")):
+            try:
+                raise exc
+            except OSError:
+                srv.handle_error(None, ("127.0.0.1", 1))
+        assert capsys.readouterr().err == ""
+        try:
+            raise RuntimeError("a real bug")
+        except RuntimeError:
+            srv.handle_error(None, ("127.0.0.1", 1))
+        assert "a real bug" in capsys.readouterr().err
+    finally:
+        srv.server_close()
+
+
+def test_open_without_a_browser_says_so(monkeypatch, capsys):
+    import webbrowser
+
+    from zerodp.ui import cli as ui_cli
+
+    class Stub:
+        url = "http://127.0.0.1:1/"
+
+        def serve_forever(self):
+            raise KeyboardInterrupt
+
+        def server_close(self):
+            pass
+
+    def no_browser(*a, **k):
+        raise webbrowser.Error("could not locate runnable browser")
+
+    monkeypatch.setattr(ui_cli, "make_server", lambda *a, **k: Stub())
+    monkeypatch.setattr(webbrowser, "get", no_browser)
+    opened = []
+    monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url) or True)
+    from zerodp.cli import build_parser
+
+    args = build_parser().parse_args(["ui", "--open"])
+    assert ui_cli.run(args) in (0, None)
+    err = capsys.readouterr().err
+    assert "no web browser found to open; open http://127.0.0.1:1/ yourself" in err and not opened

@@ -12,6 +12,7 @@ import json
 from zerodp.plan._common import (GB, fmt_bytes, fmt_count, fmt_time, parse_quantity, plural,
                                  range_sentence, table)
 from zerodp.plan.batch import plan_batch
+from zerodp.plan.defaults import ATTENTION, DEFAULTS
 from zerodp.plan.collectives import KINDS, RingCost, collective_time, network_cost
 from zerodp.plan.hardware import get_hardware, hardware_names
 from zerodp.plan.hf import load_config
@@ -23,10 +24,12 @@ from zerodp.plan.models import custom_model, get_model, model_names
 from zerodp.plan.report import build_report
 from zerodp.plan.roofline import labels as roofline_labels
 from zerodp.plan.roofline import max_devices, threshold
-from zerodp.plan.timeline import (DEFAULT_BUCKET_BYTES, MAX_BUCKETS, model_layers,
+from zerodp.plan.timeline import (MAX_BUCKETS, model_layers,
                                   simulate_backward, simulate_fsdp, sweep_buckets)
 
-DEFAULT_HARDWARE = "H100"
+DEFAULT_HARDWARE = DEFAULTS["memory"]["hardware"]
+MEM, SIM, ROOF, BATCH, REC = (DEFAULTS[q] for q in ("memory", "overlap", "roofline", "batch",
+                                                   "recommend"))
 
 
 def _qty(what, low=None, high=None, why="", count=False, integer=False, allow_zero=False):
@@ -145,9 +148,11 @@ def _cluster_options(p, gpus_default=None):
     """--nodes, --gpus-per-node and --gpus (their product), as ``zerodp train`` names them."""
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=_int_qty("nodes", 1, **_GPUS),
-                   help="nodes (default 1, or --gpus / --gpus-per-node)")
-    g.add_argument("--gpus-per-node", type=_int_qty("gpus-per-node", 1, 100_000),
-                   help="GPUs per node (default: the hardware's, 8 on H100)")
+                   help=f"nodes (default {REC['nodes']}, or --gpus / --nproc)")
+    _alias(g, "--nproc", "--gpus-per-node", dest="gpus_per_node",
+           type=_int_qty("nproc", 1, 100_000), default=REC["gpus_per_node"],
+           help="GPUs (ranks) per node, as zerodp train --nproc (default: the hardware's, 8 on "
+                "H100)")
     g.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=gpus_default,
                    help="GPUs in all (default: nodes x GPUs per node)")
 
@@ -180,6 +185,19 @@ def _levers(p, block=True):
     if block:
         g.add_argument("--block", type=_int_qty("block", 1, 1 << 20), default=QUANT_BLOCK,
                        help="elements per fp32 scale of int8 quantization (1 + 4/B bytes per element)")
+
+
+def _precision(p, default):
+    """--mixed-precision (hidden old name --precision), as ``zerodp train`` names it."""
+    _alias(p, "--mixed-precision", "--precision", dest="precision", choices=list(PRECISIONS),
+           default=default, help="; ".join(f"{k}: {v['about']}" for k, v in PRECISIONS.items()))
+
+
+def _attention(p, default):
+    """--attention: the attention implementation of the activation model (guide §8)."""
+    p.add_argument("--attention", choices=ATTENTION, default=default,
+                   help="attention implementation (with --seq-len): flash: FlashAttention/SDPA, "
+                        "stores no s x s scores (what training runs); eager: stores them")
 
 
 def _leg(nbytes_or_s, fmt):
@@ -215,10 +233,11 @@ def _emit(args, result: dict, text: str) -> int:
 # ---------------------------------------------------------------------------------------------
 def cmd_memory(args) -> int:
     hw = get_hardware(args.hardware)
-    model = _model(args, default="zero-7.5b")
+    model = _model(args, default=MEM["model"])
     g = _shard_size(args, hw, args.gpus)
     mp = memory_plan(model, args.gpus, hw, args.precision, args.k, args.fp32_grad_acc, args.seq,
-                     args.mbs, args.recompute, shard_size=g, optimizer=args.optimizer)
+                     args.mbs, args.recompute, shard_size=g, optimizer=args.optimizer,
+                     attention=args.attention)
     stages = [s for s in mp.stages if args.stage is None or s["stage"] == args.stage]
     limit = max_params(hw.hbm_bytes, args.bytes_per_param) if args.bytes_per_param else None
     result = dict(mp.to_dict(), stages=stages, hardware=hw.to_dict(),
@@ -242,7 +261,8 @@ def cmd_memory(args) -> int:
                  "HBM (10% headroom: CUDA context, NCCL buffers, allocator slack); tight: above "
                  "that, <= HBM")
     if act:
-        lines.append(f"activations (Korthikanti et al. 2022, recompute={act['recompute']}, seq "
+        lines.append(f"activations (Korthikanti et al. 2022, recompute={act['recompute']}, "
+                     f"attention={act['attention']}, seq "
                      f"{act['seq']:,}, micro-batch {act['micro_batch']}): "
                      f"{fmt_bytes(act['per_layer_bytes'])} per layer, "
                      f"{fmt_bytes(act['total_bytes'])} in all")
@@ -288,7 +308,8 @@ def cmd_comm_step(args) -> int:
         raise ValueError("--collective picks one collective of --bytes: a step (--params/--model) "
                          "runs its own; drop --collective")
     hw = get_hardware(args.hardware)
-    params = args.params if args.params is not None else get_model(args.model).params
+    params = (args.params if args.params is not None else load_config(args.config).params
+              if args.config is not None else get_model(args.model).params)
     g = _shard_size(args, hw, args.gpus)
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
     steps = [step_comm(hw, args.gpus, st, params, g, args.precision, args.compress, args.block,
@@ -323,12 +344,14 @@ def cmd_comm_step(args) -> int:
 
 
 def cmd_comm(args) -> int:
-    if args.params is not None or args.model is not None:
+    if args.params is not None or args.model is not None or args.config is not None:
         if args.bytes is not None:
-            raise ValueError("give --bytes (one collective) or --params/--model (a step's "
-                             "collectives), not both")
-        if args.params is not None and args.model is not None:
-            raise ValueError("give --model or --params, not both")
+            raise ValueError("give --bytes (one collective) or --params/--model/--config (a "
+                             "step's collectives), not both")
+        named = [f for f, v in (("--model", args.model), ("--config", args.config),
+                                ("--params", args.params)) if v is not None]
+        if len(named) > 1:
+            raise ValueError(f"give {named[0]} or {named[1]}, not both")
         return cmd_comm_step(args)
     step_only = [f for f, v in (("--shard-size", args.shard_size), ("--stage", args.stage),
                                 ("--compress", args.compress != "none")) if v is not None and v is not False]
@@ -336,7 +359,8 @@ def cmd_comm(args) -> int:
         raise ValueError(f"{step_only[0]} applies to a step's collectives: give --params or --model "
                          "(with --stage), or drop it and price one collective of --bytes")
     if args.bytes is None:
-        raise ValueError("give --bytes V (one collective), or --params/--model (a step's collectives)")
+        raise ValueError("give --bytes V (one collective), or --params/--model/--config (a step's "
+                         "collectives)")
     kinds = KINDS if args.collective == "all" else [args.collective]
     if args.bandwidth is not None:
         if args.latency is not None and args.alpha is not None:
@@ -396,10 +420,10 @@ def cmd_roofline(args) -> int:
             ["threshold", f"{r.threshold_tokens:,.0f}", "tokens/device"]]
     if r.min_batch_tokens is not None:
         rows.append([f"min global batch on {r.n}", fmt_count(r.min_batch_tokens), "tokens"])
-    if args.batch_tokens:
-        m = max_devices(hw, args.batch_tokens, args.axes, **moe, **levers)
+    if args.global_batch_tokens:
+        m = max_devices(hw, args.global_batch_tokens, args.axes, **moe, **levers)
         result["max_devices"] = m.to_dict()
-        rows.append([f"max devices for {fmt_count(args.batch_tokens)} tokens", f"{m.max_devices:,}", "devices"])
+        rows.append([f"max devices for {fmt_count(args.global_batch_tokens)} tokens", f"{m.max_devices:,}", "devices"])
     where = "at scale (many nodes)" if args.gpus is None else f"on {args.gpus} devices"
     if r.shard_size is not None:
         where += f", shard groups of G = {r.shard_size}" + (f" (R = {r.replicas})" if r.replicas else "")
@@ -410,7 +434,7 @@ def cmd_roofline(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    b = plan_batch(args.tokens, args.seq, args.mbs, args.gpus, not args.no_round)
+    b = plan_batch(args.global_batch_tokens, args.seq, args.mbs, args.gpus, not args.no_round)
 
     rows = [["global batch", f"{b.samples:,}", "samples"],
             ["global batch", fmt_count(b.global_batch_tokens), "tokens"],
@@ -425,7 +449,9 @@ def cmd_batch(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    ignored = ([f for f, v in (("--bucket", args.bucket), ("--whole-layers", args.whole_layers),
+    given_bucket = args.bucket is not None or args.bucket_mb != SIM["bucket_bytes"] / 2**20
+    ignored = ([f for f, v in (("--bucket-mb", given_bucket),
+                               ("--whole-layers", args.whole_layers),
                                ("--sweep", args.sweep)) if v] if args.fsdp
                else (["--no-prefetch"] if args.no_prefetch else []))
     if ignored:
@@ -434,9 +460,10 @@ def cmd_simulate(args) -> int:
                                              "only applies with --fsdp: add --fsdp or drop it"))
     if args.alpha is not None and args.latency is not None:
         raise ValueError("give --alpha or --latency, not both")
-    args.bucket = DEFAULT_BUCKET_BYTES if args.bucket is None else args.bucket
+    if args.bucket is None:  # the old spelling --bucket (bytes) wins when given
+        args.bucket = args.bucket_mb * 2**20
     hw = get_hardware(args.hardware)
-    model = _model(args, default="llama3-8b")
+    model = _model(args, default=SIM["model"])
     if args.efficiency <= 0:
         raise ValueError("--efficiency must be > 0 (a fraction of peak FLOP/s, e.g. 0.5)")
     layers = model_layers(model, hw, args.tokens_per_gpu, args.efficiency)
@@ -460,7 +487,7 @@ def cmd_simulate(args) -> int:
             from zerodp.plan.plot import plot_timeline
             plot_timeline(f, args.plot)
             text += f"\nplot written to {args.plot}"
-        return _emit(args, {"fsdp": f.to_dict(), "sweep": None}, text)
+        return _emit(args, {"model": model.name, "fsdp": f.to_dict(), "sweep": None}, text)
     t = simulate_backward(layers, cost, args.bucket, split_layers=not args.whole_layers)
     last = t.last_bucket
     rows = [["buckets", f"{t.num_buckets:,}", f"of {fmt_bytes(args.bucket)}"],
@@ -485,7 +512,8 @@ def cmd_simulate(args) -> int:
         from zerodp.plan.plot import plot_timeline
         plot_timeline(t, args.plot, sweep)
         text += f"\nplot written to {args.plot}"
-    return _emit(args, {"timeline": t.to_dict(), "sweep": sweep.to_dict() if sweep else None}, text)
+    return _emit(args, {"model": model.name, "timeline": t.to_dict(),
+                        "sweep": sweep.to_dict() if sweep else None}, text)
 
 
 def _units_words(layers) -> str:
@@ -500,22 +528,22 @@ def _cluster(args, hw):
     gpn = args.gpus_per_node or hw.devices_per_node
     if args.gpus is not None:
         if args.nodes is not None and args.nodes * gpn != args.gpus:
-            raise ValueError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node "
-                             f"{gpn}: give --gpus, or --nodes and --gpus-per-node")
+            raise ValueError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --nproc "
+                             f"{gpn}: give --gpus, or --nodes and --nproc")
         if args.gpus <= gpn and args.gpus_per_node is None:
             return 1, args.gpus
         if args.gpus % gpn:
             raise ValueError(f"--gpus {args.gpus} does not fill nodes of {gpn} GPUs: give a multiple "
-                             f"of --gpus-per-node {gpn}")
+                             f"of --nproc {gpn}")
         return args.gpus // gpn, gpn
-    return args.nodes or 1, gpn
+    return args.nodes or REC["nodes"], gpn
 
 
 def cmd_recommend(args) -> int:
     """The fastest configuration that fits (guide §6.1, §7, §9, §14)."""
     from zerodp.plan.recommend import BUCKET_MB, SEARCH_COMPRESSIONS, recommend, text
     hw = get_hardware(args.hardware)
-    model = _model(args, default="llama3-8b")
+    model = _model(args, default=REC["model"])
     nodes, gpn = _cluster(args, hw)
     r = recommend(model, hw, nodes, gpn, args.global_batch_tokens, args.seq,
                   precision=args.precision, efficiency=args.efficiency,
@@ -524,7 +552,7 @@ def cmd_recommend(args) -> int:
                   compress=(args.compress,) if args.compress else SEARCH_COMPRESSIONS,
                   bucket_mb=(args.bucket_mb,) if args.bucket_mb else BUCKET_MB,
                   micro_batches=(args.mbs,) if args.mbs else None, top=args.top,
-                  headroom=args.headroom)
+                  headroom=args.headroom, attention=args.attention)
     return _emit(args, r.to_dict(), text(r))
 
 
@@ -536,7 +564,7 @@ def cmd_report(args) -> int:
 # ---------------------------------------------------------------------------------------------
 def add_parser(subparsers) -> None:
     plan = subparsers.add_parser("plan", help="the guide's cost models: memory, comm, roofline, "
-                                 "batch, simulate, report",
+                                 "batch, simulate, recommend (the fastest setup that fits), report",
                                  description="Plan data-parallel training with the guide's cost models.")
     sub = plan.add_subparsers(dest="plan_command", metavar="SUBCOMMAND")
     plan.set_defaults(func=lambda a: (plan.print_help(), 2)[1])
@@ -547,28 +575,27 @@ def add_parser(subparsers) -> None:
                                    "'fits' compares their sum with the hardware's HBM.",
                        formatter_class=_Help)
     _common(p, model=True)
-    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=64,
+    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=MEM["n"],
                    help="data-parallel GPUs N")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one stage (default: all)")
-    p.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
-                   help="; ".join(f"{k}: {v['about']}" for k, v in PRECISIONS.items()))
+    _precision(p, MEM["precision"])
     p.add_argument("--k", type=_qty("k", 0, MAX_K, "Adam with fp64 states needs 24",
                                     allow_zero=True),
                    help="optimizer bytes per parameter (default: the precision's, 12 for bf16)")
     p.add_argument("--fp32-grad-acc", action="store_true", help="add the fp32 gradient accumulation buffer")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=MEM["optimizer"],
                    help="adamw/adam/sgd: elementwise, flat shards (k bytes per parameter); "
                         "adafactor, muon (Muon on the blocks' matrices, AdamW on the rest): whole "
                         "tensors, priced by tensor ownership (guide §12.3; needs the model's shape)")
     _alias(p, "--seq-len", "--seq", dest="seq",
-           type=_int_qty("seq", 1, MAX_SEQ, "ten million tokens at most"),
+           type=_int_qty("seq-len", 1, MAX_SEQ, "ten million tokens at most"),
            help="sequence length: adds activations (default: none counted)")
-    _alias(p, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("mbs", 1, MAX_MICRO_BATCH),
-           default=1, help="micro-batch size (with --seq-len)")
-    p.add_argument("--recompute", choices=RECOMPUTE,
-                   help="activation recomputation (with --seq). default: selective, what "
-                        "FlashAttention/SDPA training stores (no s x s attention scores); none: "
-                        "eager attention storing them; full: only each block's input")
+    _alias(p, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
+           default=MEM["micro_batch"], help="micro-batch size (with --seq-len)")
+    p.add_argument("--recompute", choices=RECOMPUTE, default=MEM["recompute"],
+                   help="activation recomputation (with --seq-len): none; selective: the attention "
+                        "core again in backward; full: only each block's input is kept")
+    _attention(p, MEM["attention"])
     p.add_argument("--bytes-per-param", type=_qty("bytes-per-param", 0, MAX_K),
                    help="also print the largest model at this many bytes/param (default: not shown)")
     _levers(p)
@@ -602,9 +629,10 @@ def add_parser(subparsers) -> None:
                                          count=True),
                    help="parameter count Ψ, e.g. 7.5e9 or 70B (default: none; one collective of --bytes)")
     s.add_argument("--model", metavar="NAME", help=f"Ψ from a preset: {', '.join(model_names())}")
+    s.add_argument("--config", metavar="PATH",
+                   help="Ψ from a Hugging Face config.json (or a model directory holding one)")
     s.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one stage (default: all)")
-    s.add_argument("--precision", choices=list(PRECISIONS), default="bf16",
-                   help="working bytes of parameters and gradients")
+    _precision(s, MEM["precision"])
     s.add_argument("--gathers", type=_int_qty("gathers", 0, 1000), default=2,
                    help="stage 3: parameter AllGathers per step (forward, again in backward)")
     _levers(p)
@@ -617,9 +645,10 @@ def add_parser(subparsers) -> None:
                                    " use.",
                        formatter_class=_Help)
     _common(p)
-    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS),
+    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=ROOF["n"],
                    help="devices (default: at scale, many nodes)")
-    p.add_argument("--axes", type=_int_qty("axes", 1, 3, "a mesh has at most 3 axes"), default=1,
+    p.add_argument("--axes", type=_int_qty("axes", 1, 3, "a mesh has at most 3 axes"),
+                   default=ROOF["axes"],
                    help="mesh axes doing DP (TPU v5p: up to 3)")
     p.add_argument("--model", metavar="NAME",
                    help=f"MoE factor E/k from a preset ({', '.join(model_names())}; default: dense)")
@@ -629,9 +658,10 @@ def add_parser(subparsers) -> None:
                    help="MoE: experts E (default 1: dense)")
     p.add_argument("--top-k", type=_int_qty("top-k", 1, 100_000),
                    help="MoE: experts per token k (default 1)")
-    p.add_argument("--batch-tokens", type=_qty("batch-tokens", 1, 1e15, "a quadrillion at most",
-                                               count=True),
-                   help="also: most devices for this global batch (default: not shown)")
+    _alias(p, "--global-batch-tokens", "--batch-tokens", dest="global_batch_tokens",
+           type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
+           default=ROOF["batch_tokens"], help="global batch: also the most devices it can use "
+                                               "(Llama 3's final 16M tokens)")
     _levers(p)
     p.set_defaults(func=cmd_roofline)
 
@@ -641,13 +671,16 @@ def add_parser(subparsers) -> None:
                                    "batch x grad_acc x dp; warns when grad_acc would be below 1 (GPU-rich).",
                        formatter_class=_Help)
     _common(p, hardware=False)
-    p.add_argument("--tokens", type=_qty("tokens", 1, 1e15, "a quadrillion at most", count=True),
-                   required=True, help="target global batch, e.g. 4Mi")
-    p.add_argument("--seq", type=_int_qty("seq", 1, MAX_SEQ, "ten million tokens at most"),
-                   required=True, help="sequence length")
-    p.add_argument("--mbs", type=_int_qty("mbs", 1, MAX_MICRO_BATCH), required=True,
-                   help="largest micro-batch that fits")
-    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), required=True, help="dp")
+    _alias(p, "--global-batch-tokens", "--tokens", dest="global_batch_tokens",
+           type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
+           default=BATCH["target_tokens"], help="target global batch, e.g. 4Mi")
+    _alias(p, "--seq-len", "--seq", dest="seq", type=_int_qty("seq-len", 1, MAX_SEQ,
+                                                            "ten million tokens at most"),
+           default=BATCH["seq"], help="sequence length")
+    _alias(p, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
+           default=BATCH["micro_batch"], help="largest micro-batch that fits")
+    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=BATCH["dp"],
+                   help="data-parallel GPUs dp")
     p.add_argument("--no-round", action="store_true", help="do not round samples to a power of two")
     p.set_defaults(func=cmd_batch)
 
@@ -659,14 +692,17 @@ def add_parser(subparsers) -> None:
                                    "blocks plus its embedding and head.",
                        formatter_class=_Help)
     _common(p, model=True)
-    p.add_argument("--gpus", type=_int_qty("gpus", 2, **_GPUS), default=8,
+    p.add_argument("--gpus", type=_int_qty("gpus", 2, **_GPUS), default=SIM["n"],
                    help="data-parallel GPUs")
-    p.add_argument("--tokens-per-gpu", type=_qty("tokens-per-gpu", 1, 1e9, "a billion at most",
-                                                 count=True),
-                   default=4096.0, help="tokens each GPU runs per step")
+    _alias(p, "--tokens-per-rank", "--tokens-per-gpu", dest="tokens_per_gpu",
+           type=_qty("tokens-per-rank", 1, 1e9, "a billion at most", count=True),
+           default=SIM["tokens_per_gpu"], help="tokens each GPU (rank) runs per step")
+    p.add_argument("--bucket-mb", type=_qty("bucket-mb", 1 / 2**20, 1e13 / 2**20, "10 TB at most"),
+                   default=SIM["bucket_bytes"] / 2**20,
+                   help=f"bucket size in MiB, as zerodp train --bucket-mb (PyTorch DDP's "
+                        f"bucket_cap_mb; at most {MAX_BUCKETS:,} buckets per simulation)")
     p.add_argument("--bucket", type=_qty("bucket", 1, 1e13, "10 TB at most"),
-                   help=f"bucket size in bytes (default 25 MB, PyTorch DDP's bucket_cap_mb; at most "
-                        f"{MAX_BUCKETS:,} buckets per simulation)")
+                   help=argparse.SUPPRESS)  # the old spelling, in bytes
     p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
                    default=1.0, help="fraction of peak FLOP/s reached")
     p.add_argument("--whole-layers", action="store_true", help="close buckets only at layer boundaries")
@@ -687,23 +723,22 @@ def add_parser(subparsers) -> None:
     _cluster_options(p)
     _alias(p, "--global-batch-tokens", "--tokens", dest="global_batch_tokens",
            type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
-           default=4 * 2**20, help="target global batch in tokens, e.g. 4M or 4Mi")
+           default=REC["global_batch_tokens"], help="target global batch in tokens, e.g. 4M or 4Mi")
     _alias(p, "--seq-len", "--seq", dest="seq", type=_int_qty("seq-len", 1, MAX_SEQ,
                                                             "ten million tokens at most"),
-           default=4096, help="sequence length")
-    _alias(p, "--mixed-precision", "--precision", dest="precision", choices=list(PRECISIONS),
-           default="bf16", help="; ".join(f"{k}: {v['about']}" for k, v in PRECISIONS.items()))
+           default=REC["seq"], help="sequence length")
+    _precision(p, MEM["precision"])
+    _attention(p, REC["attention"])
     p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
-                   default=0.5, help="fraction of peak FLOP/s the compute reaches")
+                   default=REC["efficiency"], help="fraction of peak FLOP/s the compute reaches")
     p.add_argument("--headroom", type=_qty("headroom", 0, 0.99, "a fraction of HBM",
-                                           allow_zero=True), default=0.1,
+                                           allow_zero=True), default=REC["headroom"],
                    help="fraction of HBM kept free: CUDA context, NCCL buffers, allocator slack")
     p.add_argument("--top", type=_int_qty("top", 1, 100), default=5, help="configurations shown")
     s = p.add_argument_group("fix one lever instead of searching it")
     s.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one stage (default: all)")
     s.add_argument("--recompute", choices=RECOMPUTE,
-                   help="one recomputation (default: all; 'selective' is what FlashAttention "
-                        "stores)")
+                   help="one recomputation (default: all)")
     s.add_argument("--compress", choices=list(COMPRESSIONS), help="one compression (default: all)")
     s.add_argument("--bucket-mb", type=_qty("bucket-mb", 0.001, 1e6, "a TB at most"),
                    help="one bucket size in MiB (default: 25, 100, 400)")

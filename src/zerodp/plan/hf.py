@@ -229,9 +229,14 @@ def load_config(path: str, name: str | None = None) -> Model:
     if os.path.getsize(p) > MAX_CONFIG_BYTES:
         raise ValueError(f"--config {path}: {os.path.getsize(p):,} bytes is too large for a "
                          "config.json (a model's weights?); give the config.json itself")
-    with open(p, encoding="utf-8") as f:
+    with open(p, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    return parse_config(text, name=name or _name_from(p), source=f"config.json at {p}")
+    try:
+        return parse_config(text, name=name or _name_from(p), source=f"config.json at {p}")
+    except ValueError as exc:  # the message names the file given, not "config.json"
+        msg = str(exc)
+        raise ValueError(f"--config {path} {msg[len('config.json '):]}" if msg.startswith("config.json ")
+                         else f"--config {path}: {msg}") from None
 
 
 def parse_config(text: str, name: str = "config.json", source: str = "config.json") -> Model:

@@ -22,9 +22,15 @@ Transformer Models" (arXiv:2205.05198), §4 with no tensor/sequence parallelism 
 activations, s = sequence, b = micro-batch, h = hidden, a = heads, per layer:
 
 * attention block 11·sbh + 5·a·s²·b, MLP block 19·sbh (for ffn = 4h; here 3·sbh + 4·sb·ffn),
-  two LayerNorms 4·sbh: **none**: sbh·(34 + 5as/h);
+  two LayerNorms 4·sbh: **none** with **eager** attention: sbh·(34 + 5as/h);
 * **selective** recomputation (recompute the attention core, the 5as²b part): 34·sbh;
 * **full** recomputation (store only each layer's input): 2·sbh.
+
+The attention implementation is a separate input (guide §8): **flash** (FlashAttention / SDPA, the
+default, what practitioners run) never stores the a·s²·b scores, softmax or its dropout mask (it
+recomputes them inside its backward), so "none" with flash stores 34·sbh like selective;
+**eager** attention stores them. Recomputation (none / selective / full) is what the training
+loop recomputes on top.
 
 Plus, once per model, the paper's input/output terms: embedding dropout mask sbh, final LayerNorm
 2sbh, output-layer input 2sbh and fp32 logits for the cross entropy 4·sb·vocab.
@@ -36,6 +42,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count, check_positive
+from zerodp.plan.defaults import ATTENTION, DEFAULTS
 from zerodp.plan.units import STAGE_NAMES, STAGES  # noqa: F401 - re-exported
 
 BF16 = 2
@@ -45,10 +52,10 @@ ADAM_K = 12
 #: ZeRO-3 keeps the unit in use plus the prefetched one (guide §9.3)
 GATHERED_UNITS = 2
 RECOMPUTE = ("none", "selective", "full")
-#: the default recomputation when a sequence is given: "selective" stores everything but the
-#: a·s² attention scores, which is what FlashAttention / SDPA kernels keep (they never store
-#: the scores, and recompute them in backward); "none" is the paper's eager attention
-DEFAULT_RECOMPUTE = "selective"
+#: the default recomputation (zerodp.plan.defaults): none; with the default flash attention it
+#: stores no a·s² scores
+DEFAULT_RECOMPUTE = DEFAULTS["memory"]["recompute"]
+DEFAULT_ATTENTION = DEFAULTS["memory"]["attention"]
 #: fraction of HBM a plan leaves free (docs/planner.md, "fits and tight"): the CUDA context
 #: (~0.5 GB), NCCL's buffers (~1 GB on 8 GPUs), the caching allocator's fragmentation and
 #: temporaries (the cross entropy, optimizer steps); a total above HBM × (1 − HEADROOM) is "tight"
@@ -162,7 +169,7 @@ class Activations(ToDict):
     """Activation bytes per GPU for one micro-batch (Korthikanti et al. 2022, module docstring).
 
     ``to_dict()`` keys: the inputs (``layers``, ``hidden``, ``heads``, ``ffn``, ``vocab``, ``seq``,
-    ``micro_batch``, ``recompute``), ``per_layer_bytes``, ``layers_bytes`` (per_layer × layers),
+    ``micro_batch``, ``recompute``, ``attention``), ``per_layer_bytes``, ``layers_bytes`` (per_layer × layers),
     ``head_bytes`` (embedding dropout, final LayerNorm, output layer, fp32 logits),
     ``total_bytes``.
     """
@@ -179,13 +186,26 @@ class Activations(ToDict):
     layers_bytes: float
     head_bytes: float
     total_bytes: float
+    attention: str = DEFAULT_ATTENTION
+
+
+def check_attention(attention: str) -> str:
+    """``attention`` if it is one of :data:`~zerodp.plan.defaults.ATTENTION`, else InputError."""
+    if attention not in ATTENTION:
+        raise InputError(f"attention must be one of {', '.join(ATTENTION)} (flash: FlashAttention/"
+                         f"SDPA, no s x s scores stored; eager: stores them); got {attention!r}",
+                         "attention", f"attention 必须是 {'、'.join(ATTENTION)} 之一，收到的是 {attention!r}")
+    return attention
 
 
 def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int = 1,
                 ffn: int | None = None, vocab: int = 0, recompute: str = "none",
                 q_dim: int | None = None, kv_dim: int | None = None,
-                gated_mlp: bool = False) -> Activations:
+                gated_mlp: bool = False, attention: str = DEFAULT_ATTENTION) -> Activations:
     """Activation memory of one micro-batch, 16-bit, no tensor parallelism (Korthikanti et al. 2022).
+
+    ``attention``: "flash" (default) stores no a·s²·b scores whatever ``recompute`` is; "eager"
+    stores them unless ``recompute`` is selective or full (module docstring, guide §8).
 
     ``q_dim``/``kv_dim``: widths of the queries and of the keys (= values) when they differ from
     ``hidden`` (grouped-query attention stores smaller K and V); ``gated_mlp``: a SwiGLU MLP
@@ -198,6 +218,7 @@ def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int
     vocab = check_count("vocab", vocab, minimum=0)
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
+    attn_impl = check_attention(attention)
     s, b, h, a = seq, micro_batch, hidden, heads
     qd = h if q_dim is None else check_count("q_dim", q_dim)
     kvd = h if kv_dim is None else check_count("kv_dim", kv_dim)
@@ -207,15 +228,16 @@ def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int
     attention = 3 * sbh + 4 * s * b * qd + 4 * s * b * kvd + 5 * a * s * s * b
     mlp = 3 * sbh + (8 if gated_mlp else 4) * s * b * ffn  # 19·sbh when ffn = 4h, not gated
     norms = 4 * sbh
-    if recompute == "none":
+    if recompute == "none" and attn_impl == "eager":
         per_layer = attention + mlp + norms
-    elif recompute == "selective":
+    elif recompute in ("none", "selective"):
         per_layer = attention - 5 * a * s * s * b + mlp + norms
     else:
         per_layer = 2 * sbh
     head = 5 * sbh + FP32 * s * b * vocab
     return Activations(layers, h, a, ffn, vocab, s, b, recompute, float(per_layer),
-                       float(per_layer * layers), float(head), float(per_layer * layers + head))
+                       float(per_layer * layers), float(head), float(per_layer * layers + head),
+                       attn_impl)
 
 
 #: working-parameter bytes, gradient bytes and default optimizer bytes k per precision (guide §1):
@@ -281,7 +303,7 @@ def check_shard_size(n: int, shard_size: int | None) -> int:
 class MemoryPlan(ToDict):
     """The whole bill per GPU for stages 0–3 and whether it fits: ``to_dict()`` keys ``model``,
     ``n``, ``hardware``, ``hbm_bytes``, ``precision``, ``param_bytes``, ``grad_bytes``, ``k``,
-    ``fp32_grad_acc``, ``seq``, ``micro_batch``, ``recompute``, ``stages`` (each a
+    ``fp32_grad_acc``, ``seq``, ``micro_batch``, ``recompute``, ``attention``, ``stages`` (each a
     :class:`ModelStates` dict whose ``total_bytes`` here is states + gathered units +
     activations, with ``activation_bytes`` and ``fits``: total ≤ HBM), ``activations`` (or null),
     ``includes`` (what the total counts, in words), ``warnings`` (figures that rest on an
@@ -313,18 +335,21 @@ class MemoryPlan(ToDict):
     shard_size: int | None = None
     replicas: int = 1
     optimizer: str = "adamw"
+    attention: str = DEFAULT_ATTENTION
 
 
 def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | None = None,
                 fp32_grad_acc: bool = False, seq: int | None = None, micro_batch: int = 1,
                 recompute: str | None = None, shard_size: int | None = None,
-                headroom: float = HEADROOM, optimizer: str = "adamw") -> MemoryPlan:
+                headroom: float = HEADROOM, optimizer: str = "adamw",
+                attention: str = DEFAULT_ATTENTION) -> MemoryPlan:
     """Model states, ZeRO-3's two gathered units (from the model's largest block) and the
     activations of one micro-batch (when ``seq`` is given), per GPU, for stages 0–3, against the
     HBM of ``hardware`` (a :class:`~zerodp.plan.Hardware` or preset name). ``shard_size``: hybrid
     sharding (guide §14), stages 1–3 shard over groups of g GPUs, a divisor of ``n``; the
-    states are the flat ones with N → g. None: flat, g = n. ``recompute``: None is
-    :data:`DEFAULT_RECOMPUTE` with a ``seq``, "none" without. Each stage's ``verdict`` is
+    states are the flat ones with N → g. None: flat, g = n. ``recompute`` (None:
+    :data:`DEFAULT_RECOMPUTE`) and ``attention`` ("flash", the default, or "eager") shape the
+    activations (:func:`activations`). Each stage's ``verdict`` is
     :func:`verdict` with ``headroom``; ``fits`` is verdict == "fits".
 
     ``optimizer``: "adamw" (the k column above) or one that reads whole tensors, "adafactor" or
@@ -332,7 +357,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     ownership gives the fullest rank (:mod:`zerodp.plan.ownership`, guide §12.3), each stage row
     with an ``ownership`` dict; ``k`` is then the mean bytes per parameter (master + states)."""
     if recompute is None:
-        recompute = "none" if seq is None else DEFAULT_RECOMPUTE
+        recompute = DEFAULT_RECOMPUTE
+    check_attention(attention)
     from zerodp.plan.hardware import get_hardware
     from zerodp.plan.models import assumed_shape, get_model
 
@@ -385,11 +411,13 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                            f"{hidden:,} 估算（12·L·h² = Ψ）；给出 config.json 或层数/隐藏维度可得实际值")
     act = None
     if seq is None:
-        if micro_batch != 1 or recompute != "none":
-            raise InputError("micro_batch (--mbs) and recompute only change activations: give "
-                             "seq (--seq) too, or leave them at 1 and none", "seq",
-                             "微批次和重计算只影响激活值：请同时给出序列长度，或保持 1 和 none")
-        warnings.append("activations are not counted: give seq (--seq) to add them")
+        if micro_batch != 1 or recompute != "none" or attention != DEFAULT_ATTENTION:
+            raise InputError("micro_batch (--micro-batch), recompute and attention only change "
+                             "activations: give seq (--seq-len) too, or leave them at 1, none and "
+                             f"{DEFAULT_ATTENTION}", "seq",
+                             "微批次、重计算和注意力实现只影响激活值：请同时给出序列长度，或保持 1、none 和 "
+                             f"{DEFAULT_ATTENTION}")
+        warnings.append("activations are not counted: give seq (--seq-len) to add them")
         warnings_zh.append("未计入激活值：给出序列长度 seq 即可加入")
     else:
         seq = int(check_range("seq", seq, 1, MAX_SEQ, "ten million tokens at most", integer=True,
@@ -401,7 +429,7 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                              "或层数、隐藏维度和头数，或清空序列长度")
         act = activations(m.layers, m.hidden, m.heads, seq, micro_batch, m.ffn or 4 * m.hidden,
                           m.vocab or 0, recompute, q_dim=m.q_dim, kv_dim=m.kv_dim,
-                          gated_mlp=m.gated_mlp)
+                          gated_mlp=m.gated_mlp, attention=attention)
     act_bytes = act.total_bytes if act else 0.0
     rows = []
     for s in all_stages(m.params, g, k, fp32_grad_acc, unit or 0.0, layers,
@@ -423,7 +451,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     includes.append("2 gathered blocks + the root unit (embedding, head) at ZeRO-3"
                     if root else "2 gathered units at ZeRO-3")
     if act:
-        includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute})")
+        includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute}, "
+                        f"{attention} attention)")
     zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算"}
     includes_zh = [f"参数（{prec['param_bytes']:g} B）", f"梯度（{prec['grad_bytes']:g} B）",
                    f"优化器状态（k = {k:g} B）" if not owned else
@@ -434,7 +463,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     includes_zh.append("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root
                        else "ZeRO-3 的 2 个聚合单元")
     if act:
-        includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}）")
+        includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}，"
+                           f"{attention} 注意力）")
     if owned:
         covered = per_tensor[0].params / m.params
         if abs(covered - 1) > 1e-6:
@@ -459,7 +489,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                       micro_batch=micro_batch, recompute=recompute, stages=rows,
                       activations=act.to_dict() if act else None, includes=includes,
                       warnings=warnings, assumed_shape=shape, includes_zh=includes_zh,
-                      warnings_zh=warnings_zh, shard_size=g, replicas=n // g, optimizer=optimizer)
+                      warnings_zh=warnings_zh, shard_size=g, replicas=n // g, optimizer=optimizer,
+                      attention=attention)
 
 
 def _own(row: dict, o, prec: dict, fp32_grad_acc: bool) -> None:

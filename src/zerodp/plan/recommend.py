@@ -2,8 +2,13 @@
 
 :func:`recommend` searches stage × shard-group size g × micro-batch × recomputation ×
 compression × bucket size for a model on ``nodes`` × ``gpus_per_node`` GPUs and a target global
-batch in tokens, keeps what fits with the headroom of :data:`~zerodp.plan.memory.HEADROOM`, and
-ranks by predicted time per token. Every figure of a candidate comes from one planner function:
+batch in tokens, keeps everything that fits with the headroom of
+:data:`~zerodp.plan.memory.HEADROOM`, and ranks it by predicted time per token: the first pick is
+by construction the fastest the step model predicts. Being communication-bound (below the
+roofline threshold of guide §7) is a column, not a rejection; configurations within
+:data:`TIE` of the first pick say so in "why not first", with what makes them simpler. The
+attention implementation (``attention``, guide §8: FlashAttention/SDPA by default) is an input,
+not searched. Every figure of a candidate comes from one planner function:
 
 * batch: :func:`~zerodp.plan.batch.plan_batch` (gbs rounded to a power of two, guide §6.1);
 * memory: :func:`~zerodp.plan.memory.memory_plan` (states, ZeRO-3's gathered units, activations);
@@ -38,6 +43,7 @@ from zerodp.plan.calibrated import calibration_for, compute_times, contention_s,
 from zerodp.plan.calibrated import efficiency as efficiency_of
 from zerodp.plan.hardware import Hardware, get_hardware, hardware_from_dict
 from zerodp.plan.hybrid import step_comm
+from zerodp.plan.defaults import DEFAULTS
 from zerodp.plan.memory import HEADROOM, RECOMPUTE, memory_plan
 from zerodp.plan.models import get_model
 from zerodp.plan.roofline import threshold
@@ -49,11 +55,12 @@ BUCKET_MB = (25, 100, 400)
 SEARCH_COMPRESSIONS = ("none", "int8-params", "int8-grads", "int8")
 #: micro-batches searched: powers of two up to this
 MAX_SEARCH_MICRO_BATCH = 64
-#: configurations this close in time per token to the fastest count as a tie: the simplest wins
+#: configurations this close in time per token to the first pick are a tie: "why not first" says
+#: so, and what makes them simpler (no compression, less recomputation, ...)
 TIE = 0.01
 #: fraction of peak FLOP/s a step's compute reaches (guide §7.4 uses the peak; calibration gives
-#: the real one: ``zerodp calibrate``)
-DEFAULT_EFFICIENCY = 0.5
+#: the real one: ``zerodp calibrate``); zerodp.plan.defaults
+DEFAULT_EFFICIENCY = DEFAULTS["recommend"]["efficiency"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,9 @@ class Candidate(ToDict):
     ``memory_bytes`` (per GPU, :func:`memory_plan`'s total), ``verdict``, ``compute_s`` (the
     step's compute), ``comm_s`` (its collectives, slower leg), ``exposed_comm_s``, ``step_s``,
     ``tokens_per_step`` (all GPUs), ``tokens_per_s_per_gpu``, ``mfu``, ``bottleneck`` (leg),
-    ``comm_bound`` (tokens per GPU per window below the roofline threshold) and ``lost_because``
-    (for runners-up: why the first pick beats it)."""
+    ``comm_bound`` (tokens per GPU per window below the roofline threshold of guide §7; shown,
+    not rejected) and ``lost_because`` (for runners-up: why the first pick beats it, or that it
+    ties with it)."""
 
     stage: int
     stage_name: str
@@ -100,8 +108,9 @@ class Recommendation(ToDict):
     ``active_params``, ``hardware``, ``nodes``, ``gpus_per_node``, ``n``, ``global_batch_tokens``
     (the target), ``seq``, ``samples`` (gbs), ``precision``, ``efficiency``, ``headroom``
     (fraction of HBM kept free), ``hbm_bytes``, ``searched`` (configurations tried),
-    ``candidates`` (the top ones, fastest first), ``rejected`` (one entry per reason: ``reason``,
-    ``count``, ``example``), ``notes`` and ``elapsed_s``."""
+    ``candidates`` (the top ones, fastest first), ``fitting`` (how many configurations fit),
+    ``rejected`` (one entry per reason: ``reason``, ``count``, ``example``), ``attention``,
+    ``train_flags`` (the first pick as ``zerodp train`` options), ``notes`` and ``elapsed_s``."""
 
     model: str
     params: float
@@ -122,6 +131,9 @@ class Recommendation(ToDict):
     rejected: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     elapsed_s: float = 0.0
+    fitting: int = 0
+    attention: str = DEFAULTS["recommend"]["attention"]
+    train_flags: str = ""
 
     @property
     def best(self) -> Candidate | None:
@@ -199,13 +211,17 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
               precision: str = "bf16", efficiency: float = DEFAULT_EFFICIENCY,
               stages=(0, 1, 2, 3), recompute=RECOMPUTE, compress=SEARCH_COMPRESSIONS,
               bucket_mb=BUCKET_MB, micro_batches=None, top: int = 5,
-              headroom: float = HEADROOM, calibration=None) -> Recommendation:
+              headroom: float = HEADROOM, calibration=None,
+              attention: str = DEFAULTS["recommend"]["attention"],
+              shard_sizes_searched=None) -> Recommendation:
     """The fastest configurations that fit, ranked (module docstring; docs/planner.md).
 
     ``model``: a preset name or :class:`~zerodp.plan.Model` with a shape; ``hardware``: a preset,
     a file or :class:`~zerodp.plan.Hardware` (``gpus_per_node`` overrides its
     ``devices_per_node``); ``global_batch_tokens``: the target (a number or "4M"); ``seq``: the
-    sequence length. Raises ValueError (one line naming the input) on bad input.
+    sequence length; ``attention``: "flash" or "eager" (the activation model, guide §8);
+    ``shard_sizes_searched``: the g to try (default :func:`shard_sizes`). Raises ValueError (one
+    line naming the input) on bad input.
 
     ``calibration``: a profile written by ``zerodp calibrate`` (path, dict or its table) on this
     many ranks. The compute of a micro-batch is then the measured forward + backward at its token
@@ -251,7 +267,6 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     eta = efficiency_of(cal) if cal is not None else 1.0
     rejected: dict = {}
     kept: list[Candidate] = []
-    comm_bound: list[Candidate] = []
     searched = 0
     samples = None
     comm_cache: dict = {}
@@ -260,10 +275,12 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     for mbs in micro_batches:
         b = plan_batch(target, seq, mbs, n)
         samples = b.samples
-        for g in shard_sizes(n, gpn):
+        for g in (shard_sizes(n, gpn) if shard_sizes_searched is None else shard_sizes_searched):
             for rc in recompute:
-                if b.gpu_rich:
-                    count = sum(1 for s in stages if g == n or s > 0)
+                if b.gpu_rich:  # every (stage, compression, bucket) of this point
+                    count = sum(len([c for c in compress if s > 0 or c == "none"])
+                                * (len(bucket_mb) if s < 3 else 1)
+                                for s in stages if g == n or s > 0)
                     searched += count
                     r = rejected.setdefault("grad_acc < 1", {
                         "reason": "grad_acc < 1", "count": 0,
@@ -272,7 +289,8 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                     r["count"] += count
                     continue
                 mp = memory_plan(m, n, hw, precision, seq=seq, micro_batch=mbs, recompute=rc,
-                                 shard_size=g if g < n else None, headroom=headroom)
+                                 shard_size=g if g < n else None, headroom=headroom,
+                                 attention=attention)
                 for s in stages:
                     if s == 0 and g < n:
                         continue  # hybrid sharding changes nothing at stage 0
@@ -343,27 +361,22 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                                 mfu=b.grad_acc * model_flops / (step * hw.flops),
                                 bottleneck="inter" if legs[1] > legs[0] else "intra",
                                 comm_bound=bound)
-                            (comm_bound if bound else kept).append(cand)
+                            kept.append(cand)
     notes = []
-    if comm_bound and kept:
-        ex = min(comm_bound, key=lambda c: c.seconds_per_token)
-        reason = "communication-bound: tokens per GPU below the roofline threshold (guide §7)"
-        rejected[reason] = {"reason": reason, "count": len(comm_bound), "example": (
-            f"{ex.stage_name}, g {ex.shard_size}, micro-batch {ex.micro_batch}, grad_acc "
-            f"{ex.grad_acc}: {ex.tokens_per_s_per_gpu:,.0f} tokens/s/GPU")}
-    elif comm_bound:
-        kept = comm_bound
+    if kept and all(c.comm_bound for c in kept):
         notes.append("every configuration that fits is communication-bound (below the roofline "
                      "threshold of guide §7): a larger global batch or fewer GPUs would help")
-    kept.sort(key=lambda c: (c.seconds_per_token, c.memory_bytes))
-    best = None
-    if kept:  # within TIE of the fastest, the simplest wins (no compression, less recomputation)
-        close = [c for c in kept if c.seconds_per_token <= kept[0].seconds_per_token * (1 + TIE)]
-        best = min(close, key=lambda c: (_complexity(c), c.seconds_per_token))
-        kept.remove(best)
-        kept.insert(0, best)
+    # fastest first, by construction; exact ties: the simpler, then the smaller
+    kept.sort(key=lambda c: (c.seconds_per_token, _complexity(c), c.memory_bytes))
+    best = kept[0] if kept else None
     ranked = [best] if best else []
     seen = {_shape(best)} if best else set()
+    if best is not None and top > 1:  # the simplest tie is always shown: a stated preference
+        ties = [c for c in kept if c.seconds_per_token <= best.seconds_per_token * (1 + TIE)]
+        simplest = min(ties, key=lambda c: (_complexity(c), c.seconds_per_token))
+        if _shape(simplest) not in seen:
+            seen.add(_shape(simplest))
+            ranked.append(replace(simplest, lost_because=lost_because(simplest, best)))
     for c in kept[1:]:
         if len(ranked) >= top:
             break
@@ -371,9 +384,13 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
             continue
         seen.add(_shape(c))
         ranked.append(replace(c, lost_because=lost_because(c, best)))
+    ranked.sort(key=lambda c: (c.seconds_per_token, _complexity(c), c.memory_bytes))
     if not kept:
         notes.append("nothing fits: more GPUs, a shorter sequence, recomputation or a smaller "
                      "model")
+    elif best.comm_bound:
+        notes.append("the first pick is communication-bound (guide §7): its exposed "
+                     "communication is in its step time; a larger global batch would hide it")
     if samples is not None and abs(samples * seq - target) > 0.01 * target:
         notes.append(f"global batch rounded to {samples:,} samples of {seq:,} tokens "
                      f"({fmt_count(samples * seq)} tokens; guide §6.1)")
@@ -383,7 +400,25 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         precision=precision, efficiency=efficiency, headroom=headroom, hbm_bytes=hw.hbm_bytes,
         searched=searched, candidates=ranked,
         rejected=sorted(rejected.values(), key=lambda r: -r["count"]), notes=notes,
-        elapsed_s=time.perf_counter() - start)
+        elapsed_s=time.perf_counter() - start, fitting=len(kept), attention=attention,
+        train_flags=train_flags(best, nodes, gpn, samples * seq, seq, precision) if best else "")
+
+
+def train_flags(c: Candidate, nodes: int, gpus_per_node: int, global_batch_tokens: int, seq: int,
+                precision: str) -> str:
+    """Candidate ``c`` as ``zerodp train`` options (the same names: docs/planner.md, "one
+    vocabulary"); paste them after ``zerodp train --model ...`` (on each node under torchrun past
+    one). Recomputation and attention are the activation model's, not options of the trainer."""
+    flags = [f"--nproc {gpus_per_node}", f"--stage {c.stage}", f"--micro-batch {c.micro_batch}",
+             f"--global-batch-tokens {int(global_batch_tokens)}", f"--seq-len {seq}",
+             f"--mixed-precision {precision}"]
+    if c.bucket_mb is not None:
+        flags.append(f"--bucket-mb {c.bucket_mb:g}")
+    if c.stage > 0 and c.shard_size != gpus_per_node:
+        flags.append(f"--shard-size {c.shard_size}")
+    if c.compress != "none":
+        flags.append(f"--compress {c.compress}")
+    return " ".join(flags)
 
 
 def _complexity(c: Candidate) -> tuple:
@@ -400,12 +435,15 @@ def _shape(c: Candidate) -> tuple:
 
 def lost_because(c: Candidate, best: Candidate) -> str:
     """Why ``best`` beats ``c``, per token: the larger of the compute and exposed-communication
-    differences."""
-    if c.seconds_per_token <= best.seconds_per_token:
-        return (f"within {TIE:.0%} of it, and the first pick needs "
-                + ("no compression" if c.compress != "none" and best.compress == "none" else
-                   "less recomputation" if RECOMPUTE.index(c.recompute) > RECOMPUTE.index(best.recompute)
-                   else "a simpler layout"))
+    differences; within :data:`TIE`, "a tie" and what ``c`` asks less of the run, if anything."""
+    if c.seconds_per_token <= best.seconds_per_token * (1 + TIE):
+        simpler = [why for why, yes in (
+            ("no compression", c.compress == "none" != best.compress),
+            ("less recomputation", RECOMPUTE.index(c.recompute) < RECOMPUTE.index(best.recompute)),
+            ("a lower stage", c.stage < best.stage)) if yes]
+        gap = 100 * (c.seconds_per_token / best.seconds_per_token - 1)
+        return (f"tie: +{gap:.2f}% per token (within {TIE:.0%})"
+                + (f"; simpler: {', '.join(simpler)}" if simpler else ""))
     per = best.tokens_per_step / c.tokens_per_step
     d_compute = c.compute_s * per - best.compute_s
     d_exposed = c.exposed_comm_s * per - best.exposed_comm_s
@@ -420,8 +458,8 @@ def lost_because(c: Candidate, best: Candidate) -> str:
 
 
 #: the columns of the ranked table (the CLI's and the page's)
-COLUMNS = ["#", "stage", "G", "mbs", "grad_acc", "recompute", "compress", "bucket MiB", "GB/GPU",
-           "step", "exposed", "tok/s/GPU", "MFU", "why not first"]
+COLUMNS = ["#", "stage", "G", "micro-batch", "grad_acc", "recompute", "compress", "bucket-mb",
+           "GB/GPU", "step", "exposed", "tok/s/GPU", "MFU", "comm-bound", "why not first"]
 
 
 def rows(r: Recommendation) -> list[list[str]]:
@@ -434,19 +472,29 @@ def rows(r: Recommendation) -> list[list[str]]:
                     c.recompute, c.compress, "unit" if c.bucket_mb is None else f"{c.bucket_mb:g}",
                     f"{c.memory_bytes / 1e9:.1f}", fmt_time(c.step_s), fmt_time(c.exposed_comm_s),
                     f"{c.tokens_per_s_per_gpu:,.0f}", f"{100 * c.mfu:.1f}%",
-                    "first pick" if i == 1 else c.lost_because])
+                    "yes" if c.comm_bound else "no",
+                    "first pick: fastest" if i == 1 else c.lost_because])
     return out
 
 
 def text(r: Recommendation, hardware: Hardware | None = None) -> str:
     """The ranked table, the rejected regions and the notes, as the CLI prints them."""
     from zerodp.plan._common import table
-    head = (f"Fastest configurations that fit: {r.model} (Ψ = {fmt_count(r.params)}"
+    head = (f"Configurations that fit, fastest first: {r.model} (Ψ = {fmt_count(r.params)}"
             + (f", {fmt_count(r.active_params)} active" if r.active_params != r.params else "")
             + f") on {r.nodes} × {r.gpus_per_node} {r.hardware} = {r.n:,} GPUs, global batch "
-            f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, compute at {r.efficiency:.0%} of "
-            f"peak; fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} GB (1 GB = 1e9 B)")
-    out = [table(COLUMNS, rows(r), title=head, align="rllrrlllrrrrrl")]
+            f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, {r.attention} attention, compute at "
+            f"{r.efficiency:.0%} of peak; fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} "
+            f"GB (1 GB = 1e9 B)")
+    if r.candidates:
+        out = [table(COLUMNS, rows(r), title=head, align="rllrrlllrrrrrll"),
+               f"{r.fitting:,} configurations fit; shown: the fastest of each layout (bucket sizes "
+               f"folded); ties: within {TIE:.0%} per token",
+               f"zerodp train {r.train_flags}  (#1; recompute and attention are the activation "
+               "model's, not zerodp train options)"]
+    else:
+        out = [head, f"Nothing fits: none of the {r.searched:,} configurations searched fits in "
+                     f"{1 - r.headroom:.0%} of HBM (reasons below)."]
     if r.rejected:
         out.append("")
         out.append(f"rejected ({r.searched:,} configurations searched):")
@@ -456,3 +504,41 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
     out += [f"note: {x}" for x in r.notes]
     out.append(f"searched in {r.elapsed_s:.2f} s")
     return "\n".join(out)
+
+
+#: the English this module writes (cells, examples, notes) in Chinese, pattern by pattern, in
+#: order; terms as the guide's Chinese (重计算, 微批次, 暴露通信, 屋顶线)
+_ZH = [
+    (r"^first pick: fastest$", "首选：最快"),
+    (r"^tie: \+(\S+)% per token \(within (\S+)%\)", r"并列：每 token 慢 \1%（在 \2% 以内）"),
+    (r"; simpler: ", "；优点："), (r"no compression", "不压缩"),
+    (r"less recomputation", "重计算少"), (r"a lower stage", "阶段低"), (r", ", "、"),
+    (r"^\+(\S+ \S+) of compute \((.*)\)$", r"计算多 \1（\2）"),
+    (r"^\+(\S+ \S+) of exposed communication$", r"暴露通信多 \1"),
+    (r"（recomputation）", "（重计算）"), (r"smaller micro-batches", "微批次小"),
+    (r"larger micro-batches", "微批次大"),
+    (r"the optimizer steps all of Ψ on every GPU", "每张卡的优化器都处理全部 Ψ"),
+    (r"the optimizer step", "优化器的一步"),
+    (r"^yes$", "是"), (r"^no$", "否"), (r"^none$", "无"), (r"^selective$", "选择性"),
+    (r"^full$", "完全"), (r"^unit$", "按单元"),
+    (r"^(\S+)、g (\d+)、micro-batch (\d+)、recompute (\w+): (.+) of (.+)$",
+     r"\1，分片组 \2，微批次 \3，重计算 \4：\5（显存 \6）"),
+    (r"^micro-batch (\d+) on ([\d,]+) GPUs needs ([\d,]+) samples、the global batch is ([\d,]+)$",
+     r"微批次 \1 × \2 张卡需要 \3 个样本，而全局批次只有 \4 个"),
+    (r"^every configuration that fits is communication-bound .*$",
+     "放得下的配置全都受通信限制（低于指南 §7 的屋顶线阈值）：可以加大全局批次或减少卡数"),
+    (r"^nothing fits: .*$", "都放不下：加卡、缩减序列长度、重计算，或用小的模型"),
+    (r"^the first pick is communication-bound .*$",
+     "首选受通信限制（指南 §7）：其暴露通信已计入每步时间；加大全局批次可以隐藏"),
+    (r"^global batch rounded to ([\d,]+) samples of ([\d,]+) tokens \((\S+) tokens; guide §6.1\)$",
+     r"全局批次取整为 \1 个样本 × \2 token（\3 token；指南 §6.1）"),
+]
+
+
+def zh(text: str) -> str:
+    """One of this module's English strings in Chinese (:data:`_ZH`); unknown text unchanged."""
+    import re
+
+    for pattern, repl in _ZH:
+        text = re.sub(pattern, repl, text)
+    return text

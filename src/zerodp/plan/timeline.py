@@ -37,9 +37,9 @@ from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_P
 BF16 = 2
 #: PyTorch DDP's default bucket_cap_mb (guide §4)
 DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20
-#: the bucket ``zerodp plan simulate`` and the page start from: DDP's "25", read as 25 MB as the
-#: guide writes it (guide §4); 25 MiB would be 26.2 MB, a 5% larger bucket
-DEFAULT_BUCKET_BYTES = 25e6
+#: the bucket ``zerodp plan simulate`` and the page start from (zerodp.plan.defaults): DDP's
+#: bucket_cap_mb = 25, which is MiB, as ``zerodp train --bucket-mb 25`` (guide §4)
+DEFAULT_BUCKET_BYTES = float(DDP_DEFAULT_BUCKET_BYTES)
 #: buckets listed one by one in ``to_dict()``; the runs always describe all of them
 MAX_LISTED_BUCKETS = 2000
 #: buckets one simulation may make: keeps any request under a second (2M buckets take ~0.2 s)

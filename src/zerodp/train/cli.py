@@ -10,6 +10,9 @@ from zerodp import runconfig
 from zerodp.train.config import MIXED_PRECISION_CHOICES, PRESET_NAMES, TrainConfig
 
 _DEFAULTS = TrainConfig()
+#: --compress (zerodp plan's names, zerodp.plan.hybrid.COMPRESSIONS) -> (reduce_dtype, quantize)
+COMPRESS = {"none": (None, None), "bf16-reduce": ("bf16", None), "int8-params": (None, "params"),
+            "int8-grads": (None, "grads"), "int8": (None, "both")}
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -73,10 +76,15 @@ def _add_train(sub) -> None:
     g.add_argument("--shard-size", type=int, default=None, metavar="G",
                    help="hybrid sharding (guide §14): stages 1-3 shard inside groups of G ranks and "
                         "replicate across them (default: one node, torchrun's LOCAL_WORLD_SIZE)")
-    g.add_argument("--reduce-dtype", default=None, choices=["bf16"],
-                   help="gradients travel and are reduced in bf16 (guide §15)")
+    g.add_argument("--compress", default="none", choices=list(COMPRESS),
+                   help="bytes on the wire, as zerodp plan names them (guide §15): bf16-reduce: "
+                        "gradients travel and are reduced in bf16; int8-params / int8-grads / int8: "
+                        "int8 parameter AllGather and/or gradient reduction, stages 1-3")
+    # the old spellings, kept hidden: --reduce-dtype bf16 is --compress bf16-reduce, --quantize
+    # params|grads|both is --compress int8-params|int8-grads|int8
+    g.add_argument("--reduce-dtype", default=None, choices=["bf16"], help=argparse.SUPPRESS)
     g.add_argument("--quantize", default=None, choices=["params", "grads", "both"],
-                   help="int8 parameter AllGather and/or gradient reduction, stages 1-3 (guide §15)")
+                   help=argparse.SUPPRESS)
     g.add_argument("--backend", default=_d("backend"), choices=["auto", "gloo", "nccl"],
                    help="torch.distributed backend (auto: nccl with CUDA, else gloo)")
     g.add_argument("--max-restarts", type=int, default=_d("max_restarts"),
@@ -158,7 +166,22 @@ def _bucket_mb(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected a number of MiB or 'auto', got {text!r}") from None
 
 
+def _compress(args) -> None:
+    """``--compress`` into the config's reduce_dtype/quantize; the hidden old spellings into
+    ``--compress`` (so OUT/config.toml names what ran), one line when both are given."""
+    compress = getattr(args, "compress", "none") or "none"
+    old = (getattr(args, "reduce_dtype", None), getattr(args, "quantize", None))
+    if compress != "none":
+        if old != (None, None) and old != COMPRESS[compress]:
+            raise ValueError(f"--compress {compress} and --reduce-dtype/--quantize disagree: give "
+                             "--compress alone")
+        args.reduce_dtype, args.quantize = COMPRESS[compress]
+    elif old != (None, None):
+        args.compress = next((k for k, v in COMPRESS.items() if v == old), "none")
+
+
 def config_from_args(args) -> TrainConfig:
+    _compress(args)
     names = {f.name for f in fields(TrainConfig)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     if kw.get("resume") == "":

@@ -28,26 +28,20 @@ from zerodp.plan.roofline import labels as roofline_labels
 from zerodp.plan.recommend import COLUMNS as RECOMMEND_COLUMNS
 from zerodp.plan.recommend import rows as recommend_rows
 from zerodp.plan.recommend import text as recommend_text
+from zerodp.plan.recommend import zh as recommend_zh
 from zerodp.plan import ownership as plan_ownership
-from zerodp.plan import report as plan_report
 from zerodp.plan._common import fmt_bytes, fmt_count, fmt_time, plural
 from zerodp.plan.hf import parse_config
 from zerodp.plan.hybrid import COMPRESSIONS
+from zerodp.plan.defaults import ATTENTION, DEFAULTS
 from zerodp.plan.memory import RECOMPUTE, STAGE_NAMES
-from zerodp.plan.timeline import DEFAULT_BUCKET_BYTES
 from zerodp.ui.measured import Measured
 from zerodp.ui.params import ApiError, Param, field_of, parse
 
-#: guide §9.4: the ZeRO paper's example runs on N_d = 64 GPUs (with Ψ = 7.5B, k = 12)
-ZERO_PAPER_GPUS = 64
-ZERO_PAPER_MODEL = "zero-7.5b"
-#: guide §6.1: "手上有 128 张卡"
-BATCH_EXAMPLE_GPUS = 128
-#: guide §4's demo model (the planner's report uses the same)
-OVERLAP_MODEL = "llama3-8b"
+#: every starting value is zerodp.plan.defaults' (the CLI's too): MEM["n"] is guide §9.4's N_d = 64
+MEM, SIM, ROOF, BATCH, REC = (DEFAULTS[q] for q in ("memory", "overlap", "roofline", "batch",
+                                                   "recommend"))
 CUSTOM = "custom"
-#: the recommend panel starts at the issue's question: Llama 3 8B on 8 × 8 H100, 4M tokens of 8k
-RECOMMEND_MODEL = "llama3-8b"
 RECOMMEND_MAX_NODES = 4096
 #: DP sizes drawn in the "per GPU vs N" and "grad_acc vs dp" curves: powers of two up to 2^LOG2_MAX
 LOG2_MAX_GPUS = 16
@@ -67,9 +61,10 @@ SHAPE_NAMES = [name for name, _, _ in SHAPE_PARAMS]
 def _lever_params() -> list[Param]:
     """Guide §14's two levers: the shard-group size g (empty: flat) and the wire's compression."""
     return [
-        Param("shard_size", "count", None, "shard-group size g (empty: flat over N)", optional=True,
-              maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
-        Param("compress", "choice", "none", "compression on the wire", choices=lambda: list(COMPRESSIONS)),
+        Param("shard_size", "count", MEM["shard_size"], "shard-group size g (empty: flat over N)",
+              optional=True, maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
+        Param("compress", "choice", MEM["compress"], "compression on the wire",
+              choices=lambda: list(COMPRESSIONS)),
     ]
 
 
@@ -135,19 +130,19 @@ class Api:
 
     # ---- endpoints -----------------------------------------------------------------------------
     def endpoints(self) -> dict[str, Endpoint]:
-        preset = plan.hardware_names()[0]
+        preset = MEM["hardware"]
         # the overlap panel simulates the calibrated machine when a profile was given
-        hw = self.measured.hardware or plan.get_hardware(preset)
+        hw = self.measured.hardware or plan.get_hardware(SIM["hardware"])
         eps = [
             Endpoint("schema", [], self.schema, "parameters of every endpoint, with defaults"),
             Endpoint("presets", [], self.presets, "hardware and model presets"),
             Endpoint("measured", [], self.measured.to_dict, "profile and trace given at start"),
             Endpoint("model", [
-                self._model_param(ZERO_PAPER_MODEL, with_custom=False),
+                self._model_param(MEM["model"], with_custom=False),
                 Param("config", "text", None, "config.json text", optional=True),
             ], self.model, "a preset or a pasted config.json: parameter count and shape"),
             Endpoint("memory", [
-                self._model_param(ZERO_PAPER_MODEL, with_custom=True),
+                self._model_param(MEM["model"], with_custom=True),
                 Param("config", "text", None, "config.json (model custom)", optional=True),
                 Param("params", "quantity", None, "parameters Ψ (model custom)", optional=True,
                       minimum=1, maximum=MAX_PARAMS, why="a thousand trillion at most",
@@ -155,80 +150,93 @@ class Api:
                 *[Param(name, "count", None, label, optional=True, maximum=high,
                         minimum=0 if name == "shared_experts" else None)
                   for name, label, high in SHAPE_PARAMS],
-                Param("tied", "flag", False, "tied input and output embeddings"),
-                Param("precision", "choice", "bf16", "precision",
+                Param("tied", "flag", MEM["tied"], "tied input and output embeddings"),
+                Param("precision", "choice", MEM["precision"], "precision",
                       choices=lambda: list(plan.memory.PRECISIONS)),
-                Param("k", "quantity", None, "optimizer bytes per parameter k", allow_zero=True,
+                Param("k", "quantity", MEM["k"], "optimizer bytes per parameter k", allow_zero=True,
                       optional=True, maximum=plan.memory.MAX_K,
                       why="Adam with fp64 states needs 24"),
-                Param("optimizer", "choice", "adamw", "optimizer (adafactor, muon: tensor ownership)",
+                Param("optimizer", "choice", MEM["optimizer"], "optimizer (adafactor, muon: tensor ownership)",
                       choices=lambda: list(plan_ownership.OPTIMIZERS)),
-                Param("n", "count", ZERO_PAPER_GPUS, "data-parallel GPUs N",
+                Param("n", "count", MEM["n"], "data-parallel GPUs N",
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
-                Param("fp32_grad_acc", "flag", False, "fp32 gradient accumulation"),
+                Param("fp32_grad_acc", "flag", MEM["fp32_grad_acc"], "fp32 gradient accumulation"),
                 self._hardware_param(preset, "HBM of"),
-                Param("seq", "count", None, "sequence length (empty: no activations)",
+                Param("seq", "count", MEM["seq"], "sequence length (empty: no activations)",
                       optional=True, maximum=plan.memory.MAX_SEQ,
                       why="ten million tokens at most"),
-                Param("micro_batch", "count", 1, "micro-batch",
+                Param("micro_batch", "count", MEM["micro_batch"], "micro-batch",
                       maximum=plan.memory.MAX_MICRO_BATCH),
-                Param("recompute", "choice", RECOMPUTE[0], "activation recomputation",
+                Param("recompute", "choice", MEM["recompute"], "activation recomputation",
                       choices=lambda: list(RECOMPUTE)),
+                Param("attention", "choice", MEM["attention"], "attention implementation",
+                      choices=lambda: list(ATTENTION)),
                 *_lever_params(),
             ], self.memory, "the bill per GPU for stages 0-3 and whether it fits (guide §8, §9)"),
             Endpoint("overlap", [
-                self._model_param(OVERLAP_MODEL, with_custom=False),
+                self._model_param(SIM["model"], with_custom=False),
                 self._hardware_param(hw.name, "compute of"),
-                Param("bucket_bytes", "quantity", DEFAULT_BUCKET_BYTES, "bucket size",
+                Param("bucket_bytes", "quantity", SIM["bucket_bytes"], "bucket size",
                       minimum=1, maximum=1e13, why="10 TB at most; and at most 2,000,000 buckets"),
-                Param("tokens_per_gpu", "quantity", float(plan_report.DEMO_TOKENS),
+                Param("tokens_per_gpu", "quantity", SIM["tokens_per_gpu"],
                       "tokens per GPU", maximum=1e9, why="a billion at most", count_units=True),
                 Param("latency", "quantity", hw.small_message_latency,
                       "small-message latency α′ (s)", allow_zero=True, maximum=1,
                       why="a second at most"),
                 Param("bandwidth", "quantity", hw.intra_bw, "bandwidth per GPU (B/s)",
                       minimum=1e3, maximum=1e15, why="1 kB/s to 1 PB/s"),
-                Param("n", "count", hw.devices_per_node, "GPUs in the ring", minimum=2,
+                Param("n", "count", hw.devices_per_node if self.measured.hardware else SIM["n"],
+                      "GPUs in the ring", minimum=2,
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
-                Param("collective", "choice", "all_reduce", "gradient collective",
+                Param("collective", "choice", SIM["collective"], "gradient collective",
                       choices=lambda: ["all_reduce", "reduce_scatter"]),
             ], self.overlap, "one backward with bucketed gradient communication (guide §4)"),
             Endpoint("roofline", [
                 self._hardware_param(preset),
-                Param("n", "count", plan_report.LLAMA3_405B_GPUS, "data-parallel GPUs",
+                Param("n", "count", ROOF["n"], "data-parallel GPUs",
                       optional=True, maximum=plan.memory.MAX_GPUS,
                       why="no cluster holds more than a million"),
-                Param("axes", "count", 1, "mesh axes doing DP", maximum=3,
+                Param("axes", "count", ROOF["axes"], "mesh axes doing DP", maximum=3,
                       why="a mesh has at most 3 axes"),
-                Param("experts", "count", 1, "experts E", maximum=100_000),
-                Param("experts_per_token", "count", 1, "experts per token k", maximum=100_000),
-                Param("batch_tokens", "quantity", plan_report.LLAMA3_FINAL_BATCH_TOKENS,
+                Param("experts", "count", ROOF["experts"], "experts E", maximum=100_000),
+                Param("experts_per_token", "count", ROOF["experts_per_token"],
+                      "experts per token k", maximum=100_000),
+                Param("batch_tokens", "quantity", ROOF["batch_tokens"],
                       "global batch (tokens)", minimum=1, maximum=1e15,
                       why="a quadrillion at most", count_units=True),
                 *_lever_params(),
             ], self.roofline, "tokens-per-GPU threshold, minimum batch, maximum GPUs (guide §7)"),
             Endpoint("batch", [
-                Param("target_tokens", "quantity", float(plan_report.BATCH_EXAMPLE["target_tokens"]),
+                Param("target_tokens", "quantity", BATCH["target_tokens"],
                       "target global batch (tokens)", minimum=1, maximum=1e15,
                       why="a quadrillion at most", count_units=True),
-                Param("seq", "count", plan_report.BATCH_EXAMPLE["seq"], "sequence length",
+                Param("seq", "count", BATCH["seq"], "sequence length",
                       maximum=plan.memory.MAX_SEQ, why="ten million tokens at most"),
-                Param("micro_batch", "count", plan_report.BATCH_EXAMPLE["micro_batch"],
+                Param("micro_batch", "count", BATCH["micro_batch"],
                       "micro-batch mbs", maximum=plan.memory.MAX_MICRO_BATCH),
-                Param("dp", "count", BATCH_EXAMPLE_GPUS, "data-parallel GPUs dp",
+                Param("dp", "count", BATCH["dp"], "data-parallel GPUs dp",
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
             ], self.batch, "gbs = mbs × grad_acc × dp (guide §6.1)"),
             Endpoint("recommend", [
-                self._model_param(RECOMMEND_MODEL, with_custom=False),
-                self._hardware_param(preset),
-                Param("nodes", "count", 8, "nodes", maximum=RECOMMEND_MAX_NODES,
+                self._model_param(REC["model"], with_custom=False),
+                Param("config", "text", None, "config.json (instead of the preset)", optional=True),
+                self._hardware_param(REC["hardware"]),
+                Param("nodes", "count", REC["nodes"], "nodes", maximum=RECOMMEND_MAX_NODES,
                       why="the search answers in about a second up to this"),
-                Param("gpus_per_node", "count", 8, "GPUs per node", maximum=64,
+                Param("gpus_per_node", "count", REC["gpus_per_node"],
+                      "GPUs per node (empty: the hardware's)", optional=True, maximum=64,
                       why="no node holds more"),
-                Param("global_batch_tokens", "quantity", float(4 * 2**20), "target global batch (tokens)",
-                      minimum=1, maximum=1e12, why="a trillion at most", count_units=True),
-                Param("seq", "count", 8192, "sequence length", maximum=1_000_000,
+                Param("global_batch_tokens", "quantity", REC["global_batch_tokens"],
+                      "target global batch (tokens)", minimum=1, maximum=1e12,
+                      why="a trillion at most", count_units=True),
+                Param("seq", "count", REC["seq"], "sequence length", maximum=1_000_000,
                       why="a million tokens at most"),
+                Param("attention", "choice", REC["attention"], "attention implementation",
+                      choices=lambda: list(ATTENTION)),
+                Param("efficiency", "quantity", REC["efficiency"], "fraction of peak FLOP/s",
+                      maximum=1, why="a fraction of peak FLOP/s"),
+                Param("headroom", "quantity", REC["headroom"], "fraction of HBM kept free",
+                      allow_zero=True, maximum=0.99, why="a fraction of HBM"),
             ], self.recommend, "the fastest configurations that fit, ranked (plan recommend)"),
         ]
         return {e.name: e for e in eps}
@@ -306,13 +314,14 @@ class Api:
             raise ApiError(field or "layers", str(exc)) from None
 
     def memory(self, model, config, params, tied, precision, k, optimizer, n, fp32_grad_acc, hardware,
-               seq, micro_batch, recompute, shard_size, compress, **shape):
+               seq, micro_batch, recompute, attention, shard_size, compress, **shape):
         m = self._memory_model(model, config, params, shape, tied)
         hw = self.get_hardware(hardware)
 
         def bill(gpus):
             return plan.memory_plan(m, gpus, hw, precision, k, fp32_grad_acc, seq, micro_batch,
-                                    recompute, shard_size=shard_size, optimizer=optimizer)
+                                    recompute, shard_size=shard_size, optimizer=optimizer,
+                                    attention=attention)
 
         mp = bill(n)
         try:  # the step's communication by leg (guide §14), where n fits this hardware's network
@@ -426,12 +435,18 @@ class Api:
 
 
 
-    def recommend(self, model, hardware, nodes, gpus_per_node, global_batch_tokens, seq):
-        r = plan.recommend(model, hardware, nodes=nodes, gpus_per_node=gpus_per_node,
-                           global_batch_tokens=global_batch_tokens, seq=seq)
+    def recommend(self, model, config, hardware, nodes, gpus_per_node, global_batch_tokens, seq,
+                  attention, efficiency, headroom):
+        m = self._config_model(config) if config else model
+        r = plan.recommend(m, self.get_hardware(hardware), nodes=nodes,
+                           gpus_per_node=gpus_per_node, global_batch_tokens=global_batch_tokens,
+                           seq=seq, attention=attention, efficiency=efficiency, headroom=headroom)
         d = r.to_dict()
         d["columns"] = RECOMMEND_COLUMNS
         d["rows"] = recommend_rows(r)  # the CLI's cells, its rounding
+        d["rows_zh"] = [[recommend_zh(cell) for cell in row] for row in d["rows"]]
+        d["rejected"] = [dict(x, example_zh=recommend_zh(x["example"])) for x in d["rejected"]]
+        d["notes_zh"] = [recommend_zh(x) for x in d["notes"]]
         d["text"] = recommend_text(r)
         d["labels"] = {"n": plural(r.n, "GPU"), "samples": f"{r.samples:,}",
                        "target": fmt_count(r.global_batch_tokens), "hbm": fmt_bytes(r.hbm_bytes)}

@@ -11,7 +11,8 @@ from zerodp.ui.server import is_loopback, make_server
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "ui", help="interactive calculators in the browser (memory, bucket overlap, roofline, batch)",
+        "ui", help="interactive calculators in the browser (memory, bucket overlap, roofline, batch, "
+              "recommend)",
         description="Serve the guide's calculators as a local web page. Every figure on the page "
                     "comes from zerodp.plan, the same code as 'zerodp plan'.")
     p.add_argument("--host", default="127.0.0.1",
@@ -26,6 +27,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=run)
     return p
+
+
+def _open(url: str) -> bool:
+    """Open ``url`` in the default browser: False when Python finds none (a server, a container)."""
+    try:
+        webbrowser.get()
+    except webbrowser.Error:
+        return False
+    return bool(webbrowser.open(url))
 
 
 def run(args) -> int:
@@ -44,8 +54,9 @@ def run(args) -> int:
               "who can reach it can use the page (it only reads; requests must name an IP "
               "address or this machine's name). Use --host 127.0.0.1 to keep it local.",
               file=sys.stderr, flush=True)
-    if args.open_browser:
-        webbrowser.open(server.url)
+    if args.open_browser and not _open(server.url):
+        print(f"zerodp ui: no web browser found to open; open {server.url} yourself",
+              file=sys.stderr, flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

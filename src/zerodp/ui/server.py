@@ -24,6 +24,7 @@ import ipaddress
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -168,6 +169,14 @@ class UiServer(ThreadingHTTPServer):
         self.plotly_path = plotly_js_path()
         self.static_files = frozenset(os.listdir(STATIC_DIR))
         super().__init__(address, Handler)
+
+    def handle_error(self, request, client_address):
+        """A client that went away mid-answer (a closed tab, a test's browser, a reload) is not
+        an error of the server: no traceback for it; anything else is printed as usual."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+            return
+        super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:

@@ -54,6 +54,20 @@ const SCALES = {
   log2: { toValue: (p) => 2 ** p, toPosition: (v) => Math.log2(v) },
 };
 
+// A legend entry broken into lines of at most ``px`` pixels (12 px font: a CJK character is one em,
+// others about 0.6 em), at spaces or between CJK characters: plotly does not wrap legend text.
+function wrapText(text, px) {
+  const width = (w) => [...w].reduce((sum, c) => sum + (c > "\u2e80" ? 12 : 7), 0);
+  const pieces = text.match(/[\u2e80-\uffff]|[^\s\u2e80-\uffff]+\s*|\s+/g) || [];
+  const lines = [""];
+  for (const piece of pieces) {
+    const line = lines[lines.length - 1];
+    if (line && width(line + piece.trimEnd()) > px) lines.push(piece.trimStart());
+    else lines[lines.length - 1] = line + piece;
+  }
+  return lines.map((l) => l.trimEnd()).join("<br>");
+}
+
 function baseLayout(extra) {
   // the legend sits under the x axis, in a bottom margin kept for it
   const legend = extra.showlegend !== false;
@@ -191,6 +205,10 @@ class Panel {
 
   // The server's sentence next to the field it names (the panel's foot when it names none).
   showError(e) {
+    this.lastError = e;
+    // the sentence in the page's language, again after a switch (the server sends both)
+    const message = e && (e.body ? (pageLang() === "zh" && e.body.error_zh) || e.body.error || e.message
+                                 : e.message);
     for (const el of this.form.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
     for (const el of this.form.querySelectorAll(".field-error")) el.remove();
     this.section.classList.toggle("failed", Boolean(e));
@@ -199,14 +217,14 @@ class Panel {
     if (el && el.type !== "hidden") {
       el.setAttribute("aria-invalid", "true");
       const note = Object.assign(document.createElement("small"),
-                                 { className: "field-error", role: "alert", textContent: e.message });
+                                 { className: "field-error", role: "alert", textContent: message });
       note.id = `${this.endpoint}-${field}-error`;
       el.setAttribute("aria-describedby", note.id);
       const holder = el.closest("label, .slider") || el;
       holder.after(note);
       this.error.textContent = "";
     } else {
-      this.error.textContent = e ? e.message : "";
+      this.error.textContent = e ? message : "";
     }
   }
 }
@@ -394,7 +412,8 @@ function renderOverlap(d) {
                            name: tr("hover.run", { n: r.count, size: si(r.nbytes, "B"), layer: r.layer }) }));
   const [traces, layout] = lanes(
     [{ lane: tr("overlap.compute"), spans: compute, colors: COLORS.compute },
-     { lane: t.collective.replace("_", " "), spans: comm, colors: COLORS.comm }],
+     { lane: { all_reduce: "AllReduce", reduce_scatter: "ReduceScatter" }[t.collective] || t.collective,
+       spans: comm, colors: COLORS.comm }],
     t.exposed_comm_s > 0 ? { from: t.backward_s, to: t.comm_end_s, text: `${tr("overlap.exposed")} ${d.labels.exposed}` } : null,
     tr("overlap.lanes", { model: d.model, hw: d.hardware, n: d.labels.buckets, size: d.labels.bucket }));
   draw("overlap-lanes", traces, layout);
@@ -515,12 +534,14 @@ function renderBatch(d, panel) {
   const ok = s.dp.map((_, i) => i).filter((i) => !s.gpu_rich[i]);
   const rich = s.dp.map((_, i) => i).filter((i) => s.gpu_rich[i]);
   const top = Math.max(1, ...ok.map((i) => s.exact_grad_acc[i]));
+  const chartWidth = document.getElementById("batch-sweep").clientWidth;
+  const legendText = (key) => (chartWidth < 520 ? wrapText(t(key), chartWidth - 60) : t(key));
   draw("batch-sweep", [
-    { type: "scatter", mode: "lines+markers", name: t("batch.legend.ok"), x: ok.map((i) => s.dp[i]),
+    { type: "scatter", mode: "lines+markers", name: legendText("batch.legend.ok"), x: ok.map((i) => s.dp[i]),
       y: ok.map((i) => s.exact_grad_acc[i]), marker: { size: 7, color: COLORS.params },
       line: { color: "#999", width: 1 },
       hovertemplate: "dp %{x}: grad_acc %{y:.3g}<extra></extra>" },  // same in both languages
-    { type: "scatter", mode: "markers", name: t("batch.legend.rich"), x: rich.map((i) => s.dp[i]),
+    { type: "scatter", mode: "markers", name: legendText("batch.legend.rich"), x: rich.map((i) => s.dp[i]),
       y: rich.map(() => 1), marker: { size: 7, color: COLORS.mark, symbol: "x" },
       hovertemplate: `dp %{x}: ${t("batch.rich")}<extra></extra>` },
     { type: "scatter", mode: "markers+text", name: "this dp", x: [d.plan.dp], y: [Math.max(1, exact)],
@@ -528,9 +549,15 @@ function renderBatch(d, panel) {
       text: [`dp ${d.plan.dp}: ${here}`], cliponaxis: false, showlegend: false,
       textposition: d.plan.dp > Math.sqrt(s.dp[0] * s.dp[s.dp.length - 1]) ? "middle left" : "middle right" },
   ], baseLayout({
-    height: 290, showlegend: true,
+    // on a phone the two legend entries stack, so that neither runs past the chart's edge
+    ...(chartWidth < 520 ? {
+      height: 340, margin: { l: 56, r: 12, t: 28, b: 130 },
+      legend: { orientation: "v", x: 0, xanchor: "left", xref: "container", y: 0, yref: "container",
+                yanchor: "bottom" },
+    } : { height: 290 }),
+    showlegend: true,
     title: { text: t("batch.chart", { samples: d.plan.samples }), font: { size: 13 } },
-    xaxis: { type: "log", title: { text: "dp (GPUs)" } },
+    xaxis: { type: "log", title: { text: t("batch.xaxis") } },
     yaxis: { type: "log", title: { text: "grad_acc" }, range: [-0.15, Math.log10(top) + 0.25] },
   }));
 }
@@ -542,13 +569,14 @@ function renderRecommend(d, panel) {
   const head = document.createElement("tr");
   head.append(...d.columns.map((c) => Object.assign(document.createElement("th"),
     { textContent: t("recommend.col." + c), scope: "col" })));
-  const body = d.rows.map((r) => {
+  const zh = pageLang() === "zh";
+  const body = (zh ? d.rows_zh : d.rows).map((r) => {
     const tr = document.createElement("tr");
     tr.append(...r.map((cell) => Object.assign(document.createElement("td"), { textContent: cell })));
     return tr;
   });
   const caption = Object.assign(document.createElement("caption"), { textContent: t("recommend.summary", {
-    model: d.model, n: d.labels.n, samples: d.labels.samples, seq: d.seq.toLocaleString("en"),
+    model: d.model, n: pageLang() === "zh" ? `${d.n.toLocaleString("en")} 张卡` : d.labels.n, samples: d.labels.samples, seq: d.seq.toLocaleString("en"),
     searched: d.searched.toLocaleString("en"), ms: Math.round(d.elapsed_s * 1e3) }) });
   table.replaceChildren(caption, Object.assign(document.createElement("thead"), {}), document.createElement("tbody"));
   table.tHead.append(head);
@@ -556,8 +584,20 @@ function renderRecommend(d, panel) {
   document.getElementById("recommend-rejected").replaceChildren(...d.rejected.map((x) =>
     Object.assign(document.createElement("li"), {
       textContent: `${x.count.toLocaleString("en")} · ${I18N[pageLang()]["reason." + x.reason] || x.reason}`
-        + (x.example ? ` — ${x.example}` : "") })));
-  document.getElementById("recommend-notes").textContent = d.notes.join(" ");
+        + (x.example ? ` — ${zh ? x.example_zh : x.example}` : "") })));
+  document.getElementById("recommend-notes").textContent = (zh ? d.notes_zh : d.notes).join(" ");
+  document.getElementById("recommend-train").textContent =
+    d.train_flags ? t("recommend.train") + "zerodp train " + d.train_flags : "";
+}
+
+function wireRecommend(panel) {
+  // a picked config.json goes into the paste box; either one replaces the preset
+  document.getElementById("recommend-config-file").addEventListener("change", async (ev) => {
+    const file = ev.target.files[0];
+    if (!file) return;
+    panel.control("config").value = await file.text();
+    panel.schedule();
+  });
 }
 
 // ---------------------------------------------------------------- start
@@ -573,7 +613,10 @@ function wireLanguage() {
       url.searchParams.set("lang", a.dataset.lang);
       history.replaceState(null, "", url);
       applyLang();
-      for (const panel of panels) panel.schedule();
+      for (const panel of panels) {
+        if (panel.lastError) panel.showError(panel.lastError);  // at once, before the refetch
+        panel.schedule();
+      }
       renderMeasured().catch(() => {});
     });
   }
@@ -588,7 +631,7 @@ async function main() {
     overlap: [renderOverlap, wireOverlap],
     roofline: [renderRoofline, wireRoofline],
     batch: [renderBatch, null],
-    recommend: [renderRecommend, null],
+    recommend: [renderRecommend, wireRecommend],
   };
   for (const [id, [render, wire]] of Object.entries(specs)) {
     const panel = new Panel(document.getElementById(id), render);
