@@ -62,9 +62,12 @@ def add_parser(sub) -> None:
                    "a tuple of forward's arguments or a dict of keyword arguments, with `rows` rows")
     p.add_argument("--loss", metavar="PKG.MODULE:FN", help="fn(output, batch) returns the loss (default: the output "
                    "if a scalar, its .loss, else the mean square of the output)")
-    p.add_argument("--input-shape", type=_ints, default=(), metavar="D,...", help="generated batches: one row's shape")
+    p.add_argument("--input-shape", type=_ints, default=None, metavar="D,...",
+                   help="generated batches: one row's shape (default: none, give --vocab, --config or --batch)")
     p.add_argument("--vocab", type=int, default=0, help="generated batches of token ids below VOCAB")
-    p.add_argument("--seq", type=int, default=32, help="tokens per row of the batches generated for --config")
+    p.add_argument("--seq-len", dest="seq", type=int, default=32,
+                   help="tokens per row of the batches generated for --config (default 32)")
+    p.add_argument("--seq", dest="seq", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # old spelling
     p.add_argument("--units", metavar="ATTR", help="stage 3 units: the ModuleList at this attribute path "
                    "(default: the ModuleList holding the most parameters)")
     p.add_argument("--stages", type=_ints, default=(0, 1, 2, 3), metavar="S,...", help="default 0,1,2,3")
@@ -74,12 +77,15 @@ def add_parser(sub) -> None:
                    "no_sync (default 2)")
     p.add_argument("--rows", type=int, default=2, help="rows per rank per micro-batch (default 2)")
     p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_ before each step (0: none; default 1)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="bf16: mixed precision with an "
-                   "fp32 master (default fp32)")
+    p.add_argument("--mixed-precision", dest="precision", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: mixed precision with an fp32 master (default fp32)")
+    p.add_argument("--precision", dest="precision", default=argparse.SUPPRESS, choices=("fp32", "bf16"),
+                   help=argparse.SUPPRESS)  # old spelling
     p.add_argument("--no-reshard", action="store_true", help="skip the checkpoint saved at one stage and world "
                    "size and loaded at another")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the batches and the ranks (default 0)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda (NCCL) when a GPU is present, else cpu (gloo) (default auto)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole check (default 900)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--perturb-lr", type=float, default=0.0, help=argparse.SUPPRESS)  # the check of the check
@@ -94,7 +100,7 @@ def run_check(args) -> int:
         sys.path.insert(0, os.getcwd())
     cfg = CheckConfig(model=args.model, config=args.config, optimizer=args.optimizer,
                       optimizer_args=args.optimizer_args, optimizer_factory=args.optimizer_factory,
-                      batch=args.batch, loss=args.loss, input_shape=args.input_shape, vocab=args.vocab,
+                      batch=args.batch, loss=args.loss, input_shape=args.input_shape or (), vocab=args.vocab,
                       seq=args.seq, units=args.units, stages=args.stages, worlds=args.worlds, steps=args.steps,
                       micro_batches=args.micro_batches, rows=args.rows, clip=args.clip or None,
                       precision=args.precision, reshard=not args.no_reshard, seed=args.seed, device=args.device,

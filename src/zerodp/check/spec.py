@@ -89,7 +89,7 @@ class CheckConfig:
             raise CheckInputError("--steps must be >= 2 with resharding (one step before the checkpoint, one after); "
                                   "or pass --no-reshard")
         if self.precision not in PRECISIONS:
-            raise CheckInputError(f"--precision {self.precision!r}: use fp32 or bf16")
+            raise CheckInputError(f"--mixed-precision {self.precision!r}: use fp32 or bf16")
         if self.device not in DEVICES:
             raise CheckInputError(f"--device {self.device!r}: use auto, cpu or cuda")
         if self.clip is not None and not self.clip > 0:

@@ -245,7 +245,9 @@ class FlatGroup:
 
     def gather(self, async_op: bool = True) -> Pending | None:
         """``full`` ← every rank's ``param_shard`` (guide §9.1 step 5, §9.3). At stage 3 the
-        storage is allocated first and the module's parameters pointed at their views."""
+        storage is allocated first and the module's parameters pointed at their views. A gather
+        still in flight (two steps with no forward between) is finished first."""
+        self.wait_gather()
         if self.policy.shard_params:
             restore_storage(self.full)
             for param, view in zip(self.params, self._full_views):
@@ -285,6 +287,7 @@ class FlatGroup:
         """After the optimizer step: ``param_shard`` ← master (a cast where dtypes differ), then
         at stages 1-2 the AllGather that brings every rank the whole updated bucket (guide §9.1
         step 5). Stage 0 updated ``full`` itself; stage 3 gathers at the next use."""
+        self.wait_gather()  # the previous step's AllGather still writes into ``full``
         dst = self.param_shard if self.policy.shard_master else self.full
         if dst.data_ptr() != self.master.data_ptr():  # same storage when the dtypes agree
             dst.copy_(self.master)
