@@ -76,6 +76,9 @@ def test_ranked_fastest_first_and_runners_up_say_why(llama_64):
 def test_nothing_that_fits_says_so():
     r = rec.recommend("llama3-405b", "H100", nodes=1, global_batch_tokens="1M", seq=4096)
     assert not r.candidates and any("nothing fits" in x for x in r.notes)
+    printed = rec.text(r).splitlines()  # one line says so: no table header, no empty table
+    assert printed[0].startswith("Searched: llama3-405b") and printed[1].startswith("Nothing fits: ")
+    assert not any(line.startswith(("#  stage", "- ")) for line in printed)
 
 
 def test_70b_on_1024_gpus_answers_quickly():

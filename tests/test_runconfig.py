@@ -192,7 +192,8 @@ def test_progress_lines_every_n_steps_or_seconds():
     assert [int(l.split()[1].split("/")[0]) for l in lines] == [1, 5, 10, 12, 15, 20]
     assert lines[0] == ("step 1/20 (5%) | loss 4.900 | 1,234 tok/s | 250 ms/step | elapsed 0:00:02 | "
                         "ETA 0:00:38")
-    assert lines[-1].endswith("elapsed 0:02:20 | ETA 0:00:00") and "| val 4.500 |" in lines[-1]
+    assert lines[-1].endswith("elapsed 0:02:20 | ETA 0:00:00") and "| val 4.500 @step 10 |" in lines[-1]
+    assert "| val 4.500 |" in lines[2] and "val" not in lines[1]  # on the step it was measured: no age
     resumed = ProgressBar(20, 10, True, every_steps=0, file=io.StringIO(), clock_fn=clock)
     assert resumed.every_steps == 1  # a twentieth of the 10 steps left, at least 1
     silent = io.StringIO()

@@ -107,6 +107,18 @@ def test_parsing_train_arguments_does_not_import_torch():
     assert r.stdout.strip() == "False", r.stderr
 
 
+@pytest.mark.parametrize("command", [["export", "MISSING", "out.safetensors"], ["sample", "MISSING"]])
+def test_a_missing_checkpoint_is_named_before_torch_loads(tmp_path, command):
+    missing = str(tmp_path / "none")
+    argv = [missing if w == "MISSING" else str(tmp_path / w) if w.endswith(".safetensors") else w
+            for w in command]
+    code = (f"import sys, zerodp.cli as c; rc = c.main({argv!r}); "
+            "print('torch' in sys.modules, rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "2"], r.stdout + r.stderr
+    assert r.stderr == f"zerodp {command[0]}: error: checkpoint {missing} does not exist\n"
+
+
 def test_preset_names_match_the_model():
     from zerodp.train.config import PRESET_NAMES
 

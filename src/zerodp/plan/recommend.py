@@ -480,7 +480,8 @@ def rows(r: Recommendation) -> list[list[str]]:
 def text(r: Recommendation, hardware: Hardware | None = None) -> str:
     """The ranked table, the rejected regions and the notes, as the CLI prints them."""
     from zerodp.plan._common import table
-    head = (f"Configurations that fit, fastest first: {r.model} (Ψ = {fmt_count(r.params)}"
+    head = (("Configurations that fit, fastest first: " if r.candidates else "Searched: ")
+            + f"{r.model} (Ψ = {fmt_count(r.params)}"
             + (f", {fmt_count(r.active_params)} active" if r.active_params != r.params else "")
             + f") on {r.nodes} × {r.gpus_per_node} {r.hardware} = {r.n:,} GPUs, global batch "
             f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, {r.attention} attention, compute at "

@@ -329,7 +329,17 @@ def _bounded(kind, name: str, low: float, high: float, low_open: bool = False):
     return parse
 
 
+def _existing(path: str) -> str:
+    """``path`` when it exists; otherwise the one-line error now, before PyTorch loads (seconds)."""
+    import os
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    return path
+
+
 def run_sample(args) -> int:
+    _existing(args.checkpoint)
     from zerodp.train.export import sample
 
     text = sample(args.checkpoint, prompt=args.prompt, tokens=args.tokens,
@@ -363,6 +373,7 @@ def _add_export(sub) -> None:
 
 
 def run_export(args) -> int:
+    _existing(args.checkpoint)
     from zerodp.train import export as ex
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731

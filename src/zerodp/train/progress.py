@@ -5,7 +5,10 @@ pseudo-terminal that relays the ranks' output without a window size — a bar's 
 are lost or pile up, so rank 0 prints one line instead after every step that is a multiple of
 ``every_steps``, after ``every_s`` seconds without one, and after the first and the last step::
 
-    step 12/60 (20%) | loss 4.321 | val 4.102 | 18,249 tok/s | 449 ms/step | elapsed 0:00:05 | ETA 0:00:21
+    step 12/60 (20%) | loss 4.321 | val 4.102 @step 10 | 18,249 tok/s | 449 ms/step | elapsed 0:00:05 | ETA 0:00:21
+
+The validation loss is the latest one; when it was measured at an earlier step than the one shown,
+that step follows it (``@step 10``), so an old figure does not read as the current one.
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ class ProgressBar:
         self.every_s = float(every_s)
         self._clock = clock_fn
         self._t0 = self._last_t = clock_fn()
-        self._val = None  # the latest validation loss, shown until the next one
+        self._val = None  # the latest validation loss and its step, shown until the next one
+        self._val_step = 0
         self._bar = None
         if self.enabled and self.mode == "bar":
             from tqdm import tqdm
@@ -157,11 +161,11 @@ class ProgressBar:
             return
         self.done += 1
         if val_loss is not None:
-            self._val = val_loss
+            self._val, self._val_step = val_loss, self.done
         if self._bar is not None:
             post = f" loss {loss:.3f}"
-            if val_loss is not None:
-                post += f" val {val_loss:.3f}"
+            if self._val is not None:
+                post += f" {self.val_text()}"
             post += f" | {tokens_per_s:,.0f} tok/s | {step_s * 1e3:.0f} ms/step"
             if skipped:
                 post += f" | {skipped} skipped (inf/NaN)"
@@ -181,12 +185,17 @@ class ProgressBar:
         pct = 100 * self.done / self.total if self.total else 100.0
         parts = [f"step {self.done}/{self.total} ({pct:.0f}%)", f"loss {loss:.3f}"]
         if self._val is not None:
-            parts.append(f"val {self._val:.3f}")
+            parts.append(self.val_text())
         parts += [f"{tokens_per_s:,.0f} tok/s", f"{step_s * 1e3:.0f} ms/step"]
         if skipped:
             parts.append(f"{skipped} skipped (inf/NaN)")
         parts += [f"elapsed {clock(elapsed)}", f"ETA {clock(eta)}"]
         return " | ".join(parts)
+
+    def val_text(self) -> str:
+        """``val 4.102`` on the step it was measured, ``val 4.102 @step 10`` after it."""
+        age = "" if self._val_step == self.done else f" @step {self._val_step}"
+        return f"val {self._val:.3f}{age}"
 
     def write(self, text: str) -> None:
         """A message between progress updates (above the bar on a terminal)."""
