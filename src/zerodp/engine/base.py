@@ -325,8 +325,14 @@ class StageEngine(StepMachine, StateContract, Construction):
     def _exit_forward(self, out, span):
         self.recorder.end(span)
         self._after_forward(out)
-        for t in grad_tensors(out):  # an output's gradient is the first thing backward computes
+        outputs = grad_tensors(out)
+        for t in outputs:  # an output's gradient is the first thing backward computes
             t.register_hook(self._on_output_grad)
+        if not torch.is_grad_enabled() or outputs:
+            # torch keeps .grad across a forward: the reduced gradients go back on the parameters
+            # (a backward from this output takes them off first, in _on_output_grad), so that
+            # model.zero_grad() between this forward and the step is seen (guide §12.9)
+            self._attach_sharded_grads()
         return out
 
     def train(self, mode: bool = True) -> "StageEngine":
@@ -415,7 +421,10 @@ class StageEngine(StepMachine, StateContract, Construction):
         self._take_module_values(fold=True)
         with self.recorder.span("step", COMPUTE):
             self._finish_grad_sync()
-            self._unused = self._step_unused() | self._dropped  # collective where parameters may go unused
+            # Collective where parameters may go unused: a dropped gradient's used-flag was reset, so
+            # the exchange says whether any rank's backward gave it a gradient again since
+            unused = self._step_unused()
+            self._unused = unused | self._dropped if self._local_used() is None else unused
             if self.guard is not None and self.guard.should_skip(self):  # collective
                 self._zero_grad()  # inf/NaN somewhere: apply nothing, on every rank
                 self._reset_used()
@@ -455,6 +464,8 @@ class StageEngine(StepMachine, StateContract, Construction):
         if set_to_none:
             self._reset_used()  # torch: every .grad is None; used-flags start again
         self._move(StepState.IDLE)
+        if not set_to_none:
+            self._attach_sharded_grads()  # torch: every .grad is a zero tensor, which p.grad = None drops
 
     def _take_module_values(self, fold: bool) -> None:
         """The module's parameters are the truth (guide §12.9): rebound ``.data`` taken back, and

@@ -314,6 +314,8 @@ class FSDPEngine(StageEngine):
                 self._kept = last  # guide §9.3: used first by backward, so never freed: 2L − 1
             else:
                 self._free(last)
+        if not torch.is_grad_enabled():
+            self._attach_sharded_grads()  # an evaluation forward of the module itself keeps .grad, as torch's
         return None
 
     @host_only

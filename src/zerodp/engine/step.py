@@ -44,6 +44,8 @@ class StepMachine:
     def _backward_started(self) -> None:
         """Call from gradient hooks: arms ``_on_backward_end`` once per backward pass."""
         if self.step_state is not StepState.BACKWARD:
+            if self._grads_under_sharded:
+                self._reconcile_grads()  # (stage 3's unit hooks come first) before autograd accumulates
             self._move(StepState.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
@@ -187,11 +189,12 @@ class StepMachine:
         """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
         used = self._step_used
         for g, index in zip(self.groups, self._used_index):
-            for j, (fired, i) in enumerate(zip(g.bwd.fired, index)):
+            for fired, i in zip(g.bwd.fired, index):
                 if fired:
                     used[i] = True
-                    if self._dropped:
-                        self._dropped.discard(g.names[g.trainable[j]])
+        # A gradient the script dropped has one again on every rank once a backward reduced it (or
+        # will, at the step): whether any rank's data used it is the used-flags' exchange to say
+        self._dropped.clear()
 
     def _reset_used(self) -> None:
         self._step_used = [False] * len(self.named_params)
@@ -218,8 +221,9 @@ class StepMachine:
         the reduced gradient (a shard of its own, stages 1-3) ``param.grad`` becomes a
         :class:`ShardedGrad` of this rank's slice, as FSDP2's DTensor gradient is. Local: nothing
         is attached while a group still holds unreduced gradients (that would need a collective)."""
-        if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED) or not self.policy.shard_master \
-                or self._grads_under_sharded or any(g.grads.has_local for g in self.groups):
+        if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED, StepState.IDLE) \
+                or not self.policy.shard_master or self._grads_under_sharded \
+                or any(g.grads.has_local for g in self.groups):
             return
         self._inflight.wait_all()
         for g in self.groups:
@@ -248,7 +252,7 @@ class StepMachine:
                     if id(p) in attached:
                         p.grad = attached[id(p)][0]
             return
-        for g in self.groups:
+        for g, index in zip(self.groups, self._used_index):
             if g.grads.state is GradState.NONE:
                 continue
             for j, i in enumerate(g.trainable):
@@ -264,6 +268,7 @@ class StepMachine:
                 if seen is None:
                     g.grads.drop(j)
                     self._dropped.add(g.names[i])
+                    self._step_used[index[j]] = False  # as zero_grad: used again only by a later backward
                 else:
                     g.grads.write(j, seen)
                     self._dropped.discard(g.names[i])
