@@ -45,13 +45,18 @@ test-fast: setup
 # the matrix's hand-picked hybrid, compressed and per-tensor optimizer (× every stage × world 1-4)
 # cases and its codec check (make test: the pairwise table), and the 4-to-2-rank reshard of a
 # training run with its export and its bitwise resume at every stage (make test: 0, 1, 3), and
-# zerodp check on its three acceptance models, exact and perturbed (make test: a small model).
+# zerodp check on its three acceptance models, exact and perturbed (make test: a small model); and
+# the long end-to-end runs (tests marked in_make_fuzz, each naming what make test keeps): the
+# short chaos run, SIGTERM preemption with its bitwise resume, the two-launcher hybrid run, the
+# quick bench, train --bucket-mb auto, and a corpus smaller than one global batch at world 3.
 fuzz: setup
 	ZERODP_MATRIX_RANDOM=520 ZERODP_ENGINE_FUZZ=5000 $(BIN)/python -m pytest -q -s -m fuzz --hypothesis-profile=fuzz
 	ZERODP_COMPILE_ALL=1 ZERODP_OPTIMIZER_WORLDS=2,1,3,4 ZERODP_ALL_WORLDS=1 $(BIN)/python -m pytest -q -n 2 \
 	  --dist loadfile tests/test_engine_compile.py tests/test_engine_optimizers.py tests/test_engine_stage3.py \
 	  tests/test_engine_zero.py tests/test_engine_stage0.py tests/test_engine_correctness.py tests/test_plan_ownership.py \
-	  tests/test_bench_compressed.py tests/test_engine_matrix.py tests/test_train_resume.py tests/test_check_models.py
+	  tests/test_bench_compressed.py tests/test_engine_matrix.py tests/test_train_resume.py tests/test_check_models.py \
+	  tests/test_chaos_short.py tests/test_preempt.py tests/test_multinode.py tests/test_bench_compare.py \
+	  tests/test_auto_bucket.py tests/test_reliability_data.py
 
 # The chaos run: a seeded schedule of 7 faults over a 200-step run under --max-restarts, a report
 # of each, and the final state compared bitwise with an uninterrupted run (SEED=N draws another).

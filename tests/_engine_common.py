@@ -165,6 +165,14 @@ class Stepped:
 ALL_WORLDS = bool(os.environ.get("ZERODP_ALL_WORLDS"))
 
 
+def in_make_fuzz(what: str):
+    """Skip mark of a long end-to-end run that ``make fuzz`` runs and ``make test`` leaves to it
+    (its smaller checks stay in ``make test``): ``what`` says which check covers it there."""
+    import pytest
+
+    return pytest.mark.skipif(not ALL_WORLDS, reason=f"make fuzz (ZERODP_ALL_WORLDS=1) runs it; make test: {what}")
+
+
 # ---- tolerances from the dtype and the magnitude ------------------------------------------------
 # Two correct implementations of data parallelism compute the same per-rank values and differ in
 # the order in which they sum the n terms of a gradient (ranks, micro-batches, batch rows): a sum

@@ -30,6 +30,7 @@ from zerodp.train.config import TrainConfig
 
 from _profiles import synthetic_profile
 from _regret import expected_choice_mib
+from _engine_common import in_make_fuzz
 
 # α small and W low against the compute: overlap pays, so the sweet spot holds several buckets of
 # the test models (a fast network would put the whole model in one bucket).
@@ -272,6 +273,7 @@ def test_engine_refuses_a_profile_of_another_world_size_and_stage3_ignores_auto(
 
 
 # ---- end to end: zerodp train --bucket-mb auto --------------------------------------------------
+@in_make_fuzz("the engine and the train config resolve auto (the tests above)")
 @pytest.mark.dist
 def test_train_with_bucket_mb_auto_shows_the_chosen_size(tmp_path):
     import subprocess

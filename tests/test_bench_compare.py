@@ -22,6 +22,7 @@ from zerodp.train.model import PRESETS
 
 from _profiles import synthetic_profile
 from _regret import expected_choice_mib
+from _engine_common import in_make_fuzz
 
 
 # ---- auto bucket -----------------------------------------------------------------------------
@@ -197,6 +198,7 @@ def test_malloc_mmap_keeps_freed_buffers_out_of_the_resident_set():
 
 
 # ---- one real quick run (spawns ranks) ---------------------------------------------------------
+@in_make_fuzz("the rows, tables and choices on synthetic runs (the tests above)")
 @pytest.mark.dist
 def test_bench_quick_end_to_end(tmp_path, capsys):
     profile = synthetic_profile(tmp_path / "profile.json")

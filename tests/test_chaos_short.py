@@ -11,10 +11,12 @@ import pytest
 from zerodp.train.chaos import RUN, Launch, compare, env_with, run_chaos
 
 from _straight import CKPT_EVERY, STEPS, straight
+from _engine_common import in_make_fuzz
 
 pytestmark = pytest.mark.dist
 
 
+@in_make_fuzz("a killed rank restarts the group and ends bitwise (test_reliability_faults.py)")
 def test_a_short_chaos_run_ends_bitwise_where_an_uninterrupted_run_ends(tmp_path, tmp_path_factory):
     # side by side: a rank killed right after the checkpoint of the last step is complete; the
     # restarted group must find the run done (status 0), not fail for want of steps to take

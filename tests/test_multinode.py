@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _engine_common import trajectory_tolerance
+from _engine_common import in_make_fuzz, trajectory_tolerance
 from zerodp.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.dist
@@ -63,6 +63,7 @@ def _final_params(run: Path) -> dict[str, torch.Tensor]:
     return {name: ck.full(name, "param") for name in ck.names() if "param" in ck.kinds(name)}
 
 
+@in_make_fuzz("hybrid sharding on one launcher (test_engine_hybrid.py)")
 def test_two_launchers_hybrid_then_resume_on_one_node(tmp_path):
     port = _free_port()
     hybrid = tmp_path / "hybrid"

@@ -23,6 +23,7 @@ import pytest
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.chaos import RUN, Launch, compare, env_with
 from _straight import CKPT_EVERY, STEPS as N_STEPS, straight as shared_straight
+from _engine_common import in_make_fuzz
 
 pytestmark = pytest.mark.dist
 
@@ -103,6 +104,7 @@ def straight(tmp_path_factory):
     return shared_straight(tmp_path_factory)
 
 
+@in_make_fuzz("Ctrl-C stops with a checkpoint and a second one aborts (the next test)")
 def test_sigterm_stops_with_a_checkpoint_within_the_grace_period_and_resume_is_bitwise(tmp_path, straight):
     rng = random.Random(18)
     at_l, at_t = rng.randint(8, 30), rng.randint(8, 30)  # well before the last step (60)

@@ -14,6 +14,7 @@ import torch
 from zerodp.spawn import run_local
 from zerodp.train.config import TrainConfig
 from zerodp.train.data import Sharding, TrainStream, Windows, val_batches
+from _engine_common import in_make_fuzz
 
 SEQ = 4
 
@@ -56,6 +57,7 @@ def _run(rank, world, root, data):
     return out.get("steps") if rank == 0 else True
 
 
+@in_make_fuzz("every rank gets full micro-batches of any corpus size (the tests above)")
 @pytest.mark.dist
 def test_a_corpus_smaller_than_one_global_batch_trains_at_world_3(tmp_path):
     data = tmp_path / "tiny.txt"
