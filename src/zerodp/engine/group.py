@@ -274,7 +274,12 @@ class FlatGroup:
         if not self.policy.shard_params or not self.gathered:
             return
         self.wait_gather()
-        if any(p._version != v for p, v in zip(self.params, self._versions)):
+        written = any(p._version != v for p, v in zip(self.params, self._versions))
+        for param, view in zip(self.params, self._full_views):
+            if param.data_ptr() != view.data_ptr() or param.stride() != view.stride():
+                view.copy_(param.detach().reshape(view.shape))  # p.data = t while gathered: the unit's value now
+                written = True
+        if written:
             self.write_back()  # written while gathered (a kept unit, between calls): the shard takes it
         for param, held in zip(self.params, self._placeholders):
             param.data = held

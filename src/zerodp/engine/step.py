@@ -252,6 +252,8 @@ class StepMachine:
                     if id(p) in attached:
                         p.grad = attached[id(p)][0]
             return
+        for g in self.groups:
+            g.take_rebound()  # a rebound p.data (of another dtype too) before .grad is set
         for g, index in zip(self.groups, self._used_index):
             if g.grads.state is GradState.NONE:
                 continue
