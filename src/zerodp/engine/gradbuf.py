@@ -323,7 +323,8 @@ class GradBuffers:
             out.append((full, slot.offset, slot.stop))
         elif not self.g.policy.shard_master and self.holds_grads:
             out.append((self.grad_full, slot.offset, slot.stop))
-        if self.g.policy.shard_master and not self.shard_in_full and self.grad_shard is not None:
+        if self.g.policy.shard_master and not self.shard_in_full and self.grad_shard is not None \
+                and self.grad_shard.untyped_storage().nbytes():  # (freed by zero_grad until the next reduction)
             lo, hi = self.g.shard_range
             a, b = max(slot.offset, lo), min(slot.stop, hi)
             if a < b:

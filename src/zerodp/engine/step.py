@@ -226,6 +226,10 @@ class StepMachine:
                 or any(g.grads.has_local for g in self.groups):
             return
         self._inflight.wait_all()
+        with torch.inference_mode(False):  # (after a forward under inference_mode: normal tensors still)
+            self._attach_shards()
+
+    def _attach_shards(self) -> None:
         for g in self.groups:
             if g.grads.shard_in_full or g.grads.state not in (GradState.REDUCED, GradState.ZEROS):
                 continue
