@@ -6,7 +6,8 @@ formula against what torch's stock optimizer allocates after one step; the rebui
 against the torch model (zerodp's GPT, and Hugging Face Llama / Qwen2 / Mixtral built from a
 config with random weights); and, on 3 gloo ranks (``make fuzz``: 2 and 3), every rank's measured optimizer-state
 bytes (``engine.stats()``), owned elements and padding against the planner's figure — exactly:
-these are counts of bytes, not floating-point results.
+these are counts of bytes, not floating-point results — and, at stages 1-2, the engine's buckets
+(their tensors, flat or owner-aligned, their slices) and the elements a step's collectives move.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from zerodp.engine.layout import FlatLayout
 from zerodp.plan.hf import parse_config
 from zerodp.plan.memory import memory_plan
 from zerodp.plan.models import get_model
-from zerodp.plan.ownership import assign_owners, model_tensors, ownership, state_numel
+from zerodp.plan.ownership import assign_owners, group_layouts, model_tensors, ownership, state_numel
 from zerodp.spawn import run_local
 from zerodp.train.model import GPT, PRESETS
 
@@ -131,7 +132,10 @@ def _measure(rank, world):
             s = engine.stats()
             out[name, stage] = {"placement": s.layout["placement"], "states": s.memory["optimizer_states"],
                                 "master": s.memory["master"], "owned": s.layout["owned_numel"],
-                                "padding": s.layout["padding"]}
+                                "padding": s.layout["padding"],
+                                "groups": [(d["placement"], [x["name"] for x in d["slots"]], d["shard_numel"])
+                                           for d in engine.layout()],
+                                "moved": {k: c.bytes // 4 for k, c in s.collectives.items()}}
     return out
 
 
@@ -157,6 +161,27 @@ def test_per_rank_optimizer_state_bytes_equal_the_plan(measured, world, stage, n
         assert [r["master"] for r in ranks] == [plan.master_bytes] * world, case
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_groups_and_collective_elements_equal_the_plan(measured, world, stage, name):
+    """Stages 1-2: the engine forms the planner's buckets — owner-aligned for the per-tensor
+    optimizer's tensors, flat for AdamW's beside Muon — with its slices, and a step's
+    ReduceScatter and AllGather move the planner's elements."""
+    tensors = model_tensors(get_model("nano"), name)
+    layouts = group_layouts(tensors, world, stage, name, elem_bytes=4, **BUCKETS)
+    want = [("flat" if g.owners is None else "owner", [tensors[i].name for i in g.members], g.slice_numel)
+            for g in layouts]
+    got = measured[world][0][name, stage]
+    assert got["groups"] == want, f"world {world}, stage {stage}, {name}"
+    if name == "muon":  # AdamW's embedding, head, norms and biases stay flat
+        assert {p for p, _, _ in want} == {"flat", "owner"}
+    plan = ownership(tensors, world, stage, name, elem_bytes=4, **BUCKETS)
+    assert got["moved"] == {"reduce_scatter": plan.padded_numel, "all_gather": plan.padded_numel}
+    assert sum(got["moved"].values()) == plan.comm_elements_per_step
+
+
 # ------------------------------------------------------------------------------------------
 # The memory plan and the command line
 
@@ -164,11 +189,15 @@ def test_memory_plan_prices_the_fullest_rank():
     m = get_model("llama3-8b")
     flat = memory_plan(m, 64, "H100")
     owned = memory_plan(m, 64, "H100", optimizer="muon")
+    moments = 525_336_576 * 4 * 2  # the embedding's AdamW moments
     for f, o in zip(flat.stages[1:], owned.stages[1:]):
         own = o["ownership"]
         assert o["optimizer_bytes"] == 4 * own["shard_numel"] + own["max_state_bytes"]
-        assert own["max_state_bytes"] >= 525_336_576 * 4 * 2  # the embedding's AdamW moments, on one rank
-        assert o["total_bytes"] > f["total_bytes"] * 0.5
+        if o["stage"] == 3:  # units: the embedding whole on one rank
+            assert own["max_state_bytes"] >= moments
+            assert o["total_bytes"] > f["total_bytes"] * 0.5
+        else:  # AdamW's tensors in flat buckets: the moments spread over the 64 ranks
+            assert own["max_state_bytes"] < moments and own["imbalance"] <= 1.1
     assert any("tensor ownership" in w for w in owned.warnings)
 
 

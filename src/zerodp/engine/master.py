@@ -10,7 +10,9 @@ Optimizers that read whole tensors (Muon's Newton–Schulz orthogonalisation of 
 Adafactor's factored row/column moments; :data:`PER_TENSOR_OPTIMIZERS`, or any optimizer declared
 with ``optimizer_layout="owner"``) take the *tensor-ownership* path instead: the flat buffers are
 laid out owner-aligned (:meth:`zerodp.engine.layout.FlatLayout.owned`), so slice r holds whole
-tensors, and rank r steps them with their real shapes. LBFGS (closure-based, global) and
+tensors, and rank r steps them with their real shapes; the tensors of an elementwise optimizer
+beside it (AdamW in ``[Muon(matrices), AdamW(the rest)]``) stay flat at stages 1-2
+(:func:`whole_groups`). LBFGS (closure-based, global) and
 SparseAdam (sparse gradients) are refused (:data:`REFUSED_OPTIMIZERS`).
 
 Each :class:`Target` is one fp32 tensor the optimizer updates: elements
@@ -213,6 +215,25 @@ def choose_layout(optimizer: torch.optim.Optimizer, declared_elementwise: bool =
         return OWNER
     check_elementwise(optimizer, declared_elementwise)
     return FLAT
+
+
+def whole_groups(optimizer: torch.optim.Optimizer, placement: str, requested: str = "auto") -> frozenset[int]:
+    """The param groups (indices into ``optimizer.param_groups``) whose tensors the optimizer
+    reads whole, on ``placement`` (:func:`choose_layout`): none on the flat path; every group when
+    declared per-tensor (``requested="owner"``); otherwise those of the members that are not
+    elementwise — under ``[Muon(matrices), AdamW(the rest)]`` Muon's, while AdamW's tensors stay
+    in flat buckets sharded evenly (guide §12.3)."""
+    if placement != OWNER:
+        return frozenset()
+    if requested == OWNER:
+        return frozenset(range(len(optimizer.param_groups)))
+    out, first = set(), 0
+    for member in members(optimizer):
+        count = len(member.param_groups)
+        if type(member) not in ELEMENTWISE_OPTIMIZERS:
+            out.update(range(first, first + count))
+        first += count
+    return frozenset(out)
 
 
 def probe_factory(factory: OptimizerFactory, group_options: list[dict],
