@@ -5,7 +5,9 @@ its largest tensor and its tensors pack whole into N slices (largest first, each
 slice) with padding at most ``MAX_WHOLE_PADDING`` of its elements; AdamW's tensors beside Muon stay
 in flat buckets, sharded evenly. On the presets of Llama 3 8B, Qwen2-7B (Qwen2.5-7B has the same
 shape) and Mixtral 8x7B (experts as 3-D tensors) over 8 ranks this keeps each rank's slice within
-1.11x of Ψ/N, a step's collectives within 2.2Ψ and every bucket's padding within 11%. The engine
+1.11x of Ψ/N, a step's collectives within 2.2Ψ, the fullest rank's optimizer state within 1.1x of
+the Ψ/N share (owners balance the state too: OwnerLedger.assign) and every bucket's padding
+within 11%. The engine
 forms the same buckets (tests/test_plan_ownership.py measures them on gloo ranks).
 """
 
@@ -35,6 +37,7 @@ def test_slices_and_collectives_stay_near_the_even_share(tensors, model, optimiz
     case = f"{model}, {optimizer}, ZeRO-{stage}"
     assert o.shard_numel <= 1.11 * o.params / N, case
     assert o.comm_elements_per_step <= 2.2 * o.params, case
+    assert o.imbalance <= 1.1, case  # the fullest rank's optimizer state over the Ψ/N share
     assert o.padded_numel - o.params == o.padding >= 0, case
 
 

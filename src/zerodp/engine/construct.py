@@ -23,9 +23,9 @@ from zerodp.engine.config import parse_dtype
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.optim import UserGroups, from_built
-from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, param_targets, probe_factory,
-                                  whole_groups, whole_targets)
-from zerodp.plan.units import plan_buckets
+from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, group_state_kinds, param_targets,
+                                  probe_factory, state_cost, whole_groups, whole_targets)
+from zerodp.plan.units import OwnerLedger, plan_buckets
 
 #: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
 #: chunks of this many elements (512 KiB of fp32) those passes stay in cache, where over one flat
@@ -132,11 +132,12 @@ class Construction:
         if got is None:
             params = [(n, tuple(p.shape), g) for (n, p), g in zip(self.named_params, self.param_group_of)]
             probe = probe_factory(self._factory, self.group_options, params, self.device)
-            got, whole = FLAT, frozenset()  # a factory that returns no optimizer: MasterOptimizer says so
+            got, whole, kinds = FLAT, frozenset(), []  # a factory that returns no optimizer: MasterOptimizer says so
             if isinstance(probe, torch.optim.Optimizer):
                 got = choose_layout(probe, self.config.elementwise_optimizer, self.config.optimizer_layout)
                 whole = whole_groups(probe, got, self.config.optimizer_layout)
-            self._placement, self._whole_groups = got, whole
+                kinds = group_state_kinds(probe)
+            self._placement, self._whole_groups, self._state_kinds = got, whole, kinds
         return got
 
     @property
@@ -160,9 +161,13 @@ class Construction:
         layout = None
         whole = self.whole_groups
         if whole and (self.stage == 3 or any(g in whole for _, _, g in entries)):
-            # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups.
-            loads = self.__dict__.setdefault("_owner_loads", [0] * self.shard_comm.world_size)
-            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size, loads)
+            # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups
+            # by elements and by the optimizer state each tensor costs.
+            ledger = self.__dict__.setdefault("_owners", OwnerLedger(self.shard_comm.world_size))
+            kinds = self._state_kinds
+            costs = [state_cost(kinds[g] if 0 <= g < len(kinds) else None, tuple(p.shape)) for _, p, g in entries]
+            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size, ledger,
+                                      costs)
         group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
                          reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
                          quant_params=quant if self.config.quantize_params else 0,

@@ -27,6 +27,7 @@ loads at any other.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -34,6 +35,7 @@ import torch
 
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.optim import members
+from zerodp.plan.ownership import state_numel
 
 PARAM = "param"
 
@@ -234,6 +236,28 @@ def whole_groups(optimizer: torch.optim.Optimizer, placement: str, requested: st
             out.update(range(first, first + count))
         first += count
     return frozenset(out)
+
+
+#: The stock classes whose optimizer state the planner counts (zerodp.plan.ownership.state_numel),
+#: by the planner's name: what owners balance (:func:`state_cost`).
+PRICED_OPTIMIZERS: dict[type, str] = {getattr(torch.optim, name): priced for name, priced in (
+    ("Adafactor", "adafactor"), ("Muon", "muon"), ("AdamW", "adamw"), ("Adam", "adam"), ("SGD", "sgd"))
+    if hasattr(torch.optim, name)}
+
+
+def group_state_kinds(optimizer: torch.optim.Optimizer) -> list[str | None]:
+    """Per param group, the planner's name of the class that steps it (None: one it does not
+    price), for :func:`state_cost`."""
+    return [PRICED_OPTIMIZERS.get(type(member)) for member in members(optimizer) for _ in member.param_groups]
+
+
+def state_cost(kind: str | None, shape: tuple[int, ...]) -> int:
+    """Elements + step scalars of a tensor's optimizer state (the planner's count), or its
+    elements for a class the planner does not price: what the owners of whole tensors balance
+    (:meth:`zerodp.plan.units.OwnerLedger.assign`)."""
+    if kind is None:
+        return math.prod(shape)
+    return sum(state_numel(kind, shape))
 
 
 def probe_factory(factory: OptimizerFactory, group_options: list[dict],

@@ -17,9 +17,12 @@ rank then holds is set by its owned set, not by Ψ/N:
   (under ``muon``, AdamW's) are flat, as on the elementwise path: rank r holds elements
   [r·s, (r+1)·s) of the bucket (s = ⌈numel/N⌉), and the optimizer one piece of each tensor its
   slice cuts, with that piece's state and its own step scalar;
-* **owners** (balanced greedy, LPT) of every other group: in each group tensors by size,
-  largest first (ties: the earlier), each to the rank with the fewest elements of this group so
-  far (ties: the fewest owned in earlier groups, then the lower rank);
+* **owners** of every other group (:meth:`zerodp.plan.units.OwnerLedger.assign`): in each
+  group tensors by size, largest first (ties: the earlier), each to the rank with the fewest
+  elements of this group so far (ties: the fewest owned in earlier groups, then the lower rank)
+  — LPT; then, with more tensors than ranks, the same order again, each to the rank with the
+  least optimizer state so far among those it fits in without the slice passing max(LPT's, 1.01
+  × the even share), unless one fits nowhere;
 * **padding**: every rank's slice of a group is padded to the largest owned set of that group,
   so master weights, gradient shards (stage ≥ 2) and parameter shards (stage 3) are
   Σ_groups max_r owned_r(group) elements per rank, and the collectives move N times that;
@@ -36,12 +39,11 @@ everything. Only the model's shape is needed (:func:`model_tensors` rebuilds its
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count
-from zerodp.plan.units import STAGE_NAMES, STAGES, plan_buckets
+from zerodp.plan.units import STAGE_NAMES, STAGES, OwnerLedger, plan_buckets
 
 FP32 = 4
 #: the optimizers priced here: elementwise ones shard flat, per-tensor ones by ownership
@@ -102,6 +104,12 @@ def tensor_optimizer(optimizer: str, t: Tensor) -> str:
     if optimizer != "muon":
         return optimizer
     return "muon" if t.block is not None and len(t.shape) == 2 else "adamw"
+
+
+def state_cost(optimizer: str, t: Tensor) -> int:
+    """Elements + step scalars of ``t``'s optimizer state: what owners balance (the engine
+    counts the same from each param group's optimizer class)."""
+    return sum(state_numel(tensor_optimizer(optimizer, t), t.shape))
 
 
 def state_bytes(optimizer: str, t: Tensor) -> int:
@@ -236,45 +244,18 @@ def plan_groups(tensors: list[Tensor], stage: int, bucket_mb: float = BUCKET_MB,
                         bucket_mb, first_bucket_mb, whole_groups=whole, shard_size=n)
 
 
-def assign_owners(sizes: list[list[int]], n: int) -> tuple[list[list[int]], list[dict[int, int]]]:
-    """LPT over each group of element counts, loads carried across groups (module docstring):
-    per group, the owner of each tensor and ``{rank: elements}`` for the ranks that own any.
-
-    The same choice as ``min(range(n), key=(mine[r], loads[r], r))`` per tensor, in
-    O(group·log n + loaded ranks) rather than O(group·n): while the group has fewer tensors than
-    ranks, each tensor goes to a rank that owns nothing of the group yet — the next by (loads, r),
-    where the ranks that never owned anything come first, by number."""
-    loads: dict[int, int] = {}
+def assign_owners(sizes: list[list[int]], n: int,
+                  costs: list[list[int]] | None = None) -> tuple[list[list[int]], list[dict[int, int]]]:
+    """Owners of each group of element counts in turn (:meth:`zerodp.plan.units.OwnerLedger.assign`,
+    module docstring), ``costs`` the optimizer state of each tensor (default: its size): per
+    group, the owner of each tensor and ``{rank: elements}`` for the ranks that own any."""
+    ledger = OwnerLedger(n)
     owners, owned = [], []
-    for group in sizes:
-        order = sorted(range(len(group)), key=lambda i: (-group[i], i))
-        own = [0] * len(group)
+    for k, group in enumerate(sizes):
+        own = ledger.assign(group, None if costs is None else costs[k])
         mine: dict[int, int] = {}
-        if len(group) <= n:
-            fresh = (r for r in range(n) if r not in loads)
-            idle = len(loads) < n
-            loaded = iter(sorted(loads, key=lambda r: (loads[r], r)))
-            picks = []
-            for _ in group:
-                r = next(fresh, None) if idle else None
-                if r is None:
-                    idle = False
-                    r = next(loaded)
-                picks.append(r)
-            for i, r in zip(order, picks):
-                own[i] = r
-                mine[r] = group[i]
-        else:
-            heap = [(0, loads.get(r, 0), r) for r in range(n)]
-            heapq.heapify(heap)
-            for i in order:
-                m, load, r = heapq.heappop(heap)
-                own[i] = r
-                mine[r] = m + group[i]
-                heapq.heappush(heap, (m + group[i], load, r))
-        for r, e in mine.items():
-            if e:
-                loads[r] = loads.get(r, 0) + e
+        for size, r in zip(group, own):
+            mine[r] = mine.get(r, 0) + size
         owners.append(own)
         owned.append(mine)
     return owners, owned
@@ -310,7 +291,8 @@ def group_layouts(tensors: list[Tensor], n: int, stage: int, optimizer: str, buc
     whole = whole_groups(tensors, stage, optimizer)
     groups = plan_groups(tensors, stage, bucket_mb, first_bucket_mb, elem_bytes, whole, n)
     aligned = [g for g in groups if tensors[g[0]].group in whole]
-    owners, owned = assign_owners([[tensors[i].numel for i in g] for g in aligned], n)
+    owners, owned = assign_owners([[tensors[i].numel for i in g] for g in aligned], n,
+                                  [[state_cost(optimizer, tensors[i]) for i in g] for g in aligned])
     by_group = {id(g): (own, mine) for g, own, mine in zip(aligned, owners, owned)}
     out = []
     for g in groups:
