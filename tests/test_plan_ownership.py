@@ -4,7 +4,7 @@ Each figure is checked against something the planner did not compute: the owner 
 engine's own layout code (``FlatLayout.owned``) and the rule written out literally; each state
 formula against what torch's stock optimizer allocates after one step; the rebuilt tensors
 against the torch model (zerodp's GPT, and Hugging Face Llama / Qwen2 / Mixtral built from a
-config with random weights); and, on 3 gloo ranks (``make fuzz``: 2 and 3), every rank's measured optimizer-state
+config with random weights); and, on 3 gloo ranks (``make fuzz``: 2, 3 and 4), every rank's measured optimizer-state
 bytes (``engine.stats()``), owned elements and padding against the planner's figure — exactly:
 these are counts of bytes, not floating-point results — and, at stages 1-2, the engine's buckets
 (their tensors, flat or owner-aligned, their slices) and the elements a step's collectives move.
@@ -36,8 +36,8 @@ from zerodp.train.model import GPT, PRESETS
 BUCKETS = dict(bucket_mb=0.05, first_bucket_mb=0.01)  # several buckets of the nano GPT (fp32)
 OPTIMIZERS = ("adafactor", "muon")
 STAGES = (1, 2, 3)
-#: make test: 3 ranks (uneven owned sets); make fuzz (ZERODP_ALL_WORLDS=1): 2 and 3
-WORLDS = (2, 3) if ALL_WORLDS else (3,)
+#: make test: 3 ranks (uneven owned sets); make fuzz (ZERODP_ALL_WORLDS=1): 2, 3 and 4
+WORLDS = (2, 3, 4) if ALL_WORLDS else (3,)
 
 
 def literal_rule(sizes: list[list[int]], n: int, costs: list[list[int]]) -> list[list[int]]:

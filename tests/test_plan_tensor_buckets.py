@@ -99,3 +99,15 @@ def test_a_last_bucket_too_small_for_its_largest_tensor_takes_in_the_previous_on
                            shard_size=8)
     assert [len(b) for b in buckets] == [8, 8, 8, 57]  # 800 + 7 x 8 x 100 packs into 8 slices of 800
     assert whole_padding([sizes[i] for i in buckets[-1]], 8) == 0
+
+
+def test_the_memory_plan_names_a_bucket_whose_gradient_outweighs_the_shard():
+    """At ZeRO-2 a bucket holds its full gradient until its ReduceScatter: Adafactor's buckets of
+    8 x Llama 3 8B's 525 M-element head do (8.47 GB), Muon's of 8 MLP matrices do not."""
+    from zerodp.plan.memory import memory_plan
+
+    notes = {o: [w for w in memory_plan("llama3-8b", N, "H100", optimizer=o).warnings if "full gradient" in w]
+             for o in OPTIMIZERS}
+    assert notes["muon"] == [] and len(notes["adafactor"]) == 1 and "8.47 GB" in notes["adafactor"][0]
+    assert ownership(model_tensors(get_model("llama3-8b"), "adafactor"), N, 2, "adafactor").largest_group_numel \
+        == 4_236_804_096

@@ -390,7 +390,9 @@ class Ownership(ToDict):
     ``state_bytes`` (optimizer state per rank, or null), ``max_state_bytes`` (the fullest rank:
     what decides the fit), ``mean_state_bytes`` (the Ψ/N share), ``imbalance`` (max/mean
     state), ``master_bytes`` (fp32 master per rank: 4·shard_numel) and
-    ``comm_elements_per_step`` (2 padded_numel at stages 1–2, 3 at stage 3, 2Ψ at stage 0)."""
+    ``comm_elements_per_step`` (2 padded_numel at stages 1–2, 3 at stage 3, 2Ψ at stage 0) and
+    ``largest_group_numel`` (the padded elements of the largest group: at stage 2 its full
+    gradient is held from its first gradient to its ReduceScatter; Ψ at stage 0)."""
 
     optimizer: str
     stage: int
@@ -409,6 +411,7 @@ class Ownership(ToDict):
     imbalance: float
     master_bytes: int
     comm_elements_per_step: int
+    largest_group_numel: int
 
 
 def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
@@ -432,7 +435,7 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
         return Ownership(optimizer, 0, STAGE_NAMES[0], n, len(tensors), 0, total,
                          [total] * n if listed else None, total, total, 0,
                          [everything] * n if listed else None, everything, float(everything), 1.0,
-                         FP32 * total, 2 * total)
+                         FP32 * total, 2 * total, total)
     layouts = group_layouts(tensors, n, stage, optimizer, bucket_mb, first_bucket_mb, elem_bytes)
     figures = _RankFigures(n)
     for layout in layouts:
@@ -448,4 +451,5 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
     most = figures.most_state()
     return Ownership(optimizer, stage, STAGE_NAMES[stage], n, len(tensors), len(layouts), total, owned, shard,
                      n * shard, n * shard - total, states, most, mean, round(most / mean, 6) if mean else 1.0,
-                     FP32 * shard, (3 if stage == 3 else 2) * n * shard)
+                     FP32 * shard, (3 if stage == 3 else 2) * n * shard,
+                     max(layout.padded_numel for layout in layouts))
