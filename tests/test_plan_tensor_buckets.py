@@ -111,3 +111,14 @@ def test_the_memory_plan_names_a_bucket_whose_gradient_outweighs_the_shard():
     assert notes["muon"] == [] and len(notes["adafactor"]) == 1 and "8.47 GB" in notes["adafactor"][0]
     assert ownership(model_tensors(get_model("llama3-8b"), "adafactor"), N, 2, "adafactor").largest_group_numel \
         == 4_236_804_096
+
+
+def test_a_last_bucket_and_the_ones_before_it_may_cut_anew():
+    """The walk ends with 800 + 8 x 100 after buckets of 8 x 100: it takes in seven of them, and
+    the run cuts into 8 x 100 and 800 + 56 x 100 (each packing into 8 slices without padding)
+    rather than stay one bucket of 65 tensors."""
+    sizes = [100] * 8 + [800] + [100] * 120
+    buckets = plan_buckets(sizes, [0] * len(sizes), 1, "bucketed", 1e-9, 1e-9, whole_groups=frozenset({0}),
+                           shard_size=8)
+    assert [sorted(sizes[i] for i in b) for b in buckets][-2:] == [[100] * 8, [100] * 56 + [800]]
+    assert len(buckets) == 10 and sorted(i for b in buckets for i in b) == list(range(len(sizes)))

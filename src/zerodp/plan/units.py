@@ -165,9 +165,10 @@ def plan_buckets(sizes: list[int], groups: list[int], element_size: int, sync: s
     (``bucketed`` only) closes once it holds at least ``shard_size`` times its largest tensor as
     well as the cap, and once its tensors pack into the slices (:func:`lpt_slice`) with padding
     at most :data:`MAX_WHOLE_PADDING` of its elements (the owners' slices add at most
-    :data:`OWNER_SLACK` of the even share to a bucket padded less than that). A last bucket of such a group that the
-    walk leaves above that padding takes in the group's previous buckets, latest first, until
-    its padding is within the bound (or none is left).
+    :data:`OWNER_SLACK` of the even share to a bucket padded less than that). A last bucket of
+    such a group that the walk leaves above that padding takes in the group's previous buckets,
+    latest first, until its padding is within the bound (or none is left) — or until the joined
+    run cuts into two buckets that both meet the rule (the cut leaving the larger part smallest).
     """
     if sync == "overlap":
         return [[i] for i in reversed(range(len(sizes)))]
@@ -204,6 +205,14 @@ def plan_buckets(sizes: list[int], groups: list[int], element_size: int, sync: s
                 break
             closed.remove(previous)
             bucket = previous + bucket
+            cuts = [k for k in range(1, len(bucket))
+                    if full(bucket[:k], sum(sizes[i] for i in bucket[:k]) * element_size, caps[1])
+                    and whole_padding([sizes[i] for i in bucket[k:]], shard_size) <= MAX_WHOLE_PADDING]
+            if cuts:
+                k = min(cuts, key=lambda k: (max(k, len(bucket) - k), k))
+                closed.append(bucket[:k])
+                bucket = bucket[k:]
+                break
         closed.append(bucket)
     buckets = closed + list(open_.values())
     order = {i: pos for pos, i in enumerate(reversed(range(len(sizes))))}
