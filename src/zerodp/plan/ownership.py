@@ -263,8 +263,8 @@ def assign_owners(sizes: list[list[int]], n: int,
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """One flat group as the engine lays it out for a shard group of ``n``: its tensors
-    (``members``, indices in layout order) and either each one's owner rank (``owners``:
+    """One group (a bucket or a unit) as the engine lays it out for a shard group of ``n``: its
+    tensors (``members``, indices in layout order) and either each one's owner rank (``owners``:
     owner-aligned, every tensor whole in its owner's slice, guide §12.3) or None (flat: back to
     back, cut into N even slices). ``slice_numel``: each rank's padded slice."""
 
