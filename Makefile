@@ -41,7 +41,7 @@ test-fast: setup
 # torch.compile forms at every stage on 2 and 3 ranks (make test: stages 0 and 3, 2 ranks), the
 # per-tensor optimizers on 1 to 4 ranks (make test: 2), and the stage 0, ZeRO-1/2, stage 3
 # and correctness suites at world sizes 2-4 (make test: 2 — the matrix covers 1-4 there) and the
-# planner's ownership check on 2 and 3 ranks (make test: 3); the 4-rank compressed/hybrid bench run,
+# planner's ownership check on 2, 3 and 4 ranks (make test: 3); the 4-rank compressed/hybrid bench run,
 # the matrix's hand-picked hybrid, compressed and per-tensor optimizer (× every stage × world 1-4)
 # cases and its codec check (make test: the pairwise table), and the 4-to-2-rank reshard of a
 # training run with its export and its bitwise resume at every stage (make test: 0, 1, 3), and

@@ -6,6 +6,7 @@ import torch
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.master import (ELEMENTWISE_OPTIMIZERS, PER_TENSOR_OPTIMIZERS, MasterOptimizer, Target,
                                   check_elementwise, choose_layout, probe_factory, whole_targets)
+from zerodp.plan.units import OwnerLedger
 
 
 def _params():
@@ -147,8 +148,9 @@ def test_muon_refusing_a_vector_names_the_parameter():
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_owner_layout_puts_every_tensor_whole_in_its_owners_slice(world):
     shapes = [("a", (3, 5)), ("b", (7,)), ("c", (2, 2)), ("d", (6, 6)), ("e", ()), ("f", (1, 9))]
-    loads = [0] * world
-    layout = FlatLayout.owned(shapes, world, loads)
+    ledger = OwnerLedger(world)
+    layout = FlatLayout.owned(shapes, world, ledger)
+    loads = ledger.owned()
     assert layout.aligned and layout.padded_numel == world * layout.shard_numel
     assert sum(loads) == layout.numel == 15 + 7 + 4 + 36 + 1 + 9
     for slot, r in zip(layout.slots, layout.owners):
@@ -166,10 +168,22 @@ def test_owner_layout_puts_every_tensor_whole_in_its_owners_slice(world):
 
 
 def test_owner_layout_balances_across_groups():
-    loads = [0, 0]
-    first = FlatLayout.owned([("a", (10,))], 2, loads)
-    second = FlatLayout.owned([("b", (10,))], 2, loads)
-    assert first.owners == (0,) and second.owners == (1,) and loads == [10, 10]
+    ledger = OwnerLedger(2)
+    first = FlatLayout.owned([("a", (10,))], 2, ledger)
+    second = FlatLayout.owned([("b", (10,))], 2, ledger)
+    assert first.owners == (0,) and second.owners == (1,) and ledger.owned() == [10, 10]
+
+
+def test_owner_layout_balances_the_optimizer_state_within_the_slice():
+    """Equal sizes, unequal state (a vector's Adafactor state is its size, a matrix's its rows
+    and columns): largest first alone gives both vectors to rank 0; balancing the state gives
+    each rank a vector and a matrix, in the same slices."""
+    shapes = [("v1", (16,)), ("m1", (4, 4)), ("v2", (16,)), ("m2", (4, 4))]
+    costs = [16, 8, 16, 8]
+    assert OwnerLedger(2).assign([16] * 4) == [0, 1, 0, 1]
+    ledger = OwnerLedger(2)
+    layout = FlatLayout.owned(shapes, 2, ledger, costs)
+    assert layout.owners == (0, 1, 1, 0) and layout.padding == 0 and ledger.cost == {0: 24, 1: 24}
 
 
 def test_whole_targets_have_the_parameters_shapes_and_step_like_the_whole_tensor():

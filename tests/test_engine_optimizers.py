@@ -151,13 +151,21 @@ def state_error(got: dict, want: dict) -> float | str:
     return worst
 
 
-def layout_problems(engine, rank) -> str | None:
-    """None when every tensor lies whole in its owner's slice and this rank's master targets are
-    exactly its owned tensors, with their shapes (stages 1-3)."""
-    owned = set()
+def layout_problems(engine, rank, stage: int, name: str) -> str | None:
+    """None when every tensor of the per-tensor optimizer lies whole in its owner's slice and
+    this rank's master targets are exactly its owned tensors, with their shapes (stages 1-3);
+    at stages 1-2 the tensors of AdamW beside Muon lie in flat buckets instead, cut evenly."""
+    owned, flat = set(), set()
     for d in engine.layout():
-        if d["placement"] != "owner" or not d["sharded"]:
-            return f"{d['label']}: placement {d['placement']}, sharded {d['sharded']}"
+        if not d["sharded"]:
+            return f"{d['label']}: not sharded"
+        if d["placement"] != "owner":
+            if stage == 3 or name != "muon_adamw" or any(len(s["shape"]) == 2 for s in d["slots"]):
+                return f"{d['label']}: placement {d['placement']}, slots {[s['name'] for s in d['slots']]}"
+            flat.update(s["name"] for s in d["slots"])
+            continue
+        if name == "muon_adamw" and stage < 3 and any(len(s["shape"]) != 2 for s in d["slots"]):
+            return f"{d['label']}: AdamW's tensors in an owner-aligned bucket"
         for s in d["slots"]:
             lo, hi = d["owners"][s["owner"]]
             numel = 1
@@ -167,7 +175,9 @@ def layout_problems(engine, rank) -> str | None:
                 return f"{s['name']} at {s['offset']} (+{numel}) outside its owner's slice [{lo}, {hi})"
             if s["owner"] == rank:
                 owned.add((s["name"], tuple(s["shape"])))
-    targets = {(t.name, tuple(t.tensor.shape)) for t in engine.master.targets}
+    targets = {(t.name, tuple(t.tensor.shape)) for t in engine.master.targets if t.name not in flat}
+    if any(t.tensor.dim() != 1 for t in engine.master.targets if t.name in flat):
+        return "a target of a flat bucket is not a 1-D piece"
     return None if targets == owned else f"targets {sorted(targets)} != owned {sorted(owned)}"
 
 
@@ -183,7 +193,7 @@ def _trajectories(rank, world, out):
                                    trajectory_tolerance(world * ROWS, STEPS))
             out[f"{key}/placement"] = engine.placement
             if stage > 0:
-                out[f"{key}/layout"] = layout_problems(engine, rank)
+                out[f"{key}/layout"] = layout_problems(engine, rank, stage, name)
             out[f"{key}/cost"] = engine.stats().layout
             # torch's format, full tensors, index-keyed: equal to the stock optimizer's state
             saved = engine.optimizer.state_dict()

@@ -23,8 +23,9 @@ from zerodp.engine.config import parse_dtype
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.optim import UserGroups, from_built
-from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, param_targets, probe_factory,
-                                  whole_targets)
+from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, group_state_kinds, param_targets,
+                                  probe_factory, state_cost, whole_groups, whole_targets)
+from zerodp.plan.units import OwnerLedger, plan_buckets
 
 #: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
 #: chunks of this many elements (512 KiB of fp32) those passes stay in cache, where over one flat
@@ -131,19 +132,42 @@ class Construction:
         if got is None:
             params = [(n, tuple(p.shape), g) for (n, p), g in zip(self.named_params, self.param_group_of)]
             probe = probe_factory(self._factory, self.group_options, params, self.device)
-            got = FLAT  # a factory that returns no optimizer: MasterOptimizer says so
+            got, whole, kinds = FLAT, frozenset(), []  # a factory that returns no optimizer: MasterOptimizer says so
             if isinstance(probe, torch.optim.Optimizer):
                 got = choose_layout(probe, self.config.elementwise_optimizer, self.config.optimizer_layout)
-            self._placement = got
+                whole = whole_groups(probe, got, self.config.optimizer_layout)
+                kinds = group_state_kinds(probe)
+            self._placement, self._whole_groups, self._state_kinds = got, whole, kinds
         return got
+
+    @property
+    def whole_groups(self) -> frozenset[int]:
+        """The param groups whose tensors lie whole on one rank at stages 1-2 (owner-aligned
+        buckets, :func:`zerodp.engine.master.whole_groups`); at stage 3 every unit is
+        owner-aligned on the ownership path."""
+        if self.placement != OWNER or not self.policy.shard_master:
+            return frozenset()
+        return self._whole_groups
+
+    def _plan_buckets(self, config) -> list[list[int]]:
+        """Stages 0-2: which parameters share a bucket (:func:`zerodp.plan.units.plan_buckets`,
+        the planner's rule); the buckets of :attr:`whole_groups` sized to the shard group."""
+        return plan_buckets([p.numel() for _, p in self.named_params], self.param_group_of,
+                            self.param_dtype.itemsize, config.sync, config.bucket_mb, config.first_bucket_mb,
+                            whole_groups=self.whole_groups, shard_size=self.shard_comm.world_size)
 
     def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
         quant = self.config.quant_block
         layout = None
-        if self.placement == OWNER and self.policy.shard_master:
-            # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups.
-            loads = self.__dict__.setdefault("_owner_loads", [0] * self.shard_comm.world_size)
-            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size, loads)
+        whole = self.whole_groups
+        if whole and (self.stage == 3 or any(g in whole for _, _, g in entries)):
+            # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups
+            # by elements and by the optimizer state each tensor costs.
+            ledger = self.__dict__.setdefault("_owners", OwnerLedger(self.shard_comm.world_size))
+            kinds = self._state_kinds
+            costs = [state_cost(kinds[g] if 0 <= g < len(kinds) else None, tuple(p.shape)) for _, p, g in entries]
+            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size, ledger,
+                                      costs)
         group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
                          reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
                          quant_params=quant if self.config.quantize_params else 0,
@@ -223,6 +247,14 @@ class Construction:
         self.config = dataclasses.replace(self.config, param_groups=user_groups)
         self.group_options, self.param_group_of = resolve_param_groups(self.named_params, user_groups)
         self._group_by_name = {n: g for (n, _), g in zip(self.named_params, self.param_group_of)}
+        if self.placement == OWNER:  # the buckets were laid out for the optimizer given at parallelize
+            self._whole_groups = whole_groups(optimizer, OWNER, self.config.optimizer_layout)
+            cut = [s.name for g in self.groups if not g.layout.aligned and self.policy.shard_master
+                   for s in g.layout.slots if self._group_by_name.get(s.name, -1) in self._whole_groups]
+            if cut:
+                raise ValueError(f"{type(optimizer).__name__} reads {cut[0]!r} whole, and the engine laid it out in a "
+                                 "flat bucket for the optimizer given at parallelize: pass this one there, "
+                                 "parallelize(model, optimizer=[...]), instead of building it after the wrap")
         self._factory = factory
         self._per_param_targets = True
         self._build_optimizer()
@@ -240,13 +272,21 @@ class Construction:
         :func:`zerodp.engine.master.param_targets`): per parameter where a parameter may go unused
         in a step (stage 3, or ``find_unused_parameters=True``), so that the optimizer can skip it
         whole; otherwise across parameters, fewer tensors for the optimizer's per-tensor work. On the
-        ownership path each parameter this rank holds is one target, whole, with its shape."""
-        if self.placement == OWNER:
-            return whole_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1))
+        ownership path each parameter this rank holds is one target, whole, with its shape — in an
+        owner-aligned layout or a full replica (stage 0) — and a flat bucket of an elementwise
+        optimizer beside it (:attr:`whole_groups`) gives per-parameter pieces."""
+        def group_of(name: str) -> int:
+            return self._group_by_name.get(name, -1)
+
+        if self.placement == OWNER and (layout.aligned or not self.policy.shard_master):
+            return whole_targets(tensor, layout, flat_start, group_of)
+        if self.placement == OWNER and any(group_of(s.name) in self._whole_groups for s in layout.slots):
+            raise ValueError("a tensor of a per-tensor optimizer lies in a flat bucket, cut across ranks (zerodp "
+                             "internal error: please report it)")
         chunk = CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
-        per_param = self.stage == 3 or self.config.find_unused_parameters or self.__dict__.get("_per_param_targets")
-        return param_targets(tensor, layout, flat_start, lambda name: self._group_by_name.get(name, -1), chunk,
-                             per_param=per_param)
+        per_param = self.stage == 3 or self.config.find_unused_parameters or self.__dict__.get("_per_param_targets") \
+            or self.placement == OWNER
+        return param_targets(tensor, layout, flat_start, group_of, chunk, per_param=per_param)
 
     def _start_clock(self) -> None:
         """Align trace time zero across ranks (call right after a collective such as the check)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from zerodp.plan.units import OwnerLedger
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -104,33 +106,30 @@ class FlatLayout:
 
     @classmethod
     def owned(cls, named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int,
-              loads: list[int] | None = None) -> "FlatLayout":
+              ledger: OwnerLedger | None = None, costs: list[int] | None = None) -> "FlatLayout":
         """Owner-aligned layout: each tensor whole on one rank (see the class docstring).
 
-        Balanced greedy (LPT): tensors by size, largest first (ties: the earlier one), each to the
-        rank that owns the fewest elements of this group so far (ties: the fewest of ``loads``,
-        elements owned in earlier groups, then the lower rank) — deterministic, the same on every
-        rank. ``loads`` is updated in place. Inside slice r the owner's tensors keep the given
-        order (forward order, as in :meth:`pack`)."""
+        Owners by :meth:`zerodp.plan.units.OwnerLedger.assign` — largest first to the rank with
+        the fewest elements of this group (LPT), then, with more tensors than ranks, rebalanced
+        by optimizer state (``costs``, default the sizes) within a slice of max(LPT's, 1.01 × the
+        even share) — deterministic, the same on every rank. ``ledger`` carries what each rank
+        owns across groups and records this one. Inside slice r the owner's tensors keep the
+        given order (forward order, as in :meth:`pack`)."""
         shapes = [tuple(int(s) for s in shape) for _, shape in named_shapes]
         sizes = [math.prod(s) for s in shapes]
-        loads = loads if loads is not None else [0] * world_size
-        if len(loads) != world_size:
-            raise ValueError(f"loads has {len(loads)} entries for {world_size} ranks")
+        ledger = ledger if ledger is not None else OwnerLedger(world_size)
+        if ledger.n != world_size:
+            raise ValueError(f"the owner ledger counts {ledger.n} ranks, the layout {world_size}")
+        owners = ledger.assign(sizes, costs)
         mine = [0] * world_size
-        owners = [0] * len(shapes)
-        for i in sorted(range(len(shapes)), key=lambda i: (-sizes[i], i)):
-            r = min(range(world_size), key=lambda r: (mine[r], loads[r], r))
-            owners[i] = r
-            mine[r] += sizes[i]
+        for n, r in zip(sizes, owners):
+            mine[r] += n
         shard = max(mine, default=0)
         fill = [r * shard for r in range(world_size)]
         slots = []
         for (name, _), shape, n, r in zip(named_shapes, shapes, sizes, owners):
             slots.append(Slot(name, shape, fill[r]))
             fill[r] += n
-        for r in range(world_size):
-            loads[r] += mine[r]
         return cls(tuple(slots), world_size, tuple(owners))
 
     @property

@@ -10,7 +10,9 @@ Optimizers that read whole tensors (Muon's Newton–Schulz orthogonalisation of 
 Adafactor's factored row/column moments; :data:`PER_TENSOR_OPTIMIZERS`, or any optimizer declared
 with ``optimizer_layout="owner"``) take the *tensor-ownership* path instead: the flat buffers are
 laid out owner-aligned (:meth:`zerodp.engine.layout.FlatLayout.owned`), so slice r holds whole
-tensors, and rank r steps them with their real shapes. LBFGS (closure-based, global) and
+tensors, and rank r steps them with their real shapes; the tensors of an elementwise optimizer
+beside it (AdamW in ``[Muon(matrices), AdamW(the rest)]``) stay flat at stages 1-2
+(:func:`whole_groups`). LBFGS (closure-based, global) and
 SparseAdam (sparse gradients) are refused (:data:`REFUSED_OPTIMIZERS`).
 
 Each :class:`Target` is one fp32 tensor the optimizer updates: elements
@@ -25,6 +27,7 @@ loads at any other.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -32,6 +35,7 @@ import torch
 
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.optim import members
+from zerodp.plan.ownership import state_numel
 
 PARAM = "param"
 
@@ -213,6 +217,47 @@ def choose_layout(optimizer: torch.optim.Optimizer, declared_elementwise: bool =
         return OWNER
     check_elementwise(optimizer, declared_elementwise)
     return FLAT
+
+
+def whole_groups(optimizer: torch.optim.Optimizer, placement: str, requested: str = "auto") -> frozenset[int]:
+    """The param groups (indices into ``optimizer.param_groups``) whose tensors the optimizer
+    reads whole, on ``placement`` (:func:`choose_layout`): none on the flat path; every group when
+    declared per-tensor (``requested="owner"``); otherwise those of the members that are not
+    elementwise — under ``[Muon(matrices), AdamW(the rest)]`` Muon's, while AdamW's tensors stay
+    in flat buckets sharded evenly (guide §12.3)."""
+    if placement != OWNER:
+        return frozenset()
+    if requested == OWNER:
+        return frozenset(range(len(optimizer.param_groups)))
+    out, first = set(), 0
+    for member in members(optimizer):
+        count = len(member.param_groups)
+        if type(member) not in ELEMENTWISE_OPTIMIZERS:
+            out.update(range(first, first + count))
+        first += count
+    return frozenset(out)
+
+
+#: The stock classes whose optimizer state the planner counts (zerodp.plan.ownership.state_numel),
+#: by the planner's name: what owners balance (:func:`state_cost`).
+PRICED_OPTIMIZERS: dict[type, str] = {getattr(torch.optim, name): priced for name, priced in (
+    ("Adafactor", "adafactor"), ("Muon", "muon"), ("AdamW", "adamw"), ("Adam", "adam"), ("SGD", "sgd"))
+    if hasattr(torch.optim, name)}
+
+
+def group_state_kinds(optimizer: torch.optim.Optimizer) -> list[str | None]:
+    """Per param group, the planner's name of the class that steps it (None: one it does not
+    price), for :func:`state_cost`."""
+    return [PRICED_OPTIMIZERS.get(type(member)) for member in members(optimizer) for _ in member.param_groups]
+
+
+def state_cost(kind: str | None, shape: tuple[int, ...]) -> int:
+    """Elements + step scalars of a tensor's optimizer state (the planner's count), or its
+    elements for a class the planner does not price: what the owners of whole tensors balance
+    (:meth:`zerodp.plan.units.OwnerLedger.assign`)."""
+    if kind is None:
+        return math.prod(shape)
+    return sum(state_numel(kind, shape))
 
 
 def probe_factory(factory: OptimizerFactory, group_options: list[dict],

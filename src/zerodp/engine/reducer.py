@@ -41,7 +41,6 @@ from zerodp.engine.deferred import materialize_module
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
 from zerodp.engine.states import StepState
-from zerodp.plan.units import plan_buckets
 
 
 class BucketEngine(StageEngine):
@@ -62,8 +61,7 @@ class BucketEngine(StageEngine):
         self.bucket_auto = config.bucket_mb == AUTO
         wire = torch.float32 if self.policy.full_grads and self.accum_dtype == torch.float32 else self.reduce_dtype
         config = self.config = resolve_auto_bucket(config, module, self.world_size, self.param_dtype, wire)
-        plan = plan_buckets([p.numel() for _, p in self.named_params], self.param_group_of,
-                            self.param_dtype.itemsize, config.sync, config.bucket_mb, config.first_bucket_mb)
+        plan = self._plan_buckets(config)
         if mp is not None:  # buffers and frozen parameters compute in the param dtype too
             cast_floating_buffers(module, self.param_dtype)
             with torch.no_grad():

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zerodp.plan._common import InputError, ToDict, check_count, check_positive
+from zerodp.plan._common import InputError, ToDict, check_count, check_positive, fmt_bytes
 from zerodp.plan.defaults import ATTENTION, DEFAULTS
 from zerodp.plan.units import STAGE_NAMES, STAGES  # noqa: F401 - re-exported
 
@@ -472,6 +472,14 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                             f"({m.name}'s family has parameters the planner does not lay out one by one)")
             warnings_zh.append(f"张量分配：列出的张量是 Ψ 的 {100 * covered:.3f}%（{m.name} 有规划器"
                                "没有一一列出的参数）")
+        two = per_tensor[2]
+        in_flight = prec["grad_bytes"] * two.largest_group_numel
+        if in_flight > prec["grad_bytes"] * two.shard_numel:
+            warnings.append(f"tensor ownership ({optimizer}): at ZeRO-2 the largest bucket, at least N times its "
+                            f"largest tensor, holds its full gradient ({fmt_bytes(in_flight)}) from its first "
+                            "gradient to its ReduceScatter — more than the gradient shard the table counts")
+            warnings_zh.append(f"张量分配（{optimizer}）：在 ZeRO-2，最大的桶（至少是其中最大张量的 N 倍）从第一个梯度"
+                               f"到 ReduceScatter 之间保存完整梯度（{fmt_bytes(in_flight)}），超过表中计入的梯度分片")
         worst = max(per_tensor[1:], key=lambda o: o.imbalance)
         if worst.imbalance > 1.5:
             big = max(tensors, key=lambda t: t.numel)

@@ -9,11 +9,20 @@ rank then holds is set by its owned set, not by Ψ/N:
 * **groups**: the engine lays out one group at a time — stages 1–2 a gradient *bucket*
   (parameters in reverse registration order, one open bucket per param group, closed at
   ``min(first_bucket_mb, bucket_mb)`` MiB the first time, then ``bucket_mb``, in bytes of the
-  working dtype), stage 3 a *unit* (the root unit first — embeddings, head, final norm — then one
-  per block; inside a unit by param group);
-* **owners** (balanced greedy, LPT): in each group tensors by size, largest first (ties: the
-  earlier), each to the rank with the fewest elements of this group so far (ties: the fewest
-  owned in earlier groups, then the lower rank);
+  working dtype; a bucket of a per-tensor optimizer's tensors also at N times its largest tensor
+  and once they pack into N slices with at most 10% padding:
+  :func:`zerodp.plan.units.plan_buckets`), stage 3 a *unit* (the root unit first — embeddings,
+  head, final norm — then one per block; inside a unit by param group);
+* **flat groups**: at stages 1–2 the buckets of an elementwise optimizer beside a per-tensor one
+  (under ``muon``, AdamW's) are flat, as on the elementwise path: rank r holds elements
+  [r·s, (r+1)·s) of the bucket (s = ⌈numel/N⌉), and the optimizer one piece of each tensor its
+  slice cuts, with that piece's state and its own step scalar;
+* **owners** of every other group (:meth:`zerodp.plan.units.OwnerLedger.assign`): in each
+  group tensors by size, largest first (ties: the earlier), each to the rank with the fewest
+  elements of this group so far (ties: the fewest owned in earlier groups, then the lower rank)
+  — LPT; then, with more tensors than ranks, the same order again, each to the rank with the
+  least optimizer state so far among those it fits in without the slice passing max(LPT's, 1.01
+  × the even share), unless one fits nowhere;
 * **padding**: every rank's slice of a group is padded to the largest owned set of that group,
   so master weights, gradient shards (stage ≥ 2) and parameter shards (stage 3) are
   Σ_groups max_r owned_r(group) elements per rank, and the collectives move N times that;
@@ -30,12 +39,11 @@ everything. Only the model's shape is needed (:func:`model_tensors` rebuilds its
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count
-from zerodp.plan.units import STAGE_NAMES, STAGES, plan_buckets
+from zerodp.plan.units import STAGE_NAMES, STAGES, OwnerLedger, plan_buckets
 
 FP32 = 4
 #: the optimizers priced here: elementwise ones shard flat, per-tensor ones by ownership
@@ -96,6 +104,12 @@ def tensor_optimizer(optimizer: str, t: Tensor) -> str:
     if optimizer != "muon":
         return optimizer
     return "muon" if t.block is not None and len(t.shape) == 2 else "adamw"
+
+
+def state_cost(optimizer: str, t: Tensor) -> int:
+    """Elements + step scalars of ``t``'s optimizer state: what owners balance (the engine
+    counts the same from each param group's optimizer class)."""
+    return sum(state_numel(tensor_optimizer(optimizer, t), t.shape))
 
 
 def state_bytes(optimizer: str, t: Tensor) -> int:
@@ -204,61 +218,166 @@ def model_tensors(model, optimizer: str = "adamw") -> list[Tensor]:
 # ------------------------------------------------------------------------------------------
 # Groups and owners, as the engine forms them
 
+def whole_groups(tensors: list[Tensor], stage: int, optimizer: str) -> frozenset[int]:
+    """The param groups whose tensors lie whole on one rank (owner-aligned groups): at stage 3
+    all of them; at stages 1–2 those stepped by a per-tensor optimizer — under ``muon`` Muon's,
+    AdamW's staying flat — or, for an elementwise ``optimizer`` priced here (declared per-tensor,
+    ``optimizer_layout="owner"``), all of them."""
+    everything = frozenset(t.group for t in tensors)
+    if stage == 3 or optimizer in ELEMENTWISE:
+        return everything
+    return frozenset(t.group for t in tensors if tensor_optimizer(optimizer, t) in PER_TENSOR)
+
+
 def plan_groups(tensors: list[Tensor], stage: int, bucket_mb: float = BUCKET_MB,
-                first_bucket_mb: float = FIRST_BUCKET_MB, elem_bytes: float = 2) -> list[list[int]]:
+                first_bucket_mb: float = FIRST_BUCKET_MB, elem_bytes: float = 2,
+                whole: frozenset[int] = frozenset(), n: int = 1) -> list[list[int]]:
     """Indices of ``tensors`` per group in the order the engine lays them out (module
-    docstring): buckets at stages 1–2, units at stage 3."""
+    docstring): buckets at stages 1–2 — those of the param groups in ``whole`` sized to a shard
+    group of ``n`` (:func:`zerodp.plan.units.plan_buckets`) — units at stage 3."""
     if stage == 3:
         blocks = sorted({t.block for t in tensors if t.block is not None})
         members = [[i for i, t in enumerate(tensors) if t.block is None]] + \
             [[i for i, t in enumerate(tensors) if t.block == b] for b in blocks]
         return [sorted(g, key=lambda i: (tensors[i].group, i)) for g in members if g]
     return plan_buckets([t.numel for t in tensors], [t.group for t in tensors], elem_bytes, "bucketed",
-                        bucket_mb, first_bucket_mb)
+                        bucket_mb, first_bucket_mb, whole_groups=whole, shard_size=n)
 
 
-def assign_owners(sizes: list[list[int]], n: int) -> tuple[list[list[int]], list[dict[int, int]]]:
-    """LPT over each group of element counts, loads carried across groups (module docstring):
-    per group, the owner of each tensor and ``{rank: elements}`` for the ranks that own any.
-
-    The same choice as ``min(range(n), key=(mine[r], loads[r], r))`` per tensor, in
-    O(group·log n + loaded ranks) rather than O(group·n): while the group has fewer tensors than
-    ranks, each tensor goes to a rank that owns nothing of the group yet — the next by (loads, r),
-    where the ranks that never owned anything come first, by number."""
-    loads: dict[int, int] = {}
+def assign_owners(sizes: list[list[int]], n: int,
+                  costs: list[list[int]] | None = None) -> tuple[list[list[int]], list[dict[int, int]]]:
+    """Owners of each group of element counts in turn (:meth:`zerodp.plan.units.OwnerLedger.assign`,
+    module docstring), ``costs`` the optimizer state of each tensor (default: its size): per
+    group, the owner of each tensor and ``{rank: elements}`` for the ranks that own any."""
+    ledger = OwnerLedger(n)
     owners, owned = [], []
-    for group in sizes:
-        order = sorted(range(len(group)), key=lambda i: (-group[i], i))
-        own = [0] * len(group)
+    for k, group in enumerate(sizes):
+        own = ledger.assign(group, None if costs is None else costs[k])
         mine: dict[int, int] = {}
-        if len(group) <= n:
-            fresh = (r for r in range(n) if r not in loads)
-            idle = len(loads) < n
-            loaded = iter(sorted(loads, key=lambda r: (loads[r], r)))
-            picks = []
-            for _ in group:
-                r = next(fresh, None) if idle else None
-                if r is None:
-                    idle = False
-                    r = next(loaded)
-                picks.append(r)
-            for i, r in zip(order, picks):
-                own[i] = r
-                mine[r] = group[i]
-        else:
-            heap = [(0, loads.get(r, 0), r) for r in range(n)]
-            heapq.heapify(heap)
-            for i in order:
-                m, load, r = heapq.heappop(heap)
-                own[i] = r
-                mine[r] = m + group[i]
-                heapq.heappush(heap, (m + group[i], load, r))
-        for r, e in mine.items():
-            if e:
-                loads[r] = loads.get(r, 0) + e
+        for size, r in zip(group, own):
+            mine[r] = mine.get(r, 0) + size
         owners.append(own)
         owned.append(mine)
     return owners, owned
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One group (a bucket or a unit) as the engine lays it out for a shard group of ``n``: its
+    tensors (``members``, indices in layout order) and either each one's owner rank (``owners``:
+    owner-aligned, every tensor whole in its owner's slice, guide §12.3) or None (flat: back to
+    back, cut into N even slices). ``slice_numel``: each rank's padded slice."""
+
+    members: tuple[int, ...]
+    owners: tuple[int, ...] | None
+    n: int
+    numel: int
+    slice_numel: int
+
+    @property
+    def padded_numel(self) -> int:
+        return self.n * self.slice_numel
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+
+def group_layouts(tensors: list[Tensor], n: int, stage: int, optimizer: str, bucket_mb: float = BUCKET_MB,
+                  first_bucket_mb: float = FIRST_BUCKET_MB, elem_bytes: float = 2) -> list[GroupLayout]:
+    """Every group of ``tensors`` at ``stage`` (1–3) as the engine lays it out for ``n`` ranks
+    under ``optimizer`` (:func:`whole_groups`, :func:`plan_groups`); owners by
+    :func:`assign_owners`, loads carried across the owner-aligned groups only."""
+    whole = whole_groups(tensors, stage, optimizer)
+    groups = plan_groups(tensors, stage, bucket_mb, first_bucket_mb, elem_bytes, whole, n)
+    aligned = [g for g in groups if tensors[g[0]].group in whole]
+    owners, owned = assign_owners([[tensors[i].numel for i in g] for g in aligned], n,
+                                  [[state_cost(optimizer, tensors[i]) for i in g] for g in aligned])
+    by_group = {id(g): (own, mine) for g, own, mine in zip(aligned, owners, owned)}
+    out = []
+    for g in groups:
+        numel = sum(tensors[i].numel for i in g)
+        if id(g) in by_group:
+            own, mine = by_group[id(g)]
+            out.append(GroupLayout(tuple(g), tuple(own), n, numel, max(mine.values(), default=0)))
+        else:
+            out.append(GroupLayout(tuple(g), None, n, numel, -(-numel // n)))
+    return out
+
+
+class _RankFigures:
+    """Elements and optimizer-state bytes per rank of a shard group of ``n`` (up to a million):
+    a sparse part (the owners of whole tensors) plus piecewise-constant runs over ranks (the flat
+    groups' even slices), so that the fullest rank is found without a list of n entries."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.sparse: dict[int, list[int]] = {}  # rank -> [elements, state bytes]
+        self.steps: dict[int, list[int]] = {}  # rank -> change of [elements, state bytes] from rank - 1 on
+
+    def add(self, rank: int, elements: int, state: int) -> None:
+        e = self.sparse.setdefault(rank, [0, 0])
+        e[0] += elements
+        e[1] += state
+
+    def add_run(self, lo: int, hi: int, elements: int, state: int) -> None:
+        """Ranks ``lo`` to ``hi - 1`` each hold ``elements`` more and ``state`` bytes more."""
+        if lo >= hi:
+            return
+        for r, sign in ((lo, 1), (hi, -1)):
+            d = self.steps.setdefault(r, [0, 0])
+            d[0] += sign * elements
+            d[1] += sign * state
+
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """(lo, hi, elements, state) of the flat part, constant over ranks lo to hi - 1."""
+        out, at, level = [], 0, [0, 0]
+        for r in sorted(self.steps) + [self.n]:
+            if r > at:
+                out.append((at, min(r, self.n), level[0], level[1]))
+                at = r
+            if r < self.n:
+                level = [a + b for a, b in zip(level, self.steps[r])]
+        return [run for run in out if run[0] < self.n]
+
+    def listed(self) -> tuple[list[int], list[int]]:
+        """Elements and state bytes of every rank (for n up to :data:`MAX_LISTED`)."""
+        elements, state = [0] * self.n, [0] * self.n
+        for lo, hi, e, b in self.runs():
+            for r in range(lo, hi):
+                elements[r], state[r] = e, b
+        for r, (e, b) in self.sparse.items():
+            elements[r] += e
+            state[r] += b
+        return elements, state
+
+    def most_state(self) -> int:
+        """The fullest rank's state bytes."""
+        most = 0
+        for lo, hi, _, b in self.runs():
+            inside = [s for r, (_, s) in self.sparse.items() if lo <= r < hi]
+            if len(inside) < hi - lo:
+                inside.append(0)
+            most = max(most, b + max(inside))
+        return most
+
+
+def _flat_runs(figures: _RankFigures, layout: GroupLayout, tensors: list[Tensor], optimizer: str) -> None:
+    """A flat group's share per rank: rank r holds elements [r·s, (r+1)·s) of the group (s its
+    slice), and the optimizer one piece per tensor those cut (its own step scalars, as the
+    engine's per-parameter targets)."""
+    s, numel = layout.slice_numel, layout.numel
+    full = numel // s if s else 0
+    per, scalars = state_numel(tensor_optimizer(optimizer, tensors[layout.members[0]]), (1,))
+    figures.add_run(0, full, s, FP32 * per * s)
+    if full < layout.n and numel > full * s:
+        figures.add_run(full, full + 1, numel - full * s, FP32 * per * (numel - full * s))
+    at = 0
+    for i in layout.members:
+        size = tensors[i].numel
+        if size and scalars:
+            figures.add_run(at // s, (at + size - 1) // s + 1, 0, FP32 * scalars)
+        at += size
 
 
 @dataclass(frozen=True)
@@ -271,7 +390,9 @@ class Ownership(ToDict):
     ``state_bytes`` (optimizer state per rank, or null), ``max_state_bytes`` (the fullest rank:
     what decides the fit), ``mean_state_bytes`` (the Ψ/N share), ``imbalance`` (max/mean
     state), ``master_bytes`` (fp32 master per rank: 4·shard_numel) and
-    ``comm_elements_per_step`` (2 padded_numel at stages 1–2, 3 at stage 3, 2Ψ at stage 0)."""
+    ``comm_elements_per_step`` (2 padded_numel at stages 1–2, 3 at stage 3, 2Ψ at stage 0) and
+    ``largest_group_numel`` (the padded elements of the largest group: at stage 2 its full
+    gradient is held from its first gradient to its ReduceScatter; Ψ at stage 0)."""
 
     optimizer: str
     stage: int
@@ -290,14 +411,16 @@ class Ownership(ToDict):
     imbalance: float
     master_bytes: int
     comm_elements_per_step: int
+    largest_group_numel: int
 
 
 def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
               bucket_mb: float = BUCKET_MB, first_bucket_mb: float = FIRST_BUCKET_MB,
               elem_bytes: float = 2) -> Ownership:
     """What each of ``n`` ranks holds at ``stage`` when ``optimizer`` steps whole tensors
-    (stages 1–3) — or, stage 0, everything on every rank. ``elem_bytes``: bytes of one working
-    parameter, which sizes the buckets (bf16: 2)."""
+    (stages 1–3; the tensors of an elementwise optimizer beside it flat at stages 1–2) — or,
+    stage 0, everything on every rank. ``elem_bytes``: bytes of one working parameter, which
+    sizes the buckets (bf16: 2)."""
     n = check_count("n (ranks per shard group)", n)
     if stage not in STAGES:
         raise ValueError(f"stage must be one of 0 (DP), 1, 2, 3 (ZeRO-1/2/3); got {stage!r}")
@@ -306,28 +429,27 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
         raise ValueError("no tensors to price")
     per = [state_bytes(optimizer, t) for t in tensors]
     total = sum(t.numel for t in tensors)
+    listed = n <= MAX_LISTED
     if stage == 0:
         everything = sum(per)
-        listed = n <= MAX_LISTED
         return Ownership(optimizer, 0, STAGE_NAMES[0], n, len(tensors), 0, total,
                          [total] * n if listed else None, total, total, 0,
                          [everything] * n if listed else None, everything, float(everything), 1.0,
-                         FP32 * total, 2 * total)
-    groups = plan_groups(tensors, stage, bucket_mb, first_bucket_mb, elem_bytes)
-    owners, owned = assign_owners([[tensors[i].numel for i in g] for g in groups], n)
-    states: dict[int, int] = {}
-    loads: dict[int, int] = {}
-    for g, own, mine in zip(groups, owners, owned):
-        for i, r in zip(g, own):
-            states[r] = states.get(r, 0) + per[i]
-        for r, e in mine.items():
-            loads[r] = loads.get(r, 0) + e
-    shard = sum(max(mine.values(), default=0) for mine in owned)
-    mean = sum(per) / n
-    most = max(states.values(), default=0)
-    listed = n <= MAX_LISTED
-    return Ownership(optimizer, stage, STAGE_NAMES[stage], n, len(tensors), len(groups), total,
-                     [loads.get(r, 0) for r in range(n)] if listed else None, shard, n * shard,
-                     n * shard - total, [states.get(r, 0) for r in range(n)] if listed else None,
-                     most, mean, round(most / mean, 6) if mean else 1.0, FP32 * shard,
-                     (3 if stage == 3 else 2) * n * shard)
+                         FP32 * total, 2 * total, total)
+    layouts = group_layouts(tensors, n, stage, optimizer, bucket_mb, first_bucket_mb, elem_bytes)
+    figures = _RankFigures(n)
+    for layout in layouts:
+        if layout.owners is None:
+            _flat_runs(figures, layout, tensors, optimizer)
+            continue
+        for i, r in zip(layout.members, layout.owners):
+            figures.add(r, tensors[i].numel, per[i])
+    shard = sum(layout.slice_numel for layout in layouts)
+    owned, states = figures.listed() if listed else (None, None)
+    everything = sum(b for _, b in figures.sparse.values()) + sum((hi - lo) * b for lo, hi, _, b in figures.runs())
+    mean = everything / n
+    most = figures.most_state()
+    return Ownership(optimizer, stage, STAGE_NAMES[stage], n, len(tensors), len(layouts), total, owned, shard,
+                     n * shard, n * shard - total, states, most, mean, round(most / mean, 6) if mean else 1.0,
+                     FP32 * shard, (3 if stage == 3 else 2) * n * shard,
+                     max(layout.padded_numel for layout in layouts))
