@@ -24,8 +24,9 @@ TOP5 = [(1, 32, 0.040), (2, 32, 0.040), (0, 32, 0.042), (3, 32, 0.045), (1, 16, 
 
 
 def _trials(measured, n=None):
+    """Two rounds of two timed steps each, 10 % either side of the measured step."""
     return tuple(Trial(rank=i, stage=s, micro_batch=m, grad_acc=64 // (2 * m), bucket_mb=0.5,
-                       predicted_s=p, measured_s=t)
+                       predicted_s=p, measured_s=t, steps=(0.9 * t, 0.9 * t, 1.1 * t, 1.1 * t))
                  for i, ((s, m, p), t) in enumerate(zip(TOP5[:n or len(measured)], measured), 1))
 
 
@@ -41,6 +42,7 @@ def test_the_pick_is_plan_autos_and_is_judged_on_the_separate_measurement():
     assert r.regret == pytest.approx(0.056 / 0.050)
     assert r.first_regret == pytest.approx(0.061 / 0.050)
     assert r.prediction_error == pytest.approx(0.042 / 0.056 - 1)
+    assert r.spread(r.pick) == pytest.approx(0.2) and r.noise == pytest.approx(0.2)  # rounds 0.9× and 1.1×
     d = r.to_dict()
     assert d["meets_goal"] is False and d["pick"] == {"stage": 0, "micro_batch": 32}
     assert len(d["choice"]) == 3 and len(d["measured"]) == 5
@@ -58,10 +60,12 @@ def test_the_table_prints_each_setting_with_units_and_the_goal():
     lines = plan_auto.table([good, bad]).splitlines()
     assert "ms per step" in lines[0]
     head = lines[1].split("  ")
-    assert {"regret", "pick ms", "best ms", "pred. error", "regret <= 1.10"} <= {h.strip() for h in head}
+    assert {"regret", "pick ms", "best ms", "pred. error", "round spread", "regret <= 1.10"} <= {
+        h.strip() for h in head}
     row1, row2 = lines[3], lines[4]
     assert row1.startswith("nano 64×64") and "#1 s1 mb32" in row1 and row1.split()[-1] == "yes"
     assert "1.000" in row1 and "49.0" in row1 and "-18.4%" in row1  # 40 ms predicted / 49 ms - 1
+    assert row1.split()[-2] == "20%"
     assert row2.startswith("tiny 64×128") and "#3 s0 mb32" in row2 and "#5 s1 mb16" in row2
     assert "1.120" in row2 and "1.220" in row2 and row2.split()[-1] == "NO"
     assert lines[-1].startswith("setting: model, sequences × tokens")
@@ -83,11 +87,11 @@ def test_the_command_has_help_and_refuses_bad_input_in_one_line(capsys):
         main(["plan-auto-regret", "-h"])
     assert done.value.code == 0
     text = out.getvalue()
-    for flag in ("--settings", "--nproc", "--top", "--profile", "--out", "--json"):
+    for flag in ("--settings", "--nproc", "--top", "--rounds", "--profile", "--out", "--json"):
         assert flag in text
     assert "regret" in text and plan_auto.DEFAULT_SETTINGS in text.replace("\n", "").replace(" ", "")
     for argv, why in ((["--settings", "nano:64"], "MODEL:SEQ_LEN"), (["--nproc", "1"], "--nproc"),
-                      (["--top", "2"], "--top must be >= 3")):
+                      (["--top", "2"], "--top must be >= 3"), (["--rounds", "1"], "--rounds must be >= 2")):
         assert main(["plan-auto-regret", *argv, "--out", "/nonexistent/never"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and why in err, err

@@ -122,6 +122,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=run_bench_cmd, _config_out="out")  # OUT/config.toml: the resolved settings
 
     from zerodp.bench.plan_auto import DEFAULT_SETTINGS, DEFAULT_TOP, GOAL
+    from zerodp.train.autoplan import ROUNDS
 
     r = sub.add_parser(
         "plan-auto-regret",
@@ -139,6 +140,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--top", type=int, default=DEFAULT_TOP,
                    help=f"K: the planner's top K measured, all that fit when fewer (default {DEFAULT_TOP}, "
                         "at least 3: plan-auto's own candidates)")
+    r.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"rounds of the measurement of the top K (default {ROUNDS}, as the plan-auto trial; "
+                        "more give a steadier reference on a loaded machine)")
     r.add_argument("--profile", default=None,
                    help="calibration profile for every setting (default: calibrate for each setting's "
                         "model, as --plan auto does)")
@@ -211,7 +215,7 @@ def run_plan_auto_regret(args) -> int:
     log = sys.stderr if args.json else sys.stdout
     with contextlib.redirect_stdout(log) if args.json else contextlib.nullcontext():
         results = plan_auto.run(settings, args.nproc, args.top, Path(args.out), args.profile,
-                                say=lambda m: print(m, file=log, flush=True))
+                                say=lambda m: print(m, file=log, flush=True), rounds=args.rounds)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
         return 0

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from zerodp.train.autoplan import TOP, Trial, layout, measured_best
+from zerodp.train.autoplan import ROUNDS, TOP, Trial, layout, measured_best
 
 #: model:seq-len:global-batch-tokens, small enough for 2 CPU ranks on gloo (a few minutes in all)
-DEFAULT_SETTINGS = "nano:64:4096,nano:32:1024,tiny:64:4096,tiny:128:8192,small:128:1024"
+DEFAULT_SETTINGS = "nano:64:4096,nano:32:1024,tiny:64:4096,tiny:128:8192"
 DEFAULT_TOP = 6
 GOAL = 1.10  # regret the choice should stay within (issue 37)
 RESULT_FILE = "plan-auto-regret.json"
@@ -85,6 +86,21 @@ class Result:
     choice: tuple
     measured: tuple
     wall_s: float = float("nan")
+    rounds: int = ROUNDS  # of the measurement
+
+    def spread(self, t: Trial) -> float:
+        """How far one candidate's rounds disagree: (slowest − fastest round's median step) / its
+        measured step (0: the rounds agree; the noise a regret should be read against)."""
+        n = len(t.steps) // self.rounds
+        if n == 0:
+            return float("nan")
+        medians = [statistics.median(t.steps[i * n:(i + 1) * n]) for i in range(self.rounds)]
+        return (max(medians) - min(medians)) / t.measured_s
+
+    @property
+    def noise(self) -> float:
+        """The median over the measured candidates of :meth:`spread`."""
+        return statistics.median(self.spread(t) for t in self.measured)
 
     def _in_measured(self, t: Trial) -> Trial:
         return next(m for m in self.measured if (m.stage, m.micro_batch) == (t.stage, t.micro_batch))
@@ -124,6 +140,7 @@ class Result:
         return dict(setting=asdict(self.setting), label=self.setting.label, wall_s=self.wall_s,
                     regret=self.regret, first_regret=self.first_regret,
                     prediction_error=self.prediction_error, meets_goal=self.regret <= GOAL,
+                    rounds=self.rounds, round_spread=self.noise,
                     pick=dict(stage=self.pick.stage, micro_batch=self.pick.micro_batch),
                     best=dict(stage=self.best.stage, micro_batch=self.best.micro_batch),
                     choice=trials(self.choice), measured=trials(self.measured))
@@ -143,21 +160,24 @@ def table(results: list[Result]) -> str:
         rows.append([r.setting.label, len(r.measured), _short(r.first), _short(r.pick), _short(r.best),
                      f"{r.pick.measured_s * 1e3:.1f}", f"{r.best.measured_s * 1e3:.1f}",
                      f"{r.regret:.3f}", f"{r.first_regret:.3f}", f"{r.pick.predicted_s * 1e3:.1f}",
-                     f"{r.prediction_error * 100:+.1f}%", "yes" if r.regret <= GOAL else "NO"])
+                     f"{r.prediction_error * 100:+.1f}%", f"{r.noise * 100:.0f}%",
+                     "yes" if r.regret <= GOAL else "NO"])
     head = ("plan auto, measured: regret = measured step of its pick / best measured step of the "
             "planner's top K (times: ms per step)")
     text = plain_table(["setting", "K", "planner #1", "plan-auto pick", "measured best", "pick ms",
                         "best ms", "regret", "#1 regret", "pick predicted ms", "pred. error",
-                        f"regret <= {GOAL:.2f}"], rows, title=head, align="lrllllrrrrrrl")
+                        "round spread", f"regret <= {GOAL:.2f}"], rows, title=head, align="lrllllrrrrrrrl")
     legend = ("setting: model, sequences × tokens per sequence per step; #r sS mbM: the planner's "
               "rank r, stage S, micro-batch M per rank; pred. error: predicted / measured step of "
-              "the pick - 1")
+              "the pick - 1; round spread: median over the K of (slowest - fastest round) / the "
+              "candidate's step, the noise to read the regret against")
     return text + "\n" + legend
 
 
 def measure(setting: Setting, nproc: int, top: int, out: Path, profile: str | None = None,
-            say=print) -> Result:
-    """Steps 1-2 of the module docstring for one setting; trial directories go under ``out``."""
+            say=print, rounds: int = ROUNDS) -> Result:
+    """Steps 1-2 of the module docstring for one setting; trial directories go under ``out``.
+    ``rounds``: of the measurement (plan-auto's own trial keeps its :data:`ROUNDS`)."""
     from zerodp.train import autoplan
     from zerodp.train.config import TrainConfig
     from zerodp.train.launch import validate
@@ -172,9 +192,10 @@ def measure(setting: Setting, nproc: int, top: int, out: Path, profile: str | No
     _, record = autoplan.choose(cfg, out, say=say, progress=f"  [{setting.label}] plan-auto trial ")
     choice = tuple(_trial(c) for c in record["candidates"])
     rec, trials = autoplan.candidates(cfg, record["profile"], top=top)
-    say(f"== {setting.label}: measuring the planner's top {len(trials)} of {rec.searched} with the same trial")
-    measured = autoplan.run_trial(cfg, trials, out, progress=f"  [{setting.label}] measurement ")
-    result = Result(setting, choice, tuple(measured), time.perf_counter() - t0)
+    say(f"== {setting.label}: measuring the planner's top {len(trials)} of {rec.searched} with the same trial"
+        + (f", {rounds} rounds" if rounds != ROUNDS else ""))
+    measured = autoplan.run_trial(cfg, trials, out, progress=f"  [{setting.label}] measurement ", rounds=rounds)
+    result = Result(setting, choice, tuple(measured), time.perf_counter() - t0, rounds)
     say(f"== {setting.label}: pick {layout(result.pick)}, regret {result.regret:.3f}, "
         f"prediction error {result.prediction_error * 100:+.1f}% ({result.wall_s:.0f} s)")
     return result
@@ -194,15 +215,17 @@ def machine() -> str:
 
 
 def run(settings: list[Setting], nproc: int, top: int, out: Path, profile: str | None = None,
-        say=print) -> list[Result]:
+        say=print, rounds: int = ROUNDS) -> list[Result]:
     """Every setting in turn; writes ``out/plan-auto-regret.json``."""
     if top < TOP:
         raise ValueError(f"--top must be >= {TOP}: the measurement covers at least plan-auto's own candidates")
+    if rounds < 2:
+        raise ValueError("--rounds must be >= 2: the round spread compares rounds")
     out.mkdir(parents=True, exist_ok=True)
     start = machine()
     t0 = time.perf_counter()
-    results = [measure(s, nproc, top, out / s.slug, profile, say) for s in settings]
-    record = dict(nproc=nproc, top=top, goal=GOAL, machine_before=start, machine_after=machine(),
+    results = [measure(s, nproc, top, out / s.slug, profile, say, rounds) for s in settings]
+    record = dict(nproc=nproc, top=top, rounds=rounds, goal=GOAL, machine_before=start, machine_after=machine(),
                   wall_s=time.perf_counter() - t0, results=[r.to_dict() for r in results])
     (out / RESULT_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return results

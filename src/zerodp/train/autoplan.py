@@ -40,6 +40,8 @@ ROUNDS = 2
 PROFILE_FILE = "calibration.json"
 RESULT_FILE = "plan-auto.json"
 TRIAL_DIR = "plan-auto-trial"
+#: what zerodp calibrate says when a collective's time does not grow over the sizes swept
+WIDEN = "widen the size range"
 DEFAULT_BUCKET_MB = 0.5  # what the prediction prices under --bucket-mb auto (TrainConfig's default)
 
 
@@ -115,14 +117,21 @@ def ensure_profile(cfg: TrainConfig, out: Path, say=print) -> str:
     max_bytes = 1 << max(16, (2 * grad_bytes - 1).bit_length())
     tokens = calibration_tokens(cfg, mc.seq_len)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "zerodp.cli", "calibrate", "--nproc", str(cfg.nproc), "--model",
-           cfg.preset, "--iters", "5", "--max-bytes", str(max_bytes),
-           "--tokens-per-rank", ",".join(map(str, tokens)), "--out", str(path)]
-    say(f"plan auto: no --profile; calibrating this machine on {cfg.nproc} ranks: "
-        f"zerodp {' '.join(cmd[3:])}")
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "zerodp.cli", "calibrate", "--nproc", str(cfg.nproc), "--model",
+               cfg.preset, "--iters", "5", "--max-bytes", str(max_bytes),
+               "--tokens-per-rank", ",".join(map(str, tokens)), "--out", str(path)]
+        say(f"plan auto: no --profile; calibrating this machine on {cfg.nproc} ranks: "
+            f"zerodp {' '.join(cmd[3:])}")
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode == 0:
+            break
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        if attempt == 0 and WIDEN in tail[0]:
+            # small messages on a loaded machine: latency and noise hide the growth with size
+            say(f"plan auto: {tail[0]}; once more with messages up to {8 * max_bytes} bytes")
+            max_bytes *= 8
+            continue
         raise RuntimeError(f"plan auto: zerodp calibrate failed (exit {done.returncode}): {tail[0]}")
     summary = [line for line in done.stdout.splitlines() if line.startswith(("C = ", "overlap:"))]
     for line in summary:
@@ -234,10 +243,11 @@ def trial_worker(cfg_dicts: list[dict], labels: list[str] | None = None) -> list
     return times if rank == 0 else []
 
 
-def run_trial(cfg: TrainConfig, trials: list[Trial], out: Path, progress: str | None = None) -> list[Trial]:
+def run_trial(cfg: TrainConfig, trials: list[Trial], out: Path, progress: str | None = None,
+              rounds: int = ROUNDS) -> list[Trial]:
     """Train each candidate for a few steps (module docstring, step 3); the trials with their
-    measured steps. The trial directories are removed afterwards. With ``progress`` (a prefix),
-    rank 0 prints a line per candidate run as it ends."""
+    measured steps, round by round. The trial directories are removed afterwards. With
+    ``progress`` (a prefix), rank 0 prints a line per candidate run as it ends."""
     import logging
     import uuid
 
@@ -246,7 +256,7 @@ def run_trial(cfg: TrainConfig, trials: list[Trial], out: Path, progress: str | 
     from zerodp.spawn import free_port
 
     where = out / TRIAL_DIR
-    order = [(rnd, t) for rnd in range(ROUNDS) for t in (trials if rnd % 2 == 0 else trials[::-1])]
+    order = [(rnd, t) for rnd in range(rounds) for t in (trials if rnd % 2 == 0 else trials[::-1])]
     cfgs = [asdict(trial_config(cfg, t, where, rnd)) for rnd, t in order]
     labels = None if progress is None else [
         f"{progress}run {i}/{len(order)}, round {rnd + 1}: #{t.rank} {layout(t)}"
