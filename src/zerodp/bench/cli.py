@@ -1,4 +1,5 @@
-"""``zerodp calibrate`` and ``zerodp predict``: measure this machine, then predict a step from it."""
+"""``zerodp calibrate``, ``predict``, ``bench`` and ``plan-auto-regret``: measure this machine, predict a
+step from it, and check the predictions against it."""
 
 from __future__ import annotations
 

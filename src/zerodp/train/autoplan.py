@@ -3,7 +3,8 @@
 1. **Profile.** The run's ``--profile`` (a ``zerodp calibrate`` profile measured on ``--nproc``
    ranks), else ``OUT/calibration.json`` when an earlier ``--plan auto`` in this directory wrote
    one, else ``zerodp calibrate`` runs now (a short sweep: the model's own preset, compute timed at
-   the token counts the candidates run, 5 iterations per message size).
+   the token counts the candidates run, 5 iterations per message size; once more with 8x larger
+   messages when a collective's time did not grow with size).
 2. **Recommend.** :func:`zerodp.plan.recommend` for this machine (1 node × ``--nproc`` ranks, the
    profile's α, W and measured compute) and the run's global batch and sequence length, over what
    the trainer runs: stages 0-3 × the micro-batches that divide the batch exactly, with the run's
