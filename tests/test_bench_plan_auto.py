@@ -99,7 +99,7 @@ def test_the_command_has_help_and_refuses_bad_input_in_one_line(capsys):
 
 @pytest.mark.fuzz
 @pytest.mark.dist
-@pytest.mark.skipif(not MORE, reason="make fuzz (ZERODP_ALL_WORLDS=1): a real 2-rank run, about a minute on 2 CPUs")
+@pytest.mark.skipif(not MORE, reason="make fuzz (ZERODP_ALL_WORLDS=1): two real 2-rank runs, ~2 min on 2 CPUs")
 def test_a_real_run_measures_every_candidate(tmp_path):
     import subprocess
     import sys
@@ -120,3 +120,10 @@ def test_a_real_run_measures_every_candidate(tmp_path):
                 if {"stage": c["stage"], "micro_batch": c["micro_batch"]} == r["pick"])
     assert r["regret"] == pytest.approx(pick["measured_s"] / best) and r["regret"] >= 1
     assert f"{r['regret']:.3f}" in done.stdout.split("plan auto, measured:")[1]
+    # --json: standard output is the JSON alone, the ranks' progress lines go to standard error
+    done = subprocess.run([sys.executable, "-m", "zerodp.cli", "plan-auto-regret", "--settings", "nano:32:512",
+                           "--top", "3", "--profile", str(profile), "--out", str(tmp_path / "json"), "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (r,) = json.loads(done.stdout)
+    assert len(r["measured"]) == 3 and done.stderr.count("measurement run ") == 6

@@ -201,6 +201,27 @@ def run_calibrate(args) -> int:
     return 0
 
 
+class _stdout_to_stderr:
+    """Everything written to standard output meanwhile, by this process and by the ranks it starts
+    (they inherit file descriptor 1), goes to standard error."""
+
+    def __enter__(self):
+        import os
+        import sys
+
+        sys.stdout.flush()
+        self.saved = os.dup(1)
+        os.dup2(2, 1)
+
+    def __exit__(self, *exc):
+        import os
+        import sys
+
+        sys.stdout.flush()
+        os.dup2(self.saved, 1)
+        os.close(self.saved)
+
+
 def run_plan_auto_regret(args) -> int:
     import contextlib
     import sys
@@ -214,7 +235,7 @@ def run_plan_auto_regret(args) -> int:
     t0 = time.perf_counter()
     # progress goes to stderr with --json, so that stdout is the JSON alone
     log = sys.stderr if args.json else sys.stdout
-    with contextlib.redirect_stdout(log) if args.json else contextlib.nullcontext():
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
         results = plan_auto.run(settings, args.nproc, args.top, Path(args.out), args.profile,
                                 say=lambda m: print(m, file=log, flush=True), rounds=args.rounds)
     if args.json:
