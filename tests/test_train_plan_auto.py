@@ -75,3 +75,28 @@ def test_plan_auto_tries_three_and_trains_the_measured_best(tmp_path):
     saved = tomllib.loads((out / "config.toml").read_text())
     assert saved.get("plan") is None and saved["stage"] == best["stage"]
     assert not (out / autoplan.TRIAL_DIR).exists()
+
+
+def test_a_calibration_too_noisy_to_fit_is_retried_once_with_larger_messages(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        if len(calls) == 1:
+            return subprocess.CompletedProcess(cmd, 2, "", f"zerodp calibrate: error: all_gather: time does "
+                                                           f"not grow with size in this sweep; {autoplan.WIDEN}\n")
+        return subprocess.CompletedProcess(cmd, 0, "C = 1.00 GFLOP/s per rank\n", "")
+
+    monkeypatch.setattr(autoplan.subprocess, "run", fake_run)
+    said = []
+    cfg = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=512, nproc=2)
+    assert autoplan.ensure_profile(cfg, tmp_path, said.append) == str(tmp_path / autoplan.PROFILE_FILE)
+    sizes = [int(c[c.index("--max-bytes") + 1]) for c in calls]
+    assert len(calls) == 2 and sizes[1] == 8 * sizes[0]
+    assert any("once more" in s for s in said) and said[-1] == "  C = 1.00 GFLOP/s per rank"
+    calls.clear()
+    monkeypatch.setattr(autoplan.subprocess, "run", lambda cmd, **kw: (
+        calls.append(cmd), subprocess.CompletedProcess(cmd, 2, "", "zerodp calibrate: error: boom\n"))[1])
+    with pytest.raises(RuntimeError, match="boom"):
+        autoplan.ensure_profile(cfg, tmp_path / "other", said.append)
+    assert len(calls) == 1  # another failure is not retried

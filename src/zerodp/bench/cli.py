@@ -1,4 +1,5 @@
-"""``zerodp calibrate`` and ``zerodp predict``: measure this machine, then predict a step from it."""
+"""``zerodp calibrate``, ``predict``, ``bench`` and ``plan-auto-regret``: measure this machine, predict a
+step from it, and check the predictions against it."""
 
 from __future__ import annotations
 
@@ -121,6 +122,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     runconfig.add_config_options(b, "zerodp bench")
     b.set_defaults(func=run_bench_cmd, _config_out="out")  # OUT/config.toml: the resolved settings
 
+    from zerodp.bench.plan_auto import DEFAULT_SETTINGS, DEFAULT_TOP, GOAL
+    from zerodp.train.autoplan import ROUNDS
+
+    r = sub.add_parser(
+        "plan-auto-regret",
+        help="measure zerodp train --plan auto's regret and prediction error on several settings",
+        description="For each setting: the plan-auto choice as zerodp train --plan auto makes it "
+                    "(calibration, recommend's top 3, their trial), then every configuration of the "
+                    "planner's top K measured with the same trial; a table of the regret (measured "
+                    "step of the pick / best measured) and the pick's prediction error "
+                    f"(docs/planner.md; goal: regret <= {GOAL:.2f}).",
+    )
+    r.add_argument("--settings", default=DEFAULT_SETTINGS, metavar="MODEL:SEQ_LEN:TOKENS,...",
+                   help="comma-separated model presets, sequence lengths and global batches in tokens "
+                        f"(default {DEFAULT_SETTINGS})")
+    r.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    r.add_argument("--top", type=int, default=DEFAULT_TOP,
+                   help=f"K: the planner's top K measured, all that fit when fewer (default {DEFAULT_TOP}, "
+                        "at least 3: plan-auto's own candidates)")
+    r.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"rounds of the measurement of the top K (default {ROUNDS}, as the plan-auto trial; "
+                        "more give a steadier reference on a loaded machine)")
+    r.add_argument("--profile", default=None,
+                   help="calibration profile for every setting (default: calibrate for each setting's "
+                        "model, as --plan auto does)")
+    r.add_argument("--out", default="plan-auto-regret",
+                   help="folder for the profiles and plan-auto-regret.json (default plan-auto-regret)")
+    r.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    r.set_defaults(func=run_plan_auto_regret)
+
 
 def trainer_model(name: str, trainer_presets) -> str:
     """``name`` if the trainer can build it; otherwise one sentence: a planner-only model (from
@@ -167,6 +198,53 @@ def run_calibrate(args) -> int:
     print(f"C/W = {hw['flops'] / hw['intra_bw']:.0f} tokens per rank (guide §7: compute-bound above it)")
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s); use it with "
           f"'zerodp plan ... --hardware {args.out}' and 'zerodp predict --profile {args.out}'")
+    return 0
+
+
+class _stdout_to_stderr:
+    """Everything written to standard output meanwhile, by this process and by the ranks it starts
+    (they inherit file descriptor 1), goes to standard error."""
+
+    def __enter__(self):
+        import os
+        import sys
+
+        sys.stdout.flush()
+        self.saved = os.dup(1)
+        os.dup2(2, 1)
+
+    def __exit__(self, *exc):
+        import os
+        import sys
+
+        sys.stdout.flush()
+        os.dup2(self.saved, 1)
+        os.close(self.saved)
+
+
+def run_plan_auto_regret(args) -> int:
+    import contextlib
+    import sys
+    from pathlib import Path
+
+    from zerodp.bench import plan_auto
+
+    settings = plan_auto.parse_settings(args.settings)
+    if _positive("nproc", args.nproc) < 2:
+        raise ValueError("--nproc must be >= 2: --plan auto measures collectives between ranks")
+    t0 = time.perf_counter()
+    # progress goes to stderr with --json, so that stdout is the JSON alone
+    log = sys.stderr if args.json else sys.stdout
+    with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+        results = plan_auto.run(settings, args.nproc, args.top, Path(args.out), args.profile,
+                                say=lambda m: print(m, file=log, flush=True), rounds=args.rounds)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+        return 0
+    print()
+    print(plan_auto.table(results))
+    print(f"{plan_auto.machine()}; {args.nproc} ranks; wrote {Path(args.out) / plan_auto.RESULT_FILE} "
+          f"({time.perf_counter() - t0:.0f} s)")
     return 0
 
 

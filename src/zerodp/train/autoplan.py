@@ -3,7 +3,8 @@
 1. **Profile.** The run's ``--profile`` (a ``zerodp calibrate`` profile measured on ``--nproc``
    ranks), else ``OUT/calibration.json`` when an earlier ``--plan auto`` in this directory wrote
    one, else ``zerodp calibrate`` runs now (a short sweep: the model's own preset, compute timed at
-   the token counts the candidates run, 5 iterations per message size).
+   the token counts the candidates run, 5 iterations per message size; once more with 8x larger
+   messages when a collective's time did not grow with size).
 2. **Recommend.** :func:`zerodp.plan.recommend` for this machine (1 node × ``--nproc`` ranks, the
    profile's α, W and measured compute) and the run's global batch and sequence length, over what
    the trainer runs: stages 0-3 × the micro-batches that divide the batch exactly, with the run's
@@ -40,6 +41,8 @@ ROUNDS = 2
 PROFILE_FILE = "calibration.json"
 RESULT_FILE = "plan-auto.json"
 TRIAL_DIR = "plan-auto-trial"
+#: what zerodp calibrate says when a collective's time does not grow over the sizes swept
+WIDEN = "widen the size range"
 DEFAULT_BUCKET_MB = 0.5  # what the prediction prices under --bucket-mb auto (TrainConfig's default)
 
 
@@ -61,10 +64,20 @@ class Trial:
         return self.measured_s / self.predicted_s
 
 
+def measured_best(trials: list[Trial]) -> Trial:
+    """The trial with the shortest measured step (the first of equals): what ``--plan auto`` trains."""
+    return min(trials, key=lambda t: t.measured_s)
+
+
 def regret(trials: list[Trial]) -> float:
     """Measured step of the planner's first pick / the best measured step (1.0: it was the best)."""
     first = next(t for t in trials if t.rank == 1)
-    return first.measured_s / min(t.measured_s for t in trials)
+    return first.measured_s / measured_best(trials).measured_s
+
+
+def layout(t: Trial) -> str:
+    """``stage 1, micro-batch 32 (grad_acc 1)``: a candidate's layout in words."""
+    return f"stage {t.stage}, micro-batch {t.micro_batch} (grad_acc {t.grad_acc})"
 
 
 def refuse(cfg: TrainConfig, under_torchrun: bool) -> str | None:
@@ -105,14 +118,21 @@ def ensure_profile(cfg: TrainConfig, out: Path, say=print) -> str:
     max_bytes = 1 << max(16, (2 * grad_bytes - 1).bit_length())
     tokens = calibration_tokens(cfg, mc.seq_len)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "zerodp.cli", "calibrate", "--nproc", str(cfg.nproc), "--model",
-           cfg.preset, "--iters", "5", "--max-bytes", str(max_bytes),
-           "--tokens-per-rank", ",".join(map(str, tokens)), "--out", str(path)]
-    say(f"plan auto: no --profile; calibrating this machine on {cfg.nproc} ranks: "
-        f"zerodp {' '.join(cmd[3:])}")
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "zerodp.cli", "calibrate", "--nproc", str(cfg.nproc), "--model",
+               cfg.preset, "--iters", "5", "--max-bytes", str(max_bytes),
+               "--tokens-per-rank", ",".join(map(str, tokens)), "--out", str(path)]
+        say(f"plan auto: no --profile; calibrating this machine on {cfg.nproc} ranks: "
+            f"zerodp {' '.join(cmd[3:])}")
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode == 0:
+            break
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        if attempt == 0 and WIDEN in tail[0]:
+            # small messages on a loaded machine: latency and noise hide the growth with size
+            say(f"plan auto: {tail[0]}; once more with messages up to {8 * max_bytes} bytes")
+            max_bytes *= 8
+            continue
         raise RuntimeError(f"plan auto: zerodp calibrate failed (exit {done.returncode}): {tail[0]}")
     summary = [line for line in done.stdout.splitlines() if line.startswith(("C = ", "overlap:"))]
     for line in summary:
@@ -176,9 +196,10 @@ def trial_config(cfg: TrainConfig, t: Trial, out: Path, rnd: int) -> TrainConfig
                    max_restarts=0, resume=None, plan=None, out=str(out / f"round{rnd}-candidate{t.rank}"))
 
 
-def trial_worker(cfg_dicts: list[dict]) -> list[list[float]]:
+def trial_worker(cfg_dicts: list[dict], labels: list[str] | None = None) -> list[list[float]]:
     """One rank of the trial: every config in turn in one process group; rank 0 returns each
-    run's step times (seconds)."""
+    run's step times (seconds) and, given ``labels`` (one per config), prints a line per run as
+    it ends."""
     import datetime
     import warnings
 
@@ -212,15 +233,22 @@ def trial_worker(cfg_dicts: list[dict]) -> list[list[float]]:
                 finally:
                     sys.stdout = saved
                 times.append(list(summary.get("step_times", [])))
+                if labels and rank == 0:
+                    timed = times[-1][1:]
+                    median = f"{statistics.median(timed) * 1e3:.1f} ms" if timed else "no timed step"
+                    print(f"{labels[len(times) - 1]}: {median} (median of {len(timed)} timed steps)",
+                          flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return times if rank == 0 else []
 
 
-def run_trial(cfg: TrainConfig, trials: list[Trial], out: Path) -> list[Trial]:
+def run_trial(cfg: TrainConfig, trials: list[Trial], out: Path, progress: str | None = None,
+              rounds: int = ROUNDS) -> list[Trial]:
     """Train each candidate for a few steps (module docstring, step 3); the trials with their
-    measured steps. The trial directories are removed afterwards."""
+    measured steps, round by round. The trial directories are removed afterwards. With
+    ``progress`` (a prefix), rank 0 prints a line per candidate run as it ends."""
     import logging
     import uuid
 
@@ -229,15 +257,18 @@ def run_trial(cfg: TrainConfig, trials: list[Trial], out: Path) -> list[Trial]:
     from zerodp.spawn import free_port
 
     where = out / TRIAL_DIR
-    order = [(rnd, t) for rnd in range(ROUNDS) for t in (trials if rnd % 2 == 0 else trials[::-1])]
+    order = [(rnd, t) for rnd in range(rounds) for t in (trials if rnd % 2 == 0 else trials[::-1])]
     cfgs = [asdict(trial_config(cfg, t, where, rnd)) for rnd, t in order]
+    labels = None if progress is None else [
+        f"{progress}run {i}/{len(order)}, round {rnd + 1}: #{t.rank} {layout(t)}"
+        for i, (rnd, t) in enumerate(order, 1)]
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc,
                           run_id=f"zerodp-plan-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
                           monitor_interval=0.2, start_method="spawn")
     try:
-        results = elastic_launch(config, trial_worker)(cfgs)
+        results = elastic_launch(config, trial_worker)(cfgs, labels)
     finally:
         shutil.rmtree(where, ignore_errors=True)
     times = results[0]
@@ -252,7 +283,7 @@ def table(trials: list[Trial]) -> str:
     """Predicted vs measured per candidate, and the regret."""
     from zerodp.plan._common import table as plain_table
 
-    best = min(trials, key=lambda t: t.measured_s)
+    best = measured_best(trials)
     rows = [[t.rank, f"{t.stage}", t.micro_batch, t.grad_acc, f"{t.bucket_mb:g}" if t.bucket_mb != AUTO else "auto",
              f"{t.predicted_s * 1e3:.1f}", f"{t.measured_s * 1e3:.1f}", f"{t.ratio:.2f}",
              "measured best" if t is best else f"+{(t.measured_s / best.measured_s - 1) * 100:.1f}%"]
@@ -266,16 +297,16 @@ def table(trials: list[Trial]) -> str:
                   f"{regret(trials):.3f}")
 
 
-def choose(cfg: TrainConfig, out: Path, say=print) -> tuple[TrainConfig, dict]:
+def choose(cfg: TrainConfig, out: Path, say=print, progress: str | None = None) -> tuple[TrainConfig, dict]:
     """Steps 1-3 of the module docstring: ``(cfg with the measured best layout, the record kept
-    in OUT/plan-auto.json)``."""
+    in OUT/plan-auto.json)``. ``progress``: :func:`run_trial`'s, a line per trial run."""
     profile = ensure_profile(cfg, out, say)
     rec, trials = candidates(cfg, profile)
     say(f"plan auto: recommend searched {rec.searched} configurations in {rec.elapsed_s:.2f} s; "
         f"trying the top {len(trials)} on {cfg.nproc} ranks")
-    trials = run_trial(cfg, trials, out)
+    trials = run_trial(cfg, trials, out, progress)
     say(table(trials))
-    best = min(trials, key=lambda t: t.measured_s)
+    best = measured_best(trials)
     ratios = [t.ratio for t in trials]
     if max(ratios) > 1.25 or min(ratios) < 0.8:
         say(f"plan auto: the predictions are off by {min(ratios):.2f}-{max(ratios):.2f}x on this "
@@ -283,8 +314,7 @@ def choose(cfg: TrainConfig, out: Path, say=print) -> tuple[TrainConfig, dict]:
             "hooks, the data and the loss AllReduce, and the other load on the machine moves both)")
     chosen = replace(cfg, stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb, plan=None,
                      profile=cfg.profile if cfg.profile else (profile if cfg.bucket_mb == AUTO else None))
-    say(f"plan auto: training with stage {best.stage}, micro-batch {best.micro_batch} "
-        f"(grad_acc {best.grad_acc}), bucket {best.bucket_mb} MiB")
+    say(f"plan auto: training with {layout(best)}, bucket {best.bucket_mb} MiB")
     record = dict(profile=profile, searched=rec.searched, recommend_s=rec.elapsed_s,
                   trial_steps=TRIAL_STEPS, rounds=ROUNDS, regret=regret(trials),
                   chosen=dict(stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb),
