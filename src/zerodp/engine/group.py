@@ -313,6 +313,7 @@ class FlatGroup:
                 if param.data_ptr() != held.data_ptr() or param.stride() != held.stride():
                     self.write_param(i, param.detach())
                     param.data = held
+                    self._versions[i] = param._version  # writes into the rebound tensor were taken with it
             self._check_sharded_writes()
             return
         for param, view in zip(self.params, self._full_views):
