@@ -83,8 +83,9 @@ def test_plan_and_import_work_without_torch(venv):
     assert imp.stdout.split()[0] == "False"
 
 
-def test_train_names_the_extra(venv):
-    for argv in (["train", "--steps", "1"], ["sample", "somewhere"]):
+def test_train_names_the_extra(venv, tmp_path):
+    # (sample of a path that does not exist says so first, before anything needs torch)
+    for argv in (["train", "--steps", "1"], ["sample", str(tmp_path)]):
         out = _run([str(venv["bin"] / "zerodp"), *argv])
         assert out.returncode == 2, out.stderr
         err = out.stderr.strip()

@@ -25,7 +25,8 @@ from zerodp.train.progress import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "nano.toml"
-LINE = re.compile(r"^step (\d+)/6 \(\d+%\) \| loss \d+\.\d{3} \|( val \d+\.\d{3} \|)? [\d,]+ tok/s \| \d+ ms/step"
+LINE = re.compile(r"^step (\d+)/6 \(\d+%\) \| loss \d+\.\d{3} \|( val \d+\.\d{3}( @step \d+)? \|)?"
+                  r" [\d,]+ tok/s \| \d+ ms/step"
                   r" \| elapsed \d+:\d\d:\d\d \| ETA (\d+:\d\d:\d\d|\?)$")
 
 

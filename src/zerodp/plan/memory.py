@@ -478,7 +478,7 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
             warnings.append(f"tensor ownership ({optimizer}): at ZeRO-2 the largest bucket, at least N times its "
                             f"largest tensor, holds its full gradient ({fmt_bytes(in_flight)}) from its first "
                             "gradient to its ReduceScatter — more than the gradient shard the table counts")
-            warnings_zh.append(f"张量分配（{optimizer}）：在 ZeRO-2，最大的桶（至少是其中最大张量的 N 倍）从第一个梯度"
+            warnings_zh.append(f"张量分配（{optimizer}）：在 ZeRO-2，最大的桶（至少是其中最大张量的 N 倍）自第一个梯度"
                                f"到 ReduceScatter 之间保存完整梯度（{fmt_bytes(in_flight)}），超过表中计入的梯度分片")
         worst = max(per_tensor[1:], key=lambda o: o.imbalance)
         if worst.imbalance > 1.5:
