@@ -314,10 +314,10 @@ def choose(cfg: TrainConfig, out: Path, say=print, progress: str | None = None) 
             "hooks, the data and the loss AllReduce, and the other load on the machine moves both)")
     chosen = replace(cfg, stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb, plan=None,
                      profile=cfg.profile if cfg.profile else (profile if cfg.bucket_mb == AUTO else None))
-    say(f"plan auto: training with {layout(best)}, bucket {best.bucket_mb} MiB")
     record = dict(profile=profile, searched=rec.searched, recommend_s=rec.elapsed_s,
                   trial_steps=TRIAL_STEPS, rounds=ROUNDS, regret=regret(trials),
-                  chosen=dict(stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb),
+                  chosen=dict(stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb,
+                              layout=f"{layout(best)}, bucket {best.bucket_mb} MiB"),
                   candidates=[dict(asdict(t), steps=list(t.steps)) for t in trials])
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULT_FILE).write_text(json.dumps(record, indent=2) + "\n")

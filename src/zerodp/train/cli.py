@@ -249,7 +249,8 @@ def _plan_auto(args, cfg: TrainConfig, under_torchrun: bool) -> TrainConfig | No
     if why is not None:
         print(f"zerodp train: error: {why}", file=sys.stderr)
         return None
-    chosen, _ = autoplan.choose(cfg, Path(cfg.out), say=lambda m: print(m, flush=True))
+    chosen, record = autoplan.choose(cfg, Path(cfg.out), say=lambda m: print(m, flush=True))
+    print(f"plan auto: training with {record['chosen']['layout']}", flush=True)
     args.stage, args.micro_batch, args.bucket_mb, args.profile = (
         chosen.stage, chosen.micro_batch, chosen.bucket_mb, chosen.profile)
     args.plan = None
