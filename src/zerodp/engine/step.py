@@ -127,7 +127,9 @@ class StepMachine:
         ``no_sync`` backward (the step's last micro-batch ran inside it) are reduced now, on every
         rank alike, at every stage — stage 0 included, where DDP would step each replica on its own
         gradients and let them drift apart. Then the released gradient storages are freed: the
-        optimizer step creates its states next, and nothing reduces again before the next backward."""
+        optimizer step creates its states next, and nothing reduces again before the next backward.
+        What the script did to ``.grad`` meanwhile (``model.zero_grad()``) is read back first."""
+        self._reconcile_grads()
         self._inflight.wait_all()
         pending = [g for g in self.groups if g.grads.has_local]
         for g in pending:
