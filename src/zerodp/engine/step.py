@@ -129,7 +129,8 @@ class StepMachine:
         gradients and let them drift apart. Then the released gradient storages are freed: the
         optimizer step creates its states next, and nothing reduces again before the next backward.
         What the script did to ``.grad`` meanwhile (``model.zero_grad()``) is read back first."""
-        self._reconcile_grads()
+        if any(g.grads.has_local for g in self.groups):
+            self._reconcile_grads()
         self._inflight.wait_all()
         pending = [g for g in self.groups if g.grads.has_local]
         for g in pending:
