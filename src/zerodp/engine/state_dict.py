@@ -532,6 +532,7 @@ class StateContract:
         """Fill master values and optimizer states from ``read(name, kind, start, stop)``, then
         publish the parameters (collective for sharded stages). Call ``load_scalar_state`` first."""
         self._finish_grad_sync()
+        self._take_module_values(fold=True)  # a rebound p.data is taken back before it is overwritten
         self._wait_params()
         self.master.load_pieces(read)
         self._publish_params()
