@@ -2,7 +2,8 @@
 §7, §9, §14; docs/planner.md, "recommend"): the search space walked one point at a time, each point
 priced by recommend with every lever fixed, against the full search. Real configs: Llama 3 8B and
 70B, Mixtral 8x7B (presets), Qwen2.5-32B and Llama-3.2-1B (their config.json); one or more nodes.
-The fuzz marker adds more clusters and batches."""
+The fuzz marker adds more clusters and batches; tests/test_plan_recommend_optimizer.py runs the
+same check with muon and adafactor (``optimizer``)."""
 
 import itertools
 from pathlib import Path
@@ -21,7 +22,7 @@ def _model(name):
     return load_config(DATA / name) if (DATA / name).is_dir() else name
 
 
-def brute_force(model, nodes, tokens, seq, attention="flash"):
+def brute_force(model, nodes, tokens, seq, attention="flash", optimizer="adamw"):
     """Every point of the search space priced alone: (fitting candidates, searched)."""
     n = nodes * 8
     fits, searched = [], 0
@@ -34,7 +35,7 @@ def brute_force(model, nodes, tokens, seq, attention="flash"):
                 r = recommend(model, "H100", nodes, 8, tokens, seq, stages=(stage,),
                               recompute=(rc,), compress=(cp,), bucket_mb=(bk,),
                               micro_batches=(mbs,), shard_sizes_searched=(g,), top=1,
-                              attention=attention)
+                              attention=attention, optimizer=optimizer)
                 searched += r.searched
                 fits += r.candidates
     return fits, searched
@@ -48,10 +49,10 @@ FUZZ = [("llama3-8b", 4, 1 * 2**20, 8192), ("mixtral-8x7b", 2, 16 * 2**20, 2048)
         ("qwen2.5-32b", 16, 4 * 2**20, 4096)]
 
 
-def _check(name, nodes, tokens, seq):
+def _check(name, nodes, tokens, seq, optimizer="adamw"):
     model = _model(name)
-    full = recommend(model, "H100", nodes, 8, tokens, seq, top=5)
-    fits, searched = brute_force(model, nodes, tokens, seq)
+    full = recommend(model, "H100", nodes, 8, tokens, seq, top=5, optimizer=optimizer)
+    fits, searched = brute_force(model, nodes, tokens, seq, optimizer=optimizer)
     assert searched == full.searched and len(fits) == full.fitting
     assert fits, f"{name}: nothing fits on {nodes} nodes (choose a case where something does)"
     fastest = min(c.seconds_per_token for c in fits)

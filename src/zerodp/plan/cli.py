@@ -200,6 +200,15 @@ def _attention(p, default):
                         "stores no s x s scores (what training runs); eager: stores them")
 
 
+def _optimizer(p, default):
+    """--optimizer (plan memory, plan recommend): elementwise ones shard flat, per-tensor ones are
+    priced by tensor ownership (zerodp.plan.ownership, guide §12.3)."""
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=default,
+                   help="adamw/adam/sgd: elementwise, flat shards (k bytes per parameter); "
+                        "adafactor, muon (Muon on the blocks' matrices, AdamW on the rest): whole "
+                        "tensors, priced by tensor ownership (guide §12.3; needs the model's shape)")
+
+
 def _leg(nbytes_or_s, fmt):
     """A leg's bytes or time, "-" when the leg carries nothing."""
     return fmt(nbytes_or_s) if nbytes_or_s else "-"
@@ -552,7 +561,7 @@ def cmd_recommend(args) -> int:
                   compress=(args.compress,) if args.compress else SEARCH_COMPRESSIONS,
                   bucket_mb=(args.bucket_mb,) if args.bucket_mb else BUCKET_MB,
                   micro_batches=(args.mbs,) if args.mbs else None, top=args.top,
-                  headroom=args.headroom, attention=args.attention)
+                  headroom=args.headroom, attention=args.attention, optimizer=args.optimizer)
     return _emit(args, r.to_dict(), text(r))
 
 
@@ -583,10 +592,7 @@ def add_parser(subparsers) -> None:
                                     allow_zero=True),
                    help="optimizer bytes per parameter (default: the precision's, 12 for bf16)")
     p.add_argument("--fp32-grad-acc", action="store_true", help="add the fp32 gradient accumulation buffer")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=MEM["optimizer"],
-                   help="adamw/adam/sgd: elementwise, flat shards (k bytes per parameter); "
-                        "adafactor, muon (Muon on the blocks' matrices, AdamW on the rest): whole "
-                        "tensors, priced by tensor ownership (guide §12.3; needs the model's shape)")
+    _optimizer(p, MEM["optimizer"])
     _alias(p, "--seq-len", "--seq", dest="seq",
            type=_int_qty("seq-len", 1, MAX_SEQ, "ten million tokens at most"),
            help="sequence length: adds activations (default: none counted)")
@@ -717,7 +723,10 @@ def add_parser(subparsers) -> None:
                        description="Search stage x shard group x micro-batch x grad_acc x "
                                    "recomputation x compression x bucket size for a model on a "
                                    "cluster and a target global batch; keep what fits with "
-                                   "headroom; rank by predicted step time (docs/planner.md).",
+                                   "headroom; rank by predicted step time (docs/planner.md). "
+                                   "--optimizer prices each configuration's states and "
+                                   "collectives for that optimizer (tensor ownership for "
+                                   "adafactor and muon, as plan memory).",
                        formatter_class=_Help)
     _common(p, model=True)
     _cluster_options(p)
@@ -728,6 +737,7 @@ def add_parser(subparsers) -> None:
                                                             "ten million tokens at most"),
            default=REC["seq"], help="sequence length")
     _precision(p, MEM["precision"])
+    _optimizer(p, REC["optimizer"])
     _attention(p, REC["attention"])
     p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
                    default=REC["efficiency"], help="fraction of peak FLOP/s the compute reaches")

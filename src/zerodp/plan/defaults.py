@@ -20,11 +20,14 @@ HARDWARE = "H100"
 ATTENTION = ("flash", "eager")
 #: 25 MiB, PyTorch DDP's bucket_cap_mb = 25 and zerodp train's --bucket-mb default (guide §4)
 BUCKET_BYTES = 25 * 2**20
+#: the optimizer memory and recommend price (zerodp.plan.ownership.OPTIMIZERS): AdamW, elementwise,
+#: what zerodp train steps; adafactor and muon are priced by tensor ownership (guide §12.3)
+OPTIMIZER = "adamw"
 
 DEFAULTS: dict[str, dict[str, object]] = {
     # guide §8-§9: the ZeRO paper's example, no activations until a sequence length is given
     "memory": dict(model="zero-7.5b", n=64, hardware=HARDWARE, precision="bf16", k=None,
-                   optimizer="adamw", fp32_grad_acc=False, seq=None, micro_batch=1,
+                   optimizer=OPTIMIZER, fp32_grad_acc=False, seq=None, micro_batch=1,
                    recompute="none", attention="flash", shard_size=None, compress="none",
                    tied=False),
     # guide §4: one backward with bucketed gradient communication
@@ -39,7 +42,7 @@ DEFAULTS: dict[str, dict[str, object]] = {
     # plan recommend: Llama 3 8B on one node of 8 H100, 4Mi tokens of 4,096
     "recommend": dict(model="llama3-8b", hardware=HARDWARE, nodes=1, gpus_per_node=None,
                       global_batch_tokens=float(4 * 2**20), seq=4096, attention="flash",
-                      efficiency=0.5, headroom=0.1),
+                      efficiency=0.5, headroom=0.1, optimizer=OPTIMIZER),
 }
 
 

@@ -39,6 +39,7 @@ Plus, once per model, the paper's input/output terms: embedding dropout mask sbh
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count, check_positive, fmt_bytes
@@ -375,7 +376,7 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     k = float(prec["k"] if k is None else check_range("k (optimizer bytes per parameter)", k, 0,
                                                       MAX_K, "Adam with fp64 states needs 24",
                                                       field="k"))
-    from zerodp.plan.ownership import PER_TENSOR, check_optimizer, model_tensors, ownership
+    from zerodp.plan.ownership import PER_TENSOR, check_optimizer, model_tensors
     owned = check_optimizer(optimizer) in PER_TENSOR
     if owned and k_given:
         raise InputError(f"k (--k) sets the bytes per parameter of an elementwise optimizer; {optimizer} "
@@ -393,8 +394,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     g = check_shard_size(n, shard_size)
     if owned:  # tensor ownership over a shard group of g (stage 2 lays out stage 1's buckets)
         tensors = model_tensors(m, optimizer)
-        zero, one, three = (ownership(tensors, g, s, optimizer, elem_bytes=prec["param_bytes"]) for s in (0, 1, 3))
-        per_tensor = [zero, one, dataclasses.replace(one, stage=2, stage_name=STAGE_NAMES[2]), three]
+        per_tensor = _ownerships(tuple(tensors), g, optimizer, prec["param_bytes"])
+        zero = per_tensor[0]
         k = prec["master_bytes"] + zero.max_state_bytes / zero.params
     warnings, warnings_zh = [], []
     shape = None
@@ -499,6 +500,18 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                       warnings=warnings, assumed_shape=shape, includes_zh=includes_zh,
                       warnings_zh=warnings_zh, shard_size=g, replicas=n // g, optimizer=optimizer,
                       attention=attention)
+
+
+@functools.lru_cache(maxsize=64)
+def _ownerships(tensors: tuple, g: int, optimizer: str, elem_bytes: float) -> tuple:
+    """Tensor ownership at stages 0-3 over a shard group of ``g`` (stage 2 lays out stage 1's
+    buckets); the same for every micro-batch and recomputation, so plan recommend, which asks for
+    many of them, computes it once per shard group."""
+    from zerodp.plan.ownership import ownership
+
+    zero, one, three = (ownership(list(tensors), g, s, optimizer, elem_bytes=elem_bytes)
+                        for s in (0, 1, 3))
+    return (zero, one, dataclasses.replace(one, stage=2, stage_name=STAGE_NAMES[2]), three)
 
 
 def _own(row: dict, o, prec: dict, fp32_grad_acc: bool) -> None:

@@ -11,8 +11,14 @@ attention implementation (``attention``, guide §8: FlashAttention/SDPA by defau
 not searched. Every figure of a candidate comes from one planner function:
 
 * batch: :func:`~zerodp.plan.batch.plan_batch` (gbs rounded to a power of two, guide §6.1);
-* memory: :func:`~zerodp.plan.memory.memory_plan` (states, ZeRO-3's gathered units, activations);
-* communication: :func:`~zerodp.plan.hybrid.step_comm` (each collective by leg, guide §14);
+* memory: :func:`~zerodp.plan.memory.memory_plan` (states, ZeRO-3's gathered units, activations)
+  with ``optimizer``: AdamW's k bytes per parameter, or for a per-tensor optimizer (adafactor,
+  muon) what tensor ownership gives the fullest rank, slice padding included (guide §12.3), the
+  figure ``zerodp plan memory --optimizer`` prints;
+* communication: :func:`~zerodp.plan.hybrid.step_comm` (each collective by leg, guide §14) over
+  the elements the step's collectives move: Ψ for an elementwise optimizer, the padded groups of
+  tensor ownership (:func:`~zerodp.plan.ownership.ownership`'s ``padded_numel``) for a
+  per-tensor one;
 * roofline: :func:`~zerodp.plan.roofline.threshold` (communication-bound below it, guide §7).
 
 The step model (docs/planner.md, "recommend"), per GPU, ``t`` = micro-batch × seq tokens:
@@ -46,6 +52,7 @@ from zerodp.plan.hybrid import step_comm
 from zerodp.plan.defaults import DEFAULTS
 from zerodp.plan.memory import HEADROOM, RECOMPUTE, memory_plan
 from zerodp.plan.models import get_model
+from zerodp.plan.ownership import PER_TENSOR, check_optimizer
 from zerodp.plan.roofline import threshold
 from zerodp.plan.units import MIB, STAGE_NAMES
 
@@ -68,7 +75,9 @@ class Candidate(ToDict):
     """One configuration and its prediction. ``to_dict()`` keys: ``stage``, ``stage_name``,
     ``shard_size`` (g), ``replicas`` (n/g), ``micro_batch``, ``grad_acc``, ``recompute``,
     ``compress``, ``bucket_mb`` (stages 0-2; null at stage 3, whose units are the blocks),
-    ``memory_bytes`` (per GPU, :func:`memory_plan`'s total), ``verdict``, ``compute_s`` (the
+    ``memory_bytes`` (per GPU, :func:`memory_plan`'s total for the optimizer: the fullest rank
+    under tensor ownership), ``comm_elements`` (elements one step's collectives move: 2 per
+    element of the padded groups at stages 0-2, 3 at stage 3), ``verdict``, ``compute_s`` (the
     step's compute), ``comm_s`` (its collectives, slower leg), ``exposed_comm_s``, ``step_s``,
     ``tokens_per_step`` (all GPUs), ``tokens_per_s_per_gpu``, ``mfu``, ``bottleneck`` (leg),
     ``comm_bound`` (tokens per GPU per window below the roofline threshold of guide §7; shown,
@@ -96,6 +105,7 @@ class Candidate(ToDict):
     bottleneck: str
     comm_bound: bool
     lost_because: str = ""
+    comm_elements: float = 0.0
 
     @property
     def seconds_per_token(self) -> float:
@@ -106,7 +116,7 @@ class Candidate(ToDict):
 class Recommendation(ToDict):
     """The answer of :func:`recommend`. ``to_dict()`` keys: ``model`` (name), ``params``,
     ``active_params``, ``hardware``, ``nodes``, ``gpus_per_node``, ``n``, ``global_batch_tokens``
-    (the target), ``seq``, ``samples`` (gbs), ``precision``, ``efficiency``, ``headroom``
+    (the target), ``seq``, ``samples`` (gbs), ``precision``, ``optimizer``, ``efficiency``, ``headroom``
     (fraction of HBM kept free), ``hbm_bytes``, ``searched`` (configurations tried),
     ``candidates`` (the top ones, fastest first), ``fitting`` (how many configurations fit),
     ``rejected`` (one entry per reason: ``reason``, ``count``, ``example``), ``attention``,
@@ -134,6 +144,7 @@ class Recommendation(ToDict):
     fitting: int = 0
     attention: str = DEFAULTS["recommend"]["attention"]
     train_flags: str = ""
+    optimizer: str = DEFAULTS["recommend"]["optimizer"]
 
     @property
     def best(self) -> Candidate | None:
@@ -213,15 +224,18 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
               bucket_mb=BUCKET_MB, micro_batches=None, top: int = 5,
               headroom: float = HEADROOM, calibration=None,
               attention: str = DEFAULTS["recommend"]["attention"],
-              shard_sizes_searched=None) -> Recommendation:
+              shard_sizes_searched=None,
+              optimizer: str = DEFAULTS["recommend"]["optimizer"]) -> Recommendation:
     """The fastest configurations that fit, ranked (module docstring; docs/planner.md).
 
     ``model``: a preset name or :class:`~zerodp.plan.Model` with a shape; ``hardware``: a preset,
     a file or :class:`~zerodp.plan.Hardware` (``gpus_per_node`` overrides its
     ``devices_per_node``); ``global_batch_tokens``: the target (a number or "4M"); ``seq``: the
     sequence length; ``attention``: "flash" or "eager" (the activation model, guide §8);
-    ``shard_sizes_searched``: the g to try (default :func:`shard_sizes`). Raises ValueError (one
-    line naming the input) on bad input.
+    ``shard_sizes_searched``: the g to try (default :func:`shard_sizes`); ``optimizer``: one of
+    :data:`~zerodp.plan.ownership.OPTIMIZERS` (module docstring: memory and collectives as
+    ``zerodp plan memory --optimizer`` prices them). Raises ValueError (one line naming the
+    input) on bad input.
 
     ``calibration``: a profile written by ``zerodp calibrate`` (path, dict or its table) on this
     many ranks. The compute of a micro-batch is then the measured forward + backward at its token
@@ -237,6 +251,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         cal = calibration_for(calibration)
         efficiency = 1.0
     m = get_model(model)
+    owned = check_optimizer(optimizer) in PER_TENSOR
     if not (m.layers and m.hidden and m.heads):
         raise InputError(f"recommend needs the model's shape and {m.name} has none: give a "
                          "config.json (--config) or a preset with a shape", "model")
@@ -290,7 +305,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                     continue
                 mp = memory_plan(m, n, hw, precision, seq=seq, micro_batch=mbs, recompute=rc,
                                  shard_size=g if g < n else None, headroom=headroom,
-                                 attention=attention)
+                                 attention=attention, optimizer=optimizer)
                 for s in stages:
                     if s == 0 and g < n:
                         continue  # hybrid sharding changes nothing at stage 0
@@ -320,10 +335,12 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                         opt_s = optimizer_time(cal["compute"], mbs * seq,
                                                m.params / (g if s > 0 else 1))
                     bwd_s = micro_s - fwd_s
+                    # the elements each collective moves: Ψ, or tensor ownership's padded groups
+                    elements = row["ownership"]["padded_numel"] if owned else m.params
                     for cp in comps:
                         key = (s, g, cp)
                         if key not in comm_cache:
-                            comm_cache[key] = _split_comm(hw, n, s, m.params, g if g < n else None,
+                            comm_cache[key] = _split_comm(hw, n, s, elements, g if g < n else None,
                                                           precision, cp)
                         cm = comm_cache[key]
                         tkey = (g, cp)
@@ -332,7 +349,8 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                                 hw, n, model=m, shard_size=g if g < n else None,
                                 compress=cp).threshold_tokens
                         window_tokens = mbs * seq * (1 if s == 3 else b.grad_acc)
-                        bound = window_tokens < thr_cache[tkey]
+                        # padding moves more per token: the threshold grows with it
+                        bound = window_tokens < thr_cache[tkey] * (elements / m.params)
                         for bk in bks:
                             pieces = units if bk is None else max(
                                 1, math.ceil(cm.grad_bytes / (bk * MIB)))
@@ -360,7 +378,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                                 tokens_per_s_per_gpu=tokens / n / step,
                                 mfu=b.grad_acc * model_flops / (step * hw.flops),
                                 bottleneck="inter" if legs[1] > legs[0] else "intra",
-                                comm_bound=bound)
+                                comm_bound=bound, comm_elements=row["comm_elements_per_step"])
                             kept.append(cand)
     notes = []
     if kept and all(c.comm_bound for c in kept):
@@ -401,7 +419,8 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         searched=searched, candidates=ranked,
         rejected=sorted(rejected.values(), key=lambda r: -r["count"]), notes=notes,
         elapsed_s=time.perf_counter() - start, fitting=len(kept), attention=attention,
-        train_flags=train_flags(best, nodes, gpn, samples * seq, seq, precision) if best else "")
+        train_flags=train_flags(best, nodes, gpn, samples * seq, seq, precision) if best else "",
+        optimizer=optimizer)
 
 
 def train_flags(c: Candidate, nodes: int, gpus_per_node: int, global_batch_tokens: int, seq: int,
@@ -484,7 +503,8 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
             + f"{r.model} (Ψ = {fmt_count(r.params)}"
             + (f", {fmt_count(r.active_params)} active" if r.active_params != r.params else "")
             + f") on {r.nodes} × {r.gpus_per_node} {r.hardware} = {r.n:,} GPUs, global batch "
-            f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, {r.attention} attention, compute at "
+            f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, {r.optimizer} optimizer, {r.attention} attention, "
+            f"compute at "
             f"{r.efficiency:.0%} of peak; fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} "
             f"GB (1 GB = 1e9 B)")
     if r.candidates:
@@ -492,7 +512,9 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
                f"{r.fitting:,} configurations fit; shown: the fastest of each layout (bucket sizes "
                f"folded); ties: within {TIE:.0%} per token",
                f"zerodp train {r.train_flags}  (#1; recompute and attention are the activation "
-               "model's, not zerodp train options)"]
+               "model's, not zerodp train options"
+               + ("" if r.optimizer == "adamw" else f"; zerodp train steps AdamW: run {r.optimizer} "
+                  "through zerodp.parallelize(optimizer=...)") + ")"]
     else:
         out = [head, f"Nothing fits: none of the {r.searched:,} configurations searched fits in "
                      f"{1 - r.headroom:.0%} of HBM (reasons below)."]

@@ -68,6 +68,13 @@ def _lever_params() -> list[Param]:
     ]
 
 
+def _optimizer_param(default: str) -> Param:
+    """The optimizer memory and recommend price (zerodp plan memory/recommend --optimizer):
+    elementwise ones flat, adafactor and muon by tensor ownership (guide §12.3)."""
+    return Param("optimizer", "choice", default, "optimizer (adafactor, muon: tensor ownership)",
+                 choices=lambda: list(plan_ownership.OPTIMIZERS))
+
+
 def _comm_labels(c) -> dict:
     """A step's communication (:class:`~zerodp.plan.StepComm`) with the CLI's own labels."""
     return dict(c.to_dict(), labels={
@@ -156,8 +163,7 @@ class Api:
                 Param("k", "quantity", MEM["k"], "optimizer bytes per parameter k", allow_zero=True,
                       optional=True, maximum=plan.memory.MAX_K,
                       why="Adam with fp64 states needs 24"),
-                Param("optimizer", "choice", MEM["optimizer"], "optimizer (adafactor, muon: tensor ownership)",
-                      choices=lambda: list(plan_ownership.OPTIMIZERS)),
+                _optimizer_param(MEM["optimizer"]),
                 Param("n", "count", MEM["n"], "data-parallel GPUs N",
                       maximum=plan.memory.MAX_GPUS, why="no cluster holds more than a million"),
                 Param("fp32_grad_acc", "flag", MEM["fp32_grad_acc"], "fp32 gradient accumulation"),
@@ -231,6 +237,7 @@ class Api:
                       why="a trillion at most", count_units=True),
                 Param("seq", "count", REC["seq"], "sequence length", maximum=1_000_000,
                       why="a million tokens at most"),
+                _optimizer_param(REC["optimizer"]),
                 Param("attention", "choice", REC["attention"], "attention implementation",
                       choices=lambda: list(ATTENTION)),
                 Param("efficiency", "quantity", REC["efficiency"], "fraction of peak FLOP/s",
@@ -436,11 +443,12 @@ class Api:
 
 
     def recommend(self, model, config, hardware, nodes, gpus_per_node, global_batch_tokens, seq,
-                  attention, efficiency, headroom):
+                  optimizer, attention, efficiency, headroom):
         m = self._config_model(config) if config else model
         r = plan.recommend(m, self.get_hardware(hardware), nodes=nodes,
                            gpus_per_node=gpus_per_node, global_batch_tokens=global_batch_tokens,
-                           seq=seq, attention=attention, efficiency=efficiency, headroom=headroom)
+                           seq=seq, attention=attention, efficiency=efficiency, headroom=headroom,
+                           optimizer=optimizer)
         d = r.to_dict()
         d["columns"] = RECOMMEND_COLUMNS
         d["rows"] = recommend_rows(r)  # the CLI's cells, its rounding

@@ -576,7 +576,8 @@ function renderRecommend(d, panel) {
     return tr;
   });
   const caption = Object.assign(document.createElement("caption"), { textContent: t("recommend.summary", {
-    model: d.model, n: pageLang() === "zh" ? `${d.n.toLocaleString("en")} 张卡` : d.labels.n, samples: d.labels.samples, seq: d.seq.toLocaleString("en"),
+    model: d.model, n: pageLang() === "zh" ? `${d.n.toLocaleString("en")} 张卡` : d.labels.n, optimizer: d.optimizer,
+    samples: d.labels.samples, seq: d.seq.toLocaleString("en"),
     searched: d.searched.toLocaleString("en"), ms: Math.round(d.elapsed_s * 1e3) }) });
   table.replaceChildren(caption, Object.assign(document.createElement("thead"), {}), document.createElement("tbody"));
   table.tHead.append(head);
