@@ -102,6 +102,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also bench ours and each stage's reference peer (DDP, ZeRO-opt + DDP, FSDP2) with the "
                         "model compiled in place first, as zerodp train --compile does (aot_eager on CPU, inductor "
                         "on CUDA); compilation runs in the untimed first step (docs/benchmarks.md)")
+    b.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="what every contender steps: adamw (the default), or muon: torch.optim.Muon on the transformer "
+                        "blocks' 2-D weights + AdamW on the rest, ours at each stage against DDP + Muon/AdamW with "
+                        "replicated state (adds a table of optimizer state and bytes sent per rank)")
     b.add_argument("--out", default="bench-out",
                    help="folder for bench.json/png, roofline.json/png (default bench-out)")
     b.add_argument("--profile", default=None, help="calibration profile: predictions and the auto-bucket row")
@@ -346,7 +350,8 @@ def bench_command_line(args) -> str:
              ("--compress", args.compress, "none"), ("--shard-size", args.shard_size, None),
              ("--profile", args.profile, None), ("--roofline-tokens", args.roofline_tokens, None),
              ("--memory", args.memory, None), ("--malloc", args.malloc, "default"), ("--turn", args.turn, 3),
-             ("--memory-steps", args.memory_steps, 3), ("--memory-repeats", args.memory_repeats, 1)]
+             ("--memory-steps", args.memory_steps, 3), ("--memory-repeats", args.memory_repeats, 1),
+             ("--optimizer", getattr(args, "optimizer", "adamw"), "adamw")]
     words = ["zerodp", "bench"]
     words += [w for w, on in (("--quick", args.quick), ("--calibrate", args.calibrate),
                               ("--roofline", args.roofline), ("--compile", getattr(args, "compile", False))) if on]
@@ -370,6 +375,9 @@ def run_bench_cmd(args) -> int:
     trainer_model(model, PRESETS)
     stages = tuple(_int_list("stages", args.stages))
     regimes = _regimes(args.regimes, args.quick, PRESETS[model].seq_len)
+    optimizer = getattr(args, "optimizer", "adamw")
+    if optimizer == "muon" and args.roofline:
+        raise ValueError("--roofline sweeps stage 0 with AdamW: run it without --optimizer muon")
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     steps = args.steps if args.steps is not None else (2 if args.quick else 6)
     os.makedirs(args.out, exist_ok=True)
@@ -392,7 +400,7 @@ def run_bench_cmd(args) -> int:
                              bucket_mb=args.bucket_mb, stage2_bucket_mb=_stage2_bucket(args.stage2_bucket_mb),
                              profile=profile, compress=_compressions(args.compress), shard_size=args.shard_size,
                              memory=args.memory or ("shared" if args.quick else "fresh"), malloc=args.malloc,
-                             compile=args.compile)
+                             compile=args.compile, optimizer=optimizer)
     t0 = time.perf_counter()
     result = compare.run_bench(spec)
     bench_json = tables.write_json(result, os.path.join(args.out, "bench.json"))
@@ -423,6 +431,10 @@ def run_bench_cmd(args) -> int:
         if compiled:
             print()
             print(compiled)
+        muon = tables.muon_table(result)
+        if muon:
+            print()
+            print(muon)
         if rl is not None:
             print()
             print(roofline.table(rl))

@@ -74,6 +74,14 @@ on CPU, inductor on CUDA), in the same stage group, alternated with the rest. Co
 the build step, which is never timed (its duration is kept, ``first_step_s``, the max over ranks);
 :func:`zerodp.bench.results.compiled_rows` sets compiled against eager and ours against the peer.
 
+**Muon** (``zerodp bench --optimizer muon``, :attr:`BenchSpec.optimizer`): every contender steps
+``torch.optim.Muon`` over the blocks' 2-D weights and AdamW over the rest
+(:func:`zerodp.bench.peers.optimizers_for`); ours at each stage is compared with one peer, DDP with
+the same stock optimizers and their state replicated (``ddp_muon``). All of them live in one group
+where it fits (:func:`zerodp.bench.schedule.stage_groups`). Each contender's optimizer state per
+rank and its last step's loss are kept, and :func:`zerodp.bench.results.muon_rows` sets each against
+the peer's. Nothing else in the bench changes.
+
 On CUDA (``BenchSpec(device="cuda")``, what ``python -m zerodp.bench.gpu_check`` runs): NCCL, rank r
 on ``cuda:r`` (one GPU per rank, so world 1 is allowed there: the comparison then measures fixed
 costs), the device synchronized before each step's start and end time are read, peak memory from
@@ -155,7 +163,9 @@ def _regime_result(spec: BenchSpec, cal: dict | None, regime: Regime, ranks: lis
                             [r[name]["sent"] for r in ranks], r0["options"], r0["own_comm"],
                             r0["first_loss"], wire_bytes=r0.get("wire"),
                             first_step_s=max(r[name]["first_step_s"] for r in ranks),
-                            timed_compiles=max(r[name]["timed_compiles"] for r in ranks))
+                            timed_compiles=max(r[name]["timed_compiles"] for r in ranks),
+                            optimizer_state_bytes=[r[name]["optimizer_states"] for r in ranks],
+                            last_loss=r0["last_loss"])
         if role == "ours":
             c.predicted_wire_bytes = planner_wire_bytes(spec, regime, name)
         if cal is not None:

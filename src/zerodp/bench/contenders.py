@@ -46,6 +46,33 @@ COMPARISONS: dict[int, tuple[str, tuple[str, ...]]] = {
 }
 
 
+class Optimizer(Mode):
+    """``zerodp bench --optimizer``: what every contender steps with. ``adamw``: AdamW over every
+    parameter (the bench as it was). ``muon``: ``torch.optim.Muon`` over the transformer blocks'
+    2-D weights and AdamW over the rest (embeddings, LayerNorms, biases, the LM head), the way Muon
+    is used (:func:`zerodp.bench.peers.optimizers_for`)."""
+
+    ADAMW = "adamw"
+    MUON = "muon"
+
+
+#: ``--optimizer muon``'s one PyTorch peer: DDP with stock Muon + AdamW, their state replicated on
+#: every rank. It is the reference of every stage (ZeRO-opt, FSDP2 have no Muon pairing here).
+MUON_PEER = "ddp_muon"
+CONTENDERS[MUON_PEER] = (0, "peer", "DDP + Muon/AdamW (replicated state)")
+
+#: stage → (ours, peers) under ``--optimizer muon``: ours at each stage against DDP + Muon.
+MUON_COMPARISONS: dict[int, tuple[str, tuple[str, ...]]] = {s: (ours, (MUON_PEER,))
+                                                            for s, (ours, _) in COMPARISONS.items()}
+
+
+def comparisons(optimizer: "Optimizer | str" = Optimizer.ADAMW) -> dict[int, tuple[str, tuple[str, ...]]]:
+    """The comparisons a bench with ``optimizer`` prints: :data:`COMPARISONS`, or under ``muon``
+    :data:`MUON_COMPARISONS`."""
+    return MUON_COMPARISONS if Optimizer.parse(optimizer, "optimizer", optional=False) is Optimizer.MUON \
+        else COMPARISONS
+
+
 
 class Compression(Mode):
     """``zerodp bench --compress`` and ``zerodp predict --compress``: the planner's compression names
@@ -70,7 +97,8 @@ COMPILED = "compiled"  # the name suffix and label part of compiled contenders (
 
 SHORT_LABELS = {"floor": "floor", "ours0": "zerodp", "ddp": "DDP", "ddp_bucket_view": "DDP bucket view",
                 "ours1": "zerodp", "zero_ddp": "ZeRO-opt + DDP", "ours2": "zerodp", "fsdp2_keep": "FSDP2 keep",
-                "ours3": "zerodp", "fsdp2": "FSDP2", "ours0_auto": "zerodp auto bucket"}
+                "ours3": "zerodp", "fsdp2": "FSDP2", "ours0_auto": "zerodp auto bucket",
+                MUON_PEER: "DDP + Muon"}
 
 
 @dataclass(frozen=True)

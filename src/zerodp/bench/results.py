@@ -10,10 +10,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from zerodp.bench.contenders import COMPARISONS, VARIANTS, compiled_peer, is_compiled
+from zerodp.bench.contenders import COMPARISONS, MUON_PEER, VARIANTS, Optimizer, compiled_peer, is_compiled
 from zerodp.bench.spec import BenchSpec, Regime
 
 RATIO_TARGET = 1.05  # ours/PyTorch median step time for stages 0 and 3
+# --optimizer muon at stage 2 (issue 36): optimizer state per rank about N× less than DDP + Muon's
+# (at least this share of N), and bytes sent per step at most this multiple of DDP + Muon's
+MUON_STATE_SHARE = 0.9
+MUON_SENT_TARGET = 1.1
 PREDICTION_TOLERANCE = 0.25  # predicted within ±25 % of measured
 
 
@@ -38,6 +42,10 @@ class ContenderResult:
     predicted_wire_bytes: dict | None = None  # the planner's, by leg (bench.predict)
     first_step_s: float | None = None  # the untimed build step (a compiled model compiles in it), max over ranks
     timed_compiles: int | None = None  # graphs dynamo compiled during the timed steps, max over ranks (0 expected)
+    # per rank: bytes of the optimizer's state alone (counted with the model states, after the
+    # second step's backward); None where not counted (a bench.json from before)
+    optimizer_state_bytes: list[int | None] | None = None
+    last_loss: float = float("nan")  # rank 0's loss of the last step run (same batches for every contender)
 
     @property
     def wire_total(self) -> float | None:
@@ -119,6 +127,7 @@ class BenchResult:
             "rows": [asdict(row) | {"target": row.target} for row in self.rows()],
             "compressed_rows": [asdict(row) for row in compressed_rows(self)],
             "compiled_rows": [asdict(row) for row in compiled_rows(self)],
+            "muon_rows": [asdict(row) for row in muon_rows(self)],
         }
 
 
@@ -142,7 +151,8 @@ def summary_rows(result: BenchResult) -> list[Row]:
         cs = rr.contenders
         floor = cs.get("floor")
         floor_ms = floor.median_s * 1e3 if floor else None
-        pairs = [(s, COMPARISONS[s][0], p) for s in result.spec.stages for p in COMPARISONS[s][1]]
+        comps = result.spec.comparisons
+        pairs = [(s, comps[s][0], p) for s in result.spec.stages for p in comps[s][1]]
         if "ours0_auto" in cs:
             pairs.append((0, "ours0_auto", "ours0"))
         for stage, ours, peer in pairs:
@@ -264,3 +274,71 @@ def compiled_rows(result: BenchResult) -> list[CompiledRow]:
                     c.median_s / cs[against].median_s if against else None))
     return rows
 
+
+
+@dataclass
+class MuonRow:
+    """``zerodp bench --optimizer muon``: one contender (the floor, ours at a stage, DDP + Muon) in
+    one regime, with its step time's median and quartiles, peak memory, optimizer state and bytes
+    sent per rank (rank 0), and the two ratios to DDP + Muon the issue asks about."""
+
+    regime: str
+    tokens_per_rank: int
+    stage: int | None
+    name: str
+    label: str
+    role: str
+    ms: float
+    q1_ms: float | None  # quartiles of the timed steps (None under 2 steps)
+    q3_ms: float | None
+    peak_rss_bytes: int | None
+    optimizer_state_bytes: int | None
+    sent_bytes: float | None  # per step, wchar growth
+    state_less: float | None  # DDP + Muon's optimizer state / this one's (ours only)
+    sent_vs_peer: float | None  # this one's bytes sent / DDP + Muon's (ours only)
+    last_loss: float
+
+
+def muon_rows(result: BenchResult) -> list[MuonRow]:
+    """Per regime: the floor, ours at each stage, then DDP + Muon (empty unless ``--optimizer muon``)."""
+    if result.spec.optimizer is not Optimizer.MUON:
+        return []
+    rows = []
+    for rr in result.regimes:
+        cs = rr.contenders
+        peer = cs.get(MUON_PEER)
+        p_state = peer.optimizer_state_bytes[0] if peer and peer.optimizer_state_bytes else None
+        p_sent = peer.sent_bytes_per_step[0] if peer else None
+        names = ["floor", *(result.spec.comparisons[s][0] for s in result.spec.stages), MUON_PEER]
+        for name in (n for n in names if n in cs):
+            c = cs[name]
+            q = (statistics.quantiles(c.times_s, n=4, method="inclusive") if len(c.times_s) >= 2
+                 else [None, None, None])
+            state = c.optimizer_state_bytes[0] if c.optimizer_state_bytes else None
+            sent = c.sent_bytes_per_step[0]
+            ours = c.role == "ours"
+            rows.append(MuonRow(
+                rr.regime.name, rr.regime.tokens, c.stage, name, c.label, c.role, c.median_s * 1e3,
+                None if q[0] is None else q[0] * 1e3, None if q[2] is None else q[2] * 1e3, c.peak_rss_bytes[0],
+                state, sent, p_state / state if ours and p_state and state else None,
+                sent / p_sent if ours and sent is not None and p_sent else None, c.last_loss))
+    return rows
+
+
+def muon_verdicts(result: BenchResult) -> list[str]:
+    """One sentence per regime on issue 36's target for our stage 2 under ``--optimizer muon``:
+    optimizer state per rank ≈ N× less than DDP + Muon's (at least :data:`MUON_STATE_SHARE` · N)
+    and bytes sent ≤ :data:`MUON_SENT_TARGET` × its; "met" or "MISSED", from the measured figures."""
+    n = result.spec.world_size
+    out = []
+    for r in muon_rows(result):
+        if r.stage != 2 or r.role != "ours":
+            continue
+        state_ok = r.state_less is not None and r.state_less >= MUON_STATE_SHARE * n
+        sent_ok = r.sent_vs_peer is not None and r.sent_vs_peer <= MUON_SENT_TARGET
+        less = "n/a" if r.state_less is None else f"{r.state_less:.2f}×"
+        sent = "n/a" if r.sent_vs_peer is None else f"{r.sent_vs_peer:.3f}×"
+        out.append(f"{r.regime}: stage 2 holds {less} less optimizer state per rank than DDP + Muon "
+                   f"(target ≈ {n}×: {'met' if state_ok else 'MISSED'}) and sends {sent} its bytes per step "
+                   f"(target ≤ {MUON_SENT_TARGET}×: {'met' if sent_ok else 'MISSED'})")
+    return out

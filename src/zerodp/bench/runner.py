@@ -70,7 +70,7 @@ def _warm_up_process(rank: int, world: int, spec: BenchSpec, names: list[str]) -
     regime = Regime("warm-up", 1, 8)
     x, y = make_batches(regime, 256, 1, rank, world, spec.seed, spec.device)[0]
     for name in dict.fromkeys(eager_form(n) for n in names):  # compiled ones compile in their build step
-        c = build(name, make, world, 25.0, None, regime.tokens, spec.shard_size)
+        c = build(name, make, world, 25.0, None, regime.tokens, spec.shard_size, spec.optimizer)
         c.step(x, y)
         del c
         gc.collect()
@@ -119,11 +119,12 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
     from zerodp.bench.peers import build
 
     contenders, peak, first_loss, states, first_s = {}, {}, {}, {}, {}
+    opt_states, last_loss = {}, {}
     for name in names:  # one at a time: its RSS peak while built and stepped once
         dist.barrier()
         with (_CudaPeak() if spec.device is Device.CUDA else probe.PeakMemory()) as mem:
             c = build(name, make, world, bucket_mb.get(name, spec.bucket_mb), spec.profile, regime.tokens,
-                      spec.shard_size)
+                      spec.shard_size, spec.optimizer)
             t0 = time.perf_counter()  # the first step, untimed: a compiled contender compiles in it
             first_loss[name] = float(c.step(*batches[0]))
             settle(c)
@@ -146,13 +147,14 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
         def count_states(c=c, name=name, hook_s=hook_s):
             h0 = time.perf_counter()
             states[name] = c.model_state_bytes()
+            opt_states[name] = None if c.optimizer_state_bytes is None else c.optimizer_state_bytes()
             hook_s[0] = time.perf_counter() - h0
         dist.barrier()
         _device_sync(spec.device)
         w0 = probe.bytes_written() if spec.device is Device.CPU else None
         g0 = compiled_graphs()
         t0 = time.perf_counter()
-        c.step(*batches[k], on_backward=count_states if k == 1 else None)
+        loss = c.step(*batches[k], on_backward=count_states if k == 1 else None)
         settle(c)
         _device_sync(spec.device)
         t1 = time.perf_counter()
@@ -163,6 +165,7 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
             sent[name].append(None if w0 is None else w1 - w0)
             if c.engine is not None:
                 wire[name].append(trace_sent_bytes(c.engine))
+        last_loss[name] = loss  # every contender runs the same batches in the same number of steps
         if bar is not None:
             bar.update()
     out = {}
@@ -173,7 +176,8 @@ def _run_group(rank, world, spec, regime, names, bucket_mb, make, batches, bar) 
                      "sent": statistics.median(s) if s else None, "options": c.options,
                      "own_comm": _own_comm(c) if rank == 0 else {}, "first_loss": first_loss[name],
                      "wire": median_legs(wire[name]), "first_step_s": first_s[name],
-                     "timed_compiles": compiles[name]}
+                     "timed_compiles": compiles[name], "optimizer_states": opt_states.get(name),
+                     "last_loss": float(last_loss[name]) if name in last_loss else float("nan")}
     contenders.clear()
     dist.barrier()
     return out
@@ -195,7 +199,7 @@ def rank_memory(rank: int, world: int, spec: BenchSpec, regime: Regime, name: st
     batches = make_batches(regime, PRESETS[spec.model].vocab_size, spec.memory_steps, rank, world, spec.seed,
                        spec.device)
     with (_CudaPeak() if spec.device is Device.CUDA else probe.PeakMemory()) as mem:
-        c = build(name, make, world, bucket_mb, spec.profile, regime.tokens, spec.shard_size)
+        c = build(name, make, world, bucket_mb, spec.profile, regime.tokens, spec.shard_size, spec.optimizer)
         for x, y in batches:
             c.step(x, y)
             settle(c)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from zerodp.bench.contenders import COMPARISONS, CONTENDERS
+from zerodp.bench.contenders import COMPARISONS, CONTENDERS, MUON_PEER
 
 def timed_rounds(steps: int, turn: int) -> int:
     """Rounds of :func:`schedule` that time at least ``steps`` steps of each contender (a turn of
@@ -46,7 +46,15 @@ def stage_groups(names: list[str], fits: Callable[[list[str]], bool] | None = No
     ``fits``: whether a group fits the machine's memory. A stage group that does not is split:
     ours with its reference peer alone (the comparison stays alternated step by step), then the
     floor and the stage's other contenders in as few groups as fit; the floor's times are pooled
-    over the groups it runs in."""
+    over the groups it runs in.
+
+    Under ``--optimizer muon`` one peer, DDP + Muon, is the reference of every stage: every
+    contender then lives in one group, alternated with all the others, where that fits; where it
+    does not, the peer runs in stage 0's group and the other stages compare with it across groups."""
+    if MUON_PEER in names:
+        whole = ["floor", *(n for n in names if n != "floor")]
+        if fits is None or fits(whole):
+            return [whole]
     by_stage: dict[int, list[str]] = {}
     for name in names:
         stage = CONTENDERS[name][0]
@@ -59,7 +67,8 @@ def stage_groups(names: list[str], fits: Callable[[list[str]], bool] | None = No
             out.append(whole)
             continue
         ours, peers = COMPARISONS[stage]
-        pair = [n for n in (ours, peers[0]) if n in group]
+        reference = next((n for n in group if CONTENDERS[n][1] == "peer"), peers[0])  # the first peer listed
+        pair = [n for n in (ours, reference) if n in group]
         out.append(pair)
         current: list[str] = []
         for name in ["floor", *(n for n in group if n not in pair)]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from zerodp.bench.contenders import COMPARISONS, Compression, compiled_peer, variants_for
+from zerodp.bench.contenders import COMPARISONS, Compression, Optimizer, comparisons, compiled_peer, variants_for
 from zerodp.bench.probe import Malloc
 from zerodp.bench.schedule import timed_rounds
 from zerodp.train.config import Mode
@@ -82,9 +82,21 @@ class BenchSpec:
     # model compiled in place first (zerodp.engine.compiled.compile_in_place: aot_eager on CPU,
     # inductor on CUDA). Compilation runs in the untimed build step (zerodp.bench.runner).
     compile: bool = False
+    # zerodp bench --optimizer: what every contender steps with (zerodp.bench.contenders.Optimizer).
+    # "muon": Muon on the blocks' matrices + AdamW on the rest, ours at each stage against one peer,
+    # DDP + Muon/AdamW with replicated state (zerodp.bench.contenders.MUON_COMPARISONS).
+    optimizer: Optimizer = Optimizer.ADAMW
 
     def __post_init__(self):
         self._parse_modes()
+        if self.optimizer is Optimizer.MUON:
+            extra = [flag for flag, on in (("compress", self.compress != (Compression.NONE,)),
+                                           ("shard_size", self.shard_size is not None), ("compile", self.compile),
+                                           ("profile", self.profile is not None)) if on]
+            if extra:
+                raise ValueError(f"optimizer='muon' benches ours at each stage against DDP + Muon only: "
+                                 f"{', '.join(extra)} (variants, compiled peers, the planner's AdamW predictions) "
+                                 "apply to optimizer='adamw'")
         least = 1 if self.device is Device.CUDA else 2
         if self.world_size < least:
             raise ValueError(f"world_size must be >= {least} to compare data-parallel engines on "
@@ -128,6 +140,7 @@ class BenchSpec:
         put("device", Device.parse(self.device, "device", optional=False))
         put("memory", Memory.parse(self.memory, "memory", optional=False))
         put("malloc", Malloc.parse(self.malloc, "malloc", optional=False))
+        put("optimizer", Optimizer.parse(self.optimizer, "optimizer", optional=False))
         try:
             put("compress", tuple(Compression.parse(c, "compress", optional=False) for c in self.compress))
         except ValueError:
@@ -151,12 +164,18 @@ class BenchSpec:
         (:func:`zerodp.bench.contenders.variants_for`)."""
         return [v.name for v in variants_for(stage, self.compress, self.shard_size is not None, self.compile)]
 
+    @property
+    def comparisons(self) -> dict[int, tuple[str, tuple[str, ...]]]:
+        """stage → (ours, peers) for this bench's optimizer (:func:`zerodp.bench.contenders.comparisons`)."""
+        return comparisons(self.optimizer)
+
     def contenders(self, with_auto: bool) -> list[str]:
         names = ["floor"]
         for s in self.stages:
-            ours, peers = COMPARISONS[s]
-            names += [ours, *peers, *self.variants(s), *([compiled_peer(s)] if self.compile else [])]
-        if with_auto and 0 in self.stages:
+            ours, peers = self.comparisons[s]
+            names += [ours, *(p for p in peers if p not in names), *self.variants(s),
+                      *([compiled_peer(s)] if self.compile else [])]
+        if with_auto and 0 in self.stages and self.optimizer is Optimizer.ADAMW:
             names.append("ours0_auto")
         return names
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from zerodp.bench.contenders import COMPARISONS, CONTENDERS, VARIANTS, compiled_peer, short_label
+from zerodp.bench.contenders import CONTENDERS, VARIANTS, Optimizer, compiled_peer, short_label
 from zerodp.bench.probe import Malloc
-from zerodp.bench.results import BenchResult, compiled_rows, compressed_rows, display_label
+from zerodp.bench.results import BenchResult, compiled_rows, compressed_rows, display_label, muon_rows, muon_verdicts
 from zerodp.bench.spec import Device
 from zerodp.plan.units import MIB
 
@@ -20,7 +20,8 @@ def contenders_table(result: BenchResult) -> str:
     """Every contender of every regime: median, overhead, memory, bytes, prediction."""
     spec = result.spec
     ranks = "NCCL ranks (one GPU each)" if spec.device is Device.CUDA else "gloo ranks × 1 thread"
-    lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, AdamW), {spec.world_size} {ranks}, "
+    lines = [f"model {spec.model} ({result.params / 1e6:.2f}M params, fp32, {optimizer_words(spec.optimizer)}), "
+             f"{spec.world_size} {ranks}, "
              f"{spec.warmup} warm-up steps, then turns of {spec.turn} steps alternated, the first untimed; "
              "times: median of the per-step max over ranks; memory, states, sent: rank 0"
              + ("; peak RSS with glibc's mmap threshold fixed at 128 KiB (--malloc mmap)"
@@ -52,6 +53,44 @@ def contenders_table(result: BenchResult) -> str:
             lines.append(line)
     return "\n".join(lines)
 
+
+
+def optimizer_words(optimizer: Optimizer) -> str:
+    return "AdamW" if optimizer is Optimizer.ADAMW else "Muon on the blocks' matrices + AdamW on the rest"
+
+
+def muon_table(result: BenchResult) -> str:
+    """``zerodp bench --optimizer muon``: per regime the floor, ours at each stage and DDP + Muon:
+    median and IQR of the step, peak memory, optimizer state and bytes sent per rank, the ratios to
+    DDP + Muon, the last step's loss; then issue 36's stage-2 targets, met or missed ("" otherwise)."""
+    rows = muon_rows(result)
+    if not rows:
+        return ""
+    spec = result.spec
+    peak = "peak GPU MiB" if spec.device is Device.CUDA else "peak RSS MiB"
+    width = max(38, *(len(r.label) + 1 for r in rows))
+    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<{width}}{'median ms':>10}{'IQR ms':>16}"
+             f"{peak:>13}{'opt-state MiB':>14}{'DDP/ours':>9}{'sent MiB/step':>14}{'ours/DDP':>9}{'last loss':>11}"]
+
+    def f(v, fmt, width):
+        return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+    for r in rows:
+        iqr = "" if r.q1_ms is None else f"{r.q1_ms:.1f}-{r.q3_ms:.1f}"
+        stage = "-" if r.stage is None else str(r.stage)
+        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{stage:>6}  {r.label:<{width}}{r.ms:>10.1f}{iqr:>16}"
+                     f"{_mib(r.peak_rss_bytes):>13}{f(None if r.optimizer_state_bytes is None else r.optimizer_state_bytes / MIB, '.3f', 14)}"
+                     f"{f(r.state_less, '.2f', 9)}{f(None if r.sent_bytes is None else r.sent_bytes / MIB, '.2f', 14)}"
+                     f"{f(r.sent_vs_peer, '.3f', 9)}{r.last_loss:>11.6f}")
+    memory = (f"built and stepped {spec.memory_steps} times alone in a fresh group" if spec.memory.value == "fresh"
+              else "over the build and first step, in the timing group")
+    lines.append(f"Muon (lr 0.02) on the transformer blocks' 2-D weights, AdamW (lr 3e-4) on the rest, every row; "
+                 f"median and IQR (quartiles) of the timed steps, each the max over ranks; {peak} on rank 0, {memory}; "
+                 "opt-state: rank 0's optimizer state (every tensor in it, step counters included), counted after "
+                 "the second step's backward; DDP/ours: DDP + Muon's opt-state / this row's; sent: rank 0's wchar "
+                 "growth per step (median); ours/DDP: this row's sent / DDP + Muon's; last loss: rank 0's loss of the "
+                 "last step each ran, the same batches after the same number of updates")
+    lines += muon_verdicts(result)
+    return "\n".join(lines)
 
 
 def compressed_table(result: BenchResult) -> str:
@@ -149,7 +188,7 @@ def plot(result: BenchResult, path: str) -> str:
         x = 0.0
         ticks, tick_labels = [], []
         for stage in result.spec.stages:
-            ours, peers = COMPARISONS[stage]
+            ours, peers = result.spec.comparisons[stage]
             group = [ours, *peers] + (["ours0_auto"] if stage == 0 and "ours0_auto" in rr.contenders else [])
             group += [n for n in result.spec.variants(stage) if n in rr.contenders]
             group += [n for n in (compiled_peer(stage),) if n in rr.contenders]
