@@ -506,8 +506,8 @@ def run_case(case: Case, rank: int, device: str | None = None) -> None:
             engine = None
             if member:
                 engine = _build(case, 999, stage, groups[world], dev, world)  # other values: loading must win
-                engine.load_scalar_state(scalars)
-                engine.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b].to(dev))
+                engine.checkpoint.load_scalar_state(scalars)
+                engine.checkpoint.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b].to(dev))
         quantized = case.quantized(stage)
         used = _UsedParams(engine.module if member and quantized else None)
         layouts = _everyones(engine.layout() if member else None) if compressed else None

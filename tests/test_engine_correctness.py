@@ -144,8 +144,8 @@ def _groups(rank, world, tmp):
         eng.zero_grad()
         sched.step()
     out["lrs"] = [grp["lr"] for grp in opt.param_groups]
-    scalars = eng.scalar_state()
-    pieces = {(p.name, p.kind, p.start, p.stop): p.tensor.clone() for p in eng.state_pieces()}
+    scalars = eng.checkpoint.scalar_state()
+    pieces = {(p.name, p.kind, p.start, p.stop): p.tensor.clone() for p in eng.checkpoint.state_pieces()}
     import torch.distributed as dist
     every: list = [None] * world
     dist.all_gather_object(every, pieces)
@@ -160,7 +160,7 @@ def _groups(rank, world, tmp):
             if n == name and k == kind and s <= a and b <= e:
                 return t[a - s:b - s]
         raise KeyError((name, kind, a, b))
-    out["resume_error"] = _err(lambda: (eng2.load_scalar_state(scalars), eng2.load_state_pieces(read)))
+    out["resume_error"] = _err(lambda: (eng2.checkpoint.load_scalar_state(scalars), eng2.checkpoint.load_state_pieces(read)))
     a, b = eng.full_state_dict(), eng2.full_state_dict()
     out["resume_equal"] = all(torch.equal(a[k], b[k]) for k in a)
     return out
@@ -199,7 +199,7 @@ def _unused(rank, world):
         out[f"{stage}/spare_unchanged"] = all(torch.equal(state[n], before[n]) for n in before if n.startswith("spare"))
         out[f"{stage}/fc_err"] = max((state[n] - p).abs().max().item() for n, p in ref.named_parameters()
                                      if n.startswith("fc"))
-        scalars = eng.scalar_state()["params"]
+        scalars = eng.checkpoint.scalar_state()["params"]
         out[f"{stage}/spare_has_state"] = any(n.startswith("spare") for n in scalars)
     return out
 
@@ -313,13 +313,13 @@ def _misc(rank, world, tmp):
                 sd = eng.full_state_dict()
                 out[f"buffers_in_state_dict/{stage}"] = all(k in sd for k in ("bn.running_mean", "bn.running_var",
                                                                              "bn.num_batches_tracked"))
-                out[f"buffer_pieces/{stage}"] = sorted(p.name for p in eng.state_pieces() if p.kind == "buffer")
+                out[f"buffer_pieces/{stage}"] = sorted(p.name for p in eng.checkpoint.state_pieces() if p.kind == "buffer")
                 full, scalars = _gather_state(eng, list(range(world)))
                 torch.manual_seed(5)
                 fresh = Odd()
                 eng2 = _engine(fresh, stage, units=[fresh.a, fresh.b] if stage == 3 else None)
-                eng2.load_scalar_state(scalars)
-                eng2.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b])
+                eng2.checkpoint.load_scalar_state(scalars)
+                eng2.checkpoint.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b])
                 out[f"buffers_restored/{stage}"] = all(
                     torch.equal(getattr(fresh.bn, b), full[(f"bn.{b}", "buffer")].view_as(getattr(fresh.bn, b)))
                     for b in ("running_mean", "running_var", "num_batches_tracked"))

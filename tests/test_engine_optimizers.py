@@ -280,7 +280,7 @@ def _checkpoint(rank, world, out, root):
         if world == 2:
             src = build(name, 2)
             train(src, rank, world, STEPS)
-            ckpt.save(src.state_pieces(), where, STEPS, {"scalars": src.scalar_state()})
+            ckpt.save(src.checkpoint.state_pieces(), where, STEPS, {"scalars": src.checkpoint.scalar_state()})
         stage = 3 if world == 2 else 1
         dst = build(name, stage, seed=5)
         ck = ckpt.Checkpoint.open(path)

@@ -210,12 +210,12 @@ def _scenarios(rank, world, ckpt):
     # differently initialised engine and continue (world-size independent pieces).
     eng = _engine(_model())
     _train(rank, world, eng, steps=CKPT_STEPS)
-    saved = [(p.name, p.kind, p.start, p.stop, p.tensor.clone().numpy()) for p in eng.state_pieces()]
+    saved = [(p.name, p.kind, p.start, p.stop, p.tensor.clone().numpy()) for p in eng.checkpoint.state_pieces()]
     fresh = _engine(_model(seed=1))
-    fresh.load_scalar_state({"kinds": ["exp_avg", "exp_avg_sq"], "groups": [{"step": float(CKPT_STEPS)}]})
-    fresh.load_state_pieces(lambda name, kind, a, b: torch.from_numpy(ckpt[(name, kind)][a:b]))
+    fresh.checkpoint.load_scalar_state({"kinds": ["exp_avg", "exp_avg_sq"], "groups": [{"step": float(CKPT_STEPS)}]})
+    fresh.checkpoint.load_state_pieces(lambda name, kind, a, b: torch.from_numpy(ckpt[(name, kind)][a:b]))
     losses, _ = _train(rank, world, fresh, steps=CKPT_STEPS, start=CKPT_STEPS)
-    out["ckpt"] = dict(saved=saved, scalars=eng.scalar_state(), losses=losses, state=_state(fresh))
+    out["ckpt"] = dict(saved=saved, scalars=eng.checkpoint.scalar_state(), losses=losses, state=_state(fresh))
     # A/B: fp32 trajectory, counts, peak, trace — prefetch on and off.
     for prefetch in (True, False):
         eng = _engine(_model(), prefetch=prefetch)

@@ -201,7 +201,7 @@ def _checkpoint_across_stages(rank, world, out):
 
     src = zerodp.parallelize(make_gpt(**TRAJECTORY), adamw, stage=1, **FEW_BUCKETS)
     _train(_engine_step(src), rank, world, steps=3)
-    mine = [(p.name, p.kind, p.start, p.stop, p.tensor.numpy().copy()) for p in src.state_pieces()]
+    mine = [(p.name, p.kind, p.start, p.stop, p.tensor.numpy().copy()) for p in src.checkpoint.state_pieces()]
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     sizes = {n: p.numel() for n, p in src.module.named_parameters()}
@@ -213,8 +213,8 @@ def _checkpoint_across_stages(rank, world, out):
     out["ckpt/kinds"] = sorted({k for _, k in store})
 
     dst = zerodp.parallelize(make_gpt(seed=5, **TRAJECTORY), adamw, stage=2, **SMALL_BUCKETS)
-    dst.load_scalar_state(src.scalar_state())
-    dst.load_state_pieces(lambda name, kind, a, b: store[(name, kind)][a:b])
+    dst.checkpoint.load_scalar_state(src.checkpoint.scalar_state())
+    dst.checkpoint.load_state_pieces(lambda name, kind, a, b: store[(name, kind)][a:b])
     before = src.full_state_dict()
     out["ckpt/loaded_err"] = worst({n: max_rel(t, before[n]) for n, t in dst.full_state_dict().items()})
     x, y = gpt_batch(99, world)

@@ -38,8 +38,8 @@ def _ctx(rank, world):
 
 def _everything(engine):
     params = {k: v.clone() for k, v in engine.full_state_dict().items()}
-    pieces = {(p.name, p.kind, p.start): p.tensor.clone() for p in engine.state_pieces()}
-    return params, pieces, engine.scalar_state(), torch.get_rng_state()
+    pieces = {(p.name, p.kind, p.start): p.tensor.clone() for p in engine.checkpoint.state_pieces()}
+    return params, pieces, engine.checkpoint.scalar_state(), torch.get_rng_state()
 
 
 def _unchanged(a, b):

@@ -50,7 +50,7 @@ def _take(engine, step, rank, world, poison_rank=None, clip=True):
 
 def _snapshot(engine):
     params = {k: v.numpy() for k, v in engine.full_state_dict().items()}
-    states = {(p.name, p.kind, p.start): p.tensor.clone().numpy() for p in engine.state_pieces()}
+    states = {(p.name, p.kind, p.start): p.tensor.clone().numpy() for p in engine.checkpoint.state_pieces()}
     return params, states
 
 

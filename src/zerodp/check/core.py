@@ -142,12 +142,12 @@ class Stepped:
 
 
 def gather_state(engine, lead: int = 0):
-    """Collective over the default group: every rank's checkpoint pieces (``engine.state_pieces()``,
+    """Collective over the default group: every rank's checkpoint pieces (``engine.checkpoint.state_pieces()``,
     None where this rank holds no engine) and the optimizer's scalars, assembled into full flat
     tensors by (name, kind), NaN marking what no rank saved; the scalars are rank ``lead``'s."""
     pieces = [] if engine is None else [(p.name, p.kind, p.start, p.stop, p.shape, p.tensor.detach().cpu().clone())
-                                        for p in engine.state_pieces()]
-    scalars = None if engine is None else engine.scalar_state()
+                                        for p in engine.checkpoint.state_pieces()]
+    scalars = None if engine is None else engine.checkpoint.scalar_state()
     everything: list = [None] * dist.get_world_size()
     dist.all_gather_object(everything, (pieces, scalars))
     full: dict = {}

@@ -227,8 +227,8 @@ def run_row(cfg: CheckConfig, rank: int, world: int, stage: int, groups: dict) -
             engine = None
             if member:
                 engine = _build_engine(cfg, s, groups[w], dev, 1)  # other weights: loading must win
-                engine.load_scalar_state(scalars)
-                engine.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b].to(dev))
+                engine.checkpoint.load_scalar_state(scalars)
+                engine.checkpoint.load_state_pieces(lambda n, k, a, b: full[(n, k)][a:b].to(dev))
         if member:
             _perturb(cfg, engine, base_lr)
         for step in steps:

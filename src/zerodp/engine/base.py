@@ -59,7 +59,8 @@ from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory
 from zerodp.engine.nest import cast_floats, grad_tensors
 from zerodp.engine.optim import EngineOptimizer, from_built, is_built
-from zerodp.engine.state_dict import BUFFER, StateContract  # noqa: F401 - BUFFER: zerodp.engine.hf reads it here
+from zerodp.engine.state_dict import (BUFFER, Checkpoint, load_optimizer_state_dict,  # noqa: F401 - BUFFER: hf reads it here
+                                     load_state_dict, optimizer_state_dict, state_dict)
 from zerodp.engine.stats import collect_stats, measured_bytes
 from zerodp.engine.states import StepState
 from zerodp.engine.step import MAX_REDUCE_IN_FLIGHT, StepMachine
@@ -142,7 +143,7 @@ def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     return shard_pg, replica_pg
 
 
-class StageEngine(StepMachine, StateContract, Construction):
+class StageEngine(StepMachine, Construction):
     """Base class of the stage engines; see the module docstring for the subclass contract."""
 
     stage: ClassVar[int] = -1
@@ -216,6 +217,7 @@ class StageEngine(StepMachine, StateContract, Construction):
             self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter", timeout_s=timeout_s)
             self.comm.leg = "world"  # control values (flags, token counts) cross every rank
         self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, self.replica_comm))
+        self.checkpoint = Checkpoint(self)  # pieces, scalars, full tensors, the layout as data
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self._inflight = InFlight()  # gradient collectives issued, not yet waited for
         self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
@@ -499,6 +501,36 @@ class StageEngine(StepMachine, StateContract, Construction):
         return write_chrome_trace(path, [e for rank_events in gathered for e in rank_events])
 
     # ---- standard state dicts, keyed by the model's own names (zerodp.engine.state_dict) ----
+    def state_dict(self, **options) -> dict[str, torch.Tensor]:
+        """Collective: the model's parameters and persistent buffers by name, like
+        ``module.state_dict()`` (see :func:`zerodp.engine.state_dict.state_dict` for options)."""
+        return state_dict(self, **options)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], **options):
+        """Collective: load parameters and buffers by name (each rank copies what it holds)."""
+        return load_state_dict(self, state, **options)
+
+    def optimizer_state_dict(self, **options) -> dict:
+        """Collective: the optimizer's state keyed by parameter name, in the shape
+        ``torch.optim.Optimizer.state_dict()`` uses."""
+        return optimizer_state_dict(self, **options)
+
+    def load_optimizer_state_dict(self, state: dict, **options) -> None:
+        """Collective: load an :meth:`optimizer_state_dict` saved at any stage and world size."""
+        return load_optimizer_state_dict(self, state, **options)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every parameter whole, as fp32 (the master), and every persistent buffer."""
+        return self.checkpoint.full_state_dict()
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the averaged gradient the next ``step`` applies, whole, by parameter name."""
+        return self.checkpoint.full_grad_dict()
+
+    def layout(self) -> list[dict]:
+        """The flat groups as data (:meth:`zerodp.engine.state_dict.Checkpoint.layout`)."""
+        return self.checkpoint.layout()
+
 
     # ---- parameters no rank used (DDP's find_unused_parameters semantics) --------------------
 

@@ -344,7 +344,7 @@ FULL_STATE_DICT = Call("engine.full_state_dict()", "call it on every rank, use t
                        "full_state_dict")
 FULL_GRAD_DICT = Call("engine.full_grad_dict()", "call it on every rank, use the result on rank 0",
                       "full_grad_dict")
-SCALAR_STATE = Call("engine.scalar_state()", "call it on every rank", "scalar_state")
+SCALAR_STATE = Call("engine.checkpoint.scalar_state()", "call it on every rank", "scalar_state")
 GRAD_NORM = Call(
     "the norm of a sharded gradient (p.grad.norm(), torch.linalg.vector_norm(p.grad), "
     "torch.nn.utils.clip_grad_norm_ over the model's parameters)",

@@ -59,7 +59,7 @@ def _check_dir(path: str | os.PathLike) -> Path:
 
 def _is_engine(obj: Any) -> bool:
     return not isinstance(obj, Mapping) and callable(getattr(obj, "state_dict", None)) \
-        and hasattr(obj, "load_state_pieces")
+        and hasattr(obj, "checkpoint")
 
 
 def export_dcp(state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> Path:

@@ -277,7 +277,7 @@ def load_hf(engine: StageEngine, directory: str | os.PathLike, *, strict: bool =
         warnings.warn(msg + "; they are ignored", stacklevel=2)
     reader = SliceReader(index)
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    in_master = (engine.load_frozen_pieces(lambda name, a, b: reader.read(key_of[name], a, b), frozen)
+    in_master = (engine.checkpoint.load_frozen_pieces(lambda name, a, b: reader.read(key_of[name], a, b), frozen)
                  if frozen else set())
     if frozen - in_master and engine.stage == 3:
         raise HFCheckpointError(f"the model has frozen parameters ({sorted(frozen - in_master)[0]}, ...) that "
@@ -302,7 +302,7 @@ def load_hf(engine: StageEngine, directory: str | os.PathLike, *, strict: bool =
         for name, p in module.named_parameters():  # stages 0-2: frozen ones are the module's own tensors
             if name in frozen and name not in in_master:
                 p.copy_(reader.read(key_of[name], 0, p.numel()).reshape(p.shape))
-    engine.load_state_pieces(read)
+    engine.checkpoint.load_state_pieces(read)
     reader.close()
     file_bytes = sum(index.nbytes(k) for k in key_of.values()) + sum(
         index.nbytes(n) for n in buffer_names if n in index.files)
@@ -523,7 +523,7 @@ def save_hf(source: StageEngine | Mapping[str, "torch.Tensor | TensorSource"], d
 
     ``source`` is an engine — a collective that streams (guide §12.1, §12.7): unit by unit (a
     flat group, or a run of its tensors of at most the largest unit's size), every rank lays the
-    pieces of its shard (``engine.state_pieces()``) into a zero buffer of the unit's full tensors
+    pieces of its shard (``engine.checkpoint.state_pieces()``) into a zero buffer of the unit's full tensors
     and the buffers are summed onto rank 0 (the pieces are disjoint, so the sum is exact), which
     writes them at their planned offsets and drops them; so no rank holds more than its shard plus
     one unit's full tensors. Rank 0 gets the path, the others None; a write error is raised on
@@ -580,7 +580,7 @@ def _stream_engine(engine: StageEngine, directory, dtype: torch.dtype, max_shard
     lead = engine.rank == 0
     pieces: dict[str, list] = {}
     buffers: dict[str, torch.Tensor] = {}
-    for pc in engine.state_pieces():
+    for pc in engine.checkpoint.state_pieces():
         if pc.kind == PARAM:
             pieces.setdefault(pc.name, []).append(pc)
         elif pc.kind == BUFFER:

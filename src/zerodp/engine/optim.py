@@ -237,7 +237,7 @@ class EngineOptimizer(torch.optim.Optimizer):
     def index_names(self) -> list[str]:
         """Parameter names in torch's index order: the user's optimizer's order when one was given
         to ``parallelize``, else the engine's param groups in order, named_parameters within each."""
-        return self._engine.optimizer_index_names()
+        return self._engine.checkpoint.optimizer_index_names()
 
     def state_dict(self) -> dict:
         """Collective: torch's format with full tensors (module docstring)."""

@@ -53,15 +53,12 @@ class EngineLike(Protocol):
     buffers: list
     control: Any  # zerodp.engine.comm.Control: user calls, named and bounded
 
+    checkpoint: Any  # Checkpoint, below
+
     @property
     def module(self) -> torch.nn.Module: ...
     def full_state_dict(self) -> dict[str, torch.Tensor]: ...
     def layout(self) -> list[dict]: ...
-    def scalar_state(self) -> dict: ...
-    def load_scalar_state(self, scalars: dict) -> None: ...
-    def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None: ...
-    def _gather_full(self, values: list[torch.Tensor]) -> dict[str, torch.Tensor]: ...
-    def load_frozen_pieces(self, read: Callable[[str, int, int], torch.Tensor], names: set[str]) -> set[str]: ...
 
 BUFFER = "buffer"  # the piece kind of a module buffer (zerodp.engine.base.BUFFER)
 
@@ -178,7 +175,7 @@ def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
     ``load_state_pieces`` afterwards), else the module's own tensor (in its compute dtype)."""
     if not values:
         return
-    done = engine.load_frozen_pieces(lambda name, a, b: _flat(values[name], engine.device, engine.master_dtype)[a:b],
+    done = engine.checkpoint.load_frozen_pieces(lambda name, a, b: _flat(values[name], engine.device, engine.master_dtype)[a:b],
                                      set(values))
     params = dict(engine.module.named_parameters())
     for name, value in values.items():
@@ -272,7 +269,7 @@ def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
         return held[(name, kind, start, stop)]  # kept as it is (optimizer states, missing keys)
 
     _load_frozen(engine, {n: values[n] for n in names.frozen if n in values})
-    engine.load_state_pieces(read)
+    engine.checkpoint.load_state_pieces(read)
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -323,7 +320,7 @@ def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
     group. With ``rank0_only`` the other ranks return ``{}`` after taking part in the gathers.
     """
     master = engine.master
-    scalars = engine.scalar_state()  # collective
+    scalars = engine.checkpoint.scalar_state()  # collective
     kinds = list(scalars.get("kinds", []))
     stepped = _stepped_names(engine)  # collective
     full_kinds: dict[str, dict[str, torch.Tensor]] = {}
@@ -332,7 +329,7 @@ def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
         for t in master.targets:
             v = master.optimizer.state.get(t.tensor, {}).get(kind)
             values.append(v if torch.is_tensor(v) and v.shape == t.tensor.shape else torch.zeros_like(t.tensor))
-        full_kinds[kind] = engine._gather_full(values)
+        full_kinds[kind] = engine.checkpoint._gather_full(values)
     whole = _gather_whole_states(engine)  # collective; Adafactor's row/column factors
     param_kinds = scalars.get("param_kinds", {})
     if rank0_only and engine.rank != 0:
@@ -453,7 +450,7 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
     if owner:
         scalars.update(param_kinds=param_kinds,
                        whole={n: {k: list(sh) for k, sh in w.items()} for n, w in whole.items()})
-    engine.load_scalar_state(scalars)
+    engine.checkpoint.load_scalar_state(scalars)
     whole_by_piece = {whole_name(n, k): (n, k) for n, w in whole.items() for k in w}
 
     def read(name: str, kind: str, start: int, stop: int) -> torch.Tensor:
@@ -471,7 +468,7 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
             return torch.zeros(stop - start, dtype=engine.master_dtype, device=device)
         return value.detach().reshape(-1)[start:stop].to(device=device, dtype=engine.master_dtype)
 
-    engine.load_state_pieces(read)
+    engine.checkpoint.load_state_pieces(read)
 
 
 def _check_optimizer_state(names: _Names, group_of: dict[str, int], n_groups: int, saved_state: Mapping,
@@ -511,19 +508,23 @@ def _check_optimizer_state(names: _Names, group_of: dict[str, int], n_groups: in
 
 
 # ---- the engine's side of the contract ------------------------------------------------------------
-class StateContract:
-    """The checkpoint and state-dict contract of every stage engine (mixed into
-    :class:`~zerodp.engine.base.StageEngine`): the pieces each rank saves and loads, the
-    optimizer's scalars, full tensors gathered from the shards, the flat layout as data, and
-    the standard state dicts by name (the functions above)."""
+class Checkpoint:
+    """The checkpoint contract of a stage engine, one part of it (``engine.checkpoint``): the
+    pieces each rank saves and loads, the optimizer's scalars, full tensors gathered from the
+    shards, the flat layout as data. The standard state dicts by name (the functions above) are
+    built on it; the engine's ``state_dict`` and friends call them."""
+
+    def __init__(self, engine: "EngineLike"):
+        self.engine = engine
+        self.control = engine.control  # user_call: the calls below are named and bounded
 
     def state_pieces(self) -> list[Piece]:
         """The master values and optimizer states this rank saves: disjoint across ranks, and
         together they cover every element of every parameter (padding excluded)."""
-        self._finish_grad_sync()
-        pieces = self.master.pieces(ranges=self._owned_range)
-        if self.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
-            for name, sub, local in self.buffers:
+        self.engine._finish_grad_sync()
+        pieces = self.engine.master.pieces(ranges=self._owned_range)
+        if self.engine.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
+            for name, sub, local in self.engine.buffers:
                 buf = getattr(sub, local)
                 pieces.append(Piece(name, BUFFER, 0, buf.numel(), tuple(buf.shape), buf.detach().reshape(-1)))
         return pieces
@@ -531,12 +532,12 @@ class StateContract:
     def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill master values and optimizer states from ``read(name, kind, start, stop)``, then
         publish the parameters (collective for sharded stages). Call ``load_scalar_state`` first."""
-        self._finish_grad_sync()
-        self._take_module_values(fold=True)  # a rebound p.data is taken back before it is overwritten
-        self._wait_params()
-        self.master.load_pieces(read)
-        self._publish_params()
-        self._wait_params()
+        self.engine._finish_grad_sync()
+        self.engine._take_module_values(fold=True)  # a rebound p.data is taken back before it is overwritten
+        self.engine._wait_params()
+        self.engine.master.load_pieces(read)
+        self.engine._publish_params()
+        self.engine._wait_params()
         self._load_buffers(read)
 
     @torch.no_grad()
@@ -546,7 +547,7 @@ class StateContract:
         ``read(name, start, stop)`` (flattened elements) for those in ``names``;
         ``load_state_pieces`` then publishes them. Returns the names so handled."""
         done: set[str] = set()
-        for g in self.groups:
+        for g in self.engine.groups:
             if FROZEN not in g.groups:
                 continue
             lo = g.master_start
@@ -565,7 +566,7 @@ class StateContract:
         """Every rank reads every buffer (checkpoints written before buffers were saved hold
         none: the model's buffers are then left as they are, with a warning)."""
         missing = []
-        for name, sub, local in self.buffers:
+        for name, sub, local in self.engine.buffers:
             buf = getattr(sub, local)
             try:
                 src = read(name, BUFFER, 0, buf.numel())
@@ -580,9 +581,9 @@ class StateContract:
     @user_call(SCALAR_STATE)
     def scalar_state(self) -> dict:
         """Collective: the optimizer's scalars (per parameter and per group) from every rank."""
-        mine = self.master.scalar_state()
-        if self.world_size > 1 and self.stage > 0:
-            for other in self.control.all_gather_object(mine):
+        mine = self.engine.master.scalar_state()
+        if self.engine.world_size > 1 and self.engine.stage > 0:
+            for other in self.engine.control.all_gather_object(mine):
                 for name, scalars in other.get("params", {}).items():
                     mine["params"].setdefault(name, scalars)
                 for g, scalars in enumerate(other["groups"]):
@@ -593,18 +594,18 @@ class StateContract:
                     if key in other:
                         for name, value in other[key].items():
                             mine.setdefault(key, {}).setdefault(name, value)
-        return {"stage": self.stage, **mine}
+        return {"stage": self.engine.stage, **mine}
 
     def load_scalar_state(self, scalars: dict) -> None:
-        self.master.load_scalar_state(scalars)
+        self.engine.master.load_scalar_state(scalars)
 
     def _owned_range(self, target: Target) -> tuple[int, int]:
         """Flat range of ``target.layout`` whose state this rank saves: slice r of stage 0's
         replicas, everything a sharded rank holds — on the first replica only under hybrid
         sharding (the others hold the same shards), so that saved pieces are disjoint."""
-        if not self.policy.shard_master:
-            return target.layout.shard_range(self.rank)
-        if self.replica_comm is not None and self.replica_comm.rank > 0:
+        if not self.engine.policy.shard_master:
+            return target.layout.shard_range(self.engine.rank)
+        if self.engine.replica_comm is not None and self.engine.replica_comm.rank > 0:
             return target.flat_start, target.flat_start
         return target.flat_start, target.flat_start + target.tensor.numel()
 
@@ -613,12 +614,12 @@ class StateContract:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
         every persistent buffer (rank 0's values; floating-point ones as fp32)."""
-        self._finish_grad_sync()
-        self._take_module_values(fold=True)  # what the script wrote into the module since the step
-        out = self._gather_full([t.tensor for t in self.master.targets], frozen_from_params=True)
-        for name, p in self._module.named_parameters():  # frozen parameters outside the buffers
+        self.engine._finish_grad_sync()
+        self.engine._take_module_values(fold=True)  # what the script wrote into the module since the step
+        out = self._gather_full([t.tensor for t in self.engine.master.targets], frozen_from_params=True)
+        for name, p in self.engine._module.named_parameters():  # frozen parameters outside the buffers
             if name not in out and p.numel() > 0:
-                out[name] = p.detach().to(self.master_dtype).clone()
+                out[name] = p.detach().to(self.engine.master_dtype).clone()
         out.update(self._buffer_dict())
         return out
 
@@ -627,19 +628,19 @@ class StateContract:
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the averaged gradient the next ``step`` would apply, as
         fp32 tensors by parameter name (gathered from the shards; for inspection and tests)."""
-        self._finish_grad_sync()
-        grads = self._master_grads()
+        self.engine._finish_grad_sync()
+        grads = self.engine._master_grads()
         return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
-                                  for t, g in zip(self.master.targets, grads)])
+                                  for t, g in zip(self.engine.master.targets, grads)])
 
     @torch.no_grad()
     def _buffer_dict(self) -> dict[str, torch.Tensor]:
         out = {}
-        for name, sub, local in self.buffers:
+        for name, sub, local in self.engine.buffers:
             buf = getattr(sub, local).detach().clone()
-            if self.world_size > 1:
-                self._broadcast_from_rank0([buf])
-            out[name] = buf.to(self.master_dtype) if buf.is_floating_point() else buf
+            if self.engine.world_size > 1:
+                self.engine._broadcast_from_rank0([buf])
+            out[name] = buf.to(self.engine.master_dtype) if buf.is_floating_point() else buf
         return out
 
     def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
@@ -650,15 +651,15 @@ class StateContract:
         whether or not this rank's part holds a target."""
         out: dict[str, torch.Tensor] = {}
         by_group: dict[int, list[int]] = {}
-        for i, t in enumerate(self.master.targets):
+        for i, t in enumerate(self.engine.master.targets):
             by_group.setdefault(id(t.layout), []).append(i)
-        sharded = self.policy.shard_master
-        for g in self.groups:
+        sharded = self.engine.policy.shard_master
+        for g in self.engine.groups:
             layout = g.layout
             lo, hi = g.shard_range if sharded else (0, layout.padded_numel)
-            local = torch.zeros(hi - lo, dtype=self.master_dtype, device=self.device)
+            local = torch.zeros(hi - lo, dtype=self.engine.master_dtype, device=self.engine.device)
             for i in by_group.get(id(layout), []):
-                t = self.master.targets[i]
+                t = self.engine.master.targets[i]
                 local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i].reshape(-1))
             if frozen_from_params:  # frozen parameters of a unit live in its master shard only
                 for slot, grp in zip(layout.slots, g.groups):
@@ -666,7 +667,7 @@ class StateContract:
                     if grp == FROZEN and a < b:
                         local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
             if sharded and g.comm.world_size > 1:
-                flat = torch.empty(layout.padded_numel, dtype=self.master_dtype, device=self.device)
+                flat = torch.empty(layout.padded_numel, dtype=self.engine.master_dtype, device=self.engine.device)
                 g.comm.all_gather(flat, local, "gather_full", async_op=False)
             else:
                 flat = local
@@ -684,12 +685,12 @@ class StateContract:
         parameter elements in each rank's slice, and the imbalance (largest slice over the mean)
         in elements and in fp32 master bytes."""
         out = []
-        for i, g in enumerate(self.groups):
+        for i, g in enumerate(self.engine.groups):
             d = g.layout.to_dict()
             trainable = [grp for grp in g.groups if grp != FROZEN]
             d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
-                     options=self.group_options[trainable[0]] if trainable else None,
-                     dtype=str(g.param_dtype), sharded=self.policy.shard_master,
+                     options=self.engine.group_options[trainable[0]] if trainable else None,
+                     dtype=str(g.param_dtype), sharded=self.engine.policy.shard_master,
                      owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)],
                      cost={**g.layout.cost(g.param_dtype.itemsize),
                            "imbalance_bytes": g.layout.cost(4)["imbalance_bytes"]})
@@ -701,45 +702,27 @@ class StateContract:
         elements and bytes (compute dtype), this rank's parameter elements and the most any rank
         owns, and the imbalance in fp32 master bytes (the most loaded rank's master over the
         mean's; optimizer states scale with it)."""
-        world = self.shard_comm.world_size if self.policy.shard_master else 1
+        world = self.engine.shard_comm.world_size if self.engine.policy.shard_master else 1
         owned = [0] * world
         padding = padding_bytes = 0
-        for g in self.groups:
+        for g in self.engine.groups:
             c = g.layout.cost(g.param_dtype.itemsize)
             padding += c["padding"]
             padding_bytes += c["padding_bytes"]
-            if self.policy.shard_master:
+            if self.engine.policy.shard_master:
                 owned = [a + b for a, b in zip(owned, c["owned_numel"])]
             else:
                 owned[0] += g.layout.numel
         mean = sum(owned) / len(owned)
-        return {"placement": self.placement, "padding": padding, "padding_bytes": padding_bytes,
+        return {"placement": self.engine.placement, "padding": padding, "padding_bytes": padding_bytes,
                 "owned_numel": owned, "max_owned_numel": max(owned),
                 "imbalance_bytes": round((max(owned) - mean) * 4, 3)}
 
-    def state_dict(self, **options) -> dict[str, torch.Tensor]:
-        """Collective: the model's parameters and persistent buffers by name, like
-        ``module.state_dict()`` (see :func:`zerodp.engine.state_dict.state_dict` for options)."""
-        return state_dict(self, **options)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], **options):
-        """Collective: load parameters and buffers by name (each rank copies what it holds)."""
-        return load_state_dict(self, state, **options)
-
-    def optimizer_state_dict(self, **options) -> dict:
-        """Collective: the optimizer's state keyed by parameter name, in the shape
-        ``torch.optim.Optimizer.state_dict()`` uses."""
-        return optimizer_state_dict(self, **options)
-
-    def load_optimizer_state_dict(self, state: dict, **options) -> None:
-        """Collective: load an :meth:`optimizer_state_dict` saved at any stage and world size."""
-        return load_optimizer_state_dict(self, state, **options)
-
     def optimizer_index_names(self) -> list[str]:
         """Trainable parameter names in torch's optimizer index order (:mod:`zerodp.engine.optim`)."""
-        rule = self.config.param_groups
-        names = [n for n, _ in self.named_params]
+        rule = self.engine.config.param_groups
+        names = [n for n, _ in self.engine.named_params]
         if isinstance(rule, UserGroups):
-            by_id = {id(p): n for n, p in self.named_params}
+            by_id = {id(p): n for n, p in self.engine.named_params}
             return [by_id[i] for i in rule.order if i in by_id]
-        return [n for g in range(len(self.group_options)) for n, gi in zip(names, self.param_group_of) if gi == g]
+        return [n for g in range(len(self.engine.group_options)) for n, gi in zip(names, self.engine.param_group_of) if gi == g]

@@ -166,7 +166,7 @@ def collect_stats(engine) -> EngineStats:
         exposed_comm_s=sum(c.wait_s for c in colls.values()), compute_s=compute,
         step_time_s=engine.last_step_time_s,
         nonfinite=asdict(engine.guard.stats()) if getattr(engine, "guard", None) else {},
-        layout=engine.layout_cost() if hasattr(engine, "layout_cost") else {},
+        layout=engine.checkpoint.layout_cost() if hasattr(engine, "checkpoint") else {},
     )
 
 

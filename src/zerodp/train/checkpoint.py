@@ -2,7 +2,7 @@
 
 Under ZeRO every rank holds a different 1/N of the optimizer state (and, from ZeRO-3, of the
 parameters — guide §9). So each rank saves only what it owns: the engine lists it as *pieces*,
-element ranges ``[start, stop)`` of the flattened full tensors (``engine.state_pieces()``). The pieces
+element ranges ``[start, stop)`` of the flattened full tensors (``engine.checkpoint.state_pieces()``). The pieces
 of all ranks are disjoint and together cover every tensor, so a loader can rebuild any range of
 any tensor from them — which is what lets a checkpoint saved at world 4, stage 3 load at world 2,
 stage 1: the new engine asks ``read(name, kind, start, stop)`` for the ranges *it* owns.

@@ -196,7 +196,7 @@ def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
 
     problem, cache, rng = "", {}, {}
     try:
-        ck.check_pieces(engine.state_pieces())
+        ck.check_pieces(engine.checkpoint.state_pieces())
         scalars = ck.manifest.get("scalars", {})
         kinds, per_param = scalars.get("kinds", []), scalars.get("param_kinds", {})
         for p in engine.master.pieces(kinds=[]):  # the ranges this rank holds (parameters only)
@@ -221,8 +221,8 @@ def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
         got = cache.get((name, kind, start, stop))
         return got if got is not None else ck.read(name, kind, start, stop)
 
-    engine.load_scalar_state(ck.manifest.get("scalars", {}))
-    engine.load_state_pieces(read)
+    engine.checkpoint.load_scalar_state(ck.manifest.get("scalars", {}))
+    engine.checkpoint.load_state_pieces(read)
     if ckpt.RNG_CPU in rng:
         torch.set_rng_state(rng[ckpt.RNG_CPU])
     if ckpt.RNG_CUDA in rng and ctx.device.type == "cuda":
@@ -485,11 +485,11 @@ class Run:
         cfg, plan, corpus = self.cfg, self.plan, self.corpus
         self.dog.pet(f"saving the checkpoint of step {step}")
         meta = dict(stage=cfg.stage, mixed_precision=cfg.mixed_precision, model=self.mc.to_dict(),
-                    train=asdict(cfg), scalars=self.engine.scalar_state(),
+                    train=asdict(cfg), scalars=self.engine.checkpoint.scalar_state(),
                     data=dict(step=step, samples_consumed=step * plan.global_batch, seed=cfg.seed,
                               corpus=corpus.name, kind=corpus.kind, epoch=self.stream.epoch_at(step)))
         try:
-            path = ckpt.save(self.engine.state_pieces(), self.out / CHECKPOINTS, step, meta,
+            path = ckpt.save(self.engine.checkpoint.state_pieces(), self.out / CHECKPOINTS, step, meta,
                              keep=cfg.keep_checkpoints, hooks=self.hooks)
         except ckpt.CheckpointWriteError as e:
             self.save_errors.append(str(e))
