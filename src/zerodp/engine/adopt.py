@@ -93,7 +93,7 @@ class Adoption:
         if optimizer.state:  # loaded before its first step (a resume): carried over
             saved = torch.optim.Optimizer.state_dict(optimizer)
             optimizer.state.clear()
-        engine.rebuild_optimizer(optimizer)
+        engine.construction.rebuild_optimizer(optimizer)
         self.pending = False
         self.adopted = optimizer
         ref = weakref.ref(engine)

@@ -143,7 +143,7 @@ def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     return shard_pg, replica_pg
 
 
-class StageEngine(StepMachine, Construction):
+class StageEngine(StepMachine):
     """Base class of the stage engines; see the module docstring for the subclass contract."""
 
     stage: ClassVar[int] = -1
@@ -210,7 +210,8 @@ class StageEngine(StepMachine, Construction):
         self.policy = Policy.of(self.stage, config.reduce_every_microbatch)
         self.shard_comm = self.comm  # where parameters and gradients are sharded
         self.replica_comm: Collectives | None = None  # hybrid sharding: across the replicas
-        self.shard_size = self._shard_size()
+        self.construction = Construction(self)  # building the flat groups, once (zerodp.engine.construct)
+        self.shard_size = self.construction.shard_size()
         if self.shard_size < self.world_size:
             shard_pg, replica_pg = hybrid_groups(self.world_size, self.shard_size, group)
             self.shard_comm = Collectives(self.recorder, shard_pg, leg="intra", timeout_s=timeout_s)
@@ -302,14 +303,14 @@ class StageEngine(StepMachine, Construction):
     def _enter_forward(self, args: tuple, kwargs: dict):
         self._check_not_failed("forward")
         if torch.is_grad_enabled():
-            self._check_requires_grad()
+            self.construction.check_requires_grad()
         self._sync_at_forward = self._sync  # as DDP: no_sync applies to the forward it wraps
         # DDP's rule for buffers (BatchNorm statistics): rank 0's are broadcast at a forward that
         # follows a grad-enabled, synchronizing forward (and at the first), so the first evaluation
         # forward after training sees rank 0's, and further no_grad forwards communicate nothing:
         # ranks may run different numbers of them.
         if self._buffers_stale and self.config.broadcast_buffers and self.buffers and self.world_size > 1:
-            self._broadcast_buffers()
+            self.construction.broadcast_buffers()
         self._buffers_stale = torch.is_grad_enabled() and self._sync
         if self.mixed_precision is not None:  # floating inputs compute in the param dtype, every stage
             args, kwargs = cast_floats((args, kwargs), self.param_dtype)

@@ -85,39 +85,49 @@ def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
 
 
 class Construction:
-    """Building the flat groups (module docstring); mixed into every stage engine."""
+    """Building the flat groups (module docstring): one part of every stage engine
+    (``engine.construction``), which the stage calls in its ``__init__`` and which keeps what the
+    building decided (the optimizer's placement, the owners' ledger) for the checks after it."""
 
-    def _set_dtypes(self, param_dtype: torch.dtype) -> None:
+    def __init__(self, engine):
+        self.engine = engine
+        self._placement: str | None = None  # chosen at the first group laid out (placement)
+        self._whole_groups: frozenset[int] = frozenset()
+        self._state_kinds: list = []
+        self._owners: OwnerLedger | None = None  # tensor ownership: owners balanced across groups
+        self._per_param_targets = False  # an adopted optimizer: one target per parameter
+
+    def set_dtypes(self, param_dtype: torch.dtype) -> None:
         """The compute dtype, the dtype gradients travel in (``reduce_dtype``), and the one they
         are accumulated in: fp32 when parameters are fp32, with ``fp32_grad_accum``, or when
         gradients travel in fp32 anyway (guide §1, §9)."""
         if not param_dtype.is_floating_point:
             raise ValueError(f"parameters of dtype {param_dtype} cannot be trained")
-        mp = self.mixed_precision
-        self.param_dtype = param_dtype
-        self.reduce_dtype = mp.comm_dtype if mp else param_dtype
+        mp = self.engine.mixed_precision
+        self.engine.param_dtype = param_dtype
+        self.engine.reduce_dtype = mp.comm_dtype if mp else param_dtype
         fp32 = torch.float32
-        self.accum_dtype = fp32 if fp32 in (param_dtype, self.reduce_dtype) or (mp and mp.fp32_grad_accum) \
-            else self.reduce_dtype
+        self.engine.accum_dtype = fp32 if fp32 in (param_dtype, self.engine.reduce_dtype) or (mp and mp.fp32_grad_accum) \
+            else self.engine.reduce_dtype
         # What the optimizer steps: fp32 under mixed precision, else the model's own dtype (torch's
         # semantics: fp64 stays fp64, a bf16 model steps in bf16), unless master_dtype says otherwise.
-        asked = parse_dtype(self.config.master_dtype, "master_dtype")
-        self.master_dtype = asked or (fp32 if mp is not None and mp.param_dtype != fp32 else param_dtype)
-        if self.accum_dtype.itemsize < self.reduce_dtype.itemsize:
-            self.accum_dtype = self.reduce_dtype
+        asked = parse_dtype(self.engine.config.master_dtype, "master_dtype")
+        self.engine.master_dtype = asked or (fp32 if mp is not None and mp.param_dtype != fp32 else param_dtype)
+        if self.engine.accum_dtype.itemsize < self.engine.reduce_dtype.itemsize:
+            self.engine.accum_dtype = self.engine.reduce_dtype
 
-    def _shard_size(self) -> int:
+    def shard_size(self) -> int:
         """Ranks per shard group (guide §14): ``config.shard_size``, else one node (torchrun's
         ``LOCAL_WORLD_SIZE``) when it divides the world, else every rank. Stage 0 shards nothing."""
-        g = self.config.shard_size
-        if self.stage == 0:
-            return self.world_size
+        g = self.engine.config.shard_size
+        if self.engine.stage == 0:
+            return self.engine.world_size
         if g is None:
             local = os.environ.get("LOCAL_WORLD_SIZE", "")
-            g = int(local) if local.isdigit() and int(local) > 0 and self.world_size % int(local) == 0 \
-                else self.world_size
-        if self.world_size % g:
-            raise ValueError(f"shard_size={g} does not divide the {self.world_size} ranks: use a divisor of the "
+            g = int(local) if local.isdigit() and int(local) > 0 and self.engine.world_size % int(local) == 0 \
+                else self.engine.world_size
+        if self.engine.world_size % g:
+            raise ValueError(f"shard_size={g} does not divide the {self.engine.world_size} ranks: use a divisor of the "
                              "world size (usually the GPUs per node)")
         return g
 
@@ -128,14 +138,14 @@ class Construction:
         layouts). Chosen once, before the first group is laid out, from the optimizer's class
         (:func:`zerodp.engine.master.choose_layout`, ``config.optimizer_layout``): the factory is
         built once over one-element stand-ins to learn it."""
-        got = self.__dict__.get("_placement")
+        got = self._placement
         if got is None:
-            params = [(n, tuple(p.shape), g) for (n, p), g in zip(self.named_params, self.param_group_of)]
-            probe = probe_factory(self._factory, self.group_options, params, self.device)
+            params = [(n, tuple(p.shape), g) for (n, p), g in zip(self.engine.named_params, self.engine.param_group_of)]
+            probe = probe_factory(self.engine._factory, self.engine.group_options, params, self.engine.device)
             got, whole, kinds = FLAT, frozenset(), []  # a factory that returns no optimizer: MasterOptimizer says so
             if isinstance(probe, torch.optim.Optimizer):
-                got = choose_layout(probe, self.config.elementwise_optimizer, self.config.optimizer_layout)
-                whole = whole_groups(probe, got, self.config.optimizer_layout)
+                got = choose_layout(probe, self.engine.config.elementwise_optimizer, self.engine.config.optimizer_layout)
+                whole = whole_groups(probe, got, self.engine.config.optimizer_layout)
                 kinds = group_state_kinds(probe)
             self._placement, self._whole_groups, self._state_kinds = got, whole, kinds
         return got
@@ -145,45 +155,47 @@ class Construction:
         """The param groups whose tensors lie whole on one rank at stages 1-2 (owner-aligned
         buckets, :func:`zerodp.engine.master.whole_groups`); at stage 3 every unit is
         owner-aligned on the ownership path."""
-        if self.placement != OWNER or not self.policy.shard_master:
+        if self.placement != OWNER or not self.engine.policy.shard_master:
             return frozenset()
         return self._whole_groups
 
-    def _plan_buckets(self, config) -> list[list[int]]:
+    def buckets(self, config) -> list[list[int]]:
         """Stages 0-2: which parameters share a bucket (:func:`zerodp.plan.units.plan_buckets`,
         the planner's rule); the buckets of :attr:`whole_groups` sized to the shard group."""
-        return plan_buckets([p.numel() for _, p in self.named_params], self.param_group_of,
-                            self.param_dtype.itemsize, config.sync, config.bucket_mb, config.first_bucket_mb,
-                            whole_groups=self.whole_groups, shard_size=self.shard_comm.world_size)
+        return plan_buckets([p.numel() for _, p in self.engine.named_params], self.engine.param_group_of,
+                            self.engine.param_dtype.itemsize, config.sync, config.bucket_mb, config.first_bucket_mb,
+                            whole_groups=self.whole_groups, shard_size=self.engine.shard_comm.world_size)
 
-    def _new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
-        quant = self.config.quant_block
+    def new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
+        quant = self.engine.config.quant_block
         layout = None
         whole = self.whole_groups
-        if whole and (self.stage == 3 or any(g in whole for _, _, g in entries)):
+        if whole and (self.engine.stage == 3 or any(g in whole for _, _, g in entries)):
             # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups
             # by elements and by the optimizer state each tensor costs.
-            ledger = self.__dict__.setdefault("_owners", OwnerLedger(self.shard_comm.world_size))
+            if self._owners is None:
+                self._owners = OwnerLedger(self.engine.shard_comm.world_size)
+            ledger = self._owners
             kinds = self._state_kinds
             costs = [state_cost(kinds[g] if 0 <= g < len(kinds) else None, tuple(p.shape)) for _, p, g in entries]
-            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size, ledger,
+            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.engine.shard_comm.world_size, ledger,
                                       costs)
-        group = FlatGroup(index, label, entries, self.policy, self.shard_comm, param_dtype=self.param_dtype,
-                         reduce_dtype=self.reduce_dtype, accum_dtype=self.accum_dtype, replicas=self.replica_comm,
-                         quant_params=quant if self.config.quantize_params else 0,
-                         quant_grads=quant if self.config.quantize_grads else 0, layout=layout)
-        group.grads.pool = self._grad_pool
+        group = FlatGroup(index, label, entries, self.engine.policy, self.engine.shard_comm, param_dtype=self.engine.param_dtype,
+                         reduce_dtype=self.engine.reduce_dtype, accum_dtype=self.engine.accum_dtype, replicas=self.engine.replica_comm,
+                         quant_params=quant if self.engine.config.quantize_params else 0,
+                         quant_grads=quant if self.engine.config.quantize_grads else 0, layout=layout)
+        group.grads.pool = self.engine._grad_pool
         return group
 
-    def _check_consistency(self, description: dict) -> None:
+    def check_consistency(self, description: dict) -> None:
         """Start-up check: every rank must describe the same model and the same flat layout.
 
         Gathers each rank's description (names, shapes, dtypes, buckets, stage, world) and
         compares it with rank 0's on every rank, so that all ranks raise the same clear error
         instead of hanging in a mismatched collective or silently mixing gradients.
         """
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, description, group=self.group)
+        gathered: list = [None] * self.engine.world_size
+        dist.all_gather_object(gathered, description, group=self.engine.group)
         for r, other in enumerate(gathered):
             diff = describe_difference(gathered[0], other)
             if diff:
@@ -194,80 +206,78 @@ class Construction:
                 )
 
     @torch.no_grad()
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         """DDP's start: every replica begins with rank 0's values."""
-        if self.world_size == 1:
+        if self.engine.world_size == 1:
             return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = dist.get_global_rank(self.engine.group, 0) if self.engine.group is not None else 0
         for t in tensors:
-            dist.broadcast(t, src=src, group=self.group)
+            dist.broadcast(t, src=src, group=self.engine.group)
 
     @torch.no_grad()
-    def _init_groups(self, extra_broadcast: list[torch.Tensor] = ()) -> None:
+    def init_groups(self, extra_broadcast: list[torch.Tensor] = (),
+                    materialize: Callable[[FlatGroup], None] | None = None) -> None:
         """Fill every group from the module's values — rank 0's, broadcast as DDP does at
         construction — build its gradient buffers, and the optimizer over the master tensors."""
-        for g in self.groups:
-            if self.deferred:
-                self._materialize(g)
-            values = torch.zeros(g.layout.padded_numel, dtype=self.master_dtype, device=self.device)
+        for g in self.engine.groups:
+            if self.engine.deferred and materialize is not None:
+                materialize(g)  # a model built on the meta device: the stage gives values (§9.3)
+            values = torch.zeros(g.layout.padded_numel, dtype=self.engine.master_dtype, device=self.engine.device)
             for slot, p in zip(g.layout.slots, g.params):
                 values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
-            self._broadcast_from_rank0([values])
+            self.broadcast_from_rank0([values])
             g.init_values(values)
             g.grads.init()
             del values
-        self._broadcast_from_rank0(list(extra_broadcast))
-        self._build_optimizer()
-        position = {n: i for i, (n, _) in enumerate(self.named_params)}
+        self.broadcast_from_rank0(list(extra_broadcast))
+        self.build_optimizer()
+        position = {n: i for i, (n, _) in enumerate(self.engine.named_params)}
         # Per group, per trainable parameter: its index in named_params (used-flags at step()).
-        self._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.groups]
-        self._step_used = [False] * len(self.named_params)
+        self.engine._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.engine.groups]
+        self.engine._step_used = [False] * len(self.engine.named_params)
 
-    def _build_optimizer(self) -> None:
+    def build_optimizer(self) -> None:
         """The master optimizer over targets of every group's master (guide §12.3)."""
         targets: list[Target] = []
-        self._target_slices: list[tuple[FlatGroup, int, int]] = []  # the gradient each target reads
-        for g in self.groups:
-            for t in self._targets(g.master, g.layout, g.master_start):
+        self.engine._target_slices: list[tuple[FlatGroup, int, int]] = []  # the gradient each target reads
+        for g in self.engine.groups:
+            for t in self.targets(g.master, g.layout, g.master_start):
                 lo = t.flat_start - g.master_start
                 targets.append(t)
-                self._target_slices.append((g, lo, lo + t.tensor.numel()))
-        self.master = self._build_master(targets)
+                self.engine._target_slices.append((g, lo, lo + t.tensor.numel()))
+        self.engine.master = self.build_master(targets)
 
     def rebuild_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Adopt an optimizer the script built over the module's parameters after the wrap
         (:mod:`zerodp.engine.adopt`): its class, defaults and param groups over the master, one
         target per parameter (a bucket may mix its groups), the engine's optimizer from now on."""
-        if choose_layout(optimizer, self.config.elementwise_optimizer, self.config.optimizer_layout) != FLAT \
+        if choose_layout(optimizer, self.engine.config.elementwise_optimizer, self.engine.config.optimizer_layout) != FLAT \
                 and self.placement == FLAT:
             raise ValueError(f"{type(optimizer).__name__} steps whole tensors, and the engine laid its buffers out "
                              "for flat shards at parallelize: pass it there, parallelize(model, optimizer=[...]), "
                              "instead of building it after the wrap")
-        factory, user_groups = from_built(optimizer, self._module)
-        self.config = dataclasses.replace(self.config, param_groups=user_groups)
-        self.group_options, self.param_group_of = resolve_param_groups(self.named_params, user_groups)
-        self._group_by_name = {n: g for (n, _), g in zip(self.named_params, self.param_group_of)}
+        factory, user_groups = from_built(optimizer, self.engine._module)
+        self.engine.config = dataclasses.replace(self.engine.config, param_groups=user_groups)
+        self.engine.group_options, self.engine.param_group_of = resolve_param_groups(self.engine.named_params, user_groups)
+        self.engine._group_by_name = {n: g for (n, _), g in zip(self.engine.named_params, self.engine.param_group_of)}
         if self.placement == OWNER:  # the buckets were laid out for the optimizer given at parallelize
-            self._whole_groups = whole_groups(optimizer, OWNER, self.config.optimizer_layout)
-            cut = [s.name for g in self.groups if not g.layout.aligned and self.policy.shard_master
-                   for s in g.layout.slots if self._group_by_name.get(s.name, -1) in self._whole_groups]
+            self._whole_groups = whole_groups(optimizer, OWNER, self.engine.config.optimizer_layout)
+            cut = [s.name for g in self.engine.groups if not g.layout.aligned and self.engine.policy.shard_master
+                   for s in g.layout.slots if self.engine._group_by_name.get(s.name, -1) in self._whole_groups]
             if cut:
                 raise ValueError(f"{type(optimizer).__name__} reads {cut[0]!r} whole, and the engine laid it out in a "
                                  "flat bucket for the optimizer given at parallelize: pass this one there, "
                                  "parallelize(model, optimizer=[...]), instead of building it after the wrap")
-        self._factory = factory
+        self.engine._factory = factory
         self._per_param_targets = True
-        self._build_optimizer()
-        self._facade = None
+        self.build_optimizer()
+        self.engine._facade = None
 
-    def _materialize(self, g: FlatGroup) -> None:
-        """A model built on the meta device: give ``g``'s parameters values (stage 3, per unit)."""
-
-    def _build_master(self, targets: list[Target]) -> MasterOptimizer:
-        return MasterOptimizer(self._factory, targets, self.group_options, self.config.elementwise_optimizer,
+    def build_master(self, targets: list[Target]) -> MasterOptimizer:
+        return MasterOptimizer(self.engine._factory, targets, self.engine.group_options, self.engine.config.elementwise_optimizer,
                                placement=self.placement)
 
-    def _targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
+    def targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
         """Optimizer targets over a held range of a flat buffer, in cache-sized chunks on CPU (see
         :func:`zerodp.engine.master.param_targets`): per parameter where a parameter may go unused
         in a step (stage 3, or ``find_unused_parameters=True``), so that the optimizer can skip it
@@ -276,34 +286,34 @@ class Construction:
         owner-aligned layout or a full replica (stage 0) — and a flat bucket of an elementwise
         optimizer beside it (:attr:`whole_groups`) gives per-parameter pieces."""
         def group_of(name: str) -> int:
-            return self._group_by_name.get(name, -1)
+            return self.engine._group_by_name.get(name, -1)
 
-        if self.placement == OWNER and (layout.aligned or not self.policy.shard_master):
+        if self.placement == OWNER and (layout.aligned or not self.engine.policy.shard_master):
             return whole_targets(tensor, layout, flat_start, group_of)
         if self.placement == OWNER and any(group_of(s.name) in self._whole_groups for s in layout.slots):
             raise ValueError("a tensor of a per-tensor optimizer lies in a flat bucket, cut across ranks (zerodp "
                              "internal error: please report it)")
-        chunk = CPU_OPTIMIZER_CHUNK if self.device.type == "cpu" else None
-        per_param = self.stage == 3 or self.config.find_unused_parameters or self.__dict__.get("_per_param_targets") \
+        chunk = CPU_OPTIMIZER_CHUNK if self.engine.device.type == "cpu" else None
+        per_param = self.engine.stage == 3 or self.engine.config.find_unused_parameters or self._per_param_targets \
             or self.placement == OWNER
         return param_targets(tensor, layout, flat_start, group_of, chunk, per_param=per_param)
 
-    def _start_clock(self) -> None:
+    def start_clock(self) -> None:
         """Align trace time zero across ranks (call right after a collective such as the check)."""
-        self.recorder.t0 = self.recorder.clock()
-        self._last_step_end = None
+        self.engine.recorder.t0 = self.engine.recorder.clock()
+        self.engine._last_step_end = None
 
     @torch.no_grad()
-    def _broadcast_buffers(self) -> None:
+    def broadcast_buffers(self) -> None:
         """DDP's ``broadcast_buffers=True``: at each forward every rank takes rank 0's buffers
         (e.g. BatchNorm's running statistics), one flat broadcast per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, sub, local in self.buffers:
+        for _, sub, local in self.engine.buffers:
             buf = getattr(sub, local)
             by_dtype.setdefault(buf.dtype, []).append(buf)
         for bufs in by_dtype.values():
             flat = torch.cat([b.reshape(-1) for b in bufs]) if len(bufs) > 1 else bufs[0].reshape(-1).clone()
-            self._broadcast_from_rank0([flat])
+            self.broadcast_from_rank0([flat])
             offset = 0
             for b in bufs:
                 new = flat[offset:offset + b.numel()].view_as(b)
@@ -311,11 +321,11 @@ class Construction:
                     b.copy_(new)
                 offset += b.numel()
 
-    def _check_requires_grad(self) -> None:
+    def check_requires_grad(self) -> None:
         """A parameter frozen or unfrozen after ``parallelize``: its flat group and the optimizer
         were planned without it (or with it), so refuse in one line rather than train it wrong."""
-        for name, p in self._module.named_parameters():
-            planned = name in self._group_by_name
+        for name, p in self.engine._module.named_parameters():
+            planned = name in self.engine._group_by_name
             if p.requires_grad != planned:
                 raise RuntimeError(
                     f"parameter {name!r} was {'trainable' if planned else 'frozen'} when parallelize built the engine "

@@ -133,15 +133,15 @@ class FSDPEngine(StageEngine):
         if mp is None and len(dtypes) > 1:
             raise ValueError(f"parameters have several dtypes {dtypes}: convert the model to one dtype, "
                              "or pass mixed_precision='bf16' to compute in bf16 with fp32 masters")
-        self._set_dtypes(mp.param_dtype if mp else specs[0].params[0][1].dtype)
+        self.construction.set_dtypes(mp.param_dtype if mp else specs[0].params[0][1].dtype)
         # Check before the first broadcast, so that mismatched ranks fail with words, not a hang.
-        self._check_consistency({
+        self.construction.check_consistency({
             "stage": self.stage, "world_size": self.world_size,
             "mixed_precision": repr(mp), "prefetch": config.prefetch,
             "units": [{"name": s.label, "params": [[f, list(p.shape), str(p.dtype), g]
                                                    for f, p, g in s.params]} for s in specs],
         })
-        self.groups = [self._new_group(i, spec.label, list(spec.params)) for i, spec in enumerate(specs)]
+        self.groups = [self.construction.new_group(i, spec.label, list(spec.params)) for i, spec in enumerate(specs)]
         for u, spec in zip(self.groups, specs):
             u.module = spec.module
         if self.deferred:  # buffers now; each unit's parameters one unit at a time, in _init_groups
@@ -155,7 +155,7 @@ class FSDPEngine(StageEngine):
                                 {id(m) for ms in self._init_modules for _, m in ms})
         if mp is not None:  # floating-point buffers compute in the param dtype, as at stages 0-2
             cast_floating_buffers(module, mp.param_dtype)
-        self._init_groups(extra_broadcast=[b for b in module.buffers()])
+        self.construction.init_groups(extra_broadcast=[b for b in module.buffers()], materialize=self._materialize)
         self.schedule = UnitSchedule(self.comm, self.group, self.world_size, self.device)
 
         # Prefetch order: registration order until a forward has been seen, then the recorded one.
@@ -175,7 +175,7 @@ class FSDPEngine(StageEngine):
         self._tokens_issued = itertools.count()  # one per watched forward call (BackwardState)
         self._handles = []
         self._install_hooks()
-        self._start_clock()
+        self.construction.start_clock()
 
     def _materialize(self, u: Unit) -> None:
         """Deferred initialization of one unit, just before it is packed and sharded (§9.3)."""

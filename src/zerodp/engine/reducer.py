@@ -56,12 +56,12 @@ class BucketEngine(StageEngine):
         if mp is None and len(dtypes) > 1:
             raise ValueError(f"parameters have several dtypes {dtypes}: convert the model to one dtype, "
                              "or pass mixed_precision='bf16' to compute in bf16 with fp32 masters")
-        self._set_dtypes(mp.param_dtype if mp else self.named_params[0][1].dtype)
+        self.construction.set_dtypes(mp.param_dtype if mp else self.named_params[0][1].dtype)
         # bucket_mb="auto" (guide §4): chosen once, here, before the buckets are planned.
         self.bucket_auto = config.bucket_mb == AUTO
         wire = torch.float32 if self.policy.full_grads and self.accum_dtype == torch.float32 else self.reduce_dtype
         config = self.config = resolve_auto_bucket(config, module, self.world_size, self.param_dtype, wire)
-        plan = self._plan_buckets(config)
+        plan = self.construction.buckets(config)
         if mp is not None:  # buffers and frozen parameters compute in the param dtype too
             cast_floating_buffers(module, self.param_dtype)
             with torch.no_grad():
@@ -69,18 +69,18 @@ class BucketEngine(StageEngine):
                     if not p.requires_grad and p.is_floating_point():
                         p.data = p.data.to(self.param_dtype)
         self.groups: list[FlatGroup] = [
-            self._new_group(b, f"bucket {b}", [(self.named_params[i][0], self.named_params[i][1],
+            self.construction.new_group(b, f"bucket {b}", [(self.named_params[i][0], self.named_params[i][1],
                                                 self.param_group_of[i]) for i in idx])
             for b, idx in enumerate(plan)]
-        self._check_consistency(self._description())
+        self.construction.check_consistency(self._description())
         frozen = [p for p in module.parameters() if not p.requires_grad]
-        self._init_groups(extra_broadcast=frozen + [b for b in module.buffers()])
+        self.construction.init_groups(extra_broadcast=frozen + [b for b in module.buffers()])
         # Hooks: trainable parameter j of bucket g calls _grad_ready(g, j).
         self._hooks = [p.register_post_accumulate_grad_hook(grad_hook(self, "_grad_ready", i, j))
                        for i, g in enumerate(self.groups) for j, p in enumerate(g.trainable_params)]
         weakref.finalize(self, remove_hooks, list(self._hooks))
         self._reset_backward()
-        self._start_clock()
+        self.construction.start_clock()
 
     # ---- hooks (the hot path) -----------------------------------------------------------------
     @host_only

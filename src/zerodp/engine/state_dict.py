@@ -639,7 +639,7 @@ class Checkpoint:
         for name, sub, local in self.engine.buffers:
             buf = getattr(sub, local).detach().clone()
             if self.engine.world_size > 1:
-                self.engine._broadcast_from_rank0([buf])
+                self.engine.construction.broadcast_from_rank0([buf])
             out[name] = buf.to(self.engine.master_dtype) if buf.is_floating_point() else buf
         return out
 
@@ -714,7 +714,7 @@ class Checkpoint:
             else:
                 owned[0] += g.layout.numel
         mean = sum(owned) / len(owned)
-        return {"placement": self.engine.placement, "padding": padding, "padding_bytes": padding_bytes,
+        return {"placement": self.engine.construction.placement, "padding": padding, "padding_bytes": padding_bytes,
                 "owned_numel": owned, "max_owned_numel": max(owned),
                 "imbalance_bytes": round((max(owned) - mean) * 4, 3)}
 
