@@ -365,8 +365,8 @@ class Run:
         target.zero_grad(set_to_none=set_to_none)
         self.ref_opt.zero_grad(set_to_none=set_to_none)
         self.micro = 0
-        if self.engine._inflight:
-            raise Divergence(f"{len(self.engine._inflight)} reductions still in flight after zero_grad")
+        if self.engine.machine.inflight:
+            raise Divergence(f"{len(self.engine.machine.inflight)} reductions still in flight after zero_grad")
 
     def eval(self, b, mode, counts):
         x, y = self.batch(b)
@@ -433,7 +433,7 @@ class Run:
             return
         if self.stage == 3:
             raise Divergence("a stage-3 module was deep-copied")
-        self.engine._wait_params()
+        self.engine.machine.wait_params()
         for (name, p), (_, q) in zip(clone.named_parameters(), self.model.named_parameters()):
             if not torch.equal(p, q):
                 raise Divergence(f"the copy's {name} is not the module's")
@@ -494,8 +494,8 @@ class Run:
             bound = tol * p.detach().abs().max().item() + self.adam_slack
             if not err <= bound:
                 raise Divergence(f"after step {self.steps}: {name} differs by {err:.3g} (bound {bound:.3g})")
-        if self.engine._inflight:
-            raise Divergence(f"{len(self.engine._inflight)} reductions still in flight after the step")
+        if self.engine.machine.inflight:
+            raise Divergence(f"{len(self.engine.machine.inflight)} reductions still in flight after the step")
         if self.stage == 3:
             peak = self.engine.stats().peak_gathered_units
             if peak > self.baseline_units:
@@ -523,7 +523,7 @@ def plain_peak(world: int, rank: int) -> int:
 def _ignore_module_grads(engine) -> None:
     """A planted bug for the check of the checks: the engine takes its sharded gradients off the
     module without reading back what the script did to them (``model.zero_grad()`` is ignored)."""
-    attached, engine._grads_under_sharded = engine._grads_under_sharded, {}
+    attached, engine.machine.grads_under_sharded = engine.machine.grads_under_sharded, {}
     for g in engine.groups:
         for p in g.trainable_params:
             if id(p) in attached:

@@ -34,8 +34,8 @@ def _backward(engine, step, rank, world, poison_rank=None):
     x, y = gpt_batch(step, world)
     engine(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]).backward()
     if poison_rank == rank:  # this rank's own gradient only, as zerodp.train.faults does
-        engine._finish_grad_sync()
-        g = next(g for g in engine._master_grads() if g is not None and g.numel())
+        engine.machine.finish_grad_sync()
+        g = next(g for g in engine.machine.master_grads() if g is not None and g.numel())
         with torch.no_grad():
             g.view(-1)[0] = float("inf")
 

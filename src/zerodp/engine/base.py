@@ -47,13 +47,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerodp.engine.adopt import Adoption
-from zerodp.engine.comm import CHROME_TRACE, CLIP_GRAD_NORM, Collectives, Control, InFlight, user_call
+from zerodp.engine.comm import CHROME_TRACE, CLIP_GRAD_NORM, Collectives, Control, user_call
 from zerodp.engine.compiled import activate, host_only
 from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
 from zerodp.engine.construct import Construction, resolve_param_groups
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
-from zerodp.engine.gradbuf import StoragePool
 from zerodp.engine.group import FlatGroup, Policy
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory
@@ -63,7 +62,7 @@ from zerodp.engine.state_dict import (BUFFER, Checkpoint, load_optimizer_state_d
                                      load_state_dict, optimizer_state_dict, state_dict)
 from zerodp.engine.stats import collect_stats, measured_bytes
 from zerodp.engine.states import StepState
-from zerodp.engine.step import MAX_REDUCE_IN_FLIGHT, StepMachine
+from zerodp.engine.step import StepMachine
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
 _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -143,7 +142,7 @@ def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     return shard_pg, replica_pg
 
 
-class StageEngine(StepMachine):
+class StageEngine:
     """Base class of the stage engines; see the module docstring for the subclass contract."""
 
     stage: ClassVar[int] = -1
@@ -211,6 +210,7 @@ class StageEngine(StepMachine):
         self.shard_comm = self.comm  # where parameters and gradients are sharded
         self.replica_comm: Collectives | None = None  # hybrid sharding: across the replicas
         self.construction = Construction(self)  # building the flat groups, once (zerodp.engine.construct)
+        self.machine = StepMachine(self)  # the step's state and what moves it (zerodp.engine.step)
         self.shard_size = self.construction.shard_size()
         if self.shard_size < self.world_size:
             shard_pg, replica_pg = hybrid_groups(self.world_size, self.shard_size, group)
@@ -220,10 +220,6 @@ class StageEngine(StepMachine):
         self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, self.replica_comm))
         self.checkpoint = Checkpoint(self)  # pieces, scalars, full tensors, the layout as data
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
-        self._inflight = InFlight()  # gradient collectives issued, not yet waited for
-        self._param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
-        self._grad_pool = StoragePool(MAX_REDUCE_IN_FLIGHT)  # released transient gradient buffers
-        self._comm_peak = 0  # most bytes of transient gradient buffers alive at once, this step
         self.last_comm_peak = 0
         self.last_grad_bytes = 0
         self.mixed_precision = config.mixed_precision
@@ -244,13 +240,7 @@ class StageEngine(StepMachine):
         self.master: MasterOptimizer | None = None
         self._sync = True  # False inside no_sync(): gradients accumulate locally (guide §5)
         self._sync_at_forward = True
-        self._tokens = 0.0  # this rank's tokens in this step (average_by_tokens, guide §2.2)
-        self._token_factor_value: float | None = None
-        self.step_state = StepState.IDLE
         self._buffers_stale = True  # DDP's require_forward_param_sync (see forward)
-        self._grads_under_sharded: dict[int, tuple] = {}  # id(param) -> (.grad under it, its ShardedGrad)
-        self._dropped: set[str] = set()  # reduced gradients the script set to None (model.zero_grad())
-        self._backward_event = None
         self._facade: EngineOptimizer | None = None
         self._last_step_end: float | None = None
         self.last_step_time_s: float | None = None
@@ -262,7 +252,7 @@ class StageEngine(StepMachine):
     @property
     def module(self) -> nn.Module:
         """The wrapped model, with its parameters complete (waits for in-flight AllGathers)."""
-        self._wait_params()
+        self.machine.wait_params()
         return self._module
 
     @property
@@ -301,7 +291,7 @@ class StageEngine(StepMachine):
 
     @host_only
     def _enter_forward(self, args: tuple, kwargs: dict):
-        self._check_not_failed("forward")
+        self.machine.check_not_failed("forward")
         if torch.is_grad_enabled():
             self.construction.check_requires_grad()
         self._sync_at_forward = self._sync  # as DDP: no_sync applies to the forward it wraps
@@ -314,7 +304,7 @@ class StageEngine(StepMachine):
         self._buffers_stale = torch.is_grad_enabled() and self._sync
         if self.mixed_precision is not None:  # floating inputs compute in the param dtype, every stage
             args, kwargs = cast_floats((args, kwargs), self.param_dtype)
-        self._reconcile_grads()  # the module's .grad read back; the next backward accumulates as before
+        self.machine.reconcile_grads()  # the module's .grad read back; the next backward accumulates as before
         self._before_forward()
         self._take_module_values(fold=False)
         return args, kwargs, self.recorder.begin("forward", COMPUTE)
@@ -330,12 +320,12 @@ class StageEngine(StepMachine):
         self._after_forward(out)
         outputs = grad_tensors(out)
         for t in outputs:  # an output's gradient is the first thing backward computes
-            t.register_hook(self._on_output_grad)
+            t.register_hook(self.machine.on_output_grad)
         if not torch.is_grad_enabled() or outputs:
             # torch keeps .grad across a forward: the reduced gradients go back on the parameters
             # (a backward from this output takes them off first, in _on_output_grad), so that
             # model.zero_grad() between this forward and the step is seen (guide §12.9)
-            self._attach_sharded_grads()
+            self.machine.attach_sharded_grads()
         return out
 
     def train(self, mode: bool = True) -> "StageEngine":
@@ -350,11 +340,11 @@ class StageEngine(StepMachine):
         torch's clipping needs at every stage: the averaged gradient, or at sharded stages a
         :class:`~zerodp.engine.grads.ShardedGrad` of this rank's slice, so that
         ``torch.nn.utils.clip_grad_norm_(engine.parameters(), c)`` clips as ``engine.clip_grad_norm_``."""
-        self._attach_sharded_grads()
+        self.machine.attach_sharded_grads()
         return self.module.parameters(recurse)
 
     def named_parameters(self, *args, **kwargs):
-        self._attach_sharded_grads()
+        self.machine.attach_sharded_grads()
         return self.module.named_parameters(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -373,6 +363,11 @@ class StageEngine(StepMachine):
         finally:
             self._sync = previous
 
+    def count_tokens(self, n: int | float) -> None:
+        """With ``average_by_tokens=True``: add this micro-batch's token count on this rank, before
+        its backward (guide §2.2; :meth:`zerodp.engine.step.StepMachine.count_tokens`)."""
+        self.machine.count_tokens(n)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm to ``max_norm``; return the norm before clipping.
 
@@ -382,10 +377,10 @@ class StageEngine(StepMachine):
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type}: only the 2-norm is supported across shards")
-        self._check_not_failed("clip_grad_norm_")
-        self._reconcile_grads()
-        self._finish_grad_sync()
-        grads = [g for g in self._master_grads() if g is not None]
+        self.machine.check_not_failed("clip_grad_norm_")
+        self.machine.reconcile_grads()
+        self.machine.finish_grad_sync()
+        grads = [g for g in self.machine.master_grads() if g is not None]
         if grads:
             norms = torch._foreach_norm([g if g.dtype in (torch.float32, torch.float64) else g.float()
                                           for g in grads])
@@ -399,7 +394,7 @@ class StageEngine(StepMachine):
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
         for g in self.groups:
             g.grads.scale(coef)
-        self._attach_sharded_grads()
+        self.machine.attach_sharded_grads()
         return norm
 
     def step(self) -> None:
@@ -415,31 +410,31 @@ class StageEngine(StepMachine):
         no rank used it in any backward since ``zero_grad(set_to_none=True)`` — is not touched
         (as with DDP); after ``zero_grad(set_to_none=False)`` the zeros are applied (momentum,
         weight decay); a second ``step()`` without ``zero_grad`` applies the gradients again."""
-        self._check_not_failed("step")
+        self.machine.check_not_failed("step")
         if self.adoption.pending:
             raise RuntimeError("engine.step(): zerodp.parallelize was given no optimizer and none has been built "
                                "over model.parameters() yet: pass optimizer=lambda groups: torch.optim.AdamW(groups, "
                                "lr=...) to parallelize, or build one over model.parameters() and call its step()")
-        self._reconcile_grads()
+        self.machine.reconcile_grads()
         self._take_module_values(fold=True)
         with self.recorder.span("step", COMPUTE):
-            self._finish_grad_sync()
+            self.machine.finish_grad_sync()
             # Collective where parameters may go unused: a dropped gradient's used-flag was reset, so
             # the exchange says whether any rank's backward gave it a gradient again since
             unused = self._step_unused()
-            self._unused = unused | self._dropped if self._local_used() is None else unused
+            self._unused = unused | self.machine.dropped if self._local_used() is None else unused
             if self.guard is not None and self.guard.should_skip(self):  # collective
-                self._zero_grad()  # inf/NaN somewhere: apply nothing, on every rank
-                self._reset_used()
+                self.machine.zero_grads()  # inf/NaN somewhere: apply nothing, on every rank
+                self.machine.reset_used()
             else:
-                self._optimizer_step()
+                self.machine.optimizer_step()
             if not self.config.overlap_param_gather:
-                self._wait_params()  # step() returns with the model's parameters up to date
-        self._move(StepState.STEPPED)
-        self._attach_sharded_grads()  # gradients stay on the parameters until zero_grad, as torch's
-        self.last_comm_peak, self._comm_peak = self._comm_peak, 0
-        self._tokens = 0.0
-        self._token_factor_value = None
+                self.machine.wait_params()  # step() returns with the model's parameters up to date
+        self.machine.move(StepState.STEPPED)
+        self.machine.attach_sharded_grads()  # gradients stay on the parameters until zero_grad, as torch's
+        self.last_comm_peak, self.machine.comm_peak = self.machine.comm_peak, 0
+        self.machine.tokens = 0.0
+        self.machine.token_factor_value = None
         now = self.recorder.clock()
         if self._last_step_end is not None:
             self.last_step_time_s = now - self._last_step_end
@@ -451,24 +446,24 @@ class StageEngine(StepMachine):
         (torch's default) the gradient storages are freed as torch frees ``.grad`` tensors: full
         gradients (stages 0-1) until their group's first gradient of the next backward, gradient
         shards (stages 2-3) until the next step's first reduction (guide §12.5 step 6)."""
-        if self.step_state is StepState.BACKWARD:  # the last backward raised: drop what it left
-            self._abandon_backward()
+        if self.machine.state is StepState.BACKWARD:  # the last backward raised: drop what it left
+            self.machine.abandon_backward()
         # Wait for the collectives in flight; local gradients of no_sync backwards are dropped
         # unreduced (a reduction here would follow each rank's own data: ranks whose branches
         # differed would issue different collectives).
-        self._inflight.wait_all()
-        self._grad_pool.clear()
+        self.machine.inflight.wait_all()
+        self.machine.grad_pool.clear()
         # What the step's gradients held, for stats(): the shards freed here exist again from the
         # next step's first reduction on (model states are what a step holds, guide §8).
         self.last_grad_bytes = measured_bytes({"grads": [t for g in self.groups for t in g.memory()["grads"]]})["grads"]
-        self._reconcile_grads()
-        self._dropped.clear()
-        self._zero_grad(set_to_none)
+        self.machine.reconcile_grads()
+        self.machine.dropped.clear()
+        self.machine.zero_grads(set_to_none)
         if set_to_none:
-            self._reset_used()  # torch: every .grad is None; used-flags start again
-        self._move(StepState.IDLE)
+            self.machine.reset_used()  # torch: every .grad is None; used-flags start again
+        self.machine.move(StepState.IDLE)
         if not set_to_none:
-            self._attach_sharded_grads()  # torch: every .grad is a zero tensor, which p.grad = None drops
+            self.machine.attach_sharded_grads()  # torch: every .grad is a zero tensor, which p.grad = None drops
 
     def _take_module_values(self, fold: bool) -> None:
         """The module's parameters are the truth (guide §12.9): rebound ``.data`` taken back, and
@@ -484,7 +479,7 @@ class StageEngine(StepMachine):
         ``summon_full_params`` or DeepSpeed's ``GatheredParameters``); with ``writeback`` what the
         block wrote into them is the engine's at its end. Stages 0-2 hold whole parameters at all
         times; stage 3 gathers every unit for the block (a collective: every rank enters it)."""
-        self._wait_params()
+        self.machine.wait_params()
         yield self._module
         if writeback:
             self._take_module_values(fold=True)
@@ -539,7 +534,7 @@ class StageEngine(StepMachine):
 
     # ---- defaults for optional hooks ----------------------------------------------------------
     def _before_forward(self) -> None:
-        self._wait_params()
+        self.machine.wait_params()
 
     def _after_forward(self, out: Any) -> None:
         pass

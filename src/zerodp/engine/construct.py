@@ -184,7 +184,7 @@ class Construction:
                          reduce_dtype=self.engine.reduce_dtype, accum_dtype=self.engine.accum_dtype, replicas=self.engine.replica_comm,
                          quant_params=quant if self.engine.config.quantize_params else 0,
                          quant_grads=quant if self.engine.config.quantize_grads else 0, layout=layout)
-        group.grads.pool = self.engine._grad_pool
+        group.grads.pool = self.engine.machine.grad_pool
         return group
 
     def check_consistency(self, description: dict) -> None:
@@ -234,7 +234,7 @@ class Construction:
         position = {n: i for i, (n, _) in enumerate(self.engine.named_params)}
         # Per group, per trainable parameter: its index in named_params (used-flags at step()).
         self.engine._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.engine.groups]
-        self.engine._step_used = [False] * len(self.engine.named_params)
+        self.engine.machine.reset_used()
 
     def build_optimizer(self) -> None:
         """The master optimizer over targets of every group's master (guide §12.3)."""

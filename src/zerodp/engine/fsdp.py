@@ -157,6 +157,7 @@ class FSDPEngine(StageEngine):
             cast_floating_buffers(module, mp.param_dtype)
         self.construction.init_groups(extra_broadcast=[b for b in module.buffers()], materialize=self._materialize)
         self.schedule = UnitSchedule(self.comm, self.group, self.world_size, self.device)
+        self.machine.on_launch = functools.partial(self.schedule.log, "RS")  # every ReduceScatter, in order
 
         # Prefetch order: registration order until a forward has been seen, then the recorded one.
         order = list(self.groups)
@@ -216,10 +217,10 @@ class FSDPEngine(StageEngine):
     def _top_pre_forward(self, module, args):
         if self._forwarding:
             return None
-        self._reconcile_grads()
+        self.machine.reconcile_grads()
         self._take_module_values(fold=False)
         self._forwarding = True
-        self._inflight.wait_all()
+        self.machine.inflight.wait_all()
         for u in self.groups:  # e.g. the kept unit of a forward that had no backward
             if u.gathered:
                 self._free(u)
@@ -242,7 +243,7 @@ class FSDPEngine(StageEngine):
             cast = self._cast_inputs(args, kwargs)
             if cast is not None:
                 args, kwargs = cast
-            if torch.is_grad_enabled() and self.step_state is StepState.BACKWARD:
+            if torch.is_grad_enabled() and self.machine.state is StepState.BACKWARD:
                 args, kwargs = self._watch_inputs(u, args, kwargs)
             return args, kwargs
         d = self._deferred
@@ -315,7 +316,7 @@ class FSDPEngine(StageEngine):
             else:
                 self._free(last)
         if not torch.is_grad_enabled():
-            self._attach_sharded_grads()  # an evaluation forward of the module itself keeps .grad, as torch's
+            self.machine.attach_sharded_grads()  # an evaluation forward of the module itself keeps .grad, as torch's
         return None
 
     @host_only
@@ -324,7 +325,7 @@ class FSDPEngine(StageEngine):
         if u.bwd.phase is not Phase.WAITING:
             return
         u.bwd.move(Phase.RUNNING)
-        self._backward_started()
+        self.machine.backward_started()
         self._ensure_gathered(u)
         if self.config.prefetch:
             nxt = self._next_bwd.get(i)
@@ -339,8 +340,8 @@ class FSDPEngine(StageEngine):
     # callback catches whatever got no gradient at all.
     @host_only
     def _on_grad_final(self, u: Unit, j: int, param: nn.Parameter) -> None:
-        self._backward_started()
-        self._bound_in_flight(u)
+        self.machine.backward_started()
+        self.machine.bound_in_flight(u)
         u.grads.take(j, param)  # into the unit's gradient buffer; .grad is dropped at once
         if u.bwd.phase is Phase.WAITING:  # no pre-backward hook ran: forward under no_grad, recomputed
             u.bwd.move(Phase.RUNNING)   # in backward (reentrant activation checkpointing)
@@ -366,7 +367,7 @@ class FSDPEngine(StageEngine):
         if u.trainable:  # every rank reduces every unit that ran, used or not: same collectives
             u.grads.fill_missing()  # parameters without a gradient in this backward count as zero
             if self._reduce_this_pass:
-                self._launch_reduce(u)
+                self.machine.launch_reduce(u)
             else:
                 u.grads.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
         if self._kept is u:
@@ -378,12 +379,12 @@ class FSDPEngine(StageEngine):
         for u in self.groups:
             if u.bwd.phase is Phase.RUNNING or (u.bwd.phase is Phase.WAITING and u.bwd.remaining < len(u.trainable)):
                 self._post_backward(u)
-        self._record_used()
+        self.machine.record_used()
         for u in self.groups:
             if u.gathered:
                 self._free(u)
         self._kept = None
-        self._inflight.wait_all()
+        self.machine.inflight.wait_all()
         for u in self.groups:
             u.reset_backward()
 
@@ -405,7 +406,7 @@ class FSDPEngine(StageEngine):
     def _take_module_values(self, fold: bool) -> None:
         """Between calls, a unit still gathered (the last unit of a forward whose graph was dropped)
         is freed first: what the script wrote into it meanwhile goes into the shard (``free``)."""
-        if not self._forwarding and self.step_state is not StepState.BACKWARD:
+        if not self._forwarding and self.machine.state is not StepState.BACKWARD:
             for u in self.groups:
                 self._free(u)
             self._kept = self._deferred = None
@@ -449,8 +450,8 @@ class FSDPEngine(StageEngine):
     def gathered(self, writeback: bool = False):
         """Every unit gathered for the block, on every rank (a collective); with ``writeback`` what
         the block wrote into the parameters goes into the shards at its end (see the base class)."""
-        self._check_not_failed("gathered")
-        self._inflight.wait_all()
+        self.machine.check_not_failed("gathered")
+        self.machine.inflight.wait_all()
         self._take_module_values(fold=False)
         for u in self.groups:
             self._ensure_gathered(u)
@@ -486,10 +487,6 @@ class FSDPEngine(StageEngine):
     def _free(self, u: Unit) -> None:
         u.free()
 
-    def _launch_reduce(self, u: Unit) -> None:
-        self.schedule.log("RS", u)
-        super()._launch_reduce(u)
-
     def _cast_inputs(self, args, kwargs):
         if self.mixed_precision is None:
             return None
@@ -498,7 +495,7 @@ class FSDPEngine(StageEngine):
 
     # ---- StageEngine contract ------------------------------------------------------------------
     def _local_used(self) -> list[bool]:
-        return list(self._step_used)
+        return list(self.machine.step_used)
 
 
     def _step_unused(self) -> set[str]:

@@ -82,7 +82,7 @@ class NonFiniteGuard:
         number of consecutive skips reaches ``max_consecutive``.
         """
         flags = torch.zeros(engine.world_size, dtype=torch.float32, device=engine.device)
-        flags[engine.rank] = 1.0 if self.local_nonfinite(engine._master_grads()) else 0.0
+        flags[engine.rank] = 1.0 if self.local_nonfinite(engine.machine.master_grads()) else 0.0
         if engine.world_size > 1:
             flags = engine.comm.all_reduce_sum(flags, FLAG_LABEL)
         ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]

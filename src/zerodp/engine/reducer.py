@@ -86,17 +86,14 @@ class BucketEngine(StageEngine):
     @host_only
     def _grad_ready(self, g: FlatGroup, j: int, param: nn.Parameter) -> None:
         """Hook of trainable parameter ``j`` of bucket ``g``: take its gradient, count down."""
-        if self.step_state is not StepState.BACKWARD:
-            self._backward_started()
+        if self.machine.state is not StepState.BACKWARD:
+            self.machine.backward_started()
+            self._reducing = self._sync_at_forward or not self.policy.keep_local
         if self._reducing and not g.policy.full_grads:
-            self._bound_in_flight(g)
+            self.machine.bound_in_flight(g)
         g.grads.take(j, param)
         if g.bwd.remaining == 0:
             self._bucket_full(g)
-
-    def _backward_started(self) -> None:
-        super()._backward_started()
-        self._reducing = self._sync_at_forward or not self.policy.keep_local
 
     def _bucket_full(self, g: FlatGroup) -> None:
         if not self._reducing:
@@ -111,10 +108,10 @@ class BucketEngine(StageEngine):
         while self._next < n and ready[self._next]:
             g = self.groups[self._next]
             self._next += 1
-            self._launch_reduce(g)
+            self.machine.launch_reduce(g)
 
     def _on_backward_end(self) -> None:
-        self._record_used()
+        self.machine.record_used()
         try:
             if self._reducing:
                 missing = []
@@ -123,7 +120,7 @@ class BucketEngine(StageEngine):
                         missing += [g.names[g.trainable[j]] for j in g.grads.fill_missing()]
                         self._ready[g.index] = True
                 self._launch_ready()
-                self._inflight.wait_all()
+                self.machine.inflight.wait_all()
                 if missing and not self.config.find_unused_parameters:
                     raise RuntimeError(
                         f"parameters that require grad received no gradient in this backward: "
@@ -153,7 +150,7 @@ class BucketEngine(StageEngine):
         if self._reducing:
             for g in self.groups[self._next:]:
                 if not self._ready[g.index]:
-                    self._bound_in_flight(g)
+                    self.machine.bound_in_flight(g)
                     g.grads.fill_missing()
                     self._ready[g.index] = True
                 self._launch_ready()
@@ -167,7 +164,20 @@ class BucketEngine(StageEngine):
         self._reducing = False
 
     def _local_used(self) -> list[bool] | None:
-        return list(self._step_used) if self.config.find_unused_parameters else None
+        """Per trainable parameter (``named_params`` order): did this rank compute a gradient for
+        it in any backward of this step? None when every parameter must be used (an unused one is
+        an error raised at backward), so no exchange is needed."""
+        return list(self.machine.step_used) if self.config.find_unused_parameters else None
+
+    def _step_unused(self) -> set[str]:
+        """Names of the parameters no rank used this step (one small AllReduce, MAX = OR)."""
+        used = self._local_used()
+        if used is None:
+            return set()
+        flags = torch.tensor([1.0 if u else 0.0 for u in used], device=self.device)
+        if self.world_size > 1:
+            self.comm.all_reduce_max(flags, "used_params")
+        return {n for (n, _), f in zip(self.named_params, flags.tolist()) if f == 0.0}
 
     # ---- description for the start-up consistency check -----------------------------------------
     def _description(self) -> dict:

@@ -521,7 +521,7 @@ class Checkpoint:
     def state_pieces(self) -> list[Piece]:
         """The master values and optimizer states this rank saves: disjoint across ranks, and
         together they cover every element of every parameter (padding excluded)."""
-        self.engine._finish_grad_sync()
+        self.engine.machine.finish_grad_sync()
         pieces = self.engine.master.pieces(ranges=self._owned_range)
         if self.engine.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
             for name, sub, local in self.engine.buffers:
@@ -532,12 +532,12 @@ class Checkpoint:
     def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill master values and optimizer states from ``read(name, kind, start, stop)``, then
         publish the parameters (collective for sharded stages). Call ``load_scalar_state`` first."""
-        self.engine._finish_grad_sync()
+        self.engine.machine.finish_grad_sync()
         self.engine._take_module_values(fold=True)  # a rebound p.data is taken back before it is overwritten
-        self.engine._wait_params()
+        self.engine.machine.wait_params()
         self.engine.master.load_pieces(read)
-        self.engine._publish_params()
-        self.engine._wait_params()
+        self.engine.machine.publish_params()
+        self.engine.machine.wait_params()
         self._load_buffers(read)
 
     @torch.no_grad()
@@ -614,7 +614,7 @@ class Checkpoint:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
         every persistent buffer (rank 0's values; floating-point ones as fp32)."""
-        self.engine._finish_grad_sync()
+        self.engine.machine.finish_grad_sync()
         self.engine._take_module_values(fold=True)  # what the script wrote into the module since the step
         out = self._gather_full([t.tensor for t in self.engine.master.targets], frozen_from_params=True)
         for name, p in self.engine._module.named_parameters():  # frozen parameters outside the buffers
@@ -628,8 +628,8 @@ class Checkpoint:
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the averaged gradient the next ``step`` would apply, as
         fp32 tensors by parameter name (gathered from the shards; for inspection and tests)."""
-        self.engine._finish_grad_sync()
-        grads = self.engine._master_grads()
+        self.engine.machine.finish_grad_sync()
+        grads = self.engine.machine.master_grads()
         return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
                                   for t, g in zip(self.engine.master.targets, grads)])
 

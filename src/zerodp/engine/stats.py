@@ -127,7 +127,7 @@ def measured_bytes(by_kind: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 
 
 def engine_memory(engine) -> dict[str, int]:
-    by_kind = dict(engine._memory_tensors())
+    by_kind = dict(engine.machine.memory_tensors())
     master = engine.master
     by_kind["master"] = [t.tensor for t in master.targets]
     by_kind["optimizer_states"] = [v for state in master.optimizer.state.values()

@@ -13,8 +13,12 @@ in ``_on_backward_end``, ``_local_used`` and friends (:mod:`zerodp.engine.reduce
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from zerodp.engine.comm import InFlight
+from zerodp.engine.gradbuf import StoragePool
 from zerodp.engine.grads import ShardedGrad
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.states import STEP_MOVES, GradState, StepState, moved
@@ -27,56 +31,74 @@ STEP_BATCH_BYTES = 16 * 1024 * 1024
 
 
 class StepMachine:
-    """The step over the flat groups (module docstring); mixed into every stage engine."""
+    """The step over the flat groups (module docstring): one part of every stage engine
+    (``engine.machine``), which owns the step's state and the queues below; the stage's hooks
+    (``engine._on_backward_end`` and friends) are called back through ``engine``."""
 
-    def _move(self, to: StepState) -> None:
-        self.step_state = moved(STEP_MOVES, self.step_state, to, "engine state")
+    def __init__(self, engine):
+        self.engine = engine
+        self.state = StepState.IDLE
+        self.inflight = InFlight()  # gradient collectives issued, not yet waited for
+        self.param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
+        self.grad_pool = StoragePool(MAX_REDUCE_IN_FLIGHT)  # released transient gradient buffers
+        self.comm_peak = 0  # most bytes of transient gradient buffers alive at once, this step
+        self.tokens = 0.0  # this rank's tokens in this step (average_by_tokens, guide §2.2)
+        self.token_factor_value: float | None = None
+        self.dropped: set[str] = set()  # reduced gradients the script set to None (model.zero_grad())
+        self.grads_under_sharded: dict[int, tuple] = {}  # id(param) -> (.grad under it, its ShardedGrad)
+        self.backward_event = None
+        self.step_used: list[bool] = []  # per trainable parameter: a gradient in this step's backwards
+        #: stage 3 logs each ReduceScatter in its unit schedule (zerodp.engine.schedule)
+        self.on_launch: Callable[[FlatGroup], None] | None = None
 
-    def _check_not_failed(self, call: str) -> None:
+    def move(self, to: StepState) -> None:
+        self.state = moved(STEP_MOVES, self.state, to, "engine state")
+
+    def check_not_failed(self, call: str) -> None:
         """A backward that raised before its end (anomaly mode, an OOM caught by the script) left
         this step's gradients partial: say so, and what to call, instead of training on them."""
-        if self.step_state is StepState.BACKWARD:
+        if self.state is StepState.BACKWARD:
             raise RuntimeError(
                 f"engine.{call}(): the last backward raised before it finished, so this step's gradients are "
                 "partial on this rank; call optimizer.zero_grad() (or engine.zero_grad()) to drop them, then run "
                 "the step again")
 
-    def _backward_started(self) -> None:
+    def backward_started(self) -> None:
         """Call from gradient hooks: arms ``_on_backward_end`` once per backward pass."""
-        if self.step_state is not StepState.BACKWARD:
-            if self._grads_under_sharded:
-                self._reconcile_grads()  # (stage 3's unit hooks come first) before autograd accumulates
-            self._move(StepState.BACKWARD)
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        if self.state is not StepState.BACKWARD:
+            if self.grads_under_sharded:
+                self.reconcile_grads()  # (stage 3's unit hooks come first) before autograd accumulates
+            self.move(StepState.BACKWARD)
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_end)
 
-    def _on_output_grad(self, grad):
-        if self._grads_under_sharded and self.step_state is not StepState.BACKWARD:
-            self._reconcile_grads()  # before autograd accumulates into any parameter's .grad
-        if self._backward_event is None:
-            self._backward_event = self.recorder.begin("backward", COMPUTE)
+    def on_output_grad(self, grad):
+        if self.grads_under_sharded and self.state is not StepState.BACKWARD:
+            self.reconcile_grads()  # before autograd accumulates into any parameter's .grad
+        if self.backward_event is None:
+            self.backward_event = self.engine.recorder.begin("backward", COMPUTE)
         return None
 
-    def _backward_end(self) -> None:
-        self._move(StepState.ACCUMULATED)
-        if self._backward_event is not None:
-            self.recorder.end(self._backward_event)
-            self._backward_event = None
-        self._on_backward_end()
-        self._attach_sharded_grads()  # the module shows the reduced gradients after every backward
+    def backward_end(self) -> None:
+        self.move(StepState.ACCUMULATED)
+        if self.backward_event is not None:
+            self.engine.recorder.end(self.backward_event)
+            self.backward_event = None
+        self.engine._on_backward_end()
+        self.attach_sharded_grads()  # the module shows the reduced gradients after every backward
 
-    def _abandon_backward(self) -> None:
+    def abandon_backward(self) -> None:
         """zero_grad after a raised backward: the stage completes the collectives the backward
         would have launched, so that every rank has issued the same ones whatever its data did
         before the raise; wait for them, reset every group's backward state, and leave the
         gradients to ``_zero_grad``, which drops them."""
-        if self._backward_event is not None:
-            self.recorder.end(self._backward_event)
-            self._backward_event = None
-        self._on_backward_abandoned()
-        self._inflight.wait_all()
-        for g in self.groups:
+        if self.backward_event is not None:
+            self.engine.recorder.end(self.backward_event)
+            self.backward_event = None
+        self.engine._on_backward_abandoned()
+        self.inflight.wait_all()
+        for g in self.engine.groups:
             g.reset_backward()
-        self._move(StepState.IDLE)
+        self.move(StepState.IDLE)
 
     def count_tokens(self, n: int | float) -> None:
         """With ``average_by_tokens=True``: add this micro-batch's token count on this rank.
@@ -90,59 +112,61 @@ class StepMachine:
         """
         if n < 0:
             raise ValueError(f"token count must be >= 0, got {n}")
-        self._tokens += float(n)
+        self.tokens += float(n)
 
-    def _token_factor(self) -> float | None:
+    def token_factor(self) -> float | None:
         """Guide §2.2: factor to pre-multiply local gradients with before a mean reduction, so that
         the mean over ranks becomes Σ_r n_r g_r / Σ_r n_r. None when averaging plainly."""
-        if not self.config.average_by_tokens:
+        if not self.engine.config.average_by_tokens:
             return None
-        if self._token_factor_value is None:
-            if self._tokens <= 0:
+        if self.token_factor_value is None:
+            if self.tokens <= 0:
                 raise RuntimeError(
                     "average_by_tokens=True but this rank counted no tokens this step: call "
                     "engine.count_tokens(n) for every micro-batch before its backward"
                 )
-            total = self.comm.all_reduce_sum(torch.tensor([self._tokens], dtype=torch.float64,
-                                                          device=self.device), "token_count")
-            self._token_factor_value = self._tokens * self.world_size / float(total[0])
-        return self._token_factor_value
+            total = self.engine.comm.all_reduce_sum(torch.tensor([self.tokens], dtype=torch.float64,
+                                                          device=self.engine.device), "token_count")
+            self.token_factor_value = self.tokens * self.engine.world_size / float(total[0])
+        return self.token_factor_value
 
-    def _bound_in_flight(self, g: FlatGroup) -> None:
+    def bound_in_flight(self, g: FlatGroup) -> None:
         """Before a group allocates gradients for a reduction: wait for the oldest collectives
         while ``MAX_REDUCE_IN_FLIGHT`` are in flight, so that transient gradient buffers are
         bounded by the groups in flight, not by the model (guide §9.2)."""
         if not g.grads.holds_grads:
-            while len(self._inflight) >= MAX_REDUCE_IN_FLIGHT:
-                self._inflight.wait_oldest()
+            while len(self.inflight) >= MAX_REDUCE_IN_FLIGHT:
+                self.inflight.wait_oldest()
 
-    def _launch_reduce(self, g: FlatGroup) -> None:
-        self._inflight.add(*g.grads.reduce(self._token_factor()))
-        held = (sum(t.untyped_storage().nbytes() for g in self.groups for t in g.grads.comm_tensors())
-                + sum(st.nbytes() for st in self._grad_pool.free))
-        self._comm_peak = max(self._comm_peak, held)
+    def launch_reduce(self, g: FlatGroup) -> None:
+        if self.on_launch is not None:
+            self.on_launch(g)
+        self.inflight.add(*g.grads.reduce(self.token_factor()))
+        held = (sum(t.untyped_storage().nbytes() for g in self.engine.groups for t in g.grads.comm_tensors())
+                + sum(st.nbytes() for st in self.grad_pool.free))
+        self.comm_peak = max(self.comm_peak, held)
 
-    def _finish_grad_sync(self) -> None:
+    def finish_grad_sync(self) -> None:
         """Wait for every gradient collective; groups still holding local gradients of a
         ``no_sync`` backward (the step's last micro-batch ran inside it) are reduced now, on every
         rank alike, at every stage — stage 0 included, where DDP would step each replica on its own
         gradients and let them drift apart. Then the released gradient storages are freed: the
         optimizer step creates its states next, and nothing reduces again before the next backward.
         What the script did to ``.grad`` meanwhile (``model.zero_grad()``) is read back first."""
-        if any(g.grads.has_local for g in self.groups):
-            self._reconcile_grads()
-        self._inflight.wait_all()
-        pending = [g for g in self.groups if g.grads.has_local]
+        if any(g.grads.has_local for g in self.engine.groups):
+            self.reconcile_grads()
+        self.inflight.wait_all()
+        pending = [g for g in self.engine.groups if g.grads.has_local]
         for g in pending:
-            self._launch_reduce(g)
-        self._inflight.wait_all()
-        self._grad_pool.clear()
+            self.launch_reduce(g)
+        self.inflight.wait_all()
+        self.grad_pool.clear()
 
-    def _master_grads(self) -> list[torch.Tensor | None]:
-        grads = {id(g): g.grads.read() for g in self.groups}
-        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self._target_slices]
+    def master_grads(self) -> list[torch.Tensor | None]:
+        grads = {id(g): g.grads.read() for g in self.engine.groups}
+        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self.engine._target_slices]
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
         ``_publish_params``.
 
@@ -153,10 +177,10 @@ class StepMachine:
         elementwise optimizer is per element, so this is bitwise the single step (targets without
         a gradient are skipped by each call). Only when the optimizer has step hooks (which would
         then run once per batch) is it done in one call."""
-        grads = self._master_grads()
+        grads = self.master_grads()
         batches = [range(len(grads))]
-        cast = any(g is not None and g.dtype != self.master_dtype for g in grads)
-        if cast and not _has_step_hooks(self.master.optimizer):
+        cast = any(g is not None and g.dtype != self.engine.master_dtype for g in grads)
+        if cast and not _has_step_hooks(self.engine.master.optimizer):
             batches, start, size = [], 0, 0
             for i, g in enumerate(grads):
                 size += 0 if g is None else 4 * g.numel()
@@ -166,74 +190,58 @@ class StepMachine:
             batches.append(range(start, len(grads)))
         for batch in batches:
             chosen = set(batch)
-            self.master.attach_grads([g if i in chosen else None for i, g in enumerate(grads)], self._unused)
-            self.master.step()
-            self.master.zero_grad()
-        self._publish_params()
+            self.engine.master.attach_grads([g if i in chosen else None for i, g in enumerate(grads)], self.engine._unused)
+            self.engine.master.step()
+            self.engine.master.zero_grad()
+        self.publish_params()
 
-    def _publish_params(self) -> None:
+    def publish_params(self) -> None:
         """After the step, the compute parameters ← the master, in the order the next forward
         needs them (the last bucket holds the first layers; guide §9.1 step 5)."""
-        for g in reversed(self.groups):
+        for g in reversed(self.engine.groups):
             pending = g.publish()
             if pending is not None:
-                self._param_gathers.add(pending)
+                self.param_gathers.add(pending)
 
-    def _wait_params(self) -> None:
-        self._param_gathers.wait_all()
-        for g in self.groups:
+    def wait_params(self) -> None:
+        self.param_gathers.wait_all()
+        for g in self.engine.groups:
             g.wait_gather()  # GATHERING -> GATHERED (the work itself is done)
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.groups:
+    def zero_grads(self, set_to_none: bool = True) -> None:
+        for g in self.engine.groups:
             g.grads.zero(set_to_none)
 
-    def _record_used(self) -> None:
+    def record_used(self) -> None:
         """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
-        used = self._step_used
-        for g, index in zip(self.groups, self._used_index):
+        used = self.step_used
+        for g, index in zip(self.engine.groups, self.engine._used_index):
             for fired, i in zip(g.bwd.fired, index):
                 if fired:
                     used[i] = True
         # A gradient the script dropped has one again on every rank once a backward reduced it (or
         # will, at the step): whether any rank's data used it is the used-flags' exchange to say
-        self._dropped.clear()
+        self.dropped.clear()
 
-    def _reset_used(self) -> None:
-        self._step_used = [False] * len(self.named_params)
+    def reset_used(self) -> None:
+        self.step_used = [False] * len(self.engine.named_params)
 
-    def _local_used(self) -> list[bool] | None:
-        """Per trainable parameter (``named_params`` order): did this rank compute a gradient
-        for it in any backward of this step? None when every parameter must be used (an unused
-        one is an error raised at backward), so no exchange is needed."""
-        return None
-
-    def _step_unused(self) -> set[str]:
-        """Names of the parameters no rank used this step (one small AllReduce, MAX = OR)."""
-        used = self._local_used()
-        if used is None:
-            return set()
-        flags = torch.tensor([1.0 if u else 0.0 for u in used], device=self.device)
-        if self.world_size > 1:
-            self.comm.all_reduce_max(flags, "used_params")
-        return {n for (n, _), f in zip(self.named_params, flags.tolist()) if f == 0.0}
-
-    def _attach_sharded_grads(self) -> None:
+    def attach_sharded_grads(self) -> None:
         """After a backward whose gradients were reduced (and on ``engine.parameters()``), the
         module's parameters show them in torch's terms (guide §12.9): where no module tensor holds
         the reduced gradient (a shard of its own, stages 1-3) ``param.grad`` becomes a
         :class:`ShardedGrad` of this rank's slice, as FSDP2's DTensor gradient is. Local: nothing
         is attached while a group still holds unreduced gradients (that would need a collective)."""
-        if self.step_state not in (StepState.ACCUMULATED, StepState.STEPPED, StepState.IDLE) \
-                or not self.policy.shard_master or self._grads_under_sharded \
-                or any(g.grads.has_local for g in self.groups):
+        if self.state not in (StepState.ACCUMULATED, StepState.STEPPED, StepState.IDLE) \
+                or not self.engine.policy.shard_master or self.grads_under_sharded \
+                or any(g.grads.has_local for g in self.engine.groups):
             return
-        self._inflight.wait_all()
+        self.inflight.wait_all()
         with torch.inference_mode(False):  # (after a forward under inference_mode: normal tensors still)
-            self._attach_shards()
+            self.attach_shards()
 
-    def _attach_shards(self) -> None:
-        for g in self.groups:
+    def attach_shards(self) -> None:
+        for g in self.engine.groups:
             if g.grads.shard_in_full or g.grads.state not in (GradState.REDUCED, GradState.ZEROS):
                 continue
             lo, hi = g.shard_range
@@ -243,25 +251,25 @@ class StepMachine:
                 a, b = max(slot.offset, lo), min(slot.stop, hi)
                 local = g.grads.grad_shard[a - lo:b - lo] if a < b else g.grads.grad_shard[:0]
                 sharded = ShardedGrad(p, local, g.comm, also=None if full is None else full[slot.offset:slot.stop])
-                self._grads_under_sharded[id(p)] = (p.grad, sharded)
+                self.grads_under_sharded[id(p)] = (p.grad, sharded)
                 p.grad = sharded
 
-    def _reconcile_grads(self) -> None:
+    def reconcile_grads(self) -> None:
         """Read the module's ``.grad`` back before anything uses the engine's gradients (a forward,
         a backward, a clip, ``step``): ``model.zero_grad()`` or ``p.grad = None`` drops a reduced
         gradient, ``p.grad.zero_()`` zeroes it (torch then still applies the zeros), ``p.grad = t``
         replaces it — exactly as torch's optimizers would see it (guide §12.9). The sharded gradients
         come off the parameters again, so that the next backward accumulates as before."""
-        attached, self._grads_under_sharded = self._grads_under_sharded, {}
-        if self.step_state is StepState.BACKWARD:
-            for g in self.groups:  # (a backward in progress: only put back what was under)
+        attached, self.grads_under_sharded = self.grads_under_sharded, {}
+        if self.state is StepState.BACKWARD:
+            for g in self.engine.groups:  # (a backward in progress: only put back what was under)
                 for p in g.trainable_params:
                     if id(p) in attached:
                         p.grad = attached[id(p)][0]
             return
-        for g in self.groups:
+        for g in self.engine.groups:
             g.take_rebound()  # a rebound p.data (of another dtype too) before .grad is set
-        for g, index in zip(self.groups, self._used_index):
+        for g, index in zip(self.engine.groups, self.engine._used_index):
             if g.grads.state is GradState.NONE:
                 continue
             for j, i in enumerate(g.trainable):
@@ -276,23 +284,23 @@ class StepMachine:
                     continue
                 if seen is None:
                     g.grads.drop(j)
-                    self._dropped.add(g.names[i])
-                    self._step_used[index[j]] = False  # as zero_grad: used again only by a later backward
+                    self.dropped.add(g.names[i])
+                    self.step_used[index[j]] = False  # as zero_grad: used again only by a later backward
                 else:
                     g.grads.write(j, seen)
-                    self._dropped.discard(g.names[i])
+                    self.dropped.discard(g.names[i])
                     if entry is None and expected is not None:
                         p.grad = expected
-            if all(n in self._dropped for n in (g.names[i] for i in g.trainable)):
+            if all(n in self.dropped for n in (g.names[i] for i in g.trainable)):
                 g.grads.zero(set_to_none=True)  # model.zero_grad(): as engine.zero_grad() for this group
 
-    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {}
-        for g in self.groups:
+        for g in self.engine.groups:
             for kind, tensors in g.memory().items():
                 out.setdefault(kind, []).extend(tensors)
-        out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
-                                                  for st in self._grad_pool.free)
+        out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.engine.device).set_(st)
+                                                  for st in self.grad_pool.free)
         return out
 
 

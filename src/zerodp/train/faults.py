@@ -172,8 +172,8 @@ class Faults(Hooks):
             return
         import torch
 
-        engine._finish_grad_sync()
-        for g in engine._master_grads():
+        engine.machine.finish_grad_sync()
+        for g in engine.machine.master_grads():
             if g is not None and g.numel() > 0:
                 with torch.no_grad():
                     g.view(-1)[0] = float("inf")
