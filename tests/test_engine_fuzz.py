@@ -520,17 +520,17 @@ def plain_peak(world: int, rank: int) -> int:
     return engine.stats().peak_gathered_units
 
 
-def _ignore_module_grads(engine) -> None:
+def _ignore_module_grads(machine) -> None:
     """A planted bug for the check of the checks: the engine takes its sharded gradients off the
     module without reading back what the script did to them (``model.zero_grad()`` is ignored)."""
-    attached, engine.machine.grads_under_sharded = engine.machine.grads_under_sharded, {}
-    for g in engine.groups:
+    attached, machine.grads_under_sharded = machine.grads_under_sharded, {}
+    for g in machine.engine.groups:
         for p in g.trainable_params:
             if id(p) in attached:
                 p.grad = attached[id(p)][0]
 
 
-PLANTED = {"ignore_module_zero_grad": ("_reconcile_grads", _ignore_module_grads)}
+PLANTED = {"ignore_module_zero_grad": ("reconcile_grads", _ignore_module_grads)}
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[int, int]], journal: str, planted: str | None = None) -> dict:

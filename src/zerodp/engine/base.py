@@ -305,19 +305,18 @@ class StageEngine:
         if self.mixed_precision is not None:  # floating inputs compute in the param dtype, every stage
             args, kwargs = cast_floats((args, kwargs), self.param_dtype)
         self.machine.reconcile_grads()  # the module's .grad read back; the next backward accumulates as before
-        self._before_forward()
+        self.machine.wait_params()  # stages 1-2: the step's parameter AllGathers, overlapped until here
         self._take_module_values(fold=False)
         return args, kwargs, self.recorder.begin("forward", COMPUTE)
 
     @host_only
     def _fail_forward(self, span) -> None:
         self.recorder.end(span)
-        self._abort_forward()
+        self.hooks.abort_forward()
 
     @host_only
     def _exit_forward(self, out, span):
         self.recorder.end(span)
-        self._after_forward(out)
         outputs = grad_tensors(out)
         for t in outputs:  # an output's gradient is the first thing backward computes
             t.register_hook(self.machine.on_output_grad)
@@ -528,26 +527,6 @@ class StageEngine:
         return self.checkpoint.layout()
 
 
-    # ---- parameters no rank used (DDP's find_unused_parameters semantics) --------------------
-
-    # ---- the step's state: checked transitions, a raised backward, changed requires_grad ----------
-
-    # ---- defaults for optional hooks ----------------------------------------------------------
-    def _before_forward(self) -> None:
-        self.machine.wait_params()
-
-    def _after_forward(self, out: Any) -> None:
-        pass
-
-    def _on_backward_end(self) -> None:
-        pass
-
-    def _on_backward_abandoned(self) -> None:
-        """A backward raised: reset what the subclass keeps for the backward in flight."""
-
-    def _abort_forward(self) -> None:
-        """The model's forward raised: reset what the subclass keeps for the forward in flight."""
-
 
 
 def _check_sparse(module: nn.Module, stage: int) -> None:
@@ -579,17 +558,18 @@ def remove_hooks(handles: list) -> None:
         h.remove()
 
 
-def grad_hook(engine: "StageEngine", method: str, group: int, j: int) -> Callable[[nn.Parameter], None]:
-    """The post-accumulate-grad hook of trainable parameter ``j`` of ``engine.groups[group]``:
-    calls ``engine.<method>(that group, j, param)``. It holds the engine by a weak reference and
-    the group by its index: a parameter's hooks are held from C++, where Python's garbage collector
-    cannot see a cycle back through them, so a hook holding the engine or a group would keep a
-    deleted engine and its flat buffers alive for the life of the process."""
-    ref = weakref.ref(engine)
+def grad_hook(hooks: Any, method: str, group: int, j: int) -> Callable[[nn.Parameter], None]:
+    """The post-accumulate-grad hook of trainable parameter ``j`` of ``hooks.engine.groups[group]``:
+    calls ``hooks.<method>(that group, j, param)`` (``hooks``: the stage's hooks part). It holds
+    the hooks by a weak reference and the group by its index: a parameter's hooks are held from C++,
+    where Python's garbage collector cannot see a cycle back through them, so a hook holding the
+    engine or a group would keep a deleted engine and its flat buffers alive for the life of the
+    process."""
+    ref = weakref.ref(hooks)
 
     @host_only
     def hook(param: nn.Parameter) -> None:
-        eng = ref()
-        if eng is not None:
-            getattr(eng, method)(eng.groups[group], j, param)
+        hooks = ref()
+        if hooks is not None:
+            getattr(hooks, method)(hooks.engine.groups[group], j, param)
     return hook

@@ -159,23 +159,10 @@ class FSDPEngine(StageEngine):
         self.schedule = UnitSchedule(self.comm, self.group, self.world_size, self.device)
         self.machine.on_launch = functools.partial(self.schedule.log, "RS")  # every ReduceScatter, in order
 
-        # Prefetch order: registration order until a forward has been seen, then the recorded one.
-        order = list(self.groups)
-        self._next_fwd: dict[int, Unit] = {a.index: b for a, b in zip(order, order[1:])}
-        self._next_bwd: dict[int, Unit] = {b.index: a for a, b in zip(order, order[1:])}
-        self._fwd_order: list[Unit] = []
-        self._post_order: list[Unit] = []
-        self._deferred: Unit | None = None  # finished forward, not yet freed (maybe the last one)
-        self._kept: Unit | None = None  # the last forward unit, kept gathered into backward
-        self._forwarding = False
-        self._reduce_this_pass = True
-        self._peak_units = 0
-        self._peak_bytes = 0
         self.last_peak_gathered_units = 0
         self.last_peak_gathered_bytes = 0
-        self._tokens_issued = itertools.count()  # one per watched forward call (BackwardState)
-        self._handles = []
-        self._install_hooks()
+        self.hooks = UnitHooks(self)  # the module's hooks and what they keep between calls
+        self.hooks.install()
         self.construction.start_clock()
 
     def _materialize(self, u: Unit) -> None:
@@ -183,268 +170,13 @@ class FSDPEngine(StageEngine):
         materialize_params(u.params, self._init_modules[u.index], self.device, self.config.init_fn,
                            self.config.init_seed)
 
-    # ---- hooks ------------------------------------------------------------------------------
-    def _install_hooks(self) -> None:
-        """The module's hooks hold the engine weakly (a module outlives its engine: ``del engine``
-        frees the engine and its buffers), and are removed when the engine is collected."""
-        root, ref = self._module, weakref.ref(self)
-
-        def call(method: str):
-            return functools.partial(_engine_hook, ref, method)
-
-        def unit_call(method: str, index: int, skip: int):
-            return functools.partial(_unit_hook, ref, method, index, skip)
-
-        self._handles.append(root.register_forward_pre_hook(call("_top_pre_forward"), prepend=True))
-        for u in self.groups:
-            self._handles.append(u.module.register_forward_pre_hook(
-                unit_call("_pre_forward", u.index, 1), with_kwargs=True))
-            self._handles.append(u.module.register_forward_hook(
-                unit_call("_post_forward", u.index, 2)))
-            for j, p in enumerate(u.trainable_params):
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    grad_hook(self, "_on_grad_final", u.index, j)))
-        self._handles.append(root.register_forward_hook(call("_top_post_forward")))
-        # The module's own state dict holds full values (gathered: a collective), and its
-        # load_state_dict writes into the shards; deepcopy is refused (module_view).
-        self._handles.append(root.register_state_dict_post_hook(call("_module_state_dict")))
-        self._handles.append(root.register_load_state_dict_pre_hook(call("_module_load_state_dict")))
-        self._handles.append(root.register_load_state_dict_post_hook(call("_module_loaded")))
-        weakref.finalize(self, remove_hooks, list(self._handles))
-        weakref.finalize(self, restore_class, root, shard_view_class(root))
-
-    @host_only
-    def _top_pre_forward(self, module, args):
-        if self._forwarding:
-            return None
-        self.machine.reconcile_grads()
-        self._take_module_values(fold=False)
-        self._forwarding = True
-        self.machine.inflight.wait_all()
-        for u in self.groups:  # e.g. the kept unit of a forward that had no backward
-            if u.gathered:
-                self._free(u)
-        self._kept = None
-        self._fwd_order = []
-        self._post_order = []
-        # u.bwd.pending_inputs is NOT reset here: a graph of an earlier forward of this step (two
-        # forwards, one backward) still counts on its units while it is alive.
-        self._reduce_this_pass = self._sync or self.config.reduce_every_microbatch
-        return None
-
-    @host_only
-    def _pre_forward(self, u: Unit, args, kwargs):
-        if not self._forwarding:
-            # Called outside the model's own forward (a unit run on its own, or activation
-            # recomputation during backward): make sure the parameters are there; when this runs
-            # inside backward (recomputation), the unit's backward is over only once the gradient
-            # of these inputs is computed too, so watch them.
-            self._ensure_gathered(u)
-            cast = self._cast_inputs(args, kwargs)
-            if cast is not None:
-                args, kwargs = cast
-            if torch.is_grad_enabled() and self.machine.state is StepState.BACKWARD:
-                args, kwargs = self._watch_inputs(u, args, kwargs)
-            return args, kwargs
-        d = self._deferred
-        if d is not None and d is not u:
-            self._free(d)
-            self._deferred = None
-        self._fwd_order.append(u)
-        self._ensure_gathered(u)
-        if self.config.prefetch:
-            nxt = self._next_fwd.get(u.index)
-            if nxt is not None and not nxt.gathered:
-                self._gather(nxt, async_op=True)
-        u.bwd.fwd_event = self.recorder.begin(f"forward {u.label}", COMPUTE, unit=u.label)
-        cast = self._cast_inputs(args, kwargs)
-        if cast is not None:
-            args, kwargs = cast
-        if torch.is_grad_enabled():
-            args, kwargs = self._watch_inputs(u, args, kwargs)
-        return args, kwargs
-
-    def _watch_inputs(self, u: Unit, args, kwargs):
-        """Route the unit's grad-requiring inputs through :class:`_InputsGradient`, whose backward
-        runs once the gradient w.r.t. those inputs is complete, i.e. the unit's backward is over."""
-        flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
-        if not flat:
-            return args, kwargs
-        token = next(self._tokens_issued)
-        u.bwd.pending_inputs.add(token)
-        outs = _InputsGradient.apply(weakref.ref(self), u.index, token, *flat)
-        if isinstance(outs, torch.Tensor):
-            outs = (outs,)
-        swap = {id(a): b for a, b in zip(flat, outs)}
-        return replace((args, kwargs), swap)
-
-    @host_only
-    def _post_forward(self, u: Unit, out):
-        ev = u.bwd.fwd_event
-        if ev is not None:
-            self.recorder.end(ev)
-            u.bwd.fwd_event = None
-        if not self._forwarding:
-            return None
-        d = self._deferred
-        if d is not None and d is not u:
-            self._free(d)
-        self._deferred = u
-        self._post_order.append(u)
-        if torch.is_grad_enabled():
-            hook = lambda grad, u=u: self._pre_backward(u)  # noqa: E731
-            for t in grad_tensors(out):
-                t.register_hook(hook)
-        return None
-
-    @host_only
-    def _top_post_forward(self, module, args, out):
-        if not self._forwarding:
-            return None
-        self._forwarding = False
-        last, self._deferred = self._deferred, None
-        if self._fwd_order and torch.is_grad_enabled() and self.world_size > 1:
-            self.schedule.check_forward_order(self._fwd_order)
-        if self._fwd_order:
-            seq = self._fwd_order
-            self._next_fwd = {a.index: b for a, b in zip(seq, seq[1:])}
-            back = self._post_order[::-1]
-            self._next_bwd = {a.index: b for a, b in zip(back, back[1:])}
-        if last is not None:
-            if torch.is_grad_enabled() and grad_tensors(out):
-                self._kept = last  # guide §9.3: used first by backward, so never freed: 2L − 1
-            else:
-                self._free(last)
-        if not torch.is_grad_enabled():
-            self.machine.attach_sharded_grads()  # an evaluation forward of the module itself keeps .grad, as torch's
-        return None
-
-    @host_only
-    def _pre_backward(self, u: Unit) -> None:
-        i = u.index
-        if u.bwd.phase is not Phase.WAITING:
-            return
-        u.bwd.move(Phase.RUNNING)
-        self.machine.backward_started()
-        self._ensure_gathered(u)
-        if self.config.prefetch:
-            nxt = self._next_bwd.get(i)
-            if nxt is not None and not nxt.gathered and nxt.bwd.phase is Phase.WAITING:
-                self._gather(nxt, async_op=True)
-        u.bwd.bwd_event = self.recorder.begin(f"backward {u.label}", COMPUTE, unit=u.label)
-
-    # A unit's backward is over when (a) every trainable parameter's gradient is accumulated and
-    # (b) the gradient w.r.t. its inputs is computed — (b) matters when a parameter without
-    # gradient (frozen) is still needed after the last trainable one, e.g. a frozen norm weight
-    # at the start of a block. Units whose inputs need no gradient rely on (a); the end-of-backward
-    # callback catches whatever got no gradient at all.
-    @host_only
-    def _on_grad_final(self, u: Unit, j: int, param: nn.Parameter) -> None:
-        self.machine.backward_started()
-        self.machine.bound_in_flight(u)
-        u.grads.take(j, param)  # into the unit's gradient buffer; .grad is dropped at once
-        if u.bwd.phase is Phase.WAITING:  # no pre-backward hook ran: forward under no_grad, recomputed
-            u.bwd.move(Phase.RUNNING)   # in backward (reentrant activation checkpointing)
-        if u.bwd.over():
-            self._post_backward(u)
-
-    @host_only
-    def _on_inputs_grad(self, u: Unit, token: int) -> None:
-        u.bwd.pending_inputs.discard(token)
-        if u.bwd.phase is Phase.RUNNING and u.bwd.over():
-            self._post_backward(u)
-
-    @host_only
-    def _post_backward(self, u: Unit) -> None:
-        """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
-        if u.bwd.phase is Phase.DONE:
-            return
-        u.bwd.move(Phase.DONE)
-        ev = u.bwd.bwd_event
-        if ev is not None:
-            self.recorder.end(ev)
-            u.bwd.bwd_event = None
-        if u.trainable:  # every rank reduces every unit that ran, used or not: same collectives
-            u.grads.fill_missing()  # parameters without a gradient in this backward count as zero
-            if self._reduce_this_pass:
-                self.machine.launch_reduce(u)
-            else:
-                u.grads.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
-        if self._kept is u:
-            self._kept = None
-        self._free(u)
-
-    def _on_backward_end(self) -> None:
-        # Units whose parameters got no (or not every) gradient in this backward.
-        for u in self.groups:
-            if u.bwd.phase is Phase.RUNNING or (u.bwd.phase is Phase.WAITING and u.bwd.remaining < len(u.trainable)):
-                self._post_backward(u)
-        self.machine.record_used()
-        for u in self.groups:
-            if u.gathered:
-                self._free(u)
-        self._kept = None
-        self.machine.inflight.wait_all()
-        for u in self.groups:
-            u.reset_backward()
-
-    def _on_backward_abandoned(self) -> None:
-        """A backward raised: free whatever it had gathered; the next forward starts afresh."""
-        self._abort_forward()
-
-    def _abort_forward(self) -> None:
-        self._forwarding = False
-        self._deferred = self._kept = None
-        for u in self.groups:
-            for ev in (u.bwd.fwd_event, u.bwd.bwd_event):
-                if ev is not None:
-                    self.recorder.end(ev)
-            u.bwd.fwd_event = u.bwd.bwd_event = None
-            self._free(u)
-
-    # ---- the module's own state dict and values (guide §12.9) ----------------------------------
+    # ---- the module's own values (guide §12.9) ----------------------------------------------
     def _take_module_values(self, fold: bool) -> None:
         """Between calls, a unit still gathered (the last unit of a forward whose graph was dropped)
         is freed first: what the script wrote into it meanwhile goes into the shard (``free``)."""
-        if not self._forwarding and self.machine.state is not StepState.BACKWARD:
-            for u in self.groups:
-                self._free(u)
-            self._kept = self._deferred = None
+        if not self.hooks.forwarding and self.machine.state is not StepState.BACKWARD:
+            self.hooks.free_all()
         super()._take_module_values(fold)
-
-    def _module_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
-        """``model.state_dict()`` at stage 3: the module's entries are empty placeholders at rest, so
-        they are replaced by the full values (``engine.state_dict()``: a collective, every rank)."""
-        if self.__dict__.get("_raw_module_state"):
-            return
-        full = self.state_dict()
-        for key in list(state_dict):
-            name = key[len(prefix):]
-            value = state_dict[key]
-            if name in full and torch.is_tensor(value) and any(u.holds_placeholder(value) for u in self.groups):
-                state_dict[key] = full[name]
-
-    def _module_load_state_dict(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
-                                errors) -> None:
-        """``model.load_state_dict(sd)`` at stage 3: each parameter's value goes into the shard this
-        rank keeps, and its key leaves the dict torch loads from (a placeholder takes no copy);
-        ``_module_loaded`` then takes those keys off torch's missing list."""
-        where = {id(p): (u, i) for u in self.groups for i, p in enumerate(u.params)}
-        taken = self.__dict__.setdefault("_loaded_keys", set())
-        for name, p in module.named_parameters(remove_duplicate=False):
-            key = prefix + name
-            if key not in state_dict or id(p) not in where:
-                continue
-            u, i = where[id(p)]
-            value = state_dict[key]
-            if u.holds_placeholder(p) and torch.is_tensor(value) and tuple(value.shape) == u.layout.slots[i].shape:
-                u.write_param(i, value.detach().to(self.device))
-                del state_dict[key]
-                taken.add(key)
-
-    def _module_loaded(self, module, incompatible) -> None:
-        taken = self.__dict__.pop("_loaded_keys", set())
-        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
 
     @contextlib.contextmanager
     def gathered(self, writeback: bool = False):
@@ -454,7 +186,7 @@ class FSDPEngine(StageEngine):
         self.machine.inflight.wait_all()
         self._take_module_values(fold=False)
         for u in self.groups:
-            self._ensure_gathered(u)
+            self.hooks.ensure_gathered(u)
         ok = False
         try:
             yield self._module
@@ -463,40 +195,11 @@ class FSDPEngine(StageEngine):
             for u in self.groups:
                 if ok and writeback:
                     u.write_back()
-                self._free(u)
-
-    # ---- gather / free / reduce ---------------------------------------------------------------
-    def _gather(self, u: Unit, async_op: bool) -> None:
-        self.schedule.log("AG", u)
-        u.gather(async_op=async_op)
-        units, nbytes = self._gathered_now()
-        self._peak_units = max(self._peak_units, units)
-        self._peak_bytes = max(self._peak_bytes, nbytes)
-
-    def _gathered_now(self) -> tuple[int, int]:
-        """Units gathered (or gathering) now and their bytes, measured from the storages."""
-        held = [u for u in self.groups if u.gathered]
-        return len(held), sum(u.gathered_nbytes() for u in held)
-
-    def _ensure_gathered(self, u: Unit) -> None:
-        if not u.gathered:
-            self._gather(u, async_op=False)
-        else:
-            u.wait_gather()
-
-    def _free(self, u: Unit) -> None:
-        u.free()
-
-    def _cast_inputs(self, args, kwargs):
-        if self.mixed_precision is None:
-            return None
-        dt = self.param_dtype
-        return cast_floats(args, dt), cast_floats(kwargs, dt)
+                u.free()
 
     # ---- StageEngine contract ------------------------------------------------------------------
     def _local_used(self) -> list[bool]:
         return list(self.machine.step_used)
-
 
     def _step_unused(self) -> set[str]:
         """One small AllReduce at each step serves two checks: which parameters no rank used
@@ -516,9 +219,7 @@ class FSDPEngine(StageEngine):
         super().step()
         self.schedule.reset()  # compared across ranks at each step
         # The gathered peak of the step just completed, for stats(); start the next one.
-        self.last_peak_gathered_units = self._peak_units
-        self.last_peak_gathered_bytes = self._peak_bytes
-        self._peak_units, self._peak_bytes = self._gathered_now()
+        self.last_peak_gathered_units, self.last_peak_gathered_bytes = self.hooks.take_peak()
 
     # ---- stage-3 specific views ------------------------------------------------------------------
     def stats(self) -> "FSDPStats":
@@ -541,11 +242,331 @@ class FSDPEngine(StageEngine):
         )
 
 
+
+class UnitHooks:
+    """Stage 3's module hooks and what they keep between calls (one part of :class:`FSDPEngine`,
+    ``engine.hooks``): the forward and backward of each unit — gather, prefetch, free, the
+    ReduceScatter once its gradients are final — the order recorded for prefetching, the unit kept
+    from forward into backward, and the module's own state-dict hooks (see the module docstring)."""
+
+    def __init__(self, engine: FSDPEngine):
+        self.engine = engine
+        # Prefetch order: registration order until a forward has been seen, then the recorded one.
+        order = list(engine.groups)
+        self.next_fwd: dict[int, Unit] = {a.index: b for a, b in zip(order, order[1:])}
+        self.next_bwd: dict[int, Unit] = {b.index: a for a, b in zip(order, order[1:])}
+        self.fwd_order: list[Unit] = []
+        self.post_order: list[Unit] = []
+        self.deferred: Unit | None = None  # finished forward, not yet freed (maybe the last one)
+        self.kept: Unit | None = None  # the last forward unit, kept gathered into backward
+        self.forwarding = False
+        self.reduce_this_pass = True
+        self.peak_units = 0
+        self.peak_bytes = 0
+        self.tokens_issued = itertools.count()  # one per watched forward call (BackwardState)
+        self.handles: list = []
+        self.loaded_keys: set[str] = set()  # model.load_state_dict: the keys written into shards
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def install(self) -> None:
+        """The module's hooks hold the engine weakly (a module outlives its engine: ``del engine``
+        frees the engine and its buffers), and are removed when the engine is collected."""
+        root, ref = self.engine._module, weakref.ref(self)
+
+        def call(method: str):
+            return functools.partial(_engine_hook, ref, method)
+
+        def unit_call(method: str, index: int, skip: int):
+            return functools.partial(_unit_hook, ref, method, index, skip)
+
+        self.handles.append(root.register_forward_pre_hook(call("top_pre_forward"), prepend=True))
+        for u in self.engine.groups:
+            self.handles.append(u.module.register_forward_pre_hook(
+                unit_call("pre_forward", u.index, 1), with_kwargs=True))
+            self.handles.append(u.module.register_forward_hook(
+                unit_call("post_forward", u.index, 2)))
+            for j, p in enumerate(u.trainable_params):
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    grad_hook(self, "grad_ready", u.index, j)))
+        self.handles.append(root.register_forward_hook(call("top_post_forward")))
+        # The module's own state dict holds full values (gathered: a collective), and its
+        # load_state_dict writes into the shards; deepcopy is refused (module_view).
+        self.handles.append(root.register_state_dict_post_hook(call("module_state_dict")))
+        self.handles.append(root.register_load_state_dict_pre_hook(call("module_load_state_dict")))
+        self.handles.append(root.register_load_state_dict_post_hook(call("module_loaded")))
+        weakref.finalize(self.engine, remove_hooks, list(self.handles))
+        weakref.finalize(self.engine, restore_class, root, shard_view_class(root))
+
+    @host_only
+    def top_pre_forward(self, module, args):
+        if self.forwarding:
+            return None
+        self.engine.machine.reconcile_grads()
+        self.engine._take_module_values(fold=False)
+        self.forwarding = True
+        self.engine.machine.inflight.wait_all()
+        for u in self.engine.groups:  # e.g. the kept unit of a forward that had no backward
+            if u.gathered:
+                self.free(u)
+        self.kept = None
+        self.fwd_order = []
+        self.post_order = []
+        # u.bwd.pending_inputs is NOT reset here: a graph of an earlier forward of this step (two
+        # forwards, one backward) still counts on its units while it is alive.
+        self.reduce_this_pass = self.engine._sync or self.engine.config.reduce_every_microbatch
+        return None
+
+    @host_only
+    def pre_forward(self, u: Unit, args, kwargs):
+        if not self.forwarding:
+            # Called outside the model's own forward (a unit run on its own, or activation
+            # recomputation during backward): make sure the parameters are there; when this runs
+            # inside backward (recomputation), the unit's backward is over only once the gradient
+            # of these inputs is computed too, so watch them.
+            self.ensure_gathered(u)
+            cast = self.cast_inputs(args, kwargs)
+            if cast is not None:
+                args, kwargs = cast
+            if torch.is_grad_enabled() and self.engine.machine.state is StepState.BACKWARD:
+                args, kwargs = self.watch_inputs(u, args, kwargs)
+            return args, kwargs
+        d = self.deferred
+        if d is not None and d is not u:
+            self.free(d)
+            self.deferred = None
+        self.fwd_order.append(u)
+        self.ensure_gathered(u)
+        if self.engine.config.prefetch:
+            nxt = self.next_fwd.get(u.index)
+            if nxt is not None and not nxt.gathered:
+                self.gather(nxt, async_op=True)
+        u.bwd.fwd_event = self.engine.recorder.begin(f"forward {u.label}", COMPUTE, unit=u.label)
+        cast = self.cast_inputs(args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        if torch.is_grad_enabled():
+            args, kwargs = self.watch_inputs(u, args, kwargs)
+        return args, kwargs
+
+    def watch_inputs(self, u: Unit, args, kwargs):
+        """Route the unit's grad-requiring inputs through :class:`_InputsGradient`, whose backward
+        runs once the gradient w.r.t. those inputs is complete, i.e. the unit's backward is over."""
+        flat = [t for t in tensors((args, kwargs)) if t.requires_grad]
+        if not flat:
+            return args, kwargs
+        token = next(self.tokens_issued)
+        u.bwd.pending_inputs.add(token)
+        outs = _InputsGradient.apply(weakref.ref(self), u.index, token, *flat)
+        if isinstance(outs, torch.Tensor):
+            outs = (outs,)
+        swap = {id(a): b for a, b in zip(flat, outs)}
+        return replace((args, kwargs), swap)
+
+    @host_only
+    def post_forward(self, u: Unit, out):
+        ev = u.bwd.fwd_event
+        if ev is not None:
+            self.engine.recorder.end(ev)
+            u.bwd.fwd_event = None
+        if not self.forwarding:
+            return None
+        d = self.deferred
+        if d is not None and d is not u:
+            self.free(d)
+        self.deferred = u
+        self.post_order.append(u)
+        if torch.is_grad_enabled():
+            hook = lambda grad, u=u: self.pre_backward(u)  # noqa: E731
+            for t in grad_tensors(out):
+                t.register_hook(hook)
+        return None
+
+    @host_only
+    def top_post_forward(self, module, args, out):
+        if not self.forwarding:
+            return None
+        self.forwarding = False
+        last, self.deferred = self.deferred, None
+        if self.fwd_order and torch.is_grad_enabled() and self.engine.world_size > 1:
+            self.engine.schedule.check_forward_order(self.fwd_order)
+        if self.fwd_order:
+            seq = self.fwd_order
+            self.next_fwd = {a.index: b for a, b in zip(seq, seq[1:])}
+            back = self.post_order[::-1]
+            self.next_bwd = {a.index: b for a, b in zip(back, back[1:])}
+        if last is not None:
+            if torch.is_grad_enabled() and grad_tensors(out):
+                self.kept = last  # guide §9.3: used first by backward, so never freed: 2L − 1
+            else:
+                self.free(last)
+        if not torch.is_grad_enabled():
+            self.engine.machine.attach_sharded_grads()  # an evaluation forward of the module itself keeps .grad, as torch's
+        return None
+
+    @host_only
+    def pre_backward(self, u: Unit) -> None:
+        i = u.index
+        if u.bwd.phase is not Phase.WAITING:
+            return
+        u.bwd.move(Phase.RUNNING)
+        self.engine.machine.backward_started()
+        self.ensure_gathered(u)
+        if self.engine.config.prefetch:
+            nxt = self.next_bwd.get(i)
+            if nxt is not None and not nxt.gathered and nxt.bwd.phase is Phase.WAITING:
+                self.gather(nxt, async_op=True)
+        u.bwd.bwd_event = self.engine.recorder.begin(f"backward {u.label}", COMPUTE, unit=u.label)
+
+    # A unit's backward is over when (a) every trainable parameter's gradient is accumulated and
+    # (b) the gradient w.r.t. its inputs is computed — (b) matters when a parameter without
+    # gradient (frozen) is still needed after the last trainable one, e.g. a frozen norm weight
+    # at the start of a block. Units whose inputs need no gradient rely on (a); the end-of-backward
+    # callback catches whatever got no gradient at all.
+    @host_only
+    def grad_ready(self, u: Unit, j: int, param: nn.Parameter) -> None:
+        self.engine.machine.backward_started()
+        self.engine.machine.bound_in_flight(u)
+        u.grads.take(j, param)  # into the unit's gradient buffer; .grad is dropped at once
+        if u.bwd.phase is Phase.WAITING:  # no pre-backward hook ran: forward under no_grad, recomputed
+            u.bwd.move(Phase.RUNNING)   # in backward (reentrant activation checkpointing)
+        if u.bwd.over():
+            self.post_backward(u)
+
+    @host_only
+    def inputs_grad(self, u: Unit, token: int) -> None:
+        u.bwd.pending_inputs.discard(token)
+        if u.bwd.phase is Phase.RUNNING and u.bwd.over():
+            self.post_backward(u)
+
+    @host_only
+    def post_backward(self, u: Unit) -> None:
+        """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
+        if u.bwd.phase is Phase.DONE:
+            return
+        u.bwd.move(Phase.DONE)
+        ev = u.bwd.bwd_event
+        if ev is not None:
+            self.engine.recorder.end(ev)
+            u.bwd.bwd_event = None
+        if u.trainable:  # every rank reduces every unit that ran, used or not: same collectives
+            u.grads.fill_missing()  # parameters without a gradient in this backward count as zero
+            if self.reduce_this_pass:
+                self.engine.machine.launch_reduce(u)
+            else:
+                u.grads.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
+        if self.kept is u:
+            self.kept = None
+        self.free(u)
+
+    def backward_end(self) -> None:
+        # Units whose parameters got no (or not every) gradient in this backward.
+        for u in self.engine.groups:
+            if u.bwd.phase is Phase.RUNNING or (u.bwd.phase is Phase.WAITING and u.bwd.remaining < len(u.trainable)):
+                self.post_backward(u)
+        self.engine.machine.record_used()
+        for u in self.engine.groups:
+            if u.gathered:
+                self.free(u)
+        self.kept = None
+        self.engine.machine.inflight.wait_all()
+        for u in self.engine.groups:
+            u.reset_backward()
+
+    def backward_abandoned(self) -> None:
+        """A backward raised: free whatever it had gathered; the next forward starts afresh."""
+        self.abort_forward()
+
+    def abort_forward(self) -> None:
+        self.forwarding = False
+        self.deferred = self.kept = None
+        for u in self.engine.groups:
+            for ev in (u.bwd.fwd_event, u.bwd.bwd_event):
+                if ev is not None:
+                    self.engine.recorder.end(ev)
+            u.bwd.fwd_event = u.bwd.bwd_event = None
+            self.free(u)
+
+    def module_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """``model.state_dict()`` at stage 3: the module's entries are empty placeholders at rest, so
+        they are replaced by the full values (``engine.state_dict()``: a collective, every rank)."""
+        if self.engine.__dict__.get("_raw_module_state"):
+            return
+        full = self.engine.state_dict()
+        for key in list(state_dict):
+            name = key[len(prefix):]
+            value = state_dict[key]
+            if name in full and torch.is_tensor(value) and any(u.holds_placeholder(value) for u in self.engine.groups):
+                state_dict[key] = full[name]
+
+    def module_load_state_dict(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                                errors) -> None:
+        """``model.load_state_dict(sd)`` at stage 3: each parameter's value goes into the shard this
+        rank keeps, and its key leaves the dict torch loads from (a placeholder takes no copy);
+        ``_module_loaded`` then takes those keys off torch's missing list."""
+        where = {id(p): (u, i) for u in self.engine.groups for i, p in enumerate(u.params)}
+        taken = self.loaded_keys
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key not in state_dict or id(p) not in where:
+                continue
+            u, i = where[id(p)]
+            value = state_dict[key]
+            if u.holds_placeholder(p) and torch.is_tensor(value) and tuple(value.shape) == u.layout.slots[i].shape:
+                u.write_param(i, value.detach().to(self.engine.device))
+                del state_dict[key]
+                taken.add(key)
+
+    def module_loaded(self, module, incompatible) -> None:
+        taken, self.loaded_keys = self.loaded_keys, set()
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
+
+    # ---- gather / free / reduce ---------------------------------------------------------------
+    def gather(self, u: Unit, async_op: bool) -> None:
+        self.engine.schedule.log("AG", u)
+        u.gather(async_op=async_op)
+        units, nbytes = self.gathered_now()
+        self.peak_units = max(self.peak_units, units)
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    def gathered_now(self) -> tuple[int, int]:
+        """Units gathered (or gathering) now and their bytes, measured from the storages."""
+        held = [u for u in self.engine.groups if u.gathered]
+        return len(held), sum(u.gathered_nbytes() for u in held)
+
+    def ensure_gathered(self, u: Unit) -> None:
+        if not u.gathered:
+            self.gather(u, async_op=False)
+        else:
+            u.wait_gather()
+
+    def free(self, u: Unit) -> None:
+        u.free()
+
+    def cast_inputs(self, args, kwargs):
+        if self.engine.mixed_precision is None:
+            return None
+        dt = self.engine.param_dtype
+        return cast_floats(args, dt), cast_floats(kwargs, dt)
+
+
+    def free_all(self) -> None:
+        for u in self.engine.groups:
+            self.free(u)
+        self.kept = self.deferred = None
+
+    def take_peak(self) -> tuple[int, int]:
+        """The most units (and bytes) gathered at once since the last call; the count starts again
+        from what is gathered now."""
+        peak = self.peak_units, self.peak_bytes
+        self.peak_units, self.peak_bytes = self.gathered_now()
+        return peak
+
+
 class _InputsGradient(torch.autograd.Function):
     """Identity on a unit's inputs; its backward tells the engine the unit's backward is over."""
 
     @staticmethod
-    def forward(ctx, engine: "weakref.ref[FSDPEngine]", unit: int, token: int, *inputs: torch.Tensor):
+    def forward(ctx, engine: "weakref.ref[UnitHooks]", unit: int, token: int, *inputs: torch.Tensor):
         ctx.engine, ctx.unit, ctx.token = engine, unit, token
         # The graph dropped without a backward (its loss discarded): the unit stops waiting for it.
         weakref.finalize(ctx, _drop_token, engine, unit, token)
@@ -555,26 +576,26 @@ class _InputsGradient(torch.autograd.Function):
     def backward(ctx, *grads):
         eng = ctx.engine()
         if eng is not None:
-            eng._on_inputs_grad(eng.groups[ctx.unit], ctx.token)
+            eng.inputs_grad(eng.engine.groups[ctx.unit], ctx.token)
         return (None, None, None) + grads
 
 
-def _drop_token(engine: "weakref.ref[FSDPEngine]", unit: int, token: int) -> None:
+def _drop_token(engine: "weakref.ref[UnitHooks]", unit: int, token: int) -> None:
     eng = engine()
     if eng is not None:
-        eng.groups[unit].bwd.pending_inputs.discard(token)
+        eng.engine.groups[unit].bwd.pending_inputs.discard(token)
 
 
 @host_only
-def _engine_hook(ref: "weakref.ref[FSDPEngine]", method: str, *args):
-    """A module hook of the engine's, holding it weakly (``del engine`` frees it)."""
+def _engine_hook(ref: "weakref.ref[UnitHooks]", method: str, *args):
+    """A module hook of stage 3's, holding its :class:`UnitHooks` weakly (``del engine`` frees it)."""
     eng = ref()
     return None if eng is None else getattr(eng, method)(*args)
 
 
 @host_only
-def _unit_hook(ref: "weakref.ref[FSDPEngine]", method: str, index: int, skip: int, *args):
+def _unit_hook(ref: "weakref.ref[UnitHooks]", method: str, index: int, skip: int, *args):
     """A unit's forward hook: ``method(unit, *args[skip:])`` (the module and, after forward, its
     inputs left out), holding the engine weakly."""
     eng = ref()
-    return None if eng is None else getattr(eng, method)(eng.groups[index], *args[skip:])
+    return None if eng is None else getattr(eng, method)(eng.engine.groups[index], *args[skip:])

@@ -75,93 +75,8 @@ class BucketEngine(StageEngine):
         self.construction.check_consistency(self._description())
         frozen = [p for p in module.parameters() if not p.requires_grad]
         self.construction.init_groups(extra_broadcast=frozen + [b for b in module.buffers()])
-        # Hooks: trainable parameter j of bucket g calls _grad_ready(g, j).
-        self._hooks = [p.register_post_accumulate_grad_hook(grad_hook(self, "_grad_ready", i, j))
-                       for i, g in enumerate(self.groups) for j, p in enumerate(g.trainable_params)]
-        weakref.finalize(self, remove_hooks, list(self._hooks))
-        self._reset_backward()
+        self.hooks = BucketHooks(self)  # the gradient hooks and the backward's bucket state
         self.construction.start_clock()
-
-    # ---- hooks (the hot path) -----------------------------------------------------------------
-    @host_only
-    def _grad_ready(self, g: FlatGroup, j: int, param: nn.Parameter) -> None:
-        """Hook of trainable parameter ``j`` of bucket ``g``: take its gradient, count down."""
-        if self.machine.state is not StepState.BACKWARD:
-            self.machine.backward_started()
-            self._reducing = self._sync_at_forward or not self.policy.keep_local
-        if self._reducing and not g.policy.full_grads:
-            self.machine.bound_in_flight(g)
-        g.grads.take(j, param)
-        if g.bwd.remaining == 0:
-            self._bucket_full(g)
-
-    def _bucket_full(self, g: FlatGroup) -> None:
-        if not self._reducing:
-            g.grads.end_local()
-            return
-        self._ready[g.index] = True
-        if self.config.sync != "naive":  # naive (guide §2.5): everything waits for the end of backward
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        ready, n = self._ready, len(self.groups)
-        while self._next < n and ready[self._next]:
-            g = self.groups[self._next]
-            self._next += 1
-            self.machine.launch_reduce(g)
-
-    def _on_backward_end(self) -> None:
-        self.machine.record_used()
-        try:
-            if self._reducing:
-                missing = []
-                for g in self.groups:
-                    if g.bwd.remaining > 0:
-                        missing += [g.names[g.trainable[j]] for j in g.grads.fill_missing()]
-                        self._ready[g.index] = True
-                self._launch_ready()
-                self.machine.inflight.wait_all()
-                if missing and not self.config.find_unused_parameters:
-                    raise RuntimeError(
-                        f"parameters that require grad received no gradient in this backward: "
-                        f"{missing}. Their buckets were still reduced so other ranks do not hang. If "
-                        f"this is expected (conditional branches, unused heads), pass "
-                        f"find_unused_parameters=True; if they are frozen, set requires_grad=False "
-                        f"before parallelize()"
-                    )
-            else:
-                # Every group ends a no_sync backward holding local gradients, on every rank alike
-                # (zeros where this rank's data used none of its parameters, not stale memory), so
-                # that the reduction at step(), zero_grad() or a clip covers the same groups on
-                # every rank whatever each rank's data took (find_unused_parameters=True).
-                for g in self.groups:
-                    if g.bwd.remaining > 0:
-                        g.grads.fill_missing()
-                        g.grads.end_local()
-        finally:
-            self._reset_backward()
-
-    def _on_backward_abandoned(self) -> None:
-        """A backward raised midway. Buckets launch in index order as they fill; a rank whose data
-        used parameters another rank's did not (find_unused_parameters=True) may have launched
-        more of them before the raise. Each rank launches the rest, in order, zeros where nothing
-        arrived — every rank then issued every bucket's collective once, and ``zero_grad`` drops
-        the results."""
-        if self._reducing:
-            for g in self.groups[self._next:]:
-                if not self._ready[g.index]:
-                    self.machine.bound_in_flight(g)
-                    g.grads.fill_missing()
-                    self._ready[g.index] = True
-                self._launch_ready()
-        self._reset_backward()
-
-    def _reset_backward(self) -> None:
-        for g in self.groups:
-            g.reset_backward()
-        self._ready = [False] * len(self.groups)
-        self._next = 0
-        self._reducing = False
 
     def _local_used(self) -> list[bool] | None:
         """Per trainable parameter (``named_params`` order): did this rank compute a gradient for
@@ -193,3 +108,99 @@ class BucketEngine(StageEngine):
             "buckets": [g.describe() for g in self.groups],
         }
 
+
+class BucketHooks:
+    """Stages 0-2: the gradient hooks and the state of the backward in flight (one part of
+    :class:`BucketEngine`, ``engine.hooks``): a bucket counts its gradients down and, full, is
+    launched in index order (guide §3: buckets in the order backward fills them)."""
+
+    def __init__(self, engine: BucketEngine):
+        self.engine = engine
+        # Hooks: trainable parameter j of bucket g calls grad_ready(g, j).
+        handles = [p.register_post_accumulate_grad_hook(grad_hook(self, "grad_ready", i, j))
+                   for i, g in enumerate(engine.groups) for j, p in enumerate(g.trainable_params)]
+        weakref.finalize(engine, remove_hooks, handles)
+        self.reset_backward()
+
+    @host_only
+    def grad_ready(self, g: FlatGroup, j: int, param: nn.Parameter) -> None:
+        """Hook of trainable parameter ``j`` of bucket ``g``: take its gradient, count down."""
+        if self.engine.machine.state is not StepState.BACKWARD:
+            self.engine.machine.backward_started()
+            self.reducing = self.engine._sync_at_forward or not self.engine.policy.keep_local
+        if self.reducing and not g.policy.full_grads:
+            self.engine.machine.bound_in_flight(g)
+        g.grads.take(j, param)
+        if g.bwd.remaining == 0:
+            self.bucket_full(g)
+
+    def bucket_full(self, g: FlatGroup) -> None:
+        if not self.reducing:
+            g.grads.end_local()
+            return
+        self.ready[g.index] = True
+        if self.engine.config.sync != "naive":  # naive (guide §2.5): everything waits for the end of backward
+            self.launch_ready()
+
+    def launch_ready(self) -> None:
+        ready, n = self.ready, len(self.engine.groups)
+        while self.next < n and ready[self.next]:
+            g = self.engine.groups[self.next]
+            self.next += 1
+            self.engine.machine.launch_reduce(g)
+
+    def backward_end(self) -> None:
+        self.engine.machine.record_used()
+        try:
+            if self.reducing:
+                missing = []
+                for g in self.engine.groups:
+                    if g.bwd.remaining > 0:
+                        missing += [g.names[g.trainable[j]] for j in g.grads.fill_missing()]
+                        self.ready[g.index] = True
+                self.launch_ready()
+                self.engine.machine.inflight.wait_all()
+                if missing and not self.engine.config.find_unused_parameters:
+                    raise RuntimeError(
+                        f"parameters that require grad received no gradient in this backward: "
+                        f"{missing}. Their buckets were still reduced so other ranks do not hang. If "
+                        f"this is expected (conditional branches, unused heads), pass "
+                        f"find_unused_parameters=True; if they are frozen, set requires_grad=False "
+                        f"before parallelize()"
+                    )
+            else:
+                # Every group ends a no_sync backward holding local gradients, on every rank alike
+                # (zeros where this rank's data used none of its parameters, not stale memory), so
+                # that the reduction at step(), zero_grad() or a clip covers the same groups on
+                # every rank whatever each rank's data took (find_unused_parameters=True).
+                for g in self.engine.groups:
+                    if g.bwd.remaining > 0:
+                        g.grads.fill_missing()
+                        g.grads.end_local()
+        finally:
+            self.reset_backward()
+
+    def backward_abandoned(self) -> None:
+        """A backward raised midway. Buckets launch in index order as they fill; a rank whose data
+        used parameters another rank's did not (find_unused_parameters=True) may have launched
+        more of them before the raise. Each rank launches the rest, in order, zeros where nothing
+        arrived — every rank then issued every bucket's collective once, and ``zero_grad`` drops
+        the results."""
+        if self.reducing:
+            for g in self.engine.groups[self.next:]:
+                if not self.ready[g.index]:
+                    self.engine.machine.bound_in_flight(g)
+                    g.grads.fill_missing()
+                    self.ready[g.index] = True
+                self.launch_ready()
+        self.reset_backward()
+
+    def reset_backward(self) -> None:
+        for g in self.engine.groups:
+            g.reset_backward()
+        self.ready = [False] * len(self.engine.groups)
+        self.next = 0
+        self.reducing = False
+
+    def abort_forward(self) -> None:
+        """The model's forward raised: nothing of a bucket's is in flight before backward."""

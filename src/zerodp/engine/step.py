@@ -7,7 +7,7 @@ raised, the one queue of gradient collectives in flight and its bound, finishing
 sync, the master optimizer step on fp32 gradients, publishing parameters, zeroing, the
 used-parameter flags that implement torch's ``.grad is None`` rule, and the
 :class:`~zerodp.engine.grads.ShardedGrad` s that torch's clipping reads. The stage classes fill
-in ``_on_backward_end``, ``_local_used`` and friends (:mod:`zerodp.engine.reducer`,
+in the hooks a backward ends with (``engine.hooks``), ``_local_used`` and ``_step_unused`` (:mod:`zerodp.engine.reducer`,
 :mod:`zerodp.engine.fsdp`).
 """
 
@@ -33,7 +33,7 @@ STEP_BATCH_BYTES = 16 * 1024 * 1024
 class StepMachine:
     """The step over the flat groups (module docstring): one part of every stage engine
     (``engine.machine``), which owns the step's state and the queues below; the stage's hooks
-    (``engine._on_backward_end`` and friends) are called back through ``engine``."""
+    (``engine.hooks.backward_end`` and friends) are called back through ``engine``."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -64,7 +64,7 @@ class StepMachine:
                 "the step again")
 
     def backward_started(self) -> None:
-        """Call from gradient hooks: arms ``_on_backward_end`` once per backward pass."""
+        """Call from gradient hooks: arms ``backward_end`` once per backward pass."""
         if self.state is not StepState.BACKWARD:
             if self.grads_under_sharded:
                 self.reconcile_grads()  # (stage 3's unit hooks come first) before autograd accumulates
@@ -83,7 +83,7 @@ class StepMachine:
         if self.backward_event is not None:
             self.engine.recorder.end(self.backward_event)
             self.backward_event = None
-        self.engine._on_backward_end()
+        self.engine.hooks.backward_end()
         self.attach_sharded_grads()  # the module shows the reduced gradients after every backward
 
     def abandon_backward(self) -> None:
@@ -94,7 +94,7 @@ class StepMachine:
         if self.backward_event is not None:
             self.engine.recorder.end(self.backward_event)
             self.backward_event = None
-        self.engine._on_backward_abandoned()
+        self.engine.hooks.backward_abandoned()
         self.inflight.wait_all()
         for g in self.engine.groups:
             g.reset_backward()
