@@ -160,7 +160,8 @@ def _groups(rank, world, tmp):
             if n == name and k == kind and s <= a and b <= e:
                 return t[a - s:b - s]
         raise KeyError((name, kind, a, b))
-    out["resume_error"] = _err(lambda: (eng2.checkpoint.load_scalar_state(scalars), eng2.checkpoint.load_state_pieces(read)))
+    out["resume_error"] = _err(lambda: (eng2.checkpoint.load_scalar_state(scalars),
+                                         eng2.checkpoint.load_state_pieces(read)))
     a, b = eng.full_state_dict(), eng2.full_state_dict()
     out["resume_equal"] = all(torch.equal(a[k], b[k]) for k in a)
     return out
@@ -313,7 +314,8 @@ def _misc(rank, world, tmp):
                 sd = eng.full_state_dict()
                 out[f"buffers_in_state_dict/{stage}"] = all(k in sd for k in ("bn.running_mean", "bn.running_var",
                                                                              "bn.num_batches_tracked"))
-                out[f"buffer_pieces/{stage}"] = sorted(p.name for p in eng.checkpoint.state_pieces() if p.kind == "buffer")
+                out[f"buffer_pieces/{stage}"] = sorted(p.name for p in eng.checkpoint.state_pieces()
+                                                       if p.kind == "buffer")
                 full, scalars = _gather_state(eng, list(range(world)))
                 torch.manual_seed(5)
                 fresh = Odd()

@@ -134,7 +134,8 @@ def _trajectory_vs_ddp(rank, world, out, tmpdir):
         out["bf16/bytes_per_param"] = {k: v / stats.num_params for k, v in stats.memory.items()}
     # Checkpoint pieces: what this rank saves, with values, to check disjointness and coverage.
     # (numpy, not tensors: tensors would travel back through shared memory of an exited process)
-    out["pieces"] = [(p.name, p.kind, p.start, p.stop, p.tensor.numpy().copy()) for p in engine.checkpoint.state_pieces()]
+    out["pieces"] = [(p.name, p.kind, p.start, p.stop, p.tensor.numpy().copy())
+                     for p in engine.checkpoint.state_pieces()]
     out["full_state"] = {n: t.numpy() for n, t in full.items()}
     out["trace_path"] = engine.export_chrome_trace(os.path.join(tmpdir, f"stage0-{world}.json"))
 

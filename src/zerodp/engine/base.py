@@ -4,19 +4,23 @@ Guide §9: stages 0-3 run the same training step — forward, backward with grad
 an optimizer step on fp32 master values — and differ only in *what* each rank keeps and *which*
 collectives move it (guide §12.2, "stages as policies"). Every stage holds its parameters in
 :class:`~zerodp.engine.group.FlatGroup` s (``self.groups``: buckets at stages 0-2, units at stage
-3) under one :class:`~zerodp.engine.group.Policy`. :class:`StageEngine` is three parts, one file
-each, read in this order:
+3) under one :class:`~zerodp.engine.group.Policy`. :class:`StageEngine` is this file — the
+public API a training script calls (``engine(x, y)``, ``no_sync``,
+``require_backward_grad_sync``, ``clip_grad_norm_``, ``step``, ``zero_grad``, ``optimizer``,
+``parameters``, the state dicts, ``stats``, ``export_chrome_trace``) and the process groups
+(hybrid sharding, guide §14) — holding its parts, each an object with its own constructor
+(guide §12.8), read in this order:
 
-- this file: the public API a training script calls (``engine(x, y)``, ``no_sync``,
-  ``require_backward_grad_sync``, ``clip_grad_norm_``, ``step``, ``zero_grad``, ``optimizer``,
-  ``parameters``, ``stats``, ``export_chrome_trace``), the process groups (hybrid sharding, guide
-  §14) and the hooks a stage fills in;
-- :mod:`zerodp.engine.step` (:class:`~zerodp.engine.step.StepMachine`): the step's state and
-  everything that moves it — backward start and end, the queue of collectives in flight, the
-  gradient sync, the master step, publishing, zeroing, torch's ``.grad is None`` rule;
-- :mod:`zerodp.engine.construct` (:class:`~zerodp.engine.construct.Construction`): building the
-  flat groups once, at ``parallelize``; and :mod:`zerodp.engine.state_dict`
-  (:class:`~zerodp.engine.state_dict.StateContract`): checkpoint pieces and state dicts.
+- ``engine.construction`` (:class:`~zerodp.engine.construct.Construction`): building the flat
+  groups once, at ``parallelize``;
+- ``engine.machine`` (:class:`~zerodp.engine.step.StepMachine`): the step's state and everything
+  that moves it — backward start and end, the queue of collectives in flight, the gradient sync,
+  the master step, publishing, zeroing, torch's ``.grad is None`` rule;
+- ``engine.checkpoint`` (:class:`~zerodp.engine.state_dict.Checkpoint`): checkpoint pieces,
+  scalars, full tensors, the layout as data;
+- ``engine.hooks``, the stage's: :class:`~zerodp.engine.reducer.BucketHooks` (stages 0-2) or
+  :class:`~zerodp.engine.fsdp.UnitHooks` (stage 3), with the state of the forward and backward in
+  flight; the machine calls their ``backward_end``, ``backward_abandoned`` and ``abort_forward``.
 
 Constructor (every stage)::
 
@@ -28,10 +32,11 @@ optimizer over the engine's fp32 master tensors (see :mod:`zerodp.engine.master`
 used by stage 3 only (FSDP units, guide §10.3); stages 0-2 ignore it.
 
 A stage subclass sets ``stage``, then in ``__init__`` (after ``super().__init__``) sets the
-dtypes (``_set_dtypes``), builds ``self.groups`` with ``_new_group``, runs the consistency check
-and ``_init_groups()``, installs its hooks (which call ``GradBuffers.take`` and
-``_launch_reduce``) and calls ``_start_clock()``: :mod:`zerodp.engine.reducer` (stages 0-2) and
-:mod:`zerodp.engine.fsdp` (stage 3) are the two.
+dtypes (``construction.set_dtypes``), builds ``self.groups`` with ``construction.new_group``, runs
+``construction.check_consistency`` and ``construction.init_groups()``, builds its ``hooks`` (which
+call ``GradBuffers.take`` and ``machine.launch_reduce``) and calls ``construction.start_clock()``;
+it defines ``_local_used`` and ``_step_unused`` (torch's ``.grad is None`` rule at ``step()``):
+:mod:`zerodp.engine.reducer` (stages 0-2) and :mod:`zerodp.engine.fsdp` (stage 3) are the two.
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ class Construction:
         self.engine.param_dtype = param_dtype
         self.engine.reduce_dtype = mp.comm_dtype if mp else param_dtype
         fp32 = torch.float32
-        self.engine.accum_dtype = fp32 if fp32 in (param_dtype, self.engine.reduce_dtype) or (mp and mp.fp32_grad_accum) \
+        self.engine.accum_dtype = fp32 if fp32 in (param_dtype, self.engine.reduce_dtype) \
+            or (mp and mp.fp32_grad_accum) \
             else self.engine.reduce_dtype
         # What the optimizer steps: fp32 under mixed precision, else the model's own dtype (torch's
         # semantics: fp64 stays fp64, a bf16 model steps in bf16), unless master_dtype says otherwise.
@@ -144,7 +145,8 @@ class Construction:
             probe = probe_factory(self.engine._factory, self.engine.group_options, params, self.engine.device)
             got, whole, kinds = FLAT, frozenset(), []  # a factory that returns no optimizer: MasterOptimizer says so
             if isinstance(probe, torch.optim.Optimizer):
-                got = choose_layout(probe, self.engine.config.elementwise_optimizer, self.engine.config.optimizer_layout)
+                config = self.engine.config
+                got = choose_layout(probe, config.elementwise_optimizer, config.optimizer_layout)
                 whole = whole_groups(probe, got, self.engine.config.optimizer_layout)
                 kinds = group_state_kinds(probe)
             self._placement, self._whole_groups, self._state_kinds = got, whole, kinds
@@ -178,10 +180,12 @@ class Construction:
             ledger = self._owners
             kinds = self._state_kinds
             costs = [state_cost(kinds[g] if 0 <= g < len(kinds) else None, tuple(p.shape)) for _, p, g in entries]
-            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.engine.shard_comm.world_size, ledger,
+            layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries],
+                                      self.engine.shard_comm.world_size, ledger,
                                       costs)
-        group = FlatGroup(index, label, entries, self.engine.policy, self.engine.shard_comm, param_dtype=self.engine.param_dtype,
-                         reduce_dtype=self.engine.reduce_dtype, accum_dtype=self.engine.accum_dtype, replicas=self.engine.replica_comm,
+        e = self.engine
+        group = FlatGroup(index, label, entries, e.policy, e.shard_comm, param_dtype=e.param_dtype,
+                          reduce_dtype=e.reduce_dtype, accum_dtype=e.accum_dtype, replicas=e.replica_comm,
                          quant_params=quant if self.engine.config.quantize_params else 0,
                          quant_grads=quant if self.engine.config.quantize_grads else 0, layout=layout)
         group.grads.pool = self.engine.machine.grad_pool
@@ -251,14 +255,16 @@ class Construction:
         """Adopt an optimizer the script built over the module's parameters after the wrap
         (:mod:`zerodp.engine.adopt`): its class, defaults and param groups over the master, one
         target per parameter (a bucket may mix its groups), the engine's optimizer from now on."""
-        if choose_layout(optimizer, self.engine.config.elementwise_optimizer, self.engine.config.optimizer_layout) != FLAT \
+        config = self.engine.config
+        if choose_layout(optimizer, config.elementwise_optimizer, config.optimizer_layout) != FLAT \
                 and self.placement == FLAT:
             raise ValueError(f"{type(optimizer).__name__} steps whole tensors, and the engine laid its buffers out "
                              "for flat shards at parallelize: pass it there, parallelize(model, optimizer=[...]), "
                              "instead of building it after the wrap")
         factory, user_groups = from_built(optimizer, self.engine._module)
         self.engine.config = dataclasses.replace(self.engine.config, param_groups=user_groups)
-        self.engine.group_options, self.engine.param_group_of = resolve_param_groups(self.engine.named_params, user_groups)
+        options, group_of = resolve_param_groups(self.engine.named_params, user_groups)
+        self.engine.group_options, self.engine.param_group_of = options, group_of
         self.engine._group_by_name = {n: g for (n, _), g in zip(self.engine.named_params, self.engine.param_group_of)}
         if self.placement == OWNER:  # the buckets were laid out for the optimizer given at parallelize
             self._whole_groups = whole_groups(optimizer, OWNER, self.engine.config.optimizer_layout)
@@ -274,7 +280,8 @@ class Construction:
         self.engine._facade = None
 
     def build_master(self, targets: list[Target]) -> MasterOptimizer:
-        return MasterOptimizer(self.engine._factory, targets, self.engine.group_options, self.engine.config.elementwise_optimizer,
+        e = self.engine
+        return MasterOptimizer(e._factory, targets, e.group_options, e.config.elementwise_optimizer,
                                placement=self.placement)
 
     def targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:

@@ -144,7 +144,7 @@ class FSDPEngine(StageEngine):
         self.groups = [self.construction.new_group(i, spec.label, list(spec.params)) for i, spec in enumerate(specs)]
         for u, spec in zip(self.groups, specs):
             u.module = spec.module
-        if self.deferred:  # buffers now; each unit's parameters one unit at a time, in _init_groups
+        if self.deferred:  # buffers now; each unit's parameters one unit at a time, in construction.init_groups
             unit_of = {id(p): u for u in self.groups for p in u.params}
             self._init_modules: list[list[tuple[str, nn.Module]]] = [[] for _ in self.groups]
             for name, m in owners(module):
@@ -400,7 +400,7 @@ class UnitHooks:
             else:
                 self.free(last)
         if not torch.is_grad_enabled():
-            self.engine.machine.attach_sharded_grads()  # an evaluation forward of the module itself keeps .grad, as torch's
+            self.engine.machine.attach_sharded_grads()  # an evaluation forward of the module keeps .grad, as torch's
         return None
 
     @host_only

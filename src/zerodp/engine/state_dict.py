@@ -175,8 +175,8 @@ def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
     ``load_state_pieces`` afterwards), else the module's own tensor (in its compute dtype)."""
     if not values:
         return
-    done = engine.checkpoint.load_frozen_pieces(lambda name, a, b: _flat(values[name], engine.device, engine.master_dtype)[a:b],
-                                     set(values))
+    done = engine.checkpoint.load_frozen_pieces(
+        lambda name, a, b: _flat(values[name], engine.device, engine.master_dtype)[a:b], set(values))
     params = dict(engine.module.named_parameters())
     for name, value in values.items():
         if name not in done:
@@ -725,4 +725,5 @@ class Checkpoint:
         if isinstance(rule, UserGroups):
             by_id = {id(p): n for n, p in self.engine.named_params}
             return [by_id[i] for i in rule.order if i in by_id]
-        return [n for g in range(len(self.engine.group_options)) for n, gi in zip(names, self.engine.param_group_of) if gi == g]
+        group_of = self.engine.param_group_of
+        return [n for g in range(len(self.engine.group_options)) for n, gi in zip(names, group_of) if gi == g]

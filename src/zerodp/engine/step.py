@@ -7,7 +7,8 @@ raised, the one queue of gradient collectives in flight and its bound, finishing
 sync, the master optimizer step on fp32 gradients, publishing parameters, zeroing, the
 used-parameter flags that implement torch's ``.grad is None`` rule, and the
 :class:`~zerodp.engine.grads.ShardedGrad` s that torch's clipping reads. The stage classes fill
-in the hooks a backward ends with (``engine.hooks``), ``_local_used`` and ``_step_unused`` (:mod:`zerodp.engine.reducer`,
+in the hooks a backward ends with (``engine.hooks``), ``_local_used`` and ``_step_unused``
+(:mod:`zerodp.engine.reducer`,
 :mod:`zerodp.engine.fsdp`).
 """
 
@@ -190,7 +191,8 @@ class StepMachine:
             batches.append(range(start, len(grads)))
         for batch in batches:
             chosen = set(batch)
-            self.engine.master.attach_grads([g if i in chosen else None for i, g in enumerate(grads)], self.engine._unused)
+            chosen_grads = [g if i in chosen else None for i, g in enumerate(grads)]
+            self.engine.master.attach_grads(chosen_grads, self.engine._unused)
             self.engine.master.step()
             self.engine.master.zero_grad()
         self.publish_params()

@@ -11,7 +11,7 @@ default) is a large share of the model, buckets of one transformer block, the un
 at, give a lower peak (guide §13.4). Traffic is ZeRO-1's: ReduceScatter of the gradients +
 AllGather of the parameters.
 
-How a gradient travels (:meth:`zerodp.engine.reducer.BucketEngine._grad_ready`, then
+How a gradient travels (:meth:`zerodp.engine.reducer.BucketHooks.grad_ready`, then
 :class:`zerodp.engine.group.FlatGroup`):
 
 1. autograd produces ``param.grad``; its hook copies it into the bucket's ``grad_full`` (allocated
