@@ -406,9 +406,8 @@ class UnitHooks:
     @host_only
     def pre_backward(self, u: Unit) -> None:
         i = u.index
-        if u.bwd.phase is not Phase.WAITING:
+        if not u.pre_backward():
             return
-        u.bwd.move(Phase.RUNNING)
         self.engine.machine.backward_started()
         self.ensure_gathered(u)
         if self.engine.config.prefetch:
@@ -426,30 +425,24 @@ class UnitHooks:
     def grad_ready(self, u: Unit, j: int, param: nn.Parameter) -> None:
         self.engine.machine.backward_started()
         self.engine.machine.bound_in_flight(u)
-        u.grads.take(j, param)  # into the unit's gradient buffer; .grad is dropped at once
-        if u.bwd.phase is Phase.WAITING:  # no pre-backward hook ran: forward under no_grad, recomputed
-            u.bwd.move(Phase.RUNNING)   # in backward (reentrant activation checkpointing)
-        if u.bwd.over():
+        if u.grad_ready(j, param):  # into the unit's gradient buffer; .grad is dropped at once
             self.post_backward(u)
 
     @host_only
     def inputs_grad(self, u: Unit, token: int) -> None:
-        u.bwd.pending_inputs.discard(token)
-        if u.bwd.phase is Phase.RUNNING and u.bwd.over():
+        if u.inputs_grad(token):
             self.post_backward(u)
 
     @host_only
     def post_backward(self, u: Unit) -> None:
         """A unit's gradients are final: ReduceScatter them (async), free its parameters."""
-        if u.bwd.phase is Phase.DONE:
+        if u.post_backward() is None:  # (parameters without a gradient in this backward: zeros)
             return
-        u.bwd.move(Phase.DONE)
         ev = u.bwd.bwd_event
         if ev is not None:
             self.engine.recorder.end(ev)
             u.bwd.bwd_event = None
         if u.trainable:  # every rank reduces every unit that ran, used or not: same collectives
-            u.grads.fill_missing()  # parameters without a gradient in this backward count as zero
             if self.reduce_this_pass:
                 self.engine.machine.launch_reduce(u)
             else:

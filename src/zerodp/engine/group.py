@@ -204,6 +204,42 @@ class FlatGroup:
         return {"label": self.label, "groups": sorted(set(self.groups)), "dtype": str(self.param_dtype),
                 **self.layout.to_dict()}
 
+    # ---- the group's part of a backward (guide §12.9); the stage's hooks (engine.hooks) call these
+    def pre_backward(self) -> bool:
+        """The gradient of a unit's outputs arrived: WAITING → RUNNING. False when its backward had
+        started already (another output's gradient, or a parameter's first)."""
+        if self.bwd.phase is not Phase.WAITING:
+            return False
+        self.bwd.move(Phase.RUNNING)
+        return True
+
+    def grad_ready(self, j: int, param: nn.Parameter) -> bool:
+        """Trainable parameter ``j``'s gradient is accumulated: into the group's buffers
+        (:meth:`GradBuffers.take`), counted. Returns whether the group's backward is over — every
+        gradient in and, for a unit, the gradient w.r.t. its inputs computed (``pending_inputs``)."""
+        self.grads.take(j, param)
+        if self.bwd.phase is Phase.WAITING:  # a bucket; a unit run under no_grad, recomputed in backward
+            self.bwd.move(Phase.RUNNING)
+        return self.bwd.over()
+
+    def inputs_grad(self, token: int) -> bool:
+        """The gradient w.r.t. the inputs of one forward call of the unit arrived; whether the
+        unit's backward is over now."""
+        self.bwd.pending_inputs.discard(token)
+        return self.bwd.phase is Phase.RUNNING and self.bwd.over()
+
+    def post_backward(self) -> list[int] | None:
+        """The group's gradients are final for this backward: → DONE, and a trainable parameter that
+        got no gradient counts as zeros (so every rank reduces the same groups). Returns those
+        parameters' indices, or None when the group's backward was over already; the stage then
+        reduces the gradients or, inside ``no_sync``, keeps the local sum."""
+        if self.bwd.phase is Phase.DONE:
+            return None
+        if self.bwd.phase is Phase.WAITING:  # no gradient at all in this backward
+            self.bwd.move(Phase.RUNNING)
+        self.bwd.move(Phase.DONE)
+        return self.grads.fill_missing() if self.trainable else []
+
     # ---- parameters -----------------------------------------------------------------------------
     @torch.no_grad()
     def init_values(self, values: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.deferred import materialize_module
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
-from zerodp.engine.states import StepState
+from zerodp.engine.states import Phase, StepState
 
 
 class BucketEngine(StageEngine):
@@ -130,11 +130,11 @@ class BucketHooks:
             self.reducing = self.engine._sync_at_forward or not self.engine.policy.keep_local
         if self.reducing and not g.policy.full_grads:
             self.engine.machine.bound_in_flight(g)
-        g.grads.take(j, param)
-        if g.bwd.remaining == 0:
+        if g.grad_ready(j, param):
             self.bucket_full(g)
 
     def bucket_full(self, g: FlatGroup) -> None:
+        g.post_backward()
         if not self.reducing:
             g.grads.end_local()
             return
@@ -155,8 +155,8 @@ class BucketHooks:
             if self.reducing:
                 missing = []
                 for g in self.engine.groups:
-                    if g.bwd.remaining > 0:
-                        missing += [g.names[g.trainable[j]] for j in g.grads.fill_missing()]
+                    if g.bwd.phase is not Phase.DONE:
+                        missing += [g.names[g.trainable[j]] for j in g.post_backward()]
                         self.ready[g.index] = True
                 self.launch_ready()
                 self.engine.machine.inflight.wait_all()
@@ -174,8 +174,7 @@ class BucketHooks:
                 # that the reduction at step(), zero_grad() or a clip covers the same groups on
                 # every rank whatever each rank's data took (find_unused_parameters=True).
                 for g in self.engine.groups:
-                    if g.bwd.remaining > 0:
-                        g.grads.fill_missing()
+                    if g.post_backward() is not None:
                         g.grads.end_local()
         finally:
             self.reset_backward()
@@ -190,7 +189,7 @@ class BucketHooks:
             for g in self.engine.groups[self.next:]:
                 if not self.ready[g.index]:
                     self.engine.machine.bound_in_flight(g)
-                    g.grads.fill_missing()
+                    g.post_backward()
                     self.ready[g.index] = True
                 self.launch_ready()
         self.reset_backward()
