@@ -231,7 +231,7 @@ class Construction:
                 values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
             self.broadcast_from_rank0([values])
             g.init_values(values)
-            g.grads.init()
+            g.grads.init(g.device)
             del values
         self.broadcast_from_rank0(list(extra_broadcast))
         self.build_optimizer()

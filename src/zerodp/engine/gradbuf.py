@@ -14,13 +14,17 @@ valid; transient ones wait in a :class:`StoragePool`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 
-from zerodp.engine.comm import Pending
+from zerodp.engine.comm import Collectives, Pending
+from zerodp.engine.layout import FlatLayout
 from zerodp.engine.states import GRAD_MOVES, HOLDS_LOCAL, GradState, moved
+
+if TYPE_CHECKING:  # (the group module builds these buffers, so it is not imported here)
+    from zerodp.engine.group import BackwardState, Policy
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -71,8 +75,28 @@ class StoragePool:
 class GradBuffers:
     """The gradient buffers of one flat group and their state (module docstring)."""
 
-    def __init__(self, group):
-        self.g = group  # its FlatGroup: layout, policy, dtypes, collectives, parameters, backward state
+    def __init__(self, label: str, layout: FlatLayout, policy: Policy, comm: Collectives, *,
+                 replicas: Collectives | None, params: list[nn.Parameter], trainable: list[int],
+                 bwd: BackwardState, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 accum_dtype: torch.dtype, quant_grads: int = 0):
+        """What the buffers serve, given by the group that owns them (:class:`FlatGroup`): its
+        ``layout``, its stage's ``policy``, the shard group ``comm`` (and ``replicas`` under hybrid
+        sharding), its parameters and which of them train, the backward state that counts their
+        gradients, and the dtypes of guide §9: compute, on the wire, accumulated in."""
+        self.label = label
+        self.layout = layout
+        self.policy = policy
+        self.comm = comm
+        self.replicas = replicas
+        self.params = params
+        self.trainable = trainable
+        self.trainable_params = [params[i] for i in trainable]
+        self.bwd = bwd
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.accum_dtype = accum_dtype
+        self.quant_grads = quant_grads
+        self.device = params[0].device  # the group's, once its values exist (init)
         self.state = GradState.NONE
         self.pool: StoragePool | None = None  # where released gradient storages wait (the engine's)
         self.grad_full: torch.Tensor | None = None
@@ -84,7 +108,7 @@ class GradBuffers:
         self._grad_views: list[torch.Tensor] = []
 
     def _move(self, to: GradState) -> None:
-        self.state = moved(GRAD_MOVES, self.state, to, f"{self.g.label}: gradient state")
+        self.state = moved(GRAD_MOVES, self.state, to, f"{self.label}: gradient state")
 
     @property
     def has_local(self) -> bool:
@@ -96,36 +120,50 @@ class GradBuffers:
         """Whether ``grad_full`` has storage now (always, when full gradients are kept at rest)."""
         return self.grad_full.numel() > 0
 
-    def init(self) -> None:
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.layout.shard_range(self.comm.rank)
+
+    @property
+    def _hybrid(self) -> bool:
+        return self.replicas is not None and self.replicas.world_size > 1
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each trainable parameter's view into a flat gradient buffer of the layout."""
+        slots = self.layout.slots
+        return [flat[slots[i].offset:slots[i].stop].view(slots[i].shape) for i in self.trainable]
+
+    def init(self, device: torch.device) -> None:
         """Gradient buffers of the policy: a persistent ``grad_full`` that ``param.grad`` views
         (full gradients at rest), or one allocated per reduction; ``grad_shard`` when sharded."""
-        n, s = self.g.layout.padded_numel, self.g.layout.shard_numel
+        self.device = device
+        n, s = self.layout.padded_numel, self.layout.shard_numel
         # Left uninitialized where a gradient is always written before it is read (a trainable
         # parameter's first gradient is copied in, a reduction overwrites the fresh shard), so that
         # their pages are touched by the first backward, not at construction, as DDP's buckets.
-        if self.g.policy.full_grads:
-            self.grad_full = torch.empty(n, dtype=self.g.param_dtype, device=self.g.device)
+        if self.policy.full_grads:
+            self.grad_full = torch.empty(n, dtype=self.param_dtype, device=self.device)
             self._zero_unwritten()
-            self._grad_views = self.g.views(self.grad_full, self.g.trainable)
+            self._grad_views = self._views(self.grad_full)
             # fp32 accumulation of full gradients (+4Ψ): every filled bucket is added in (guide §9).
-            self.acc_full = (torch.zeros(n, dtype=torch.float32, device=self.g.device)
-                             if self.g.accum_dtype == torch.float32 and self.g.param_dtype != torch.float32 else None)
+            self.acc_full = (torch.zeros(n, dtype=torch.float32, device=self.device)
+                             if self.accum_dtype == torch.float32 and self.param_dtype != torch.float32 else None)
         else:
-            self.grad_full = torch.empty(0, dtype=self.g.reduce_dtype, device=self.g.device)
+            self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
             self._grad_nbytes = n * self.grad_full.element_size()
             self.acc_full = None
         # Stage 1 on CPU: the in-place AllReduce leaves the mean in ``grad_full``, so its own
         # slice is the gradient shard, no separate Ψ/N buffer (guide §12.5).
-        self.shard_in_full = (self.g.policy.full_grads and self.g.policy.shard_master and self.acc_full is None
-                               and self.g.accum_dtype == self.g.param_dtype == self.g.reduce_dtype
-                               and not self.g.quant_grads and not self.g._hybrid
-                               and self.g.comm.reduces_in_place(self.grad_full))
+        self.shard_in_full = (self.policy.full_grads and self.policy.shard_master and self.acc_full is None
+                               and self.accum_dtype == self.param_dtype == self.reduce_dtype
+                               and not self.quant_grads and not self._hybrid
+                               and self.comm.reduces_in_place(self.grad_full))
         if self.shard_in_full:
-            lo, hi = self.g.shard_range
+            lo, hi = self.shard_range
             self.grad_shard = self.grad_full[lo:hi]
-        elif self.g.policy.shard_master:
-            self.grad_shard = torch.empty(s, dtype=self.g.accum_dtype, device=self.g.device)
-        for param in self.g.params:
+        elif self.policy.shard_master:
+            self.grad_shard = torch.empty(s, dtype=self.accum_dtype, device=self.device)
+        for param in self.params:
             param.grad = None
         self._scratch: torch.Tensor | None = None  # shard-sized, while a reduction is in flight
         self._cast: torch.Tensor | None = None  # grad_full in the reduce dtype, while in flight
@@ -135,7 +173,7 @@ class GradBuffers:
         if ``zero_grad`` freed it (the views stay valid, guide §12); a transient ``grad_full`` takes
         a storage from the pool, or a new one. Zeros where no gradient is ever written (frozen
         parameters and the padding), and in a re-allocated fp32 accumulator."""
-        if self.g.policy.full_grads:
+        if self.policy.full_grads:
             if restore_storage(self.grad_full):
                 self._zero_unwritten()
                 if self.acc_full is not None:
@@ -144,30 +182,30 @@ class GradBuffers:
             return
         if self.grad_full.numel():
             return
-        n = self.g.layout.padded_numel
+        n = self.layout.padded_numel
         storage = self.pool.take(self._grad_nbytes) if self.pool is not None else None
         if storage is None:
-            storage = torch.UntypedStorage(self._grad_nbytes, device=self.g.device)
-        self.grad_full = torch.empty(0, dtype=self.g.reduce_dtype, device=self.g.device).set_(storage, 0, (n,))
-        self._grad_views = self.g.views(self.grad_full, self.g.trainable)
+            storage = torch.UntypedStorage(self._grad_nbytes, device=self.device)
+        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(storage, 0, (n,))
+        self._grad_views = self._views(self.grad_full)
         self._zero_unwritten()
 
     def _zero_unwritten(self) -> None:
         """Zeros in ``grad_full`` where no gradient is ever written: frozen parameters, padding
         (at the end, and between the slices of an owner-aligned layout)."""
-        trainable = set(self.g.trainable)
-        for i, sl in enumerate(self.g.layout.slots):
+        trainable = set(self.trainable)
+        for i, sl in enumerate(self.layout.slots):
             if i not in trainable:
                 self.grad_full[sl.offset:sl.stop].zero_()
-        for lo, hi in self.g.layout.padding_ranges():
+        for lo, hi in self.layout.padding_ranges():
             self.grad_full[lo:hi].zero_()
 
     def _release_storage(self) -> None:
-        if self.g.policy.full_grads or not self.grad_full.numel():
+        if self.policy.full_grads or not self.grad_full.numel():
             return
         if self.pool is not None:
             self.pool.give(self.grad_full.untyped_storage())
-        self.grad_full = torch.empty(0, dtype=self.g.reduce_dtype, device=self.g.device)
+        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
         self._grad_views = []
 
     def take(self, j: int, param: nn.Parameter) -> None:
@@ -178,7 +216,7 @@ class GradBuffers:
         grad = param.grad
         if grad.layout != torch.strided:  # nn.Embedding(sparse=True), stage 0 only: the bucket is dense
             grad = grad.to_dense()
-        if self.g.policy.full_grads:
+        if self.policy.full_grads:
             view = self._grad_views[j]
             if grad is not view:  # first gradient since zero_grad: move it into the bucket
                 self._ensure_storage()  # zero_grad may have freed it; only a first gradient can follow
@@ -192,18 +230,18 @@ class GradBuffers:
             else:
                 view.copy_(grad)
             param.grad = None
-        self.g.bwd.fire(j)
+        self.bwd.fire(j)
 
     def fill_missing(self) -> list[int]:
         """Trainable parameters that got no gradient in this backward contribute zeros (their
         local sum is kept where earlier micro-batches left one). Returns their indices."""
-        missing = [j for j, f in enumerate(self.g.bwd.fired) if not f]
+        missing = [j for j, f in enumerate(self.bwd.fired) if not f]
         if not missing:
             return missing
         self._ensure_storage()
-        if self.g.policy.full_grads:
+        if self.policy.full_grads:
             for j in missing:
-                param = self.g.params[self.g.trainable[j]]
+                param = self.params[self.trainable[j]]
                 if param.grad is not self._grad_views[j]:
                     self._grad_views[j].zero_()
                     param.grad = self._grad_views[j]
@@ -220,7 +258,7 @@ class GradBuffers:
         if self.acc_full is not None:
             self.fill_missing()
             self.acc_full.add_(self.grad_full)
-            for param in self.g.trainable_params:
+            for param in self.trainable_params:
                 param.grad = None
 
     def reduce(self, factor: float | None = None) -> tuple[Pending | None, Callable[[], None]]:
@@ -230,7 +268,7 @@ class GradBuffers:
         ``factor`` pre-multiplies local gradients (token averaging, guide §2.2). The ReduceScatter
         overwrites ``grad_shard`` when ``grad_full`` holds the step's whole local sum (full
         gradients at rest) or nothing was reduced since ``zero_grad``; otherwise it adds."""
-        if self.g.policy.full_grads:
+        if self.policy.full_grads:
             self._ensure_storage()
         if self.acc_full is not None:
             self.end_local()
@@ -239,13 +277,13 @@ class GradBuffers:
             src = self.grad_full
         if factor is not None:
             src.mul_(factor)
-        if self.acc_full is None and src.dtype != self.g.reduce_dtype:  # e.g. fp32 gradients sent in bf16
-            src = self._cast = src.to(self.g.reduce_dtype)
+        if self.acc_full is None and src.dtype != self.reduce_dtype:  # e.g. fp32 gradients sent in bf16
+            src = self._cast = src.to(self.reduce_dtype)
         # Nothing reduced into the shard since zero_grad (or only zeros): the collective writes it.
         fresh = self.state in (GradState.NONE, GradState.ZEROS, GradState.LOCAL)
         self._move(GradState.REDUCED)  # in flight now; the master reads it after the wait
-        if not self.g.policy.shard_master:
-            pending = self.g.comm.all_reduce_mean(src, self.g.label)
+        if not self.policy.shard_master:
+            pending = self.comm.all_reduce_mean(src, self.label)
             back = src is self._cast
 
             def finish_all_reduce() -> None:
@@ -253,37 +291,37 @@ class GradBuffers:
                     (self.acc_full if self.acc_full is not None else self.grad_full).copy_(src)
                 self._cast = None
             return pending, finish_all_reduce
-        overwrite = self.g.policy.full_grads or fresh
+        overwrite = self.policy.full_grads or fresh
         restore_storage(self.grad_shard)  # a shard of its own freed by zero_grad: written, not added
-        if self.g._hybrid:
+        if self._hybrid:
             return self._reduce_hybrid(src, overwrite)
-        in_place = self.g.comm.reduces_in_place(src, self.g.quant_grads)
-        direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.g.quant_grads or in_place
+        in_place = self.comm.reduces_in_place(src, self.quant_grads)
+        direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.quant_grads or in_place
         if not direct:
-            self._scratch = torch.empty(self.g.layout.shard_numel, dtype=src.dtype, device=self.g.device)
-        pending = self.g.comm.reduce_scatter_grad(self.grad_shard, src, self.g.label, overwrite=overwrite,
-                                                scratch=self._scratch, quant_block=self.g.quant_grads, clobber=True,
-                                                average_full=self.g.policy.full_grads)
+            self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
+        pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
+                                                scratch=self._scratch, quant_block=self.quant_grads, clobber=True,
+                                                average_full=self.policy.full_grads)
         return pending, self._finish_reduce
 
     def _reduce_hybrid(self, src: torch.Tensor, overwrite: bool) -> tuple[Pending, Callable[[], None]]:
         """Hybrid sharding (guide §14): ReduceScatter inside the shard group into a scratch of the
         wire dtype, then the scratch — Ψ_g/g elements, this step's contribution only — averaged
         across the replicas in that dtype, then written or added into ``grad_shard``."""
-        scratch = self._scratch = torch.empty(self.g.layout.shard_numel, dtype=src.dtype, device=self.g.device)
-        pending = self.g.comm.reduce_scatter_grad(scratch, src, self.g.label, overwrite=True,
-                                                quant_block=self.g.quant_grads, clobber=True,
-                                                average_full=self.g.policy.full_grads)
+        scratch = self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
+        pending = self.comm.reduce_scatter_grad(scratch, src, self.label, overwrite=True,
+                                                quant_block=self.quant_grads, clobber=True,
+                                                average_full=self.policy.full_grads)
 
         def finish() -> None:
-            self.g.replicas.all_reduce_mean(scratch, f"{self.g.label} replicas", async_op=False)
+            self.replicas.all_reduce_mean(scratch, f"{self.label} replicas", async_op=False)
             self.grad_shard.copy_(scratch) if overwrite else self.grad_shard.add_(scratch)
             self._finish_reduce()
         return pending, finish
 
     def _finish_reduce(self) -> None:
         self._scratch = self._cast = None
-        if not self.g.policy.full_grads:
+        if not self.policy.full_grads:
             self._release_storage()  # bounded by the groups in flight
 
     def read(self) -> torch.Tensor | None:
@@ -293,39 +331,39 @@ class GradBuffers:
         if self.state is GradState.NONE:
             return None
         if self.has_local:
-            raise RuntimeError(f"{self.g.label}: local gradients were read before their reduction (zerodp internal "
+            raise RuntimeError(f"{self.label}: local gradients were read before their reduction (zerodp internal "
                                "error: please report it)")
-        if not self.g.policy.shard_master:
+        if not self.policy.shard_master:
             return self.acc_full if self.acc_full is not None else self.grad_full
         return self.grad_shard
 
     def full_local(self) -> torch.Tensor | None:
         """Where full gradients stay at rest beside a separate gradient shard, the buffer later
         micro-batches add into (the fp32 accumulator, else ``grad_full``); None without one."""
-        if not self.g.policy.full_grads or not self.holds_grads:
+        if not self.policy.full_grads or not self.holds_grads:
             return None
         return self.acc_full if self.acc_full is not None else self.grad_full
 
     def held_grad(self, j: int) -> torch.Tensor | None:
         """What ``param.grad`` of trainable parameter ``j`` is after a backward where full gradients
         stay at rest (its view into ``grad_full``); None where no module tensor holds it."""
-        if self.g.policy.full_grads and self.acc_full is None and self._grad_views and self.state is not GradState.NONE:
+        if self.policy.full_grads and self.acc_full is None and self._grad_views and self.state is not GradState.NONE:
             return self._grad_views[j]
         return None
 
     def _ranges(self, j: int) -> list[tuple[torch.Tensor, int, int]]:
         """The places that hold trainable parameter ``j``'s gradient for the next step: (buffer,
         start, stop) in the local full buffer and in the gradient shard where it is separate."""
-        slot = self.g.layout.slots[self.g.trainable[j]]
+        slot = self.layout.slots[self.trainable[j]]
         out = []
-        full = self.full_local() if self.g.policy.full_grads else None
+        full = self.full_local() if self.policy.full_grads else None
         if full is not None:
             out.append((full, slot.offset, slot.stop))
-        elif not self.g.policy.shard_master and self.holds_grads:
+        elif not self.policy.shard_master and self.holds_grads:
             out.append((self.grad_full, slot.offset, slot.stop))
-        if self.g.policy.shard_master and not self.shard_in_full and self.grad_shard is not None \
+        if self.policy.shard_master and not self.shard_in_full and self.grad_shard is not None \
                 and self.grad_shard.untyped_storage().nbytes():  # (freed by zero_grad until the next reduction)
-            lo, hi = self.g.shard_range
+            lo, hi = self.shard_range
             a, b = max(slot.offset, lo), min(slot.stop, hi)
             if a < b:
                 out.append((self.grad_shard, a - lo, b - lo))
@@ -345,13 +383,13 @@ class GradBuffers:
     def write(self, j: int, grad: torch.Tensor) -> None:
         """The script assigned ``param.grad = grad`` (the parameter's whole gradient, the same on every
         rank, as DDP's would be): the engine takes it as the reduced gradient for the next step."""
-        slot = self.g.layout.slots[self.g.trainable[j]]
+        slot = self.layout.slots[self.trainable[j]]
         if tuple(grad.shape) != tuple(slot.shape):
             raise RuntimeError(f"{slot.name}.grad was assigned a tensor of shape {tuple(grad.shape)}; the parameter's "
                                f"shape is {tuple(slot.shape)}")
         flat = grad.detach().reshape(-1)
         for buf, a, b in self._ranges(j):
-            base = self.g.shard_range[0] if buf is self.grad_shard else 0  # buffer index + base = flat index
+            base = self.shard_range[0] if buf is self.grad_shard else 0  # buffer index + base = flat index
             buf[a:b].copy_(flat[a + base - slot.offset:b + base - slot.offset])
 
     @torch.no_grad()
@@ -365,7 +403,7 @@ class GradBuffers:
         full = self.full_local()
         if full is not None:
             full.mul_(coef.to(full.dtype))
-        if self.g.policy.shard_master and not self.shard_in_full:
+        if self.policy.shard_master and not self.shard_in_full:
             self.grad_shard.mul_(coef.to(self.grad_shard.dtype))
 
     def zero(self, set_to_none: bool = True) -> None:
@@ -380,9 +418,9 @@ class GradBuffers:
         if not set_to_none and self.state is not GradState.NONE:
             self._zero_in_place()
             return
-        for param in self.g.trainable_params:
+        for param in self.trainable_params:
             param.grad = None
-        if self.g.policy.full_grads:
+        if self.policy.full_grads:
             for t in (self.grad_full, self.acc_full):  # the shard of stage 1 on CPU is a slice of grad_full
                 if t is not None:
                     free_storage(t)
@@ -394,14 +432,14 @@ class GradBuffers:
 
     @torch.no_grad()
     def _zero_in_place(self) -> None:
-        if self.g.policy.full_grads:
+        if self.policy.full_grads:
             self._ensure_storage()
             self.grad_full.zero_()
-            for param, view in zip(self.g.trainable_params, self._grad_views):
+            for param, view in zip(self.trainable_params, self._grad_views):
                 param.grad = view if self.acc_full is None else None
         else:
             self._release_storage()  # local gradients of no_sync backwards: now zeros
-            for param in self.g.trainable_params:
+            for param in self.trainable_params:
                 param.grad = None
         if self.acc_full is not None:
             self.acc_full.zero_()
@@ -414,21 +452,21 @@ class GradBuffers:
         """What serves communication only: full gradients in flight to the ReduceScatter (memory
         first), the gradient shard beside full gradients (stage 1), scratch and cast copies."""
         out = [t for t in (self._scratch, self._cast) if t is not None]
-        if not self.g.policy.full_grads and not self.g.policy.keep_local:
+        if not self.policy.full_grads and not self.policy.keep_local:
             out.append(self.grad_full)
-        if self.grad_shard is not None and self.g.policy.full_grads and not self.shard_in_full:
+        if self.grad_shard is not None and self.policy.full_grads and not self.shard_in_full:
             out.append(self.grad_shard)
         return out
 
     def memory(self) -> dict[str, list[torch.Tensor]]:
         """The gradient tensors by kind: ``grads`` and ``comm_buffers`` (see ``comm_tensors``)."""
         grads: list[torch.Tensor] = []
-        if self.g.policy.full_grads:
+        if self.policy.full_grads:
             grads.append(self.grad_full)
             if self.acc_full is not None:
                 grads.append(self.acc_full)
-        elif self.g.policy.keep_local:  # full local gradients kept across no_sync micro-batches
+        elif self.policy.keep_local:  # full local gradients kept across no_sync micro-batches
             grads.append(self.grad_full)
-        if self.grad_shard is not None and not self.g.policy.full_grads:
+        if self.grad_shard is not None and not self.policy.full_grads:
             grads.append(self.grad_shard)
         return {"grads": grads, "comm_buffers": self.comm_tensors()}

@@ -167,7 +167,10 @@ class FlatGroup:
         self.master_start = 0  # where ``master`` starts in the layout
         self.param_state = ParamState.SHARDED  # GATHERED from init_values where parameters are not sharded
         self._gather_work: Pending | None = None  # the AllGather in flight, while GATHERING
-        self.grads = GradBuffers(self)  # the gradient half: buffers, reductions, GradState
+        self.grads = GradBuffers(  # the gradient half: buffers, reductions, GradState
+            label, self.layout, policy, comm, replicas=replicas, params=self.params, trainable=self.trainable,
+            bwd=self.bwd, param_dtype=param_dtype, reduce_dtype=reduce_dtype, accum_dtype=accum_dtype,
+            quant_grads=quant_grads)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
