@@ -77,8 +77,9 @@ def muon_table(result: BenchResult) -> str:
     for r in rows:
         iqr = "" if r.q1_ms is None else f"{r.q1_ms:.1f}-{r.q3_ms:.1f}"
         stage = "-" if r.stage is None else str(r.stage)
+        state = None if r.optimizer_state_bytes is None else r.optimizer_state_bytes / MIB
         lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{stage:>6}  {r.label:<{width}}{r.ms:>10.1f}{iqr:>16}"
-                     f"{_mib(r.peak_rss_bytes):>13}{f(None if r.optimizer_state_bytes is None else r.optimizer_state_bytes / MIB, '.3f', 14)}"
+                     f"{_mib(r.peak_rss_bytes):>13}{f(state, '.3f', 14)}"
                      f"{f(r.state_less, '.2f', 9)}{f(None if r.sent_bytes is None else r.sent_bytes / MIB, '.2f', 14)}"
                      f"{f(r.sent_vs_peer, '.3f', 9)}{r.last_loss:>11.6f}")
     memory = (f"built and stepped {spec.memory_steps} times alone in a fresh group" if spec.memory.value == "fresh"
