@@ -346,14 +346,14 @@ def pure_bf16_model_steps_as_torch(rank, stage):
     model, ref = Small().bfloat16(), Small().bfloat16()
     engine = zerodp.parallelize(model, lambda g: torch.optim.SGD(g, lr=0.1), stage=stage)
     train(model, engine, ref, rank, dtype=torch.bfloat16, opt=torch.optim.SGD(ref.parameters(), lr=0.1))
-    if engine.master_dtype != torch.bfloat16:
-        return f"master dtype {engine.master_dtype}"
+    if engine.dtypes.master != torch.bfloat16:
+        return f"master dtype {engine.dtypes.master}"
     problem = compare(engine.state_dict(), ref, STEPS, torch.bfloat16)
     if problem:
         return problem
     kept = zerodp.parallelize(Small().bfloat16(), lambda g: torch.optim.SGD(g, lr=0.1), stage=stage,
                               master_dtype="fp32")
-    return None if kept.master_dtype == torch.float32 else f"master_dtype='fp32' gave {kept.master_dtype}"
+    return None if kept.dtypes.master == torch.float32 else f"master_dtype='fp32' gave {kept.dtypes.master}"
 
 
 def dataclass_outputs(rank, stage):

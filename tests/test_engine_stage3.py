@@ -138,7 +138,7 @@ def _step_comm(engine):
         kind = e.args.get("kind")
         if kind in ("all_gather", "reduce_scatter") and e.args.get("label") in names:
             out[kind] += 1
-            itemsize = 2 if engine.param_dtype == torch.bfloat16 else 4
+            itemsize = 2 if engine.dtypes.param == torch.bfloat16 else 4
             out["sent_elements"] += e.args["sent_bytes"] / itemsize
     return out
 

@@ -54,7 +54,7 @@ import torch.nn as nn
 from zerodp.engine.adopt import Adoption
 from zerodp.engine.comm import CHROME_TRACE, CLIP_GRAD_NORM, Collectives, Control, user_call
 from zerodp.engine.compiled import activate, host_only
-from zerodp.engine.config import EngineConfig, MixedPrecision, parse_dtype
+from zerodp.engine.config import Dtypes, EngineConfig, MixedPrecision, parse_dtype
 from zerodp.engine.construct import Construction, resolve_param_groups
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
@@ -227,7 +227,10 @@ class StageEngine:
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self.last_comm_peak = 0
         self.last_grad_bytes = 0
+        # The policy asked for, reduce_dtype folded in; the stage resolves it into self.dtypes
+        # (zerodp.engine.config.Dtypes), which every part reads from then on.
         self.mixed_precision = config.mixed_precision
+        self.dtypes: Dtypes | None = None
         if config.reduce_dtype is not None:  # gradients on the wire in another dtype (guide §15)
             self.mixed_precision = dataclasses.replace(
                 self.mixed_precision or MixedPrecision(param_dtype=torch.float32),
@@ -307,8 +310,8 @@ class StageEngine:
         if self._buffers_stale and self.config.broadcast_buffers and self.buffers and self.world_size > 1:
             self.construction.broadcast_buffers()
         self._buffers_stale = torch.is_grad_enabled() and self._sync
-        if self.mixed_precision is not None:  # floating inputs compute in the param dtype, every stage
-            args, kwargs = cast_floats((args, kwargs), self.param_dtype)
+        if self.dtypes.cast_inputs:  # floating inputs compute in the param dtype, every stage
+            args, kwargs = cast_floats((args, kwargs), self.dtypes.param)
         self.machine.reconcile_grads()  # the module's .grad read back; the next backward accumulates as before
         self.machine.wait_params()  # stages 1-2: the step's parameter AllGathers, overlapped until here
         self._take_module_values(fold=False)
@@ -390,7 +393,7 @@ class StageEngine:
                                           for g in grads])
             sq = torch.stack(norms).square().sum().reshape(1)
         else:
-            sq = torch.zeros(1, dtype=self.master_dtype if self.master_dtype == torch.float64 else torch.float32,
+            sq = torch.zeros(1, dtype=self.dtypes.master if self.dtypes.master == torch.float64 else torch.float32,
                              device=self.device)
         if self.grads_sharded and self.shard_comm.world_size > 1:  # replicas hold the same shards
             sq = self.shard_comm.reduce_for(CLIP_GRAD_NORM, sq)

@@ -68,6 +68,38 @@ class MixedPrecision:
 
 
 @dataclass(frozen=True)
+class Dtypes:
+    """The engine's mixed-precision policy, resolved once at construction (guide §1, §9): the one
+    source every part reads (``engine.dtypes``). ``param``: what the model computes in (parameters,
+    activations, gathered units); ``reduce``: gradients on the wire; ``accum``: gradients kept across
+    micro-batches; ``master``: what the optimizer steps; ``cast_inputs``: floating inputs and buffers
+    are cast to ``param`` (mixed precision asked for)."""
+
+    param: torch.dtype
+    reduce: torch.dtype
+    accum: torch.dtype
+    master: torch.dtype
+    cast_inputs: bool
+
+    @classmethod
+    def resolve(cls, mp: MixedPrecision | None, param: torch.dtype, master: torch.dtype | None) -> "Dtypes":
+        """From the policy asked for (``mp``, with ``reduce_dtype`` folded in), the compute dtype and
+        ``master_dtype=``: gradients accumulate in fp32 when parameters are fp32, with
+        ``fp32_grad_accum``, or when they travel in fp32 anyway, never in less than they travel in;
+        the optimizer steps fp32 under mixed precision, else the model's own dtype (torch's semantics:
+        fp64 stays fp64, a bf16 model steps in bf16), unless ``master`` says otherwise."""
+        if not param.is_floating_point:
+            raise ValueError(f"parameters of dtype {param} cannot be trained")
+        fp32 = torch.float32
+        reduce = mp.comm_dtype if mp else param
+        accum = fp32 if fp32 in (param, reduce) or (mp and mp.fp32_grad_accum) else reduce
+        if accum.itemsize < reduce.itemsize:
+            accum = reduce
+        master = master or (fp32 if mp is not None and mp.param_dtype != fp32 else param)
+        return cls(param=param, reduce=reduce, accum=accum, master=master, cast_inputs=mp is not None)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything :func:`zerodp.parallelize` accepts besides the model and the optimizer.
 

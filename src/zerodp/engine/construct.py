@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zerodp.engine.config import parse_dtype
+from zerodp.engine.config import Dtypes, parse_dtype
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.optim import UserGroups, from_built
@@ -98,24 +98,10 @@ class Construction:
         self._per_param_targets = False  # an adopted optimizer: one target per parameter
 
     def set_dtypes(self, param_dtype: torch.dtype) -> None:
-        """The compute dtype, the dtype gradients travel in (``reduce_dtype``), and the one they
-        are accumulated in: fp32 when parameters are fp32, with ``fp32_grad_accum``, or when
-        gradients travel in fp32 anyway (guide §1, §9)."""
-        if not param_dtype.is_floating_point:
-            raise ValueError(f"parameters of dtype {param_dtype} cannot be trained")
-        mp = self.engine.mixed_precision
-        self.engine.param_dtype = param_dtype
-        self.engine.reduce_dtype = mp.comm_dtype if mp else param_dtype
-        fp32 = torch.float32
-        self.engine.accum_dtype = fp32 if fp32 in (param_dtype, self.engine.reduce_dtype) \
-            or (mp and mp.fp32_grad_accum) \
-            else self.engine.reduce_dtype
-        # What the optimizer steps: fp32 under mixed precision, else the model's own dtype (torch's
-        # semantics: fp64 stays fp64, a bf16 model steps in bf16), unless master_dtype says otherwise.
+        """The engine's dtypes (:class:`~zerodp.engine.config.Dtypes`, guide §1, §9) from the policy
+        asked for, the compute dtype and ``master_dtype=``."""
         asked = parse_dtype(self.engine.config.master_dtype, "master_dtype")
-        self.engine.master_dtype = asked or (fp32 if mp is not None and mp.param_dtype != fp32 else param_dtype)
-        if self.engine.accum_dtype.itemsize < self.engine.reduce_dtype.itemsize:
-            self.engine.accum_dtype = self.engine.reduce_dtype
+        self.engine.dtypes = Dtypes.resolve(self.engine.mixed_precision, param_dtype, asked)
 
     def shard_size(self) -> int:
         """Ranks per shard group (guide §14): ``config.shard_size``, else one node (torchrun's
@@ -165,7 +151,7 @@ class Construction:
         """Stages 0-2: which parameters share a bucket (:func:`zerodp.plan.units.plan_buckets`,
         the planner's rule); the buckets of :attr:`whole_groups` sized to the shard group."""
         return plan_buckets([p.numel() for _, p in self.engine.named_params], self.engine.param_group_of,
-                            self.engine.param_dtype.itemsize, config.sync, config.bucket_mb, config.first_bucket_mb,
+                            self.engine.dtypes.param.itemsize, config.sync, config.bucket_mb, config.first_bucket_mb,
                             whole_groups=self.whole_groups, shard_size=self.engine.shard_comm.world_size)
 
     def new_group(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]]) -> FlatGroup:
@@ -184,8 +170,7 @@ class Construction:
                                       self.engine.shard_comm.world_size, ledger,
                                       costs)
         e = self.engine
-        group = FlatGroup(index, label, entries, e.policy, e.shard_comm, param_dtype=e.param_dtype,
-                          reduce_dtype=e.reduce_dtype, accum_dtype=e.accum_dtype, replicas=e.replica_comm,
+        group = FlatGroup(index, label, entries, e.policy, e.shard_comm, dtypes=e.dtypes, replicas=e.replica_comm,
                          quant_params=quant if self.engine.config.quantize_params else 0,
                          quant_grads=quant if self.engine.config.quantize_grads else 0, layout=layout)
         group.grads.pool = self.engine.machine.grad_pool
@@ -226,7 +211,7 @@ class Construction:
         for g in self.engine.groups:
             if self.engine.deferred and materialize is not None:
                 materialize(g)  # a model built on the meta device: the stage gives values (§9.3)
-            values = torch.zeros(g.layout.padded_numel, dtype=self.engine.master_dtype, device=self.engine.device)
+            values = torch.zeros(g.layout.padded_numel, dtype=self.engine.dtypes.master, device=self.engine.device)
             for slot, p in zip(g.layout.slots, g.params):
                 values[slot.offset:slot.stop].copy_(p.detach().reshape(-1))
             self.broadcast_from_rank0([values])

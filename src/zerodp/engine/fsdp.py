@@ -126,7 +126,7 @@ class FSDPEngine(StageEngine):
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):
         super().__init__(module, optimizer_factory, config, units=units, group=group)
-        mp = self.mixed_precision  # the engine's one policy (reduce_dtype folded in at construction)
+        mp = self.mixed_precision  # the policy asked for (reduce_dtype folded in); self.dtypes resolves it
         group_index = {id(p): g for (_, p), g in zip(self.named_params, self.param_group_of)}
         specs = plan_units(module, units, lambda fqn, p: group_index[id(p)])
         dtypes = sorted({str(p.dtype) for spec in specs for _, p, _ in spec.params})
@@ -536,9 +536,9 @@ class UnitHooks:
         u.free()
 
     def cast_inputs(self, args, kwargs):
-        if self.engine.mixed_precision is None:
+        if not self.engine.dtypes.cast_inputs:
             return None
-        dt = self.engine.param_dtype
+        dt = self.engine.dtypes.param
         return cast_floats(args, dt), cast_floats(kwargs, dt)
 
 

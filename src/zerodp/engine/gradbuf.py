@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from zerodp.engine.comm import Collectives, Pending
+from zerodp.engine.config import Dtypes
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.states import GRAD_MOVES, HOLDS_LOCAL, GradState, moved
 
@@ -77,8 +78,7 @@ class GradBuffers:
 
     def __init__(self, label: str, layout: FlatLayout, policy: Policy, comm: Collectives, *,
                  replicas: Collectives | None, params: list[nn.Parameter], trainable: list[int],
-                 bwd: BackwardState, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 accum_dtype: torch.dtype, quant_grads: int = 0):
+                 bwd: BackwardState, dtypes: Dtypes, quant_grads: int = 0):
         """What the buffers serve, given by the group that owns them (:class:`FlatGroup`): its
         ``layout``, its stage's ``policy``, the shard group ``comm`` (and ``replicas`` under hybrid
         sharding), its parameters and which of them train, the backward state that counts their
@@ -92,9 +92,7 @@ class GradBuffers:
         self.trainable = trainable
         self.trainable_params = [params[i] for i in trainable]
         self.bwd = bwd
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        self.accum_dtype = accum_dtype
+        self.dtypes = dtypes
         self.quant_grads = quant_grads
         self.device = params[0].device  # the group's, once its values exist (init)
         self.state = GradState.NONE
@@ -142,27 +140,27 @@ class GradBuffers:
         # parameter's first gradient is copied in, a reduction overwrites the fresh shard), so that
         # their pages are touched by the first backward, not at construction, as DDP's buckets.
         if self.policy.full_grads:
-            self.grad_full = torch.empty(n, dtype=self.param_dtype, device=self.device)
+            self.grad_full = torch.empty(n, dtype=self.dtypes.param, device=self.device)
             self._zero_unwritten()
             self._grad_views = self._views(self.grad_full)
             # fp32 accumulation of full gradients (+4Ψ): every filled bucket is added in (guide §9).
             self.acc_full = (torch.zeros(n, dtype=torch.float32, device=self.device)
-                             if self.accum_dtype == torch.float32 and self.param_dtype != torch.float32 else None)
+                             if self.dtypes.accum == torch.float32 and self.dtypes.param != torch.float32 else None)
         else:
-            self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
+            self.grad_full = torch.empty(0, dtype=self.dtypes.reduce, device=self.device)
             self._grad_nbytes = n * self.grad_full.element_size()
             self.acc_full = None
         # Stage 1 on CPU: the in-place AllReduce leaves the mean in ``grad_full``, so its own
         # slice is the gradient shard, no separate Ψ/N buffer (guide §12.5).
         self.shard_in_full = (self.policy.full_grads and self.policy.shard_master and self.acc_full is None
-                               and self.accum_dtype == self.param_dtype == self.reduce_dtype
+                               and self.dtypes.accum == self.dtypes.param == self.dtypes.reduce
                                and not self.quant_grads and not self._hybrid
                                and self.comm.reduces_in_place(self.grad_full))
         if self.shard_in_full:
             lo, hi = self.shard_range
             self.grad_shard = self.grad_full[lo:hi]
         elif self.policy.shard_master:
-            self.grad_shard = torch.empty(s, dtype=self.accum_dtype, device=self.device)
+            self.grad_shard = torch.empty(s, dtype=self.dtypes.accum, device=self.device)
         for param in self.params:
             param.grad = None
         self._scratch: torch.Tensor | None = None  # shard-sized, while a reduction is in flight
@@ -186,7 +184,7 @@ class GradBuffers:
         storage = self.pool.take(self._grad_nbytes) if self.pool is not None else None
         if storage is None:
             storage = torch.UntypedStorage(self._grad_nbytes, device=self.device)
-        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(storage, 0, (n,))
+        self.grad_full = torch.empty(0, dtype=self.dtypes.reduce, device=self.device).set_(storage, 0, (n,))
         self._grad_views = self._views(self.grad_full)
         self._zero_unwritten()
 
@@ -205,7 +203,7 @@ class GradBuffers:
             return
         if self.pool is not None:
             self.pool.give(self.grad_full.untyped_storage())
-        self.grad_full = torch.empty(0, dtype=self.reduce_dtype, device=self.device)
+        self.grad_full = torch.empty(0, dtype=self.dtypes.reduce, device=self.device)
         self._grad_views = []
 
     def take(self, j: int, param: nn.Parameter) -> None:
@@ -277,8 +275,8 @@ class GradBuffers:
             src = self.grad_full
         if factor is not None:
             src.mul_(factor)
-        if self.acc_full is None and src.dtype != self.reduce_dtype:  # e.g. fp32 gradients sent in bf16
-            src = self._cast = src.to(self.reduce_dtype)
+        if self.acc_full is None and src.dtype != self.dtypes.reduce:  # e.g. fp32 gradients sent in bf16
+            src = self._cast = src.to(self.dtypes.reduce)
         # Nothing reduced into the shard since zero_grad (or only zeros): the collective writes it.
         fresh = self.state in (GradState.NONE, GradState.ZEROS, GradState.LOCAL)
         self._move(GradState.REDUCED)  # in flight now; the master reads it after the wait

@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from zerodp.engine.comm import Collectives, Pending
+from zerodp.engine.config import Dtypes
 from zerodp.engine.gradbuf import GradBuffers, free_storage, restore_storage
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.states import PARAM_MOVES, PHASE_MOVES, ParamState, Phase, moved
@@ -136,8 +137,7 @@ class FlatGroup:
     """One bucket or unit on one rank: its buffers, collectives and backward state (see module)."""
 
     def __init__(self, index: int, label: str, entries: list[tuple[str, nn.Parameter, int]], policy: Policy,
-                 comm: Collectives, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 accum_dtype: torch.dtype, replicas: Collectives | None = None, quant_params: int = 0,
+                 comm: Collectives, *, dtypes: Dtypes, replicas: Collectives | None = None, quant_params: int = 0,
                  quant_grads: int = 0, layout: FlatLayout | None = None):
         self.index = index
         self.label = label
@@ -152,9 +152,7 @@ class FlatGroup:
         self.layout = layout or FlatLayout.pack([(n, tuple(p.shape)) for n, p, _ in entries], comm.world_size)
         self.rank = comm.rank
         self.device = self.params[0].device
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        self.accum_dtype = accum_dtype
+        self.dtypes = dtypes  # the engine's: compute, on the wire, accumulated (guide §9)
         self.quant_params = quant_params  # int8 AllGather with one scale per this many elements (§15)
         self.quant_grads = quant_grads  # int8 all-to-all gradient reduction, same
         self.module: nn.Module | None = None  # stage 3: the module whose forward gathers this unit
@@ -169,8 +167,7 @@ class FlatGroup:
         self._gather_work: Pending | None = None  # the AllGather in flight, while GATHERING
         self.grads = GradBuffers(  # the gradient half: buffers, reductions, GradState
             label, self.layout, policy, comm, replicas=replicas, params=self.params, trainable=self.trainable,
-            bwd=self.bwd, param_dtype=param_dtype, reduce_dtype=reduce_dtype, accum_dtype=accum_dtype,
-            quant_grads=quant_grads)
+            bwd=self.bwd, dtypes=dtypes, quant_grads=quant_grads)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     @property
@@ -204,7 +201,7 @@ class FlatGroup:
                 for i in (range(len(slots)) if which is None else which)]
 
     def describe(self) -> dict:
-        return {"label": self.label, "groups": sorted(set(self.groups)), "dtype": str(self.param_dtype),
+        return {"label": self.label, "groups": sorted(set(self.groups)), "dtype": str(self.dtypes.param),
                 **self.layout.to_dict()}
 
     # ---- the group's part of a backward (guide §12.9); the stage's hooks (engine.hooks) call these
@@ -252,7 +249,7 @@ class FlatGroup:
         p = self.policy
         self.device = values.device  # (a model built on the meta device is materialized here)
         if not p.shard_params:
-            self.full = values if self.param_dtype == values.dtype else values.to(self.param_dtype)
+            self.full = values if self.dtypes.param == values.dtype else values.to(self.dtypes.param)
             for param, view in zip(self.params, self.views(self.full)):
                 param.data = view
             self._move_params(ParamState.GATHERED)
@@ -268,14 +265,14 @@ class FlatGroup:
             self._full_views = self.views(self.full)
         else:
             self.master, self.master_start = values[lo:hi].clone(), lo
-            same = self.param_dtype == self.master.dtype
-            self.param_shard = self.master if same else self.master.to(self.param_dtype)
-            self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+            same = self.dtypes.param == self.master.dtype
+            self.param_shard = self.master if same else self.master.to(self.dtypes.param)
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.dtypes.param, device=self.device)
             self._full_views = self.views(self.full)
             # At rest each parameter keeps its shape over one shared element (a stride-0 view, as
             # FSDP2's sharded DTensor keeps the global shape): p.shape, p.dim() and p.numel() stay
             # what scripts group parameters by; in-place writes to it are refused by torch itself.
-            one = torch.zeros((), dtype=self.param_dtype, device=self.device)
+            one = torch.zeros((), dtype=self.dtypes.param, device=self.device)
             self._placeholders = [one.expand(sl.shape) for sl in self.layout.slots]
             free_storage(self.full)
             for param, held in zip(self.params, self._placeholders):

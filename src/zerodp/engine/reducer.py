@@ -59,15 +59,15 @@ class BucketEngine(StageEngine):
         self.construction.set_dtypes(mp.param_dtype if mp else self.named_params[0][1].dtype)
         # bucket_mb="auto" (guide §4): chosen once, here, before the buckets are planned.
         self.bucket_auto = config.bucket_mb == AUTO
-        wire = torch.float32 if self.policy.full_grads and self.accum_dtype == torch.float32 else self.reduce_dtype
-        config = self.config = resolve_auto_bucket(config, module, self.world_size, self.param_dtype, wire)
+        wire = torch.float32 if self.policy.full_grads and self.dtypes.accum == torch.float32 else self.dtypes.reduce
+        config = self.config = resolve_auto_bucket(config, module, self.world_size, self.dtypes.param, wire)
         plan = self.construction.buckets(config)
         if mp is not None:  # buffers and frozen parameters compute in the param dtype too
-            cast_floating_buffers(module, self.param_dtype)
+            cast_floating_buffers(module, self.dtypes.param)
             with torch.no_grad():
                 for p in module.parameters():
                     if not p.requires_grad and p.is_floating_point():
-                        p.data = p.data.to(self.param_dtype)
+                        p.data = p.data.to(self.dtypes.param)
         self.groups: list[FlatGroup] = [
             self.construction.new_group(b, f"bucket {b}", [(self.named_params[i][0], self.named_params[i][1],
                                                 self.param_group_of[i]) for i in idx])
@@ -100,7 +100,7 @@ class BucketEngine(StageEngine):
             "engine": type(self).__name__,
             "world_size": self.world_size,
             "sync": self.config.sync,
-            "param_dtype": str(self.param_dtype),
+            "param_dtype": str(self.dtypes.param),
             "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype),
                            "options": sorted(map(str, self.group_options[g].items()))}
                        for (n, p), g in zip(self.named_params, self.param_group_of)},

@@ -176,7 +176,7 @@ def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
     if not values:
         return
     done = engine.checkpoint.load_frozen_pieces(
-        lambda name, a, b: _flat(values[name], engine.device, engine.master_dtype)[a:b], set(values))
+        lambda name, a, b: _flat(values[name], engine.device, engine.dtypes.master)[a:b], set(values))
     params = dict(engine.module.named_parameters())
     for name, value in values.items():
         if name not in done:
@@ -265,7 +265,7 @@ def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
             sub, local = next((s, loc) for n, s, loc in engine.buffers if n == name)
             return getattr(sub, local).detach().reshape(-1)[start:stop].clone()
         if kind == PARAM and name in values:
-            return values[name].detach().reshape(-1)[start:stop].to(device=device, dtype=engine.master_dtype)
+            return values[name].detach().reshape(-1)[start:stop].to(device=device, dtype=engine.dtypes.master)
         return held[(name, kind, start, stop)]  # kept as it is (optimizer states, missing keys)
 
     _load_frozen(engine, {n: values[n] for n in names.frozen if n in values})
@@ -462,11 +462,11 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
         if name in whole_by_piece:  # a whole-tensor state, read by its owner
             param, state_kind = whole_by_piece[name]
             return saved_state[param][state_kind].detach().reshape(-1)[start:stop].to(device=device,
-                                                                                    dtype=engine.master_dtype)
+                                                                                    dtype=engine.dtypes.master)
         value = saved_state.get(name, {}).get(kind)
         if value is None:  # never stepped, or a state this parameter lacks: fresh zeros
-            return torch.zeros(stop - start, dtype=engine.master_dtype, device=device)
-        return value.detach().reshape(-1)[start:stop].to(device=device, dtype=engine.master_dtype)
+            return torch.zeros(stop - start, dtype=engine.dtypes.master, device=device)
+        return value.detach().reshape(-1)[start:stop].to(device=device, dtype=engine.dtypes.master)
 
     engine.checkpoint.load_state_pieces(read)
 
@@ -619,7 +619,7 @@ class Checkpoint:
         out = self._gather_full([t.tensor for t in self.engine.master.targets], frozen_from_params=True)
         for name, p in self.engine._module.named_parameters():  # frozen parameters outside the buffers
             if name not in out and p.numel() > 0:
-                out[name] = p.detach().to(self.engine.master_dtype).clone()
+                out[name] = p.detach().to(self.engine.dtypes.master).clone()
         out.update(self._buffer_dict())
         return out
 
@@ -640,7 +640,7 @@ class Checkpoint:
             buf = getattr(sub, local).detach().clone()
             if self.engine.world_size > 1:
                 self.engine.construction.broadcast_from_rank0([buf])
-            out[name] = buf.to(self.engine.master_dtype) if buf.is_floating_point() else buf
+            out[name] = buf.to(self.engine.dtypes.master) if buf.is_floating_point() else buf
         return out
 
     def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
@@ -657,7 +657,7 @@ class Checkpoint:
         for g in self.engine.groups:
             layout = g.layout
             lo, hi = g.shard_range if sharded else (0, layout.padded_numel)
-            local = torch.zeros(hi - lo, dtype=self.engine.master_dtype, device=self.engine.device)
+            local = torch.zeros(hi - lo, dtype=self.engine.dtypes.master, device=self.engine.device)
             for i in by_group.get(id(layout), []):
                 t = self.engine.master.targets[i]
                 local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i].reshape(-1))
@@ -667,7 +667,7 @@ class Checkpoint:
                     if grp == FROZEN and a < b:
                         local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
             if sharded and g.comm.world_size > 1:
-                flat = torch.empty(layout.padded_numel, dtype=self.engine.master_dtype, device=self.engine.device)
+                flat = torch.empty(layout.padded_numel, dtype=self.engine.dtypes.master, device=self.engine.device)
                 g.comm.all_gather(flat, local, "gather_full", async_op=False)
             else:
                 flat = local
@@ -690,9 +690,9 @@ class Checkpoint:
             trainable = [grp for grp in g.groups if grp != FROZEN]
             d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
                      options=self.engine.group_options[trainable[0]] if trainable else None,
-                     dtype=str(g.param_dtype), sharded=self.engine.policy.shard_master,
+                     dtype=str(g.dtypes.param), sharded=self.engine.policy.shard_master,
                      owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)],
-                     cost={**g.layout.cost(g.param_dtype.itemsize),
+                     cost={**g.layout.cost(g.dtypes.param.itemsize),
                            "imbalance_bytes": g.layout.cost(4)["imbalance_bytes"]})
             out.append(d)
         return out
@@ -706,7 +706,7 @@ class Checkpoint:
         owned = [0] * world
         padding = padding_bytes = 0
         for g in self.engine.groups:
-            c = g.layout.cost(g.param_dtype.itemsize)
+            c = g.layout.cost(g.dtypes.param.itemsize)
             padding += c["padding"]
             padding_bytes += c["padding_bytes"]
             if self.engine.policy.shard_master:

@@ -161,7 +161,7 @@ def collect_stats(engine) -> EngineStats:
     return EngineStats(
         stage=engine.stage, rank=engine.rank, world_size=engine.world_size,
         num_params=sum(p.numel() for _, p in engine.named_params),
-        param_dtype=str(getattr(engine, "param_dtype", "")).replace("torch.", ""),
+        param_dtype=str(engine.dtypes.param).replace("torch.", ""),
         step=step, memory=engine_memory(engine), collectives=colls,
         exposed_comm_s=sum(c.wait_s for c in colls.values()), compute_s=compute,
         step_time_s=engine.last_step_time_s,

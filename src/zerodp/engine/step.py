@@ -180,7 +180,7 @@ class StepMachine:
         then run once per batch) is it done in one call."""
         grads = self.master_grads()
         batches = [range(len(grads))]
-        cast = any(g is not None and g.dtype != self.engine.master_dtype for g in grads)
+        cast = any(g is not None and g.dtype != self.engine.dtypes.master for g in grads)
         if cast and not _has_step_hooks(self.engine.master.optimizer):
             batches, start, size = [], 0, 0
             for i, g in enumerate(grads):
