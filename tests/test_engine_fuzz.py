@@ -587,6 +587,7 @@ def test_call_sequences_match_single_process_torch(world):
 
 
 @pytest.mark.skipif(FUZZ_CASES == 0, reason="make fuzz sets ZERODP_ENGINE_FUZZ")
+@pytest.mark.timeout(300 + 3 * 2 * FUZZ_CASES)  # the group's own bound (verdict) ends it first
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_thousands_of_call_sequences(world):
     per_world = FUZZ_CASES // 3 + (world <= FUZZ_CASES % 3)
