@@ -83,3 +83,30 @@ def test_the_planner_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_no_engine_object_carries_more_than_forty_methods():
+    """One object per part (guide §12.8): every class of the engine carries at most 40 methods,
+    properties and hooks, inherited ones counted (those of torch's base classes, whose API it keeps,
+    left out); the engine holds its parts rather than mixing them in."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import zerodp.engine as engine
+
+    counts = {}
+    for info in pkgutil.walk_packages(engine.__path__, "zerodp.engine."):
+        module = importlib.import_module(info.name)
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            methods = {attr for k in cls.__mro__ if k.__module__.startswith("zerodp")
+                       for attr, value in vars(k).items()
+                       if (callable(value) or isinstance(value, (property, staticmethod, classmethod)))
+                       and not (attr.startswith("__")
+                                and attr not in ("__init__", "__call__", "__enter__", "__exit__"))}
+            counts[f"{info.name}.{name}"] = len(methods)
+    assert counts["zerodp.engine.fsdp.FSDPEngine"] > 20  # the count sees inherited methods
+    over = {k: v for k, v in counts.items() if v > 40}
+    assert not over, over

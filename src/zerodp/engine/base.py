@@ -4,7 +4,7 @@ Guide §9: stages 0-3 run the same training step — forward, backward with grad
 an optimizer step on fp32 master values — and differ only in *what* each rank keeps and *which*
 collectives move it (guide §12.2, "stages as policies"). Every stage holds its parameters in
 :class:`~zerodp.engine.group.FlatGroup` s (``self.groups``: buckets at stages 0-2, units at stage
-3) under one :class:`~zerodp.engine.group.Policy`. :class:`StageEngine` is this file — the
+3) under one :class:`~zerodp.engine.config.Policy`. :class:`StageEngine` is this file — the
 public API a training script calls (``engine(x, y)``, ``no_sync``,
 ``require_backward_grad_sync``, ``clip_grad_norm_``, ``step``, ``zero_grad``, ``optimizer``,
 ``parameters``, the state dicts, ``stats``, ``export_chrome_trace``) and the process groups
@@ -54,11 +54,11 @@ import torch.nn as nn
 from zerodp.engine.adopt import Adoption
 from zerodp.engine.comm import CHROME_TRACE, CLIP_GRAD_NORM, Collectives, Control, user_call
 from zerodp.engine.compiled import activate, host_only
-from zerodp.engine.config import Dtypes, EngineConfig, MixedPrecision, parse_dtype
+from zerodp.engine.config import Dtypes, EngineConfig, MixedPrecision, Policy, parse_dtype
 from zerodp.engine.construct import Construction, resolve_param_groups
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
-from zerodp.engine.group import FlatGroup, Policy
+from zerodp.engine.group import FlatGroup
 from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory
 from zerodp.engine.nest import cast_floats, grad_tensors

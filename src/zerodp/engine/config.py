@@ -100,6 +100,39 @@ class Dtypes:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """What one stage keeps and which collectives move it (guide §12.2, "four policies").
+
+    ===========================  =========  =========  ==================  =============
+    stage                        master     gradients  parameters          collective
+    ===========================  =========  =========  ==================  =============
+    0 DDP                        full       full       full                AllReduce
+    1 ZeRO-1                     shard      full       full, AG after step ReduceScatter
+    2 ZeRO-2                     shard      shard      full, AG after step ReduceScatter
+    3 ZeRO-3 / FSDP              shard      shard      shard, AG per use   ReduceScatter
+    ===========================  =========  =========  ==================  =============
+
+    ``full_grads``: full local gradients are kept at rest as a persistent buffer that
+    ``param.grad`` views (stages 0-1, and stage 2 with ``reduce_every_microbatch=False``);
+    otherwise ``grad_full`` lives only from a group's first gradient to its collective's end.
+    ``keep_local``: gradients of a ``no_sync`` backward stay local until the step's synchronizing
+    backward (every stage, except memory-first stages 2-3, which reduce every micro-batch).
+    """
+
+    stage: int
+    shard_master: bool
+    full_grads: bool
+    shard_params: bool
+    keep_local: bool
+
+    @classmethod
+    def of(cls, stage: int, reduce_every_microbatch: bool = True) -> "Policy":
+        memory_first = stage >= 2 and reduce_every_microbatch
+        return cls(stage=stage, shard_master=stage >= 1, full_grads=stage <= 1 or (stage == 2 and not memory_first),
+                   shard_params=stage == 3, keep_local=not memory_first)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything :func:`zerodp.parallelize` accepts besides the model and the optimizer.
 

@@ -14,18 +14,15 @@ valid; transient ones wait in a :class:`StoragePool`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from zerodp.engine.comm import Collectives, Pending
-from zerodp.engine.config import Dtypes
+from zerodp.engine.config import Dtypes, Policy
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.states import GRAD_MOVES, HOLDS_LOCAL, GradState, moved
-
-if TYPE_CHECKING:  # (the group module builds these buffers, so it is not imported here)
-    from zerodp.engine.group import BackwardState, Policy
+from zerodp.engine.states import GRAD_MOVES, HOLDS_LOCAL, BackwardState, GradState, moved
 
 
 def free_storage(t: torch.Tensor) -> None:

@@ -41,96 +41,22 @@ every stage:
 Freeing is ``untyped_storage().resize_(0)`` and re-allocating ``resize_(n)`` of the same storage
 (``gradbuf.free_storage`` / ``restore_storage``; guide §12), so tensors that autograd saved in
 forward (``weight.t()`` …) read the right values again in backward, and gradient views stay valid.
-The :class:`Policy` says which of these a stage uses; there is no other difference between a
-bucket and a unit.
+The stage's :class:`~zerodp.engine.config.Policy` says which of these a stage uses; there is no
+other difference between a bucket and a unit.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from zerodp.engine.comm import Collectives, Pending
-from zerodp.engine.config import Dtypes
+from zerodp.engine.config import Dtypes, Policy
 from zerodp.engine.gradbuf import GradBuffers, free_storage, restore_storage
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.states import PARAM_MOVES, PHASE_MOVES, ParamState, Phase, moved
+from zerodp.engine.states import PARAM_MOVES, BackwardState, ParamState, Phase, moved
 
 FROZEN = -1  # param-group index of a parameter with requires_grad=False: gathered, never updated
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What one stage keeps and which collectives move it (guide §12.2, "four policies").
-
-    ===========================  =========  =========  ==================  =============
-    stage                        master     gradients  parameters          collective
-    ===========================  =========  =========  ==================  =============
-    0 DDP                        full       full       full                AllReduce
-    1 ZeRO-1                     shard      full       full, AG after step ReduceScatter
-    2 ZeRO-2                     shard      shard      full, AG after step ReduceScatter
-    3 ZeRO-3 / FSDP              shard      shard      shard, AG per use   ReduceScatter
-    ===========================  =========  =========  ==================  =============
-
-    ``full_grads``: full local gradients are kept at rest as a persistent buffer that
-    ``param.grad`` views (stages 0-1, and stage 2 with ``reduce_every_microbatch=False``);
-    otherwise ``grad_full`` lives only from a group's first gradient to its collective's end.
-    ``keep_local``: gradients of a ``no_sync`` backward stay local until the step's synchronizing
-    backward (every stage, except memory-first stages 2-3, which reduce every micro-batch).
-    """
-
-    stage: int
-    shard_master: bool
-    full_grads: bool
-    shard_params: bool
-    keep_local: bool
-
-    @classmethod
-    def of(cls, stage: int, reduce_every_microbatch: bool = True) -> "Policy":
-        memory_first = stage >= 2 and reduce_every_microbatch
-        return cls(stage=stage, shard_master=stage >= 1, full_grads=stage <= 1 or (stage == 2 and not memory_first),
-                   shard_params=stage == 3, keep_local=not memory_first)
-
-
-@dataclass
-class BackwardState:
-    """Where one group is in the current backward.
-
-    ``fired[i]``: trainable parameter i got its gradient in this backward; ``remaining`` (derived):
-    how many have not. A unit (stage 3) is also over only when the gradient w.r.t. its inputs was computed
-    for every live graph that fed it inputs needing one (``pending_inputs`` is empty): a frozen
-    parameter can still be needed after the last trainable one. ``pending_inputs`` holds one token
-    per forward call whose graph is alive and not yet backwarded through the unit; a graph that is
-    dropped (a validation loss under grad, a GAN's ``G(z).detach()``) takes its token with it."""
-
-    fired: list[bool] = field(default_factory=list)
-    phase: Phase = Phase.WAITING
-    pending_inputs: set[int] = field(default_factory=set)
-    fwd_event: object = None  # the trace's open "forward <unit>" span
-    bwd_event: object = None
-
-    @property
-    def remaining(self) -> int:
-        return self.fired.count(False)
-
-    def over(self) -> bool:
-        return self.remaining == 0 and not self.pending_inputs
-
-    def reset(self, trainable: int) -> None:
-        self.fired = [False] * trainable
-        self.move(Phase.WAITING)
-
-    def move(self, to: Phase) -> None:
-        self.phase = moved(PHASE_MOVES, self.phase, to, "backward phase")
-
-    def fire(self, j: int) -> None:
-        """Trainable parameter ``j`` got its gradient (once per backward; a second is an error)."""
-        if self.fired[j]:
-            raise RuntimeError("a parameter received two gradients in one backward pass through its group: "
-                               "a parameter used twice must be reached by one autograd path per backward")
-        self.fired[j] = True
 
 
 class FlatGroup:

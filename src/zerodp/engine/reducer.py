@@ -5,7 +5,7 @@ communication can start right away while backward computes earlier layers. Guide
 only count down a bucket; when the bucket's last gradient arrived, one collective is launched
 for the whole bucket. A bucket is a :class:`~zerodp.engine.group.FlatGroup` and the collective is
 its :meth:`~zerodp.engine.group.FlatGroup.reduce` — an AllReduce at stage 0, a ReduceScatter at
-stages 1-2, chosen by the stage's :class:`~zerodp.engine.group.Policy` (guide §12.2).
+stages 1-2, chosen by the stage's :class:`~zerodp.engine.config.Policy` (guide §12.2).
 
 Rules that keep every rank in step (a mismatch would hang, guide §12):
 

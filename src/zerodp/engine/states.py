@@ -2,7 +2,8 @@
 
 Four objects move through a step, each with one state value: the engine (:class:`StepState`),
 each flat group's gradient buffers (:class:`GradState`), its parameters (:class:`ParamState`), and
-each group within one backward pass (:class:`Phase`). A state changes only through :func:`moved`,
+each group within one backward pass (:class:`Phase`, held with what the backward has counted in
+:class:`BackwardState`). A state changes only through :func:`moved`,
 which refuses a transition that its table does not list — a broken call sequence then fails at
 once with words, instead of leaving a flag set or a counter below zero for a later step to trip
 over; counts (gradients still to come, units gathered) are derived from these states.
@@ -11,6 +12,7 @@ over; counts (gradients still to come, units gathered) are derived from these st
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
 
 def moved(table: dict, state: enum.Enum, to: enum.Enum, what: str) -> enum.Enum:
@@ -111,3 +113,42 @@ PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
     _P.RUNNING: frozenset({_P.WAITING, _P.DONE}),
     _P.DONE: frozenset({_P.WAITING}),
 }
+
+
+@dataclass
+class BackwardState:
+    """Where one group is in the current backward.
+
+    ``fired[i]``: trainable parameter i got its gradient in this backward; ``remaining`` (derived):
+    how many have not. A unit (stage 3) is also over only when the gradient w.r.t. its inputs was computed
+    for every live graph that fed it inputs needing one (``pending_inputs`` is empty): a frozen
+    parameter can still be needed after the last trainable one. ``pending_inputs`` holds one token
+    per forward call whose graph is alive and not yet backwarded through the unit; a graph that is
+    dropped (a validation loss under grad, a GAN's ``G(z).detach()``) takes its token with it."""
+
+    fired: list[bool] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    pending_inputs: set[int] = field(default_factory=set)
+    fwd_event: object = None  # the trace's open "forward <unit>" span
+    bwd_event: object = None
+
+    @property
+    def remaining(self) -> int:
+        return self.fired.count(False)
+
+    def over(self) -> bool:
+        return self.remaining == 0 and not self.pending_inputs
+
+    def reset(self, trainable: int) -> None:
+        self.fired = [False] * trainable
+        self.move(Phase.WAITING)
+
+    def move(self, to: Phase) -> None:
+        self.phase = moved(PHASE_MOVES, self.phase, to, "backward phase")
+
+    def fire(self, j: int) -> None:
+        """Trainable parameter ``j`` got its gradient (once per backward; a second is an error)."""
+        if self.fired[j]:
+            raise RuntimeError("a parameter received two gradients in one backward pass through its group: "
+                               "a parameter used twice must be reached by one autograd path per backward")
+        self.fired[j] = True
