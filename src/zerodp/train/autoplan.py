@@ -9,10 +9,16 @@
    profile's α, W and measured compute) and the run's global batch and sequence length, over what
    the trainer runs: stages 0-3 × the micro-batches that divide the batch exactly, with the run's
    bucket size, precision, no recomputation and no compression (both change what trains).
-3. **Trial.** The top :data:`TOP` candidates train for :data:`TRIAL_STEPS` steps each, in one
-   process group, :data:`ROUNDS` times round-robin (so that a load that drifts over the trial
-   shifts every candidate alike); a candidate's measured step is the median of its steps after the
-   first of each round (the first builds caches and warms the allocator).
+3. **Trial.** The top :data:`TOP` candidates — and, when a stage is missing from them, the
+   fastest-predicted configuration of the missing stages if it is predicted within :data:`NEAR`
+   of the first pick (the step model's error on a small machine is larger than that: the
+   engine's fixed per-step work is not in it, and it differs by stage) — train for
+   :data:`TRIAL_STEPS` steps each, or as many as fill :data:`TRIAL_SECONDS` by the prediction
+   (a step of 20 ms varies by tens of % from one step to the next on a shared machine: a few
+   such steps rank nothing; at most :data:`MAX_TRIAL_STEPS`), in one process group,
+   :data:`ROUNDS` times round-robin (so that a load that drifts over the trial shifts every
+   candidate alike); a candidate's measured step is the median of its steps after the first of
+   each round (the first builds caches and warms the allocator).
 4. **Train** with the measured best. The table of predicted vs measured steps and the regret —
    measured step of the planner's first pick / best measured step — are printed and kept in
    ``OUT/plan-auto.json``.
@@ -25,6 +31,7 @@ imports the benchmarks (calibration runs as the ``zerodp calibrate`` command).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -36,7 +43,10 @@ from pathlib import Path
 from zerodp.train.config import AUTO, TrainConfig
 
 TOP = 3  # candidates tried
-TRIAL_STEPS = 3  # steps per candidate per round; the first of each round is not timed
+NEAR = 0.20  # ... plus the fastest of a stage not among them, predicted within this of the first
+TRIAL_STEPS = 3  # steps per candidate per round, at least; the first of each round is not timed
+TRIAL_SECONDS = 0.5  # ... or as many as the predicted step fills this with
+MAX_TRIAL_STEPS = 40
 ROUNDS = 2
 PROFILE_FILE = "calibration.json"
 RESULT_FILE = "plan-auto.json"
@@ -164,8 +174,10 @@ def micro_batches(cfg: TrainConfig) -> list[int]:
     return [m for m in range(1, gbs // cfg.nproc + 1) if gbs % (m * cfg.nproc) == 0 and m & (m - 1) == 0]
 
 
-def candidates(cfg: TrainConfig, profile: str, top: int = TOP):
-    """``(recommendation, [Trial])``: the planner's top ``top`` for this run (module docstring)."""
+def candidates(cfg: TrainConfig, profile: str, top: int = TOP, other_stage: bool = False):
+    """``(recommendation, [Trial])``: the planner's top ``top`` for this run (module docstring);
+    with ``other_stage`` also the fastest configuration of a stage the top ``top`` lack, when it is
+    predicted within :data:`NEAR` of the first (step 3 of the module docstring)."""
     from zerodp.plan.recommend import recommend
     from zerodp.train.config import plan_batch
 
@@ -175,12 +187,19 @@ def candidates(cfg: TrainConfig, profile: str, top: int = TOP):
                     global_batch_tokens=cfg.global_batch_tokens, seq=cfg.seq_len,
                     precision="bf16" if cfg.mixed_precision else "fp32", recompute=("none",),
                     compress=("none",), bucket_mb=(bucket,), micro_batches=micro_batches(cfg),
-                    top=top, calibration=profile)
+                    top=max(top, 64) if other_stage else top, calibration=profile)
     gbs = cfg.global_batch_tokens // cfg.seq_len
+    ranked = list(enumerate(rec.candidates, 1))
+    picked = ranked[:top]
+    if other_stage and picked:
+        seen, limit = {c.stage for _, c in picked}, picked[0][1].step_s * (1 + NEAR)
+        extra = next(((i, c) for i, c in ranked[top:] if c.stage not in seen and c.step_s <= limit), None)
+        if extra is not None:
+            picked.append(extra)
     trials = [Trial(rank=i, stage=c.stage, micro_batch=c.micro_batch,
                     grad_acc=gbs // (c.micro_batch * cfg.nproc),
                     bucket_mb=cfg.bucket_mb, predicted_s=c.step_s)
-              for i, c in enumerate(rec.candidates, 1)]
+              for i, c in picked]
     if not trials:
         raise RuntimeError("plan auto: the planner found no configuration that fits: "
                            + "; ".join(rec.notes + [r["reason"] for r in rec.rejected]))
@@ -188,10 +207,17 @@ def candidates(cfg: TrainConfig, profile: str, top: int = TOP):
 
 
 # ---- 3. the trial ------------------------------------------------------------------------------
+def trial_steps(t: Trial) -> int:
+    """Steps of one round of candidate ``t``: :data:`TRIAL_STEPS`, or as many as its predicted
+    step fills :data:`TRIAL_SECONDS` with, up to :data:`MAX_TRIAL_STEPS` (module docstring)."""
+    fill = math.ceil(TRIAL_SECONDS / t.predicted_s) if t.predicted_s > 0 else TRIAL_STEPS
+    return max(TRIAL_STEPS, min(MAX_TRIAL_STEPS, fill))
+
+
 def trial_config(cfg: TrainConfig, t: Trial, out: Path, rnd: int) -> TrainConfig:
     """``cfg`` with candidate ``t``'s layout, for a few steps in a directory of its own."""
     return replace(cfg, stage=t.stage, micro_batch=t.micro_batch, bucket_mb=t.bucket_mb,
-                   steps=TRIAL_STEPS, stop_after=None, warmup_steps=0, eval_every=0, eval_batches=1,
+                   steps=trial_steps(t), stop_after=None, warmup_steps=0, eval_every=0, eval_batches=1,
                    ckpt_every=0, keep_checkpoints=1, progress=False, trace=False, tensorboard=False,
                    max_restarts=0, resume=None, plan=None, out=str(out / f"round{rnd}-candidate{t.rank}"))
 
@@ -288,7 +314,9 @@ def table(trials: list[Trial]) -> str:
              f"{t.predicted_s * 1e3:.1f}", f"{t.measured_s * 1e3:.1f}", f"{t.ratio:.2f}",
              "measured best" if t is best else f"+{(t.measured_s / best.measured_s - 1) * 100:.1f}%"]
             for t in trials]
-    head = (f"plan auto: the planner's top {len(trials)}, each trained {TRIAL_STEPS} steps × {ROUNDS} "
+    steps = sorted({trial_steps(t) for t in trials})
+    each = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+    head = (f"plan auto: the planner's top {len(trials)}, each trained {each} steps × {ROUNDS} "
             f"rounds (measured: median step after the first of each round)")
     out = plain_table(["#", "stage", "micro-batch", "grad_acc", "bucket MiB", "predicted ms",
                        "measured ms", "measured/predicted", "vs best"], rows, title=head,
@@ -301,9 +329,11 @@ def choose(cfg: TrainConfig, out: Path, say=print, progress: str | None = None) 
     """Steps 1-3 of the module docstring: ``(cfg with the measured best layout, the record kept
     in OUT/plan-auto.json)``. ``progress``: :func:`run_trial`'s, a line per trial run."""
     profile = ensure_profile(cfg, out, say)
-    rec, trials = candidates(cfg, profile)
+    rec, trials = candidates(cfg, profile, other_stage=True)
+    tried = f"the top {TOP}" + (f" and #{trials[-1].rank} (the fastest of stage {trials[-1].stage}, within "
+                                f"{NEAR:.0%} of #1)" if len(trials) > TOP else "")
     say(f"plan auto: recommend searched {rec.searched} configurations in {rec.elapsed_s:.2f} s; "
-        f"trying the top {len(trials)} on {cfg.nproc} ranks")
+        f"trying {tried} on {cfg.nproc} ranks")
     trials = run_trial(cfg, trials, out, progress)
     say(table(trials))
     best = measured_best(trials)
@@ -315,7 +345,7 @@ def choose(cfg: TrainConfig, out: Path, say=print, progress: str | None = None) 
     chosen = replace(cfg, stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb, plan=None,
                      profile=cfg.profile if cfg.profile else (profile if cfg.bucket_mb == AUTO else None))
     record = dict(profile=profile, searched=rec.searched, recommend_s=rec.elapsed_s,
-                  trial_steps=TRIAL_STEPS, rounds=ROUNDS, regret=regret(trials),
+                  trial_steps=[trial_steps(t) for t in trials], rounds=ROUNDS, regret=regret(trials),
                   chosen=dict(stage=best.stage, micro_batch=best.micro_batch, bucket_mb=best.bucket_mb,
                               layout=f"{layout(best)}, bucket {best.bucket_mb} MiB"),
                   candidates=[dict(asdict(t), steps=list(t.steps)) for t in trials])
