@@ -48,7 +48,8 @@ would not fit the machine's memory, ours and its peer alone, then the others):
   gloo wrote to its sockets, measured identically for our engine and the peers; and for our
   engine also what its own trace says it sent (``sent_bytes`` of the step's collectives, by leg,
   :func:`trace_sent_bytes`). The two differ where gloo's algorithm is not the ring the trace
-  counts (gloo's ReduceScatter sends as much as an AllReduce).
+  counts (stage 1's gradient ReduceScatter, an in-place AllReduce on CPU, sends as much as an
+  AllReduce; gloo's own ReduceScatter, which FSDP2 calls, too).
 
 Two regimes (guide §7, guide §13): **compute-bound** — many tokens per rank (2048), where every
 contender should sit near the floor — and **communication-bound** — few (32), where the

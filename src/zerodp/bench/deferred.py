@@ -47,9 +47,10 @@ The bound per rank, above the baseline, in bytes (Ψ parameters, Ψ_u the larges
 - model states 16Ψ/N, the planner's ``model_state_bytes`` for stage 3, and two gathered units in
   bf16, 2·2Ψ_u, its ``gathered_unit_bytes`` — together the *issue bound* (issue #15);
 - the bf16 gradients of the unit whose backward is running and of the units in flight to their
-  ReduceScatter, at most ``MAX_REDUCE_IN_FLIGHT`` = 2 of them: (2 + 1)·2Ψ_u (on CPU the engine
-  reduces them with an in-place AllReduce, guide §12.5, so gloo's ReduceScatter and its two
-  input-sized copies are not used);
+  ReduceScatter, at most ``MAX_REDUCE_IN_FLIGHT`` = 2 of them, each with the receive buffer of
+  its all-to-all (on CPU the engine reduces a unit's gradients as an all-to-all of the slices,
+  guide §12.5, so gloo's ReduceScatter and its two input-sized copies are not used):
+  (2·2 + 1)·2Ψ_u;
 - the activations of one sequence, :func:`zerodp.plan.memory.activations` (no recomputation);
 - the fp32 gradients handed to the optimizer: the engine keeps the gradient shard in bf16
   (counted in 16Ψ/N) and casts it to fp32 for ``optimizer.step()`` in batches of at most
@@ -209,7 +210,7 @@ class Bound:
     n: int
     model_states: float  # the planner's 16Ψ/N
     gathered: float  # two units in bf16: 2 · 2 · Ψ_u (the planner's gathered_unit_bytes)
-    unit_grads: float  # bf16 gradients of the unit in backward and the 2 in flight: (2 + 1) · 2 · Ψ_u
+    unit_grads: float  # bf16 gradients of the unit in backward, the 2 in flight and their receive buffers: 5 · 2Ψ_u
     activations: float  # the planner's activations of one sequence (Korthikanti et al., no recomputation)
     fp32_grads: float  # the gradients cast to fp32 for the optimizer: one batch of STEP_BATCH_BYTES
     construct_states: float  # what construction keeps: bf16 shard + fp32 master + bf16 gradient shard, 8Ψ/N
@@ -247,7 +248,7 @@ def bound_terms(params: int, unit_params: int, n: int, cfg=None, param_bytes: in
     in_flight = MAX_REDUCE_IN_FLIGHT * param_bytes * unit_params
     fp32_batch = min(4.0 * params / n, STEP_BATCH_BYTES + 4 * CPU_OPTIMIZER_CHUNK)
     return Bound(params=params, unit_params=unit_params, n=n, model_states=ms.model_state_bytes,
-                 gathered=ms.gathered_unit_bytes, unit_grads=in_flight + param_bytes * unit_params,
+                 gathered=ms.gathered_unit_bytes, unit_grads=2 * in_flight + param_bytes * unit_params,
                  activations=act, fp32_grads=fp32_batch,
                  construct_states=(2 * param_bytes + 4.0) * params / n,
                  unit_init=8.0 * unit_params)

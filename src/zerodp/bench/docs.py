@@ -179,7 +179,8 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
         "storages of params, grads and optimizer state; bytes sent are the growth of the process's "
         "`wchar` (what gloo wrote to its sockets) per step; trace MiB/step (zerodp only) is what the engine's "
         "own trace says it sent, ring-equivalent `sent_bytes` summed over the step's collectives (it is lower "
-        "than `wchar` where gloo's algorithm sends more than a ring, e.g. its ReduceScatter). "
+        "than `wchar` where gloo's algorithm sends more than a ring: stage 1's in-place AllReduce for its "
+        "ReduceScatter, gloo's own ReduceScatter). "
         + _buckets(result),
         "",
         "## Machine", "", *_machine(result.machine), "",
@@ -210,8 +211,9 @@ def write_markdown(md_path: str, command: str, result: BenchResult, bench_png: s
                   "AllGather/ReduceScatter with prefetch for stage 3), plus (1 − η) of the communication it "
                   "hid under compute, η being the overlap efficiency `zerodp calibrate` measured, plus, for "
                   "int8 contenders, the codec's quantize and dequantize work at the rates `zerodp calibrate` "
-                  "measured. On gloo a gradient ReduceScatter is priced as the in-place AllReduce the engine "
-                  "runs for it. Nothing in it is fitted to the bench's own times.", "",
+                  "measured. On gloo a gradient ReduceScatter is priced as what the engine runs for it: an "
+                  "in-place AllReduce at stage 1, an all-to-all of the slices at stages 2-3. Nothing in it is "
+                  "fitted to the bench's own times.", "",
                   *_predictions(result), ""]
         if result.auto_bucket_mb:
             lines += ["`bucket_mb=\"auto\"` chose: " + ", ".join(

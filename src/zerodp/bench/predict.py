@@ -30,7 +30,9 @@ AllReduce of its 1/g shard over the N/g replicas. ``wire_bytes`` of the predicti
 planner's bytes per rank per step by leg (:func:`zerodp.plan.hybrid.step_bytes_per_leg`). The
 int8 codec's own work (quantize before, dequantize after each compressed collective) is added to
 the step at the rates ``zerodp calibrate`` measured (:func:`quant_time`). On gloo a gradient
-ReduceScatter is priced as the in-place AllReduce the engine runs for it (guide §12.5).
+ReduceScatter is priced as what the engine runs for it (guide §12.5): at stage 1, which keeps full
+gradients, an in-place AllReduce; at stages 2-3 an all-to-all of the slices, which the calibration
+times as its ReduceScatter.
 
 and, every stage, the contention: the simulator lets hidden communication cost nothing, which
 holds only where it does not share the processor with compute. The profile's measured overlap
@@ -88,7 +90,7 @@ class WireCost:
     gradients' — on the calibrated ring of that kind, over g ranks (AllGather, ReduceScatter) or N
     (AllReduce of stage 0), plus the replica AllReduce over N/g after a ReduceScatter."""
 
-    def __init__(self, cal: dict, wire, shard_size: int | None = None):
+    def __init__(self, cal: dict, wire, shard_size: int | None = None, keeps_full: bool = False):
         n = cal["world_size"]
         g = shard_size or n
         fits = {f["kind"]: f for f in cal["fits"]}
@@ -99,8 +101,9 @@ class WireCost:
         self.g = g
         self.scale = {"all_gather": wire.param_ratio, "reduce_scatter": wire.grad_ratio,
                       "all_reduce": wire.grad_ratio}
-        # gloo: the gradient ReduceScatter runs as an in-place AllReduce in the shard group (guide §12.5)
-        self.rs_as = gradient_reduce_kind(cal, int8_grads=COMPRESSIONS[wire.compress][2])
+        # gloo at stage 1: the gradient ReduceScatter runs as an in-place AllReduce in the shard group
+        # (guide §12.5); at stages 2-3 as an all-to-all, the calibration's reduce_scatter
+        self.rs_as = gradient_reduce_kind(cal, int8_grads=COMPRESSIONS[wire.compress][2], keeps_full=keeps_full)
         self.rings = {"all_gather": ring("all_gather", g), "reduce_scatter": ring(self.rs_as, g),
                       "all_reduce": ring("all_reduce", n)}
         self.replica = ring("all_reduce", n // g) if n // g > 1 else None
@@ -168,7 +171,7 @@ def predict_step(cal: dict, cfg, stage: int, micro_batch: int, seq_len: int | No
         raise ValueError(f"shard_size {shard_size} must divide the world ({n}) at stages 1-3")
     wire = wire_bytes(compress, FP32_BYTES, FP32_BYTES, block)
     plain = compress is Compression.NONE and (shard_size is None or shard_size == n)
-    cost = PerKindCost(cal) if plain else WireCost(cal, wire, shard_size)
+    cost = PerKindCost(cal, stage == 1) if plain else WireCost(cal, wire, shard_size, stage == 1)
     bucket_bytes = bucket_mb * 2**20
     if stage == 0:
         tl = simulate_backward(layers, cost, bucket_bytes, "all_reduce", split_layers=False)

@@ -95,8 +95,9 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
 def measure_collectives(sizes: list[int], kinds=KINDS, iters: int = 10, warmup: int = 3,
                         dtype_name: str = "float32") -> list[Point]:
     """Time each collective at each size on the default process group (call on every rank); the
-    AllGather as the engine runs it (:func:`zerodp.engine.comm.gather_into`: in-place broadcasts
-    on CPU).
+    AllGather and the ReduceScatter as the engine runs them (:func:`zerodp.engine.comm.gather_into`:
+    in-place broadcasts on CPU; :func:`zerodp.engine.comm.reduce_scatter_into`: an all-to-all of
+    the slices on CPU).
 
     Returns rank-0-consistent medians: each iteration's time is the max over ranks (the
     collective ends when its slowest rank does), as nccl-tests reports.
@@ -104,7 +105,7 @@ def measure_collectives(sizes: list[int], kinds=KINDS, iters: int = 10, warmup: 
     import torch
     import torch.distributed as dist
 
-    from zerodp.engine.comm import gather_into, reduce_scatter_flat
+    from zerodp.engine.comm import gather_into, reduce_scatter_into
 
     dtype = getattr(torch, dtype_name)
     n = dist.get_world_size()
@@ -124,7 +125,7 @@ def measure_collectives(sizes: list[int], kinds=KINDS, iters: int = 10, warmup: 
             if kind == "all_reduce":
                 op = lambda full=full: dist.all_reduce(full)  # noqa: E731
             elif kind == "reduce_scatter":
-                op = lambda full=full, shard=shard: reduce_scatter_flat(shard, full)  # noqa: E731
+                op = lambda full=full, shard=shard: reduce_scatter_into(shard, full).wait()  # noqa: E731
             else:
                 op = lambda full=full, shard=shard: gather_into(full, shard).wait()  # noqa: E731
             times = []

@@ -128,6 +128,45 @@ def gather_into(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGrou
                    for r in range(n)])
 
 
+def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None) -> object:
+    """Launch ``shard`` ← the sum over ranks of this rank's slice of ``full`` (asynchronously;
+    returns the work, whose ``wait`` leaves the sum in ``shard``).
+
+    On CPU tensors (gloo), whose ReduceScatter is an AllReduce of a copy of the input — twice
+    the ring's bytes on the wire — it runs as one all-to-all of the slices: rank q sends its
+    slice r of ``full`` to rank r, every rank sends the ring's (N − 1)/N·V bytes, and this rank
+    adds the N slices it received in rank order (a receive buffer of V while it runs, guide
+    §12.5). Elsewhere it is one ReduceScatter. The calibration sweep times this same function."""
+    n = dist.get_world_size(group)
+    if full.device.type != "cpu" or n == 1:
+        return reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if full.numel() != n * shard.numel():
+        raise ValueError(f"reducing {full.numel()} elements into {n} slices of {shard.numel()}")
+    received = torch.empty_like(full)
+    return _Summed(dist.all_to_all_single(received, full, group=group, async_op=True), received, shard, n)
+
+
+class _Summed:
+    """An all-to-all of slices whose ``wait`` then sums the N slices received into ``shard``
+    (:func:`reduce_scatter_into`)."""
+
+    def __init__(self, work, received: torch.Tensor, shard: torch.Tensor, n: int):
+        self.work, self.received, self.shard, self.n = work, received, shard, n
+
+    def wait(self, timeout=None) -> bool:
+        self.work.wait() if timeout is None else self.work.wait(timeout)
+        if self.received is not None:
+            pieces = self.received.view(self.n, -1)
+            self.shard.copy_(pieces[0])
+            for q in range(1, self.n):
+                self.shard.add_(pieces[q])
+            self.received = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 class _Works:
     """Several issued collectives waited for as one (the in-place AllGather's broadcasts)."""
 
@@ -204,10 +243,12 @@ class Collectives:
             (lambda: tensor.div_(n)) if n > 1 else None, async_op,
         )
 
-    def reduces_in_place(self, full: torch.Tensor, quant_block: int = 0) -> bool:
+    def reduces_in_place(self, full: torch.Tensor, quant_block: int = 0, average_full: bool = True) -> bool:
         """Whether :meth:`reduce_scatter_grad` with ``clobber=True`` runs as an in-place AllReduce
-        (CPU tensors, more than one rank, no int8): the caller then needs no scratch."""
-        return not quant_block and full.device.type == "cpu" and self.world_size > 1
+        (CPU tensors, more than one rank, no int8, and the caller keeps ``full``: the mean is
+        left there): the caller then needs no scratch. Otherwise a CPU ReduceScatter is an
+        all-to-all (:func:`reduce_scatter_into`)."""
+        return average_full and not quant_block and full.device.type == "cpu" and self.world_size > 1
 
     def reduce_scatter_grad(self, shard: torch.Tensor, full: torch.Tensor, label: str, overwrite: bool,
                             scratch: torch.Tensor | None = None, quant_block: int = 0,
@@ -224,14 +265,13 @@ class Collectives:
         per block, each rank averaging its own chunk in fp32 and adding it into ``shard`` (or
         writing it there); recorded as a ReduceScatter of the bytes on the wire.
 
-        ``clobber``: ``full`` may be overwritten. On CPU tensors (gloo), whose ReduceScatter is an
-        AllReduce of a copy of the input followed by a copy of the slice (as many bytes on the wire
-        as an AllReduce, and two input-sized buffers more while it runs), the AllReduce then runs in
-        place on ``full`` and this rank's slice is taken from it: the same bytes, no copies.
-        Afterwards ``full`` holds the sum over ranks, or with ``average_full`` (the caller keeps
-        ``full``: gradients at rest) the mean, as after stage 0's AllReduce."""
+        ``clobber`` with ``average_full`` (the caller keeps ``full``: gradients at rest, stage 1):
+        on CPU tensors (gloo) the reduction is an AllReduce in place on ``full``, which is left
+        holding the mean, as after stage 0's AllReduce, and this rank's slice is taken from it.
+        Otherwise, on CPU, an all-to-all of the slices summed here (:func:`reduce_scatter_into`:
+        the ring's bytes, half an AllReduce's, where gloo's own ReduceScatter sends an AllReduce's)."""
         n = self.world_size
-        if clobber and self.reduces_in_place(full, quant_block):
+        if clobber and self.reduces_in_place(full, quant_block, average_full):
             lo = self.rank * shard.numel()
             piece = full[lo:lo + shard.numel()]
 
@@ -263,7 +303,7 @@ class Collectives:
 
         return self._issue(
             REDUCE_SCATTER, label, full.numel() * full.element_size(),
-            lambda: reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+            lambda: reduce_scatter_into(out, full, self.group),
             after, True,
         )
 

@@ -285,7 +285,8 @@ def resolve_auto_bucket(config: EngineConfig, module: torch.nn.Module, world_siz
     grad_bytes = grad_dtype.itemsize
     shapes = module_layer_shapes(module, config.tokens_per_rank)
     mb = choose_bucket_mb(config.profile, shapes, config.tokens_per_rank, grad_bytes_per_param=grad_bytes,
-                          collective=BUCKET_COLLECTIVE[config.stage], world_size=world_size)
+                          collective=BUCKET_COLLECTIVE[config.stage], world_size=world_size,
+                          keeps_full=config.stage == 1)
     mb = float(mb) * param_dtype.itemsize / grad_bytes
     # The simulator prices equal buckets; a first bucket larger than the rest would defeat its
     # purpose (small, so that communication starts early), so it is capped at the chosen size.

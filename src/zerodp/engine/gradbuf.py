@@ -290,7 +290,7 @@ class GradBuffers:
         restore_storage(self.grad_shard)  # a shard of its own freed by zero_grad: written, not added
         if self._hybrid:
             return self._reduce_hybrid(src, overwrite)
-        in_place = self.comm.reduces_in_place(src, self.quant_grads)
+        in_place = self.comm.reduces_in_place(src, self.quant_grads, self.policy.full_grads)
         direct = (overwrite and self.grad_shard.dtype == src.dtype) or self.quant_grads or in_place
         if not direct:
             self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)

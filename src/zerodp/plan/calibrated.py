@@ -216,21 +216,23 @@ def _fit_cost(cal: dict, kind: str) -> RingCost:
     raise ValueError(f"the profile has no fit for {kind}; re-run zerodp calibrate")
 
 
-def gradient_reduce_kind(cal: dict, int8_grads: bool = False) -> str:
-    """The collective that prices a gradient ReduceScatter on the calibrated backend: on gloo the
-    engine runs it as an in-place AllReduce of the group's buffer (guide §12.5; gloo's own
-    ReduceScatter is an AllReduce of a copy), so it costs an AllReduce of the same bytes; elsewhere,
-    and for int8 gradients (an all-to-all), a ReduceScatter."""
-    return "all_reduce" if cal.get("backend") == "gloo" and not int8_grads else "reduce_scatter"
+def gradient_reduce_kind(cal: dict, int8_grads: bool = False, keeps_full: bool = False) -> str:
+    """The collective that prices a gradient ReduceScatter on the calibrated backend: on gloo,
+    where full gradients stay at rest (``keeps_full``: stage 1), the engine runs it as an
+    in-place AllReduce of the group's buffer (guide §12.5), so it costs an AllReduce of the same
+    bytes; otherwise — stages 2-3 on gloo (an all-to-all of the slices, timed as the calibration's
+    ``reduce_scatter``), int8 gradients, NCCL — a ReduceScatter."""
+    gloo_in_place = cal.get("backend") == "gloo" and keeps_full and not int8_grads
+    return "all_reduce" if gloo_in_place else "reduce_scatter"
 
 
 class PerKindCost:
     """The simulator's cost protocol, with each collective priced by its own measured fit (a
     gradient ReduceScatter by the collective the engine runs for it, :func:`gradient_reduce_kind`)."""
 
-    def __init__(self, cal: dict):
+    def __init__(self, cal: dict, keeps_full: bool = False):
         self.costs = {k: _fit_cost(cal, k) for k in ("all_reduce", "reduce_scatter", "all_gather")}
-        self.reduce_scatter_as = gradient_reduce_kind(cal)
+        self.reduce_scatter_as = gradient_reduce_kind(cal, keeps_full=keeps_full)
 
     def time(self, kind: str, nbytes: float) -> float:
         if kind == "reduce_scatter":
@@ -240,25 +242,27 @@ class PerKindCost:
 
 # ---- bucket_mb="auto" ------------------------------------------------------------------------------
 def bucket_sweep(profile, shapes: list[LayerShape], tokens_per_rank: int, grad_bytes_per_param: int = 4,
-                 collective: str = "all_reduce", world_size: int | None = None):
+                 collective: str = "all_reduce", world_size: int | None = None, keeps_full: bool = False):
     """The simulator's bucket sweep (:class:`zerodp.plan.timeline.BucketSweep`) for layers
     ``shapes`` at ``tokens_per_rank``, priced by the fits and compute times of ``profile`` (a path,
-    a profile dict or its table, :func:`calibration_for`, checked for ``world_size``)."""
+    a profile dict or its table, :func:`calibration_for`, checked for ``world_size``);
+    ``keeps_full``: full gradients stay at rest (stage 1, :func:`gradient_reduce_kind`)."""
     cal = calibration_for(profile, world_size)
     if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
         raise ValueError(f"tokens_per_rank must be a positive integer, got {tokens_per_rank!r}")
     layers = split_compute(shapes, tokens_per_rank, *compute_times(cal["compute"], tokens_per_rank),
                            grad_bytes_per_param)
-    return sweep_buckets(layers, PerKindCost(cal), collective=collective, split_layers=False)
+    return sweep_buckets(layers, PerKindCost(cal, keeps_full), collective=collective, split_layers=False)
 
 
 def choose_bucket_mb(profile, shapes: list[LayerShape], tokens_per_rank: int, grad_bytes_per_param: int = 4,
-                     collective: str = "all_reduce", world_size: int | None = None) -> float:
+                     collective: str = "all_reduce", world_size: int | None = None,
+                     keeps_full: bool = False) -> float:
     """Bucket size in MiB at the simulated sweet spot (module docstring, guide §4): what
     ``bucket_mb="auto"`` resolves to, here and nowhere else (the engine's
     :func:`zerodp.engine.config.resolve_auto_bucket` and ``python -m zerodp.bench.auto`` call it)."""
     cal = calibration_for(profile, world_size)
-    sweep = bucket_sweep(cal, shapes, tokens_per_rank, grad_bytes_per_param, collective)
+    sweep = bucket_sweep(cal, shapes, tokens_per_rank, grad_bytes_per_param, collective, keeps_full=keeps_full)
     regret = worst_regrets(sweep, efficiency(cal))
     limit = min(regret) + REGRET_TOLERANCE
     return max(p.bucket_bytes for p, r in zip(sweep.points, regret) if r <= limit) / MIB
