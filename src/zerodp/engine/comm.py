@@ -128,21 +128,26 @@ def gather_into(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGrou
                    for r in range(n)])
 
 
-def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None) -> object:
+def reduce_scatter_into(shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
+                        received: torch.Tensor | None = None) -> object:
     """Launch ``shard`` ← the sum over ranks of this rank's slice of ``full`` (asynchronously;
     returns the work, whose ``wait`` leaves the sum in ``shard``).
 
     On CPU tensors (gloo), whose ReduceScatter is an AllReduce of a copy of the input — twice
     the ring's bytes on the wire — it runs as one all-to-all of the slices: rank q sends its
     slice r of ``full`` to rank r, every rank sends the ring's (N − 1)/N·V bytes, and this rank
-    adds the N slices it received in rank order (a receive buffer of V while it runs, guide
-    §12.5). Elsewhere it is one ReduceScatter. The calibration sweep times this same function."""
+    adds the N slices it received in rank order (a receive buffer of V while it runs: ``received``
+    when given, guide §12.5). Elsewhere it is one ReduceScatter. The calibration sweep times this
+    same function."""
     n = dist.get_world_size(group)
     if full.device.type != "cpu" or n == 1:
         return reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     if full.numel() != n * shard.numel():
         raise ValueError(f"reducing {full.numel()} elements into {n} slices of {shard.numel()}")
-    received = torch.empty_like(full)
+    if received is None:
+        received = torch.empty_like(full)
+    elif received.numel() != full.numel() or received.dtype != full.dtype:
+        raise ValueError(f"a receive buffer of {received.numel()} {received.dtype} for {full.numel()} {full.dtype}")
     return _Summed(dist.all_to_all_single(received, full, group=group, async_op=True), received, shard, n)
 
 
@@ -252,7 +257,8 @@ class Collectives:
 
     def reduce_scatter_grad(self, shard: torch.Tensor, full: torch.Tensor, label: str, overwrite: bool,
                             scratch: torch.Tensor | None = None, quant_block: int = 0,
-                            clobber: bool = False, average_full: bool = False) -> Pending:
+                            clobber: bool = False, average_full: bool = False,
+                            receive: torch.Tensor | None = None) -> Pending:
         """The gradient ReduceScatter of every stage (guide §9.1-§9.2, §10): ``shard`` ← (its
         value +) the mean over ranks of this rank's 1/N slice of ``full``.
 
@@ -269,7 +275,8 @@ class Collectives:
         on CPU tensors (gloo) the reduction is an AllReduce in place on ``full``, which is left
         holding the mean, as after stage 0's AllReduce, and this rank's slice is taken from it.
         Otherwise, on CPU, an all-to-all of the slices summed here (:func:`reduce_scatter_into`:
-        the ring's bytes, half an AllReduce's, where gloo's own ReduceScatter sends an AllReduce's)."""
+        the ring's bytes, half an AllReduce's, where gloo's own ReduceScatter sends an AllReduce's),
+        into ``receive`` when given (a buffer of ``full``'s size and dtype)."""
         n = self.world_size
         if clobber and self.reduces_in_place(full, quant_block, average_full):
             lo = self.rank * shard.numel()
@@ -303,7 +310,7 @@ class Collectives:
 
         return self._issue(
             REDUCE_SCATTER, label, full.numel() * full.element_size(),
-            lambda: reduce_scatter_into(out, full, self.group),
+            lambda: reduce_scatter_into(out, full, self.group, receive),
             after, True,
         )
 

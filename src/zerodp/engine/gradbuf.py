@@ -161,6 +161,7 @@ class GradBuffers:
         for param in self.params:
             param.grad = None
         self._scratch: torch.Tensor | None = None  # shard-sized, while a reduction is in flight
+        self._receive: torch.Tensor | None = None  # the all-to-all's receive buffer (CPU, stages 2-3), in flight
         self._cast: torch.Tensor | None = None  # grad_full in the reduce dtype, while in flight
 
     def _ensure_storage(self) -> None:
@@ -296,7 +297,8 @@ class GradBuffers:
             self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
         pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
                                                 scratch=self._scratch, quant_block=self.quant_grads, clobber=True,
-                                                average_full=self.policy.full_grads)
+                                                average_full=self.policy.full_grads,
+                                                receive=None if in_place else self._receive_buffer(src))
         return pending, self._finish_reduce
 
     def _reduce_hybrid(self, src: torch.Tensor, overwrite: bool) -> tuple[Pending, Callable[[], None]]:
@@ -304,9 +306,11 @@ class GradBuffers:
         wire dtype, then the scratch — Ψ_g/g elements, this step's contribution only — averaged
         across the replicas in that dtype, then written or added into ``grad_shard``."""
         scratch = self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
+        in_place = self.comm.reduces_in_place(src, self.quant_grads, self.policy.full_grads)
         pending = self.comm.reduce_scatter_grad(scratch, src, self.label, overwrite=True,
                                                 quant_block=self.quant_grads, clobber=True,
-                                                average_full=self.policy.full_grads)
+                                                average_full=self.policy.full_grads,
+                                                receive=None if in_place else self._receive_buffer(src))
 
         def finish() -> None:
             self.replicas.all_reduce_mean(scratch, f"{self.label} replicas", async_op=False)
@@ -314,7 +318,24 @@ class GradBuffers:
             self._finish_reduce()
         return pending, finish
 
+    def _receive_buffer(self, src: torch.Tensor) -> torch.Tensor | None:
+        """The receive buffer of a CPU ReduceScatter run as an all-to-all (``comm.reduce_scatter_into``):
+        a storage of ``src``'s size from the pool of released gradient storages when one waits there
+        (the blocks of a model are mostly of one size), given back when the reduction is finished —
+        no fresh pages, and no heap holes, per reduction (guide §12.5). None where none is needed."""
+        if self.quant_grads or src.device.type != "cpu" or self.comm.world_size == 1:
+            return None
+        nbytes = src.numel() * src.element_size()
+        storage = self.pool.take(nbytes) if self.pool is not None else None
+        if storage is None:
+            storage = torch.UntypedStorage(nbytes, device=src.device)
+        self._receive = torch.empty(0, dtype=src.dtype, device=src.device).set_(storage, 0, (src.numel(),))
+        return self._receive
+
     def _finish_reduce(self) -> None:
+        if self._receive is not None and self.pool is not None:
+            self.pool.give(self._receive.untyped_storage())
+        self._receive = None
         self._scratch = self._cast = None
         if not self.policy.full_grads:
             self._release_storage()  # bounded by the groups in flight
@@ -446,7 +467,7 @@ class GradBuffers:
     def comm_tensors(self) -> list[torch.Tensor]:
         """What serves communication only: full gradients in flight to the ReduceScatter (memory
         first), the gradient shard beside full gradients (stage 1), scratch and cast copies."""
-        out = [t for t in (self._scratch, self._cast) if t is not None]
+        out = [t for t in (self._scratch, self._cast, self._receive) if t is not None]
         if not self.policy.full_grads and not self.policy.keep_local:
             out.append(self.grad_full)
         if self.grad_shard is not None and self.policy.full_grads and not self.shard_in_full:
