@@ -298,7 +298,7 @@ class GradBuffers:
         pending = self.comm.reduce_scatter_grad(self.grad_shard, src, self.label, overwrite=overwrite,
                                                 scratch=self._scratch, quant_block=self.quant_grads, clobber=True,
                                                 average_full=self.policy.full_grads,
-                                                receive=None if in_place else self._receive_buffer(src))
+                                                receive=self._receive_buffer(src))
         return pending, self._finish_reduce
 
     def _reduce_hybrid(self, src: torch.Tensor, overwrite: bool) -> tuple[Pending, Callable[[], None]]:
@@ -306,11 +306,10 @@ class GradBuffers:
         wire dtype, then the scratch — Ψ_g/g elements, this step's contribution only — averaged
         across the replicas in that dtype, then written or added into ``grad_shard``."""
         scratch = self._scratch = torch.empty(self.layout.shard_numel, dtype=src.dtype, device=self.device)
-        in_place = self.comm.reduces_in_place(src, self.quant_grads, self.policy.full_grads)
         pending = self.comm.reduce_scatter_grad(scratch, src, self.label, overwrite=True,
                                                 quant_block=self.quant_grads, clobber=True,
                                                 average_full=self.policy.full_grads,
-                                                receive=None if in_place else self._receive_buffer(src))
+                                                receive=self._receive_buffer(src))
 
         def finish() -> None:
             self.replicas.all_reduce_mean(scratch, f"{self.label} replicas", async_op=False)
@@ -323,7 +322,8 @@ class GradBuffers:
         a storage of ``src``'s size from the pool of released gradient storages when one waits there
         (the blocks of a model are mostly of one size), given back when the reduction is finished —
         no fresh pages, and no heap holes, per reduction (guide §12.5). None where none is needed."""
-        if self.quant_grads or src.device.type != "cpu" or self.comm.world_size == 1:
+        if self.quant_grads or src.device.type != "cpu" or self.comm.world_size == 1 \
+                or self.comm.reduces_in_place(src, self.quant_grads, self.policy.full_grads):
             return None
         nbytes = src.numel() * src.element_size()
         storage = self.pool.take(nbytes) if self.pool is not None else None
