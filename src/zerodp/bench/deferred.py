@@ -318,7 +318,8 @@ def header(cfg, bound: Bound, steps: int, mixed_precision: str, malloc: Malloc) 
         f"allocator: {alloc}",
         f"per rank, MiB: model states 16Ψ/N {_mib(bound.model_states)} (zerodp.plan.memory.model_states) "
         f"+ 2 gathered units 2·2Ψ_u {_mib(bound.gathered)} = issue bound {_mib(bound.issue)}; "
-        f"+ unit gradients, the one in backward and 2 in flight (2+1)·2Ψ_u {_mib(bound.unit_grads)} "
+        f"+ unit gradients, the one in backward and 2 in flight with their all-to-all receive buffers (2·2+1)·2Ψ_u "
+        f"{_mib(bound.unit_grads)} "
         f"+ activations {_mib(bound.activations)} "
         f"(zerodp.plan.memory.activations) + one batch of fp32 gradients at the step {_mib(bound.fp32_grads)} "
         f"= bound {_mib(bound.documented)}",
