@@ -153,9 +153,21 @@ def state_error(got: dict, want: dict) -> float | str:
 
 def layout_problems(engine, rank, stage: int, name: str) -> str | None:
     """None when every tensor of the per-tensor optimizer lies whole in its owner's slice and
-    this rank's master targets are exactly its owned tensors, with their shapes (stages 1-3);
-    at stages 1-2 the tensors of AdamW beside Muon lie in flat buckets instead, cut evenly."""
+    this rank's master targets are exactly its owned tensors, with their shapes (stages 1-2; the
+    tensors of AdamW beside Muon lie in flat buckets instead, cut evenly); at stage 3 when every
+    unit is flat and each such tensor is stepped whole, as a proxy, by exactly its owner."""
     owned, flat = set(), set()
+    if stage == 3:  # flat units with no padding but the even shard's; whole tensors on their owners
+        for d in engine.layout():
+            if d["placement"] != "flat" or d["padded_numel"] - d["numel"] >= d["world_size"]:
+                return f"{d['label']}: placement {d['placement']}, padding {d['padded_numel'] - d['numel']}"
+        whole = {n for n, p in engine.named_params if name != "muon_adamw" or p.dim() == 2}
+        entries = engine.master.exchange.entries
+        if {e.name for e in entries} != whole or len(entries) != len(whole):
+            return f"exchanged {sorted(e.name for e in entries)}, the per-tensor optimizer's {sorted(whole)}"
+        mine = {(e.name, tuple(e.shape)) for e in entries if e.owner == rank}
+        proxies = {(t.name, tuple(t.tensor.shape)) for t in engine.master.proxies}
+        return None if proxies == mine else f"proxies {sorted(proxies)} != owned {sorted(mine)}"
     for d in engine.layout():
         if not d["sharded"]:
             return f"{d['label']}: not sharded"

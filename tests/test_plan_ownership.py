@@ -210,6 +210,24 @@ def test_groups_and_collective_elements_equal_the_plan(measured, world, stage, n
     assert sum(got["moved"].values()) == plan.comm_elements_per_step
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_stage3_exchange_moves_the_planned_elements(measured, world, name):
+    """Stage 3: flat units (no padding but the even shard's), their ReduceScatter moves the
+    planner's padded elements, and each rank's owner exchange (all-to-all) sends the planner's
+    elements for that rank — its pieces twice, what it owns once."""
+    tensors = model_tensors(get_model("nano"), name)
+    plan = ownership(tensors, world, 3, name, elem_bytes=4, **BUCKETS)
+    for rank, m in enumerate(measured[world]):
+        got, case = m[name, 3], f"world {world}, rank {rank}, {name}"
+        assert {p for p, _, _ in got["groups"]} == {"flat"}, case
+        assert got["moved"]["reduce_scatter"] == plan.padded_numel, case
+        assert got["moved"]["all_to_all"] == plan.exchange_elements[rank], case
+    assert plan.max_exchange_elements == max(plan.exchange_elements) > 0
+    assert plan.comm_elements_per_step == 3 * plan.padded_numel + plan.max_exchange_elements
+
+
 # ------------------------------------------------------------------------------------------
 # The memory plan and the command line
 
@@ -221,11 +239,11 @@ def test_memory_plan_prices_the_fullest_rank():
     for f, o in zip(flat.stages[1:], owned.stages[1:]):
         own = o["ownership"]
         assert o["optimizer_bytes"] == 4 * own["shard_numel"] + own["max_state_bytes"]
-        if o["stage"] == 3:  # units: the embedding whole on one rank
-            assert own["max_state_bytes"] >= moments
-            assert o["total_bytes"] > f["total_bytes"] * 0.5
-        else:  # AdamW's tensors in flat buckets: the moments spread over the 64 ranks
-            assert own["max_state_bytes"] < moments and own["imbalance"] <= 1.1
+        # AdamW's tensors flat (buckets, or stage 3's units): the moments spread over the 64 ranks
+        assert own["max_state_bytes"] < moments and own["imbalance"] <= 1.1
+        if o["stage"] == 3:  # flat units: no padding but the even shard's; the exchange on top of 3Ψ
+            assert own["padding"] < 64 * own["groups"]
+            assert 3 * own["params"] < own["comm_elements_per_step"] <= 3.5 * own["params"]
     assert any("tensor ownership" in w for w in owned.warnings)
 
 

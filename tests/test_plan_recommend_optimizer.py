@@ -12,6 +12,7 @@ import pytest
 
 from test_plan_recommend_brute import _check
 from zerodp.cli import main
+from zerodp.plan.collectives import collective_time
 from zerodp.plan.hybrid import step_comm
 from zerodp.plan.memory import memory_plan
 from zerodp.plan.ownership import PER_TENSOR
@@ -45,23 +46,26 @@ def test_every_row_holds_what_plan_memory_prints(nodes, optimizer):
         if optimizer in PER_TENSOR and c.stage > 0:  # the fullest rank's state, padded slices
             o = row["ownership"]
             assert row["optimizer_bytes"] == 4 * o["shard_numel"] + o["max_state_bytes"]
-            assert c.comm_elements == (3 if c.stage == 3 else 2) * o["padded_numel"]
+            assert c.comm_elements == (3 if c.stage == 3 else 2) * o["padded_numel"] + o["max_exchange_elements"]
 
 
 def test_muon_moves_more_than_adamw_at_zero3():
-    """Stage 3 with muon gathers and reduces the padded units (each tensor whole on its owner):
-    more than AdamW's 3Ψ, and the step's communication grows by exactly what step_comm gives
-    for the extra elements."""
+    """Stage 3 with muon gathers and reduces flat units (3Ψ, as AdamW) and adds the owner
+    exchange: the step's communication grows by exactly what an fp32 ReduceScatter sending the
+    exchange's bytes per rank costs, once per step."""
     fixed = dict(stages=(3,), micro_batches=(1,), recompute=("full",), compress=("none",))
     adamw = recommend(MODEL, "H100", 1, 8, TOKENS, SEQ, **fixed).best
     muon = recommend(MODEL, "H100", 1, 8, TOKENS, SEQ, optimizer="muon", **fixed).best
     psi = memory_plan(MODEL, 8, "H100").model["params"]
     assert adamw.comm_elements == 3 * psi
-    padded = _memory(8, muon, "muon")["ownership"]["padded_numel"]
-    assert muon.comm_elements == 3 * padded > 3 * psi
-    per_step = (step_comm("H100", 8, 3, padded, gathers_per_step=2).time_s
-                - step_comm("H100", 8, 3, psi, gathers_per_step=2).time_s)
-    assert muon.comm_s - adamw.comm_s == pytest.approx(muon.grad_acc * per_step, rel=1e-9)
+    own = _memory(8, muon, "muon")["ownership"]
+    padded, moved = own["padded_numel"], own["max_exchange_elements"]
+    assert muon.comm_elements == 3 * padded + moved > 3 * psi and padded - psi < 8 * own["groups"]
+    assert 0 < moved < psi / 2
+    per_micro = (step_comm("H100", 8, 3, padded, gathers_per_step=2).time_s
+                 - step_comm("H100", 8, 3, psi, gathers_per_step=2).time_s)
+    exchange = collective_time("reduce_scatter", 4 * moved * 8 / 7, 8, "H100").time_s
+    assert muon.comm_s - adamw.comm_s == pytest.approx(muon.grad_acc * per_micro + exchange, rel=1e-9)
     assert muon.comm_s > adamw.comm_s
 
 

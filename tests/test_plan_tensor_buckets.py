@@ -7,8 +7,10 @@ in flat buckets, sharded evenly. On the presets of Llama 3 8B, Qwen2-7B (Qwen2.5
 shape) and Mixtral 8x7B (experts as 3-D tensors) over 8 ranks this keeps each rank's slice within
 1.11x of Ψ/N, a step's collectives within 2.2Ψ, the fullest rank's optimizer state within 1.1x of
 the Ψ/N share (owners balance the state too: OwnerLedger.assign) and every bucket's padding
-within 11%. The engine
-forms the same buckets (tests/test_plan_ownership.py measures them on gloo ranks).
+within 11%. At ZeRO-3 the units stay flat and the owner exchange brings each such tensor whole
+to its owner for the step: slices within 1.2x of Ψ/N, collectives within 3.5Ψ, state within 1.1x.
+The engine forms the same buckets and exchange (tests/test_plan_ownership.py measures them on
+gloo ranks).
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ def test_slices_and_collectives_stay_near_the_even_share(tensors, model, optimiz
     assert o.comm_elements_per_step <= 2.2 * o.params, case
     assert o.imbalance <= 1.1, case  # the fullest rank's optimizer state over the Ψ/N share
     assert o.padded_numel - o.params == o.padding >= 0, case
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("model", MODELS)
+def test_stage3_keeps_flat_units_and_exchanges_whole_tensors(tensors, model, optimizer):
+    """ZeRO-3: flat units (padding under N elements each), the owner exchange on top of the
+    units' 3Ψ — within 3.5Ψ — and owners balanced by state to within 1.1x of the Ψ/N share."""
+    o = ownership(tensors[model, optimizer], N, 3, optimizer)
+    case = f"{model}, {optimizer}, ZeRO-3"
+    assert o.shard_numel <= 1.2 * o.params / N and o.padding < N * o.groups, case
+    assert 3 * o.params < o.comm_elements_per_step <= 3.5 * o.params, case
+    assert o.imbalance <= 1.1, case
+    # the exchange: each rank sends its pieces of the whole-stepped tensors twice, its own once
+    assert o.comm_elements_per_step - 3 * o.padded_numel == o.max_exchange_elements == max(o.exchange_elements)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

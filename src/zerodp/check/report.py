@@ -23,8 +23,12 @@ what the guide's ledger says.
   gradients at stage 2 (``reduce_every_microbatch``) and gathers the parameters again (forward
   and backward) at stage 3; plus the check's own fp32 AllGathers at stages 1-3, which a training
   step does not make: the averaged gradients (``engine.full_grad_dict()``) and, after the step
-  before, the parameters (``engine.full_state_dict()``).
-  The band: padding, plus the clip norm's and the buffers' small collectives, plus 5 %.
+  before, the parameters (``engine.full_state_dict()``); plus, at stage 3 under a per-tensor
+  optimizer, the owner exchange's even share, 3Ψ_m/N fp32 elements for the Ψ_m elements it
+  steps whole (guide §12.3).
+  The band: padding, plus the clip norm's and the buffers' small collectives, plus how far this
+  rank's exchange is from the even share (``engine.stats().layout``), plus 5 %. The model-state
+  band also takes the exchange's whole-tensor state above the mean (the owners').
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def planned_sent(row: dict) -> float | None:
     elif stage == 3:
         per_step += extra_micro * 3 * psi  # gathers in forward and backward, and a ReduceScatter
     own = row.get("own_gathers", 0) * 4 * psi if stage >= 1 else 0  # the check's own fp32 gathers
+    own += 3 * 4 * row.get("planned_exchange_numel", 0) / n  # stage 3's owner exchange, fp32, an even share
     return (per_step * elem + own) * (n - 1) / n
 
 
@@ -90,7 +95,8 @@ def verdicts(row: dict) -> dict:
     else:
         elem = DTYPE_BYTES[row["precision"]]
         pad = max((r.get("padding", 0) for r in ranks), default=0)
-        slack = pad * (2 * elem + 4 + 8) + max((r.get("imbalance_bytes", 0) for r in ranks), default=0) * 3
+        slack = pad * (2 * elem + 4 + 8) + max((r.get("imbalance_bytes", 0) for r in ranks), default=0) * 3 \
+            + max((r.get("state_imbalance_bytes", 0) for r in ranks), default=0)
         gap = abs(out["states_measured"] - out["states_planned"])
         out["states_ok"] = gap <= slack + MEMORY_BAND * out["states_planned"]
         if not out["states_ok"] and row.get("stateless_numel"):
@@ -105,6 +111,7 @@ def verdicts(row: dict) -> dict:
         elem = DTYPE_BYTES[row["precision"]]
         pad = max((r.get("padding", 0) for r in ranks), default=0) * elem * 4 * row["micro_batches"]
         gap = abs(out["sent_measured"] - out["sent_planned"])
+        pad += ranks[0].get("exchange_imbalance_bytes", 0)
         out["sent_ok"] = gap <= pad + 4096 + SENT_BAND * out["sent_planned"]
         if not out["sent_ok"] and row["stage"] == 3 and out["sent_measured"] < out["sent_planned"]:
             notes.append("bytes: fewer than 3Ψ per micro-batch: what no unit holds is the root unit, gathered once "

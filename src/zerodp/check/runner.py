@@ -298,6 +298,7 @@ def run_row(cfg: CheckConfig, rank: int, world: int, stage: int, groups: dict) -
                   "grad": _as_dict(grad_worst.worse(norm_worst)), "param": _as_dict(param_worst),
                   "optimizer_state": _as_dict(state_worst), "ranks": [s for s in stats if s is not None],
                   "planned_state_numel": planned_state_numel(ref),
+                  "planned_exchange_numel": planned_exchange_numel(ref) if stage == 3 else 0,
                   "stateless_numel": sum(p.numel() for p in ref.master.parameters()
                                          if p.requires_grad and not ref.opt.state.get(p)),
                   "own_gathers": (2 if cfg.clip is not None else 1) + (len(phases[0][2]) > 1),
@@ -329,6 +330,15 @@ def planned_state_numel(ref: Reference) -> int | None:
                     elements, scalars = state_numel(name, tuple(p.shape))
                     total += elements + scalars
     return total
+
+
+def planned_exchange_numel(ref: Reference) -> int:
+    """Elements of the tensors a per-tensor optimizer steps whole (Ψ_m): what stage 3's owner
+    exchange brings to their owners and back (guide §12.3)."""
+    from zerodp.engine.master import PER_TENSOR_OPTIMIZERS
+
+    return sum(p.numel() for opt in getattr(ref.opt, "optimizers", [ref.opt]) if type(opt) in PER_TENSOR_OPTIMIZERS
+               for g in opt.param_groups for p in g["params"] if p.requires_grad)
 
 
 def _as_dict(c: core.Closeness) -> dict:
@@ -369,6 +379,8 @@ def _row_stats(engine, device: torch.device) -> dict:
             "padding": (st.layout or {}).get("padding", 0),
             "padding_bytes": (st.layout or {}).get("padding_bytes", 0),
             "imbalance_bytes": (st.layout or {}).get("imbalance_bytes", 0),
+            "state_imbalance_bytes": (st.layout or {}).get("state_imbalance_bytes", 0),
+            "exchange_imbalance_bytes": (st.layout or {}).get("exchange_imbalance_bytes", 0),
             "placement": (st.layout or {}).get("placement"),
             "peak_bytes": _peak_bytes(device), "peak_kind": "cuda" if device.type == "cuda" else "rss"}
 

@@ -44,6 +44,8 @@ from zerodp.plan.collectives import bus_factor
 ALL_REDUCE = "all_reduce"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_GATHER = "all_gather"
+#: stage 3's owner exchange (zerodp.engine.exchange): pieces of whole tensors to and from their owners
+ALL_TO_ALL = "all_to_all"
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -51,7 +53,10 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 
 def ring_sent_bytes(kind: str, nbytes: int, world_size: int) -> float:
-    """Bytes one rank sends in a ring collective over a V-byte buffer (guide §2.4)."""
+    """Bytes one rank sends in a ring collective over a V-byte buffer (guide §2.4); for an
+    all-to-all, V is what this rank sends (its own block included, which stays here)."""
+    if kind == ALL_TO_ALL:
+        return (world_size - 1) / world_size * nbytes
     return bus_factor(kind, world_size) * nbytes
 
 
@@ -330,6 +335,18 @@ class Collectives:
         return self._issue(
             ALL_GATHER, label, full.numel() * full.element_size(),
             lambda: gather_into(full, shard, self.group), None, async_op,
+        )
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int],
+                   label: str) -> None:
+        """Blocking: ``inp``'s block r (``in_sizes[r]`` elements, in rank order) to rank r, and
+        ``out`` ← the blocks every rank sent here, in rank order (``out_sizes``); recorded with
+        the bytes this rank sends (stage 3's owner exchange, :mod:`zerodp.engine.exchange`)."""
+        self._issue(
+            ALL_TO_ALL, label, inp.numel() * inp.element_size(),
+            lambda: dist.all_to_all_single(out, inp, output_split_sizes=list(out_sizes),
+                                           input_split_sizes=list(in_sizes), group=self.group, async_op=True),
+            None, False,
         )
 
     def all_reduce_max(self, tensor: torch.Tensor, label: str) -> torch.Tensor:

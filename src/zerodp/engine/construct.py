@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from zerodp.engine.config import Dtypes, parse_dtype
 from zerodp.engine.group import FlatGroup
+from zerodp.engine.exchange import OwnerExchange
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.optim import UserGroups, from_built
 from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, group_state_kinds, param_targets,
@@ -140,9 +141,10 @@ class Construction:
 
     @property
     def whole_groups(self) -> frozenset[int]:
-        """The param groups whose tensors lie whole on one rank at stages 1-2 (owner-aligned
-        buckets, :func:`zerodp.engine.master.whole_groups`); at stage 3 every unit is
-        owner-aligned on the ownership path."""
+        """The param groups whose tensors the optimizer reads whole
+        (:func:`zerodp.engine.master.whole_groups`): at stages 1-2 they lie in owner-aligned
+        buckets; at stage 3 the units stay flat and the owner exchange brings each of their
+        tensors whole to one rank for the step (:mod:`zerodp.engine.exchange`)."""
         if self.placement != OWNER or not self.engine.policy.shard_master:
             return frozenset()
         return self._whole_groups
@@ -158,7 +160,7 @@ class Construction:
         quant = self.engine.config.quant_block
         layout = None
         whole = self.whole_groups
-        if whole and (self.engine.stage == 3 or any(g in whole for _, _, g in entries)):
+        if whole and self.engine.stage < 3 and any(g in whole for _, _, g in entries):
             # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups
             # by elements and by the optimizer state each tensor costs.
             if self._owners is None:
@@ -234,7 +236,7 @@ class Construction:
                 lo = t.flat_start - g.master_start
                 targets.append(t)
                 self.engine._target_slices.append((g, lo, lo + t.tensor.numel()))
-        self.engine.master = self.build_master(targets)
+        self.engine.master = self.build_master(targets, self.exchange())
 
     def rebuild_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Adopt an optimizer the script built over the module's parameters after the wrap
@@ -253,7 +255,8 @@ class Construction:
         self.engine._group_by_name = {n: g for (n, _), g in zip(self.engine.named_params, self.engine.param_group_of)}
         if self.placement == OWNER:  # the buckets were laid out for the optimizer given at parallelize
             self._whole_groups = whole_groups(optimizer, OWNER, self.engine.config.optimizer_layout)
-            cut = [s.name for g in self.engine.groups if not g.layout.aligned and self.engine.policy.shard_master
+            cut = [s.name for g in self.engine.groups
+                   if not g.layout.aligned and self.engine.policy.shard_master and self.engine.stage < 3
                    for s in g.layout.slots if self.engine._group_by_name.get(s.name, -1) in self._whole_groups]
             if cut:
                 raise ValueError(f"{type(optimizer).__name__} reads {cut[0]!r} whole, and the engine laid it out in a "
@@ -264,10 +267,29 @@ class Construction:
         self.build_optimizer()
         self.engine._facade = None
 
-    def build_master(self, targets: list[Target]) -> MasterOptimizer:
+    def build_master(self, targets: list[Target], exchange: OwnerExchange | None = None) -> MasterOptimizer:
         e = self.engine
         return MasterOptimizer(e._factory, targets, e.group_options, e.config.elementwise_optimizer,
-                               placement=self.placement)
+                               placement=self.placement, exchange=exchange)
+
+    def exchange(self) -> OwnerExchange | None:
+        """Stage 3 on the ownership path: the owner exchange of the tensors read whole, their
+        owners balanced by the optimizer state each costs (:mod:`zerodp.engine.exchange`)."""
+        whole = self.whole_groups
+        if self.engine.stage != 3 or not whole:
+            return None
+        group_of, kinds = self.engine._group_by_name, self._state_kinds
+
+        def exchanged(name: str) -> int | None:
+            g = group_of.get(name, -1)
+            return g if g in whole else None
+
+        def cost(name: str, shape: tuple[int, ...]) -> int:
+            g = group_of.get(name, -1)  # (frozen: no state)
+            return 0 if g < 0 else state_cost(kinds[g] if g < len(kinds) else None, shape)
+
+        e = self.engine
+        return OwnerExchange(e.groups, exchanged, cost, e.shard_comm, e.dtypes.master, e.device)
 
     def targets(self, tensor: torch.Tensor, layout: FlatLayout, flat_start: int) -> list[Target]:
         """Optimizer targets over a held range of a flat buffer, in cache-sized chunks on CPU (see
@@ -282,7 +304,8 @@ class Construction:
 
         if self.placement == OWNER and (layout.aligned or not self.engine.policy.shard_master):
             return whole_targets(tensor, layout, flat_start, group_of)
-        if self.placement == OWNER and any(group_of(s.name) in self._whole_groups for s in layout.slots):
+        if self.placement == OWNER and self.engine.stage < 3 \
+                and any(group_of(s.name) in self._whole_groups for s in layout.slots):
             raise ValueError("a tensor of a per-tensor optimizer lies in a flat bucket, cut across ranks (zerodp "
                              "internal error: please report it)")
         chunk = CPU_OPTIMIZER_CHUNK if self.engine.device.type == "cpu" else None

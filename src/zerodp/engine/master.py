@@ -302,10 +302,17 @@ class MasterOptimizer:
     """
 
     def __init__(self, factory: OptimizerFactory, targets: list[Target], group_options: list[dict],
-                 declared_elementwise: bool = False, placement: str = FLAT):
+                 declared_elementwise: bool = False, placement: str = FLAT, exchange=None):
         self.targets = targets
         self.placement = placement  # "flat" (1-D slices) or "owner" (whole tensors, their shapes)
-        param_groups = [{"params": [t.tensor for t in targets if t.group == g], **opts}
+        # Stage 3's owner exchange (zerodp.engine.exchange): the tensors it brings whole are stepped
+        # as proxies on their owner; their pieces among the targets hold values only.
+        self.exchange = exchange
+        self.exchanged = frozenset() if exchange is None else frozenset(e.name for e in exchange.entries)
+        self.proxies = [] if exchange is None else [
+            Target(t, FlatLayout.pack([(e.name, e.shape)], 1), 0, e.group, e.name) for e, t in exchange.proxy_items()]
+        stepped = [t for t in targets if t.name not in self.exchanged] + self.proxies
+        param_groups = [{"params": [t.tensor for t in stepped if t.group == g], **opts}
                         for g, opts in enumerate(group_options)]
         self.optimizer = factory(param_groups)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -320,7 +327,7 @@ class MasterOptimizer:
             check_refused(self.optimizer)
             check_elementwise(self.optimizer, declared_elementwise)
         given = {id(p) for grp in self.optimizer.param_groups for p in grp["params"]}
-        if given != {id(t.tensor) for t in targets}:
+        if given != {id(t.tensor) for t in stepped}:
             raise ValueError(
                 "the optimizer factory must build its optimizer over exactly the param groups it is "
                 "given (the engine's flat fp32 shards), not over model.parameters()"
@@ -336,6 +343,8 @@ class MasterOptimizer:
         None, so the stock optimizer leaves it untouched: no weight decay, no moment update, no
         step count, exactly as with DDP, where such a parameter's ``.grad`` stays None."""
         for t, g in zip(self.targets, grads):
+            if t.name in self.exchanged:
+                continue  # stepped whole on its owner (its proxy's .grad, OwnerExchange.bring)
             if g is None or (t.name in unused):
                 t.tensor.grad = None
             else:
@@ -343,7 +352,7 @@ class MasterOptimizer:
                 t.tensor.grad = g if g.shape == t.tensor.shape else g.view(t.tensor.shape)
 
     def zero_grad(self) -> None:
-        for t in self.targets:
+        for t in self.targets + self.proxies:
             t.tensor.grad = None
 
     # ---- state as pieces --------------------------------------------------------------
@@ -351,7 +360,7 @@ class MasterOptimizer:
         """Per-element state names (e.g. exp_avg, exp_avg_sq) present now: tensors shaped like
         their target (a 0-d scalar such as ``step`` is not one)."""
         kinds: set[str] = set()
-        for t in self.targets:
+        for t in self.targets + self.proxies:
             kinds.update(_elementwise_kinds(t, self.optimizer.state.get(t.tensor, {})))
         return sorted(kinds)
 
@@ -385,7 +394,27 @@ class MasterOptimizer:
             if whole and t.name is not None and start <= t.flat_start < stop:
                 for kind, v in self.whole_states(t).items():
                     out.append(Piece(whole_name(t.name, kind), kind, 0, v.numel(), tuple(v.shape), v.view(-1)))
+        for t in self.proxies:  # whole on the owner: states only (the values are the targets')
+            if ranges is not None and ranges(t)[0] >= ranges(t)[1]:
+                continue
+            state = self.optimizer.state.get(t.tensor, {})
+            for kind in kinds:
+                v = state.get(kind)
+                if torch.is_tensor(v) and v.shape == t.tensor.shape:
+                    out.append(Piece(t.name, kind, 0, v.numel(), tuple(t.layout.slots[0].shape), v.view(-1)))
+            if whole:
+                for kind, v in self.whole_states(t).items():
+                    out.append(Piece(whole_name(t.name, kind), kind, 0, v.numel(), tuple(v.shape), v.view(-1)))
         return out
+
+    def owner_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every tensor state kept whole by one rank, by parameter name: the shape-unlike states
+        of whole targets (Adafactor's factors), and every state of the exchange's proxies."""
+        out = {t.name: self.whole_states(t) for t in self.targets if t.name is not None}
+        for t in self.proxies:
+            state = self.optimizer.state.get(t.tensor, {})
+            out[t.name] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1}
+        return {n: s for n, s in out.items() if s}
 
     def scalar_state(self) -> dict:
         """Scalars (e.g. Adam's ``step``) per parameter name and per param group, and the
@@ -394,7 +423,7 @@ class MasterOptimizer:
         param group, the scalars of its first parameter held here (for older readers)."""
         params: dict[str, dict] = {}
         groups: list[dict] = [{} for _ in self.optimizer.param_groups]
-        for t in self.targets:
+        for t in self.targets + self.proxies:
             state = self.optimizer.state.get(t.tensor, {})
             scalars = {k: float(v) for k, v in state.items() if not torch.is_tensor(v) or v.dim() == 0}
             if state and t.name is not None:  # {} for a stepped parameter whose state has no scalars
@@ -406,7 +435,7 @@ class MasterOptimizer:
             out["params"] = params
         if self.placement == OWNER:  # which states each parameter has, and the shapes of whole ones
             out["param_kinds"], out["whole"] = {}, {}
-            for t in self.targets:
+            for t in self.targets + self.proxies:
                 state = self.optimizer.state.get(t.tensor, {})
                 if state:
                     out["param_kinds"][t.name] = _elementwise_kinds(t, state)
@@ -428,7 +457,7 @@ class MasterOptimizer:
         by_param = scalars.get("params", {})
         param_kinds, whole = scalars.get("param_kinds", {}), scalars.get("whole", {})
         group_of = {id(p): g for g, grp in enumerate(self.optimizer.param_groups) for p in grp["params"]}
-        name_of = {id(t.tensor): t.name for t in self.targets}
+        name_of = {id(t.tensor): t.name for t in self.targets + self.proxies}
         for grp in self.optimizer.param_groups:
             on_device = bool(grp.get("fused") or grp.get("capturable"))
             for p in grp["params"]:

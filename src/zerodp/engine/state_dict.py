@@ -285,7 +285,7 @@ def _stepped_names(engine: EngineLike) -> set[str]:
     """Collective: the parameters with optimizer state on any rank (one never stepped has none)."""
     opt_state = engine.master.optimizer.state
     mine: set[str] = set()
-    for t in engine.master.targets:
+    for t in engine.master.targets + engine.master.proxies:
         if opt_state.get(t.tensor):
             if t.name is not None:
                 mine.add(t.name)
@@ -361,15 +361,14 @@ def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
 
 
 def _gather_whole_states(engine: EngineLike) -> dict[str, dict[str, torch.Tensor]]:
-    """Collective: every parameter's whole-tensor states (shaped unlike the parameter: Adafactor's
-    ``row_var``/``col_var``), by name, from the rank that owns it (the ownership path; {} on the
-    flat path, where there are none)."""
+    """Collective: every parameter's states kept whole by one rank (shaped unlike the parameter:
+    Adafactor's ``row_var``/``col_var``; every state of a tensor stage 3 steps whole on its owner,
+    :mod:`zerodp.engine.exchange`), by name, from that rank (the ownership path; {} on the flat
+    path, where there are none)."""
     master = engine.master
     if getattr(master, "placement", None) != OWNER:
         return {}
-    mine = {t.name: {k: v.detach().cpu().clone() for k, v in master.whole_states(t).items()}
-            for t in master.targets}
-    mine = {n: states for n, states in mine.items() if states}
+    mine = {n: {k: v.detach().cpu().clone() for k, v in states.items()} for n, states in master.owner_states().items()}
     if engine.world_size > 1 and engine.stage > 0:
         for other in engine.control.all_gather_object(mine):
             for name, states in other.items():
@@ -714,9 +713,13 @@ class Checkpoint:
             else:
                 owned[0] += g.layout.numel
         mean = sum(owned) / len(owned)
-        return {"placement": self.engine.construction.placement, "padding": padding, "padding_bytes": padding_bytes,
-                "owned_numel": owned, "max_owned_numel": max(owned),
-                "imbalance_bytes": round((max(owned) - mean) * 4, 3)}
+        out = {"placement": self.engine.construction.placement, "padding": padding, "padding_bytes": padding_bytes,
+               "owned_numel": owned, "max_owned_numel": max(owned),
+               "imbalance_bytes": round((max(owned) - mean) * 4, 3)}
+        exchange = getattr(self.engine.master, "exchange", None)
+        if exchange is not None:  # stage 3's owner exchange (zerodp.engine.exchange)
+            out.update(exchange.cost())
+        return out
 
     def optimizer_index_names(self) -> list[str]:
         """Trainable parameter names in torch's optimizer index order (:mod:`zerodp.engine.optim`)."""

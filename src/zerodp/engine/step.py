@@ -179,9 +179,19 @@ class StepMachine:
         a gradient are skipped by each call). Only when the optimizer has step hooks (which would
         then run once per batch) is it done in one call."""
         grads = self.master_grads()
+        exchange = self.engine.master.exchange
+        hooks = _has_step_hooks(self.engine.master.optimizer)
+        if exchange is not None and not hooks:  # stage 3: whole tensors stepped on their owners, a unit at a time
+            for unit in exchange.units():
+                exchange.bring(self.engine._unused, {unit})
+                self.engine.master.step()
+                self.engine.master.zero_grad()
+                exchange.send_back()
+        elif exchange is not None:  # step hooks run once per step: every unit's tensors at once
+            exchange.bring(self.engine._unused)
         batches = [range(len(grads))]
         cast = any(g is not None and g.dtype != self.engine.dtypes.master for g in grads)
-        if cast and not _has_step_hooks(self.engine.master.optimizer):
+        if cast and not hooks:
             batches, start, size = [], 0, 0
             for i, g in enumerate(grads):
                 size += 0 if g is None else 4 * g.numel()
@@ -195,6 +205,8 @@ class StepMachine:
             self.engine.master.attach_grads(chosen_grads, self.engine._unused)
             self.engine.master.step()
             self.engine.master.zero_grad()
+        if exchange is not None and hooks:
+            exchange.send_back()
         self.publish_params()
 
     def publish_params(self) -> None:

@@ -449,8 +449,9 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                 f"({prec['master_bytes']:g} B)"]
     if fp32_grad_acc:
         includes.append("fp32 gradient accumulation (4 B)")
-    includes.append("2 gathered blocks + the root unit (embedding, head) at ZeRO-3"
-                    if root else "2 gathered units at ZeRO-3")
+    includes.append(("2 gathered blocks + the root unit (embedding, head) at ZeRO-3"
+                     if root else "2 gathered units at ZeRO-3")
+                    + (" (or the owner exchange's buffers at the step, if larger)" if owned else ""))
     if act:
         includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute}, "
                         f"{attention} attention)")
@@ -461,8 +462,9 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
                    f"（{prec['master_bytes']:g} B）"]
     if fp32_grad_acc:
         includes_zh.append("fp32 梯度累积缓冲（4 B）")
-    includes_zh.append("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root
-                       else "ZeRO-3 的 2 个聚合单元")
+    includes_zh.append(("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root
+                        else "ZeRO-3 的 2 个聚合单元")
+                       + ("（或优化器一步中整块张量的通信缓冲，取其中大的）" if owned else ""))
     if act:
         includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}，"
                            f"{attention} 注意力）")
@@ -520,6 +522,8 @@ def _own(row: dict, o, prec: dict, fp32_grad_acc: bool) -> None:
     stage, shard = row["stage"], o.shard_numel
     if stage == 3:
         row["param_bytes"] = prec["param_bytes"] * shard
+        # the owner exchange's buffers live during the step, when no unit is gathered: the larger counts
+        row["gathered_unit_bytes"] = max(row["gathered_unit_bytes"], o.exchange_peak_bytes)
     if stage >= 2:
         row["grad_bytes"] = prec["grad_bytes"] * shard
         row["grad_acc_bytes"] = FP32 * shard if fp32_grad_acc else 0.0

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count
-from zerodp.plan.units import STAGE_NAMES, STAGES, OwnerLedger, plan_buckets
+from zerodp.plan.units import STAGE_NAMES, STAGES, OwnerLedger, plan_buckets, step_owners
 
 FP32 = 4
 #: the optimizers priced here: elementwise ones shard flat, per-tensor ones by ownership
@@ -219,12 +219,13 @@ def model_tensors(model, optimizer: str = "adamw") -> list[Tensor]:
 # Groups and owners, as the engine forms them
 
 def whole_groups(tensors: list[Tensor], stage: int, optimizer: str) -> frozenset[int]:
-    """The param groups whose tensors lie whole on one rank (owner-aligned groups): at stage 3
-    all of them; at stages 1–2 those stepped by a per-tensor optimizer — under ``muon`` Muon's,
-    AdamW's staying flat — or, for an elementwise ``optimizer`` priced here (declared per-tensor,
-    ``optimizer_layout="owner"``), all of them."""
+    """The param groups whose tensors are stepped whole on one rank: those of a per-tensor
+    optimizer — under ``muon`` Muon's, AdamW's staying flat — or, for an elementwise
+    ``optimizer`` priced here (declared per-tensor, ``optimizer_layout="owner"``), all of them.
+    At stages 1–2 they lie in owner-aligned buckets; at stage 3 the owner exchange brings them
+    whole to their owner for the step."""
     everything = frozenset(t.group for t in tensors)
-    if stage == 3 or optimizer in ELEMENTWISE:
+    if optimizer in ELEMENTWISE:
         return everything
     return frozenset(t.group for t in tensors if tensor_optimizer(optimizer, t) in PER_TENSOR)
 
@@ -288,7 +289,7 @@ def group_layouts(tensors: list[Tensor], n: int, stage: int, optimizer: str, buc
     """Every group of ``tensors`` at ``stage`` (1–3) as the engine lays it out for ``n`` ranks
     under ``optimizer`` (:func:`whole_groups`, :func:`plan_groups`); owners by
     :func:`assign_owners`, loads carried across the owner-aligned groups only."""
-    whole = whole_groups(tensors, stage, optimizer)
+    whole = whole_groups(tensors, stage, optimizer) if stage < 3 else frozenset()  # stage 3: flat units
     groups = plan_groups(tensors, stage, bucket_mb, first_bucket_mb, elem_bytes, whole, n)
     aligned = [g for g in groups if tensors[g[0]].group in whole]
     owners, owned = assign_owners([[tensors[i].numel for i in g] for g in aligned], n,
@@ -362,6 +363,44 @@ class _RankFigures:
         return most
 
 
+def _spread(figures: _RankFigures, at: int, size: int, s: int, per_element: int) -> None:
+    """``per_element`` state bytes on each rank for each element of a tensor at ``at`` (``size``
+    elements) of a flat group cut into slices of ``s``."""
+    q0, q1 = at // s, (at + size - 1) // s
+    if q0 == q1:
+        figures.add_run(q0, q0 + 1, 0, per_element * size)
+        return
+    figures.add_run(q0, q0 + 1, 0, per_element * ((q0 + 1) * s - at))
+    figures.add_run(q0 + 1, q1, 0, per_element * s)
+    figures.add_run(q1, q1 + 1, 0, per_element * (at + size - q1 * s))
+
+
+def _unit_runs(figures: _RankFigures, moved: _RankFigures, layout: GroupLayout, tensors: list[Tensor],
+               optimizer: str, owners: dict[int, int], per: list[int]) -> None:
+    """A stage-3 unit, flat: rank r holds elements [r·s, (r+1)·s); an elementwise tensor's state
+    lies with its pieces (one step scalar each), a tensor stepped whole all on its owner
+    (``owners``), and the exchange moves (``moved``, as its state bytes) each such tensor's pieces
+    twice from their holders and the whole tensor once from its owner."""
+    s, numel = layout.slice_numel, layout.numel
+    full = numel // s if s else 0
+    figures.add_run(0, full, s, 0)
+    if full < layout.n and numel > full * s:
+        figures.add_run(full, full + 1, numel - full * s, 0)
+    at = 0
+    for i in layout.members:
+        size = tensors[i].numel
+        if size and i in owners:
+            figures.add(owners[i], 0, per[i])
+            _spread(moved, at, size, s, 2)
+            moved.add(owners[i], 0, size)
+        elif size:
+            elements, scalars = state_numel(tensor_optimizer(optimizer, tensors[i]), (1,))
+            _spread(figures, at, size, s, FP32 * elements)
+            if scalars:
+                figures.add_run(at // s, (at + size - 1) // s + 1, 0, FP32 * scalars)
+        at += size
+
+
 def _flat_runs(figures: _RankFigures, layout: GroupLayout, tensors: list[Tensor], optimizer: str) -> None:
     """A flat group's share per rank: rank r holds elements [r·s, (r+1)·s) of the group (s its
     slice), and the optimizer one piece per tensor those cut (its own step scalars, as the
@@ -390,9 +429,14 @@ class Ownership(ToDict):
     ``state_bytes`` (optimizer state per rank, or null), ``max_state_bytes`` (the fullest rank:
     what decides the fit), ``mean_state_bytes`` (the Ψ/N share), ``imbalance`` (max/mean
     state), ``master_bytes`` (fp32 master per rank: 4·shard_numel) and
-    ``comm_elements_per_step`` (2 padded_numel at stages 1–2, 3 at stage 3, 2Ψ at stage 0) and
-    ``largest_group_numel`` (the padded elements of the largest group: at stage 2 its full
-    gradient is held from its first gradient to its ReduceScatter; Ψ at stage 0)."""
+    ``comm_elements_per_step`` (2 padded_numel at stages 1–2, 3 at stage 3 plus the fullest
+    rank's exchange, 2Ψ at stage 0), ``exchange_elements`` (stage 3: what each rank sends in the
+    owner exchange — its pieces of the tensors stepped whole, twice, and the tensors it owns,
+    once; null above :data:`MAX_LISTED`, 0 elsewhere), ``max_exchange_elements`` (the fullest
+    rank's), ``exchange_peak_bytes`` (stage 3: the most the exchange holds at once on one rank,
+    one unit at a time — the owner's tensors received and assembled with their gradients, and
+    the pieces sent; fp32) and ``largest_group_numel`` (the padded elements of the largest group: at stage 2
+    its full gradient is held from its first gradient to its ReduceScatter; Ψ at stage 0)."""
 
     optimizer: str
     stage: int
@@ -412,6 +456,9 @@ class Ownership(ToDict):
     master_bytes: int
     comm_elements_per_step: int
     largest_group_numel: int
+    exchange_elements: list | None = None
+    max_exchange_elements: int = 0
+    exchange_peak_bytes: int = 0
 
 
 def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
@@ -437,8 +484,24 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
                          [everything] * n if listed else None, everything, float(everything), 1.0,
                          FP32 * total, 2 * total, total)
     layouts = group_layouts(tensors, n, stage, optimizer, bucket_mb, first_bucket_mb, elem_bytes)
-    figures = _RankFigures(n)
-    for layout in layouts:
+    figures, moved = _RankFigures(n), _RankFigures(n)
+    exchange_peak = 0
+    if stage == 3:  # flat units; the owner exchange's tensors in layout order, owners by state
+        whole = whole_groups(tensors, stage, optimizer)
+        order = [i for layout in layouts for i in layout.members if tensors[i].group in whole]
+        owners = dict(zip(order, step_owners([per[i] for i in order], n)))
+        for layout in layouts:
+            _unit_runs(figures, moved, layout, tensors, optimizer, owners, per)
+            # the step's transient buffers, one unit at a time: on the owner the whole tensors and
+            # their gradients, received (2 copies) then assembled (2 more); the pieces sent (2)
+            held, at = _RankFigures(n), 0
+            for i in layout.members:
+                if tensors[i].numel and i in owners:
+                    _spread(held, at, tensors[i].numel, layout.slice_numel, 2)
+                    held.add(owners[i], 0, 4 * tensors[i].numel)
+                at += tensors[i].numel
+            exchange_peak = max(exchange_peak, FP32 * held.most_state())
+    for layout in layouts if stage < 3 else ():
         if layout.owners is None:
             _flat_runs(figures, layout, tensors, optimizer)
             continue
@@ -449,7 +512,9 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
     everything = sum(b for _, b in figures.sparse.values()) + sum((hi - lo) * b for lo, hi, _, b in figures.runs())
     mean = everything / n
     most = figures.most_state()
+    exchange = moved.listed()[1] if listed else None
+    most_moved = moved.most_state()
     return Ownership(optimizer, stage, STAGE_NAMES[stage], n, len(tensors), len(layouts), total, owned, shard,
                      n * shard, n * shard - total, states, most, mean, round(most / mean, 6) if mean else 1.0,
-                     FP32 * shard, (3 if stage == 3 else 2) * n * shard,
-                     max(layout.padded_numel for layout in layouts))
+                     FP32 * shard, (3 if stage == 3 else 2) * n * shard + most_moved,
+                     max(layout.padded_numel for layout in layouts), exchange, most_moved, exchange_peak)

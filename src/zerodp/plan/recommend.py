@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 from zerodp.plan._common import InputError, ToDict, check_count, fmt_bytes, fmt_count, parse_quantity
 from zerodp.plan.batch import plan_batch
+from zerodp.plan.collectives import collective_time
 from zerodp.plan.calibrated import calibration_for, compute_times, contention_s, optimizer_time
 from zerodp.plan.calibrated import efficiency as efficiency_of
 from zerodp.plan.hardware import Hardware, get_hardware, hardware_from_dict
@@ -337,6 +338,11 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                     bwd_s = micro_s - fwd_s
                     # the elements each collective moves: Ψ, or tensor ownership's padded groups
                     elements = row["ownership"]["padded_numel"] if owned else m.params
+                    # stage 3's owner exchange (guide §12.3): fp32 all-to-alls in the shard group at
+                    # the step, priced as a ReduceScatter whose ring sends the same bytes per rank
+                    sent = 4 * row["ownership"].get("max_exchange_elements", 0) if owned else 0
+                    exchange_s = collective_time("reduce_scatter", sent * g / (g - 1), g, hw).time_s \
+                        if sent and g > 1 else 0.0
                     for cp in comps:
                         key = (s, g, cp)
                         if key not in comm_cache:
@@ -358,7 +364,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                                                   if s == 3 else cm.grad_latency)
                             per_micro = max(cm.per_micro) + (lat if s >= 2 else 0.0)
                             per_step = max(cm.per_step) + (lat if s < 2 else 0.0)
-                            after = max(cm.after_step)
+                            after = max(cm.after_step) + exchange_s
                             hide = (fwd_s + bwd_s) if s == 3 else bwd_s
                             exposed = (b.grad_acc * _window(per_micro, hide, pieces)
                                        + _window(per_step, bwd_s, pieces) + after)

@@ -48,6 +48,25 @@ def lpt_slice(sizes: list[int], n: int) -> int:
     return max(slices)
 
 
+def step_owners(costs: list[int], n: int) -> list[int]:
+    """The rank that steps each whole tensor at stage 3 (guide §12.3, the owner exchange): the
+    units' slices stay flat and even, and each tensor of a per-tensor optimizer is brought whole
+    to one rank for its step. Only the optimizer state then depends on the owners, so they
+    balance it alone: tensors by ``costs`` (their state), largest first (ties: the earlier), each
+    to the rank with the least cost so far (ties: the lower rank) — LPT over the whole model,
+    deterministic, the same on every rank and in the planner."""
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    owners = [0] * len(costs)
+    spent = [(0, r) for r in range(n)]  # (cost so far, rank): a heap, the least spent first
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        cost, r = spent[0]
+        owners[i] = r
+        heapq.heapreplace(spent, (cost + costs[i], r))
+    return owners
+
+
 def whole_padding(sizes: list[int], n: int) -> float:
     """Padding of ``sizes`` packed whole into ``n`` slices (:func:`lpt_slice`), as a share of
     their elements."""

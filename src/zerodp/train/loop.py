@@ -202,7 +202,12 @@ def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
         for p in engine.master.pieces(kinds=[]):  # the ranges this rank holds (parameters only)
             for kind in ["param", *per_param.get(p.name, kinds)]:  # the tensor-ownership path: its own kinds
                 cache[(p.name, kind, p.start, p.stop)] = ck.read(p.name, kind, p.start, p.stop)
-        held = {t.name for t in engine.master.targets}
+        for t in engine.master.proxies:  # stage 3's whole tensors stepped here: their states whole
+            n = t.tensor.numel()
+            for kind in per_param.get(t.name, kinds):
+                cache[(t.name, kind, 0, n)] = ck.read(t.name, kind, 0, n)
+        held = {t.name for t in engine.master.targets if t.name not in engine.master.exchanged} | \
+            {t.name for t in engine.master.proxies}
         for name, states in scalars.get("whole", {}).items():  # whole-tensor states (Adafactor's factors)
             for kind, shape in states.items():
                 if name in held:
