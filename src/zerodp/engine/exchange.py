@@ -13,9 +13,11 @@ balanced by optimizer state), and :class:`OwnerExchange` runs its step there:
 3. :meth:`OwnerExchange.send_back` — one all-to-all of the updated values back into the shards.
 
 Each rank sends its own pieces twice and receives them once more: 3·Ψ_m/N elements per step
-for Ψ_m elements of per-tensor tensors, beside the units' 3Ψ. It runs one unit at a time
-(:meth:`OwnerExchange.units`), so that the transient buffers hold one unit's tensors, not the
-model's. The proxies' storage lives only during their unit's step (at rest each is an empty
+for Ψ_m elements of per-tensor tensors, beside the units' 3Ψ. It runs a batch of consecutive
+units at a time (:meth:`OwnerExchange.batches`, up to a bounded number of elements), so that the
+transient buffers hold a batch's tensors, not the model's, and the ranks — whose owned work
+differs from unit to unit, balanced over the model — wait for each other once per batch. The
+proxies' storage lives only during their batch's step (at rest each is an empty
 storage with its shape, so torch's optimizer state stays keyed by it); the shards stay the
 master's truth, so checkpoints read values from them.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerodp.plan.units import step_owners
+from zerodp.plan.units import exchange_batches, step_owners
 
 #: the label of both all-to-alls in the trace and the collective counts
 EXCHANGE = "owner_exchange"
@@ -119,12 +121,13 @@ class OwnerExchange:
         """(entry, proxy) of each tensor this rank steps, in entry order."""
         return [(self.entries[i], t) for i, t in self.proxies.items()]
 
-    def owner_of(self, name: str) -> int | None:
-        return next((e.owner for e in self.entries if e.name == name), None)
-
-    def units(self) -> list[int]:
-        """The units holding tensors to exchange, in order: one bring-step-send_back each."""
-        return sorted({p.group for p in self.pieces})
+    def batches(self) -> list[set[int]]:
+        """The units holding tensors to exchange, in order, grouped up to
+        :data:`~zerodp.plan.units.EXCHANGE_BATCH_NUMEL` elements: one bring, step and send_back
+        per batch (:func:`~zerodp.plan.units.exchange_batches`, the planner's rule)."""
+        units = sorted({p.group for p in self.pieces})
+        sizes = [sum(p.numel for p in self.pieces if p.group == k) for k in units]
+        return [{units[i] for i in batch} for batch in exchange_batches(sizes)]
 
     def sent_elements(self) -> int:
         """Elements this rank sends per step when every tensor is stepped: its pieces twice

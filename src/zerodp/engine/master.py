@@ -12,7 +12,9 @@ with ``optimizer_layout="owner"``) take the *tensor-ownership* path instead: the
 laid out owner-aligned (:meth:`zerodp.engine.layout.FlatLayout.owned`), so slice r holds whole
 tensors, and rank r steps them with their real shapes; the tensors of an elementwise optimizer
 beside it (AdamW in ``[Muon(matrices), AdamW(the rest)]``) stay flat at stages 1-2
-(:func:`whole_groups`). LBFGS (closure-based, global) and
+(:func:`whole_groups`). Stage 3 keeps its units flat and steps such tensors as *proxies*: whole
+tensors that the owner exchange (:mod:`zerodp.engine.exchange`) fills on their owner for the
+step, the optimizer's state living on them. LBFGS (closure-based, global) and
 SparseAdam (sparse gradients) are refused (:data:`REFUSED_OPTIMIZERS`).
 
 Each :class:`Target` is one fp32 tensor the optimizer updates: elements

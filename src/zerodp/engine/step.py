@@ -181,9 +181,9 @@ class StepMachine:
         grads = self.master_grads()
         exchange = self.engine.master.exchange
         hooks = _has_step_hooks(self.engine.master.optimizer)
-        if exchange is not None and not hooks:  # stage 3: whole tensors stepped on their owners, a unit at a time
-            for unit in exchange.units():
-                exchange.bring(self.engine._unused, {unit})
+        if exchange is not None and not hooks:  # stage 3: whole tensors stepped on their owners, by batch of units
+            for units in exchange.batches():
+                exchange.bring(self.engine._unused, units)
                 self.engine.master.step()
                 self.engine.master.zero_grad()
                 exchange.send_back()

@@ -24,8 +24,14 @@ rank then holds is set by its owned set, not by Ψ/N:
   least optimizer state so far among those it fits in without the slice passing max(LPT's, 1.01
   × the even share), unless one fits nowhere;
 * **padding**: every rank's slice of a group is padded to the largest owned set of that group,
-  so master weights, gradient shards (stage ≥ 2) and parameter shards (stage 3) are
-  Σ_groups max_r owned_r(group) elements per rank, and the collectives move N times that;
+  so master weights and gradient shards (stage 2) are Σ_groups max_r owned_r(group) elements
+  per rank, and the collectives move N times that;
+* **stage 3** keeps its units flat (rank r holds elements [r·s, (r+1)·s) of each, no padding
+  beyond the even cut) and brings each tensor of a per-tensor optimizer whole to one owner for
+  the step — the owner exchange (:func:`zerodp.plan.units.step_owners`: over the whole model,
+  largest state first, each to the rank with the least state so far), two all-to-alls by batch
+  of units (:func:`zerodp.plan.units.exchange_batches`): each rank sends its pieces of those
+  tensors twice (values and gradients) and the tensors it owns once (the new values);
 * **optimizer state** is per tensor, on its owner only (fp32, after the first step):
   Adam/AdamW 2·numel + a step scalar; SGD with momentum numel; Muon numel (momentum);
   Adafactor for a tensor of shape (…, m, n) row variance ∏shape[:-1] + column variance
@@ -43,7 +49,7 @@ import math
 from dataclasses import dataclass
 
 from zerodp.plan._common import InputError, ToDict, check_count
-from zerodp.plan.units import STAGE_NAMES, STAGES, OwnerLedger, plan_buckets, step_owners
+from zerodp.plan.units import STAGE_NAMES, STAGES, OwnerLedger, exchange_batches, plan_buckets, step_owners
 
 FP32 = 4
 #: the optimizers priced here: elementwise ones shard flat, per-tensor ones by ownership
@@ -434,7 +440,7 @@ class Ownership(ToDict):
     owner exchange — its pieces of the tensors stepped whole, twice, and the tensors it owns,
     once; null above :data:`MAX_LISTED`, 0 elsewhere), ``max_exchange_elements`` (the fullest
     rank's), ``exchange_peak_bytes`` (stage 3: the most the exchange holds at once on one rank,
-    one unit at a time — the owner's tensors received and assembled with their gradients, and
+    a batch of units at a time — the owner's tensors received and assembled with their gradients, and
     the pieces sent; fp32) and ``largest_group_numel`` (the padded elements of the largest group: at stage 2
     its full gradient is held from its first gradient to its ReduceScatter; Ψ at stage 0)."""
 
@@ -492,14 +498,20 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
         owners = dict(zip(order, step_owners([per[i] for i in order], n)))
         for layout in layouts:
             _unit_runs(figures, moved, layout, tensors, optimizer, owners, per)
-            # the step's transient buffers, one unit at a time: on the owner the whole tensors and
-            # their gradients, received (2 copies) then assembled (2 more); the pieces sent (2)
-            held, at = _RankFigures(n), 0
-            for i in layout.members:
-                if tensors[i].numel and i in owners:
-                    _spread(held, at, tensors[i].numel, layout.slice_numel, 2)
-                    held.add(owners[i], 0, 4 * tensors[i].numel)
-                at += tensors[i].numel
+        # the step's transient buffers, a batch of units at a time (exchange_batches): on the
+        # owner the whole tensors and their gradients, received (2 copies) then assembled (2
+        # more); the pieces sent (2)
+        exchanging = [layout for layout in layouts if any(i in owners for i in layout.members)]
+        for batch in exchange_batches([sum(tensors[i].numel for i in layout.members if i in owners)
+                                       for layout in exchanging]):
+            held = _RankFigures(n)
+            for layout in (exchanging[k] for k in batch):
+                at = 0
+                for i in layout.members:
+                    if tensors[i].numel and i in owners:
+                        _spread(held, at, tensors[i].numel, layout.slice_numel, 2)
+                        held.add(owners[i], 0, 4 * tensors[i].numel)
+                    at += tensors[i].numel
             exchange_peak = max(exchange_peak, FP32 * held.most_state())
     for layout in layouts if stage < 3 else ():
         if layout.owners is None:

@@ -67,6 +67,28 @@ def step_owners(costs: list[int], n: int) -> list[int]:
     return owners
 
 
+#: stage 3's owner exchange steps consecutive units together up to this many elements brought
+#: whole (fp32: 1 GiB over the shard group, about 6/N of it held by a rank at once), so that the
+#: ranks wait for each other once per batch, not once per unit: :func:`exchange_batches`
+EXCHANGE_BATCH_NUMEL = 1 << 28
+
+
+def exchange_batches(sizes: list[int], limit: int = EXCHANGE_BATCH_NUMEL) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` (the elements each unit brings whole), grouped while a
+    group's total stays within ``limit`` — a unit larger than it alone: one bring, step and send
+    back per group (guide §12.3)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if out and total + size <= limit:
+            out[-1].append(i)
+            total += size
+        else:
+            out.append([i])
+            total = size
+    return out
+
+
 def whole_padding(sizes: list[int], n: int) -> float:
     """Padding of ``sizes`` packed whole into ``n`` slices (:func:`lpt_slice`), as a share of
     their elements."""
