@@ -35,9 +35,11 @@ EXCHANGE = "owner_exchange"
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Elements ``[start, stop)`` of tensor ``entry`` (an index into :attr:`OwnerExchange.entries`),
-    held by rank ``holder`` at ``local`` in the master shard of group ``group``."""
+class Share:
+    """A rank's share of a tensor the exchange brings whole: elements ``[start, stop)`` of tensor
+    ``entry`` (an index into :attr:`OwnerExchange.entries`), held by rank ``holder`` at ``local``
+    in its master shard of unit ``group`` (a checkpoint's :class:`~zerodp.engine.master.Piece` is
+    another thing: state by parameter name)."""
 
     entry: int
     start: int
@@ -83,8 +85,8 @@ class OwnerExchange:
         owners = step_owners(state_costs, self.n)
         self.entries = [Entry(slot.name, slot.shape, g, r) for (slot, g), r in zip(found, owners)]
         index = {e.name: i for i, e in enumerate(self.entries)}
-        # every piece of every entry, in one order all ranks share: by unit, by slot, by holder
-        self.pieces: list[Piece] = []
+        # every share of every entry, in one order all ranks agree on: by unit, by slot, by holder
+        self.shares: list[Share] = []
         for k, unit in enumerate(self.groups):
             lay = unit.layout
             s = lay.shard_numel
@@ -93,7 +95,7 @@ class OwnerExchange:
                     continue
                 for q in lay.owners_of(slot):
                     a, b = max(slot.offset, q * s), min(slot.stop, (q + 1) * s)
-                    self.pieces.append(Piece(index[slot.name], a - slot.offset, b - slot.offset, q, k, a - q * s))
+                    self.shares.append(Share(index[slot.name], a - slot.offset, b - slot.offset, q, k, a - q * s))
         # optimizer state elements per rank after a step: the owners' whole tensors, and the pieces
         # of the other trainable tensors where the flat slices cut them (one step scalar each)
         self.state_numel = [0] * self.n
@@ -125,15 +127,15 @@ class OwnerExchange:
         """The units holding tensors to exchange, in order, grouped up to
         :data:`~zerodp.plan.units.EXCHANGE_BATCH_NUMEL` elements: one bring, step and send_back
         per batch (:func:`~zerodp.plan.units.exchange_batches`, the planner's rule)."""
-        units = sorted({p.group for p in self.pieces})
-        sizes = [sum(p.numel for p in self.pieces if p.group == k) for k in units]
+        units = sorted({p.group for p in self.shares})
+        sizes = [sum(p.numel for p in self.shares if p.group == k) for k in units]
         return [{units[i] for i in batch} for batch in exchange_batches(sizes)]
 
     def sent_elements(self) -> int:
         """Elements this rank sends per step when every tensor is stepped: its pieces twice
         (values and gradients to the owners), and what it owns once (values back)."""
-        mine = sum(p.numel for p in self.pieces if p.holder == self.rank)
-        owned = sum(p.numel for p in self.pieces if self.entries[p.entry].owner == self.rank)
+        mine = sum(p.numel for p in self.shares if p.holder == self.rank)
+        owned = sum(p.numel for p in self.shares if self.entries[p.entry].owner == self.rank)
         return 2 * mine + owned
 
     def cost(self) -> dict:
@@ -141,7 +143,7 @@ class OwnerExchange:
         (Ψ_m), what this rank sends per step and how far that is from the even share 3Ψ_m/N, and
         how far the fullest rank's optimizer state (fp32: the owners' whole tensors and the other
         tensors' pieces in each slice) is above the mean."""
-        numel = sum(p.numel for p in self.pieces)
+        numel = sum(p.numel for p in self.shares)
         owned = self.state_numel
         sent = self.sent_elements()
         return {"exchange_numel": numel, "exchange_sent_elements": sent,
@@ -155,12 +157,12 @@ class OwnerExchange:
         owner (``proxy`` and ``proxy.grad``). ``skip``: tensors no rank computed a gradient for
         this step (or whose gradients were dropped): left unstepped, as torch skips a ``.grad``
         of None — the same set on every rank. ``units``: those units' tensors only (default all)."""
-        within = [p for p in self.pieces if units is None or p.group in units]
+        within = [p for p in self.shares if units is None or p.group in units]
         grads = {k: self.groups[k].grads.read() for k in {p.group for p in within}}
         stepped = {p.entry for p in within if self.entries[p.entry].name not in skip}
         stepped -= {p.entry for p in within if grads[p.group] is None}
         self._stepped = stepped
-        pieces = [p for p in self.pieces if p.entry in stepped]
+        pieces = [p for p in self.shares if p.entry in stepped]
         send, sizes = [], [0] * self.n
         for dest in range(self.n):  # to each owner: the values of its pieces here, then the gradients
             mine = [p for p in pieces if p.holder == self.rank and self.entries[p.entry].owner == dest]
@@ -189,7 +191,7 @@ class OwnerExchange:
     def send_back(self) -> None:
         """All-to-all 2: the stepped tensors' new values from their owners into every holder's
         master shard; the proxies' storage and gradients are freed."""
-        pieces = [p for p in self.pieces if p.entry in self._stepped]
+        pieces = [p for p in self.shares if p.entry in self._stepped]
         send, sizes = [], [0] * self.n
         for dest in range(self.n):
             mine = [p for p in pieces if p.holder == dest and self.entries[p.entry].owner == self.rank]
