@@ -85,30 +85,22 @@ class OwnerExchange:
         owners = step_owners(state_costs, self.n)
         self.entries = [Entry(slot.name, slot.shape, g, r) for (slot, g), r in zip(found, owners)]
         index = {e.name: i for i, e in enumerate(self.entries)}
-        # every share of every entry, in one order all ranks agree on: by unit, by slot, by holder
+        # every share of every entry, in one order all ranks agree on (by unit, by slot, by holder);
+        # and the optimizer state elements per rank after a step: the owners' whole tensors, and the
+        # pieces of the other trainable tensors where the flat slices cut them (a step scalar each)
         self.shares: list[Share] = []
-        for k, unit in enumerate(self.groups):
-            lay = unit.layout
-            s = lay.shard_numel
-            for slot in lay.slots:
-                if slot.name not in index or slot.numel == 0:
-                    continue
-                for q in lay.owners_of(slot):
-                    a, b = max(slot.offset, q * s), min(slot.stop, (q + 1) * s)
-                    self.shares.append(Share(index[slot.name], a - slot.offset, b - slot.offset, q, k, a - q * s))
-        # optimizer state elements per rank after a step: the owners' whole tensors, and the pieces
-        # of the other trainable tensors where the flat slices cut them (one step scalar each)
         self.state_numel = [0] * self.n
         for e, c in zip(self.entries, state_costs):
             self.state_numel[e.owner] += c
-        for unit in self.groups:
+        for k, unit in enumerate(self.groups):
             s = unit.layout.shard_numel
             for slot in unit.layout.slots:
-                if slot.name in index or slot.numel == 0:
-                    continue
-                for q in unit.layout.owners_of(slot):
+                for q in unit.layout.owners_of(slot):  # (none for an empty slot)
                     a, b = max(slot.offset, q * s), min(slot.stop, (q + 1) * s)
-                    self.state_numel[q] += costs(slot.name, (b - a,))
+                    if slot.name in index:
+                        self.shares.append(Share(index[slot.name], a - slot.offset, b - slot.offset, q, k, a - q * s))
+                    else:
+                        self.state_numel[q] += costs(slot.name, (b - a,))
         #: the whole tensors this rank steps, by entry index: empty storages at rest
         self.proxies: dict[int, torch.Tensor] = {}
         for i, e in enumerate(self.entries):

@@ -180,7 +180,8 @@ class StepMachine:
         then run once per batch) is it done in one call."""
         grads = self.master_grads()
         exchange = self.engine.master.exchange
-        hooks = _has_step_hooks(self.engine.master.optimizer)
+        cast = any(g is not None and g.dtype != self.engine.dtypes.master for g in grads)
+        hooks = (exchange is not None or cast) and _has_step_hooks(self.engine.master.optimizer)
         if exchange is not None and not hooks:  # stage 3: whole tensors stepped on their owners, by batch of units
             for units in exchange.batches():
                 exchange.bring(self.engine._unused, units)
@@ -190,7 +191,6 @@ class StepMachine:
         elif exchange is not None:  # step hooks run once per step: every unit's tensors at once
             exchange.bring(self.engine._unused)
         batches = [range(len(grads))]
-        cast = any(g is not None and g.dtype != self.engine.dtypes.master for g in grads)
         if cast and not hooks:
             batches, start, size = [], 0, 0
             for i, g in enumerate(grads):

@@ -381,12 +381,14 @@ def _spread(figures: _RankFigures, at: int, size: int, s: int, per_element: int)
     figures.add_run(q1, q1 + 1, 0, per_element * (at + size - q1 * s))
 
 
-def _unit_runs(figures: _RankFigures, moved: _RankFigures, layout: GroupLayout, tensors: list[Tensor],
-               optimizer: str, owners: dict[int, int], per: list[int]) -> None:
+def _unit_runs(figures: _RankFigures, moved: _RankFigures, held: _RankFigures | None, layout: GroupLayout,
+               tensors: list[Tensor], optimizer: str, owners: dict[int, int], per: list[int]) -> None:
     """A stage-3 unit, flat: rank r holds elements [r·s, (r+1)·s); an elementwise tensor's state
     lies with its pieces (one step scalar each), a tensor stepped whole all on its owner
     (``owners``), and the exchange moves (``moved``, as its state bytes) each such tensor's pieces
-    twice from their holders and the whole tensor once from its owner."""
+    twice from their holders and the whole tensor once from its owner; ``held`` (the unit's
+    batch) counts the elements its buffers hold: the pieces sent twice, and on the owner the
+    whole tensor four times (received values and gradient, then the proxy and its ``.grad``)."""
     s, numel = layout.slice_numel, layout.numel
     full = numel // s if s else 0
     figures.add_run(0, full, s, 0)
@@ -399,6 +401,8 @@ def _unit_runs(figures: _RankFigures, moved: _RankFigures, layout: GroupLayout, 
             figures.add(owners[i], 0, per[i])
             _spread(moved, at, size, s, 2)
             moved.add(owners[i], 0, size)
+            _spread(held, at, size, s, 2)
+            held.add(owners[i], 0, 4 * size)
         elif size:
             elements, scalars = state_numel(tensor_optimizer(optimizer, tensors[i]), (1,))
             _spread(figures, at, size, s, FP32 * elements)
@@ -496,23 +500,17 @@ def ownership(tensors: list[Tensor], n: int, stage: int, optimizer: str,
         whole = whole_groups(tensors, stage, optimizer)
         order = [i for layout in layouts for i in layout.members if tensors[i].group in whole]
         owners = dict(zip(order, step_owners([per[i] for i in order], n)))
-        for layout in layouts:
-            _unit_runs(figures, moved, layout, tensors, optimizer, owners, per)
         # the step's transient buffers, a batch of units at a time (exchange_batches): on the
         # owner the whole tensors and their gradients, received (2 copies) then assembled (2
-        # more); the pieces sent (2)
-        exchanging = [layout for layout in layouts if any(i in owners for i in layout.members)]
-        for batch in exchange_batches([sum(tensors[i].numel for i in layout.members if i in owners)
-                                       for layout in exchanging]):
-            held = _RankFigures(n)
-            for layout in (exchanging[k] for k in batch):
-                at = 0
-                for i in layout.members:
-                    if tensors[i].numel and i in owners:
-                        _spread(held, at, tensors[i].numel, layout.slice_numel, 2)
-                        held.add(owners[i], 0, 4 * tensors[i].numel)
-                    at += tensors[i].numel
-            exchange_peak = max(exchange_peak, FP32 * held.most_state())
+        # more); the pieces sent (2) — ``held``, one per batch
+        exchanging = [k for k, layout in enumerate(layouts) if any(i in owners for i in layout.members)]
+        batches = exchange_batches([sum(tensors[i].numel for i in layouts[k].members if i in owners)
+                                    for k in exchanging])
+        held = [_RankFigures(n) for _ in batches]
+        held_in = {exchanging[j]: held[b] for b, batch in enumerate(batches) for j in batch}
+        for k, layout in enumerate(layouts):
+            _unit_runs(figures, moved, held_in.get(k), layout, tensors, optimizer, owners, per)
+        exchange_peak = max((FP32 * h.most_state() for h in held), default=0)
     for layout in layouts if stage < 3 else ():
         if layout.owners is None:
             _flat_runs(figures, layout, tensors, optimizer)
