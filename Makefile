@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # planner alone needs no torch (pip install .); training, tests and the demo use the train extra.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast fuzz chaos browser clean gpu-check
+.PHONY: setup demo test test-fast fuzz chaos browser clean gpu-check compat
 
 setup: $(STAMP)
 
@@ -57,6 +57,13 @@ fuzz: setup
 	  tests/test_bench_compressed.py tests/test_engine_matrix.py tests/test_train_resume.py tests/test_check_models.py \
 	  tests/test_chaos_short.py tests/test_preempt.py tests/test_multinode.py tests/test_bench_compare.py \
 	  tests/test_auto_bucket.py tests/test_reliability_data.py
+
+# The compatibility tier on another torch (docs/engine.md, "Supported torch versions"): a venv of
+# its own per version under .venv-compat (built once: a CUDA build of several GB from the index),
+# then tests/test_compat.py, the matrix's pairwise table with its bf16 and per-tensor optimizer
+# cases, and the quick tier of the engine suites. make compat TORCH=2.11.0
+compat:
+	PY=$(PY) tools/compat.sh $(TORCH)
 
 # The chaos run: a seeded schedule of 7 faults over a 200-step run under --max-restarts, a report
 # of each, and the final state compared bitwise with an uninterrupted run (SEED=N draws another).

@@ -281,7 +281,10 @@ class MatrixModel(nn.Module):
         h = self.mix_b(torch.tanh(self.mix_a(h)))
         if self.spare is not None and use_spare:
             h = h + self.spare(h)
-        return F.mse_loss(self.head(h).float(), y)
+        out = self.head(h).float()
+        # both operands in one dtype: mixed_precision casts the target y to bf16 with the input, and before
+        # torch 2.12 mse_loss's backward rejects a target whose dtype differs (zerodp.compat)
+        return F.mse_loss(out, y.to(out.dtype))
 
 
 def use_spare(step: int, rank: int) -> bool:

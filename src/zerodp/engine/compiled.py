@@ -26,6 +26,8 @@ from typing import Callable, TypeVar
 
 import torch.nn as nn
 
+from zerodp.compat import dynamo_disable
+
 F = TypeVar("F", bound=Callable)
 
 REASON = "zerodp engine bookkeeping runs eagerly (zerodp.engine.compiled)"
@@ -64,7 +66,7 @@ def activate() -> None:
 
     for fn in _MARKED:
         if fn not in _DISABLED:
-            _DISABLED[fn] = torch._dynamo.disable(fn, recursive=True, reason=REASON)
+            _DISABLED[fn] = dynamo_disable(fn, REASON)
     # The wrappers' own frame (one code object for all): never compiled on its own when run
     # eagerly after the graph break at its call, where dynamo would otherwise trace and guard it
     # once per wrapped function (recompilations up to the limit).

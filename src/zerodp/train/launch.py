@@ -306,8 +306,9 @@ def launch(cfg: TrainConfig, before_start=None) -> str:
         return result.get("out", cfg.out or "")
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
+    from zerodp.compat import launch_config, launch_limits
     from zerodp.spawn import free_port
 
     cfg = cfg if cfg.out else replace(cfg, out=default_out())
@@ -318,7 +319,7 @@ def launch(cfg: TrainConfig, before_start=None) -> str:
     # itself (a peer died or stalled, inf/NaN, a bad checkpoint), with its traceback otherwise.
     # The launcher would log the same traceback once more, from inside its process machinery.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    config = LaunchConfig(
+    config = launch_config(
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"zerodp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.max_restarts,
         monitor_interval=0.2, start_method="spawn",
@@ -326,6 +327,8 @@ def launch(cfg: TrainConfig, before_start=None) -> str:
         # before --grace-s ends and then kills them, leaving the launcher time to exit within it
         signals_to_handle="SIGHUP,SIGQUIT",
         shutdown_timeout=max(1, math.floor(cfg.grace_s - stopping.margin_s(cfg.grace_s))))
+    for limit in launch_limits():  # what this torch's launcher cannot do (zerodp.compat)
+        print(f"zerodp train: {limit}", file=sys.stderr)
     with _LauncherSignals(cfg.out) as signals:
         try:
             results = elastic_launch(config, worker)(asdict(cfg), True)
