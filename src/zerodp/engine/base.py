@@ -147,8 +147,14 @@ def hybrid_groups(world: int, shard_size: int, group: dist.ProcessGroup | None):
     return shard_pg, replica_pg
 
 
-class StageEngine:
-    """Base class of the stage engines; see the module docstring for the subclass contract."""
+class StageEngine(nn.Module):
+    """Base class of the stage engines; see the module docstring for the subclass contract.
+
+    An ``nn.Module``, as DDP's wrapper is (docs/porting.md): it goes wherever the script put the
+    DDP-wrapped model — a child module of a task object, ``isinstance(model, nn.Module)``, forward
+    hooks, ``model.modules()`` — with the user's model as its child ``module``. What would move or
+    cast the parameters in place (``.to()``, ``.half()``) is refused: they are views into the
+    engine's flat buffers (:meth:`_apply`)."""
 
     stage: ClassVar[int] = -1
     grads_sharded: ClassVar[bool] = True
@@ -157,6 +163,7 @@ class StageEngine:
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):
+        super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: launch with torchrun (which sets RANK and "
@@ -235,7 +242,9 @@ class StageEngine:
             self.mixed_precision = dataclasses.replace(
                 self.mixed_precision or MixedPrecision(param_dtype=torch.float32),
                 reduce_dtype=parse_dtype(config.reduce_dtype, "reduce_dtype"))
-        self._module = module
+        self._modules["module"] = module  # the child, as DDP's: named_modules(), apply(), a parent's parameters()
+        self.__dict__["_module"] = module  # the same model, read without the wait of the property below
+        self.register_load_state_dict_post_hook(_restore_child)
         self._factory = optimizer_factory
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self.named_params:
@@ -243,7 +252,7 @@ class StageEngine:
         _check_sparse(module, self.stage)
         self.group_options, self.param_group_of = resolve_param_groups(self.named_params, config.param_groups)
         self._group_by_name = {n: g for (n, _), g in zip(self.named_params, self.param_group_of)}
-        self.buffers = persistent_buffers(module)
+        self.state_buffers = persistent_buffers(module)  # (fqn, owner, local name) of each persistent buffer
         self._unused: set[str] = set()  # parameters no rank used in the last step (None grads)
         self.master: MasterOptimizer | None = None
         self._sync = True  # False inside no_sync(): gradients accumulate locally (guide §5)
@@ -283,9 +292,6 @@ class StageEngine:
     def require_backward_grad_sync(self, value: bool) -> None:
         self._sync = bool(value)
 
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
     def forward(self, *args, **kwargs):
         # Traced by torch.compile(engine): only the model's call is; the engine's entry and exit
         # are host bookkeeping, kept out of the graph (zerodp.engine.compiled).
@@ -307,7 +313,7 @@ class StageEngine:
         # follows a grad-enabled, synchronizing forward (and at the first), so the first evaluation
         # forward after training sees rank 0's, and further no_grad forwards communicate nothing:
         # ranks may run different numbers of them.
-        if self._buffers_stale and self.config.broadcast_buffers and self.buffers and self.world_size > 1:
+        if self._buffers_stale and self.config.broadcast_buffers and self.state_buffers and self.world_size > 1:
             self.construction.broadcast_buffers()
         self._buffers_stale = torch.is_grad_enabled() and self._sync
         if self.dtypes.cast_inputs:  # floating inputs compute in the param dtype, every stage
@@ -335,12 +341,18 @@ class StageEngine:
             self.machine.attach_sharded_grads()
         return out
 
-    def train(self, mode: bool = True) -> "StageEngine":
-        self._module.train(mode)
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module.to/cuda/half/float/...`` pass through here: a call that leaves every
+        parameter and buffer as it is (``model.to(its own device)``) is served, one that would move
+        or cast them is refused — they are views into the engine's flat buffers."""
+        for t in [*self._module.parameters(), *self._module.buffers()]:
+            out = fn(t)
+            if out is not t and (out.dtype != t.dtype or out.device != t.device):
+                raise RuntimeError(
+                    f"the engine's parameters are views into its flat buffers and cannot be moved or cast in place "
+                    f"({t.dtype} on {t.device} -> {out.dtype} on {out.device}): call model.to(device) before "
+                    "zerodp.parallelize, and ask for a compute dtype with mixed_precision='bf16'")
         return self
-
-    def eval(self) -> "StageEngine":
-        return self.train(False)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The model's parameters. Once a step's gradients are reduced, their ``.grad`` is what
@@ -504,10 +516,34 @@ class StageEngine:
         return write_chrome_trace(path, [e for rank_events in gathered for e in rank_events])
 
     # ---- standard state dicts, keyed by the model's own names (zerodp.engine.state_dict) ----
-    def state_dict(self, **options) -> dict[str, torch.Tensor]:
+    def state_dict(self, *, destination: dict | None = None, prefix: str = "", keep_vars: bool = False,
+                   **options) -> dict[str, torch.Tensor]:
         """Collective: the model's parameters and persistent buffers by name, like
-        ``module.state_dict()`` (see :func:`zerodp.engine.state_dict.state_dict` for options)."""
-        return state_dict(self, **options)
+        ``module.state_dict()`` (see :func:`zerodp.engine.state_dict.state_dict` for options).
+        ``destination`` and ``prefix`` are what a parent module's ``state_dict()`` passes its
+        children: the same tensors, under the parent's names."""
+        own = state_dict(self, **options)
+        if destination is None and not prefix:
+            return own
+        out = destination if destination is not None else {}
+        out.update((prefix + k, v) for k, v in own.items())
+        return out
+
+    def _load_from_state_dict(self, state, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """A parent module's ``load_state_dict`` reaching the engine: the keys under ``prefix`` are
+        loaded by the engine's own :meth:`load_state_dict` (every stage, any saved layout), and the
+        parent's walk does not go on into the child ``module`` — it would write around the engine
+        (into stage 3's empty parameters) — until :func:`_restore_child` puts the child back."""
+        mine = {k[len(prefix):]: state.pop(k) for k in [k for k in state if k.startswith(prefix)]}
+        self._modules.pop("module", None)
+        try:
+            result = self.load_state_dict(mine, strict=False)
+        except Exception as e:  # noqa: BLE001 - reported as the parent reports a child's error
+            error_msgs.append(f"{prefix or 'engine'}: {e}")
+            return
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], **options):
         """Collective: load parameters and buffers by name (each rank copies what it holds)."""
@@ -535,6 +571,11 @@ class StageEngine:
         return self.checkpoint.layout()
 
 
+
+
+def _restore_child(engine: StageEngine, incompatible) -> None:
+    """The post-hook of a parent's ``load_state_dict`` on the engine: its child ``module`` back."""
+    engine._modules["module"] = engine._module
 
 
 def _check_sparse(module: nn.Module, stage: int) -> None:

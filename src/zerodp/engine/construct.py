@@ -323,7 +323,7 @@ class Construction:
         """DDP's ``broadcast_buffers=True``: at each forward every rank takes rank 0's buffers
         (e.g. BatchNorm's running statistics), one flat broadcast per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, sub, local in self.engine.buffers:
+        for _, sub, local in self.engine.state_buffers:
             buf = getattr(sub, local)
             by_dtype.setdefault(buf.dtype, []).append(buf)
         for bufs in by_dtype.values():

@@ -79,8 +79,8 @@ class _Names:
         self.trainable = [n for n, _ in engine.named_params]
         trainable = set(self.trainable)
         self.frozen = [n for n in self.params if n not in trainable]
-        self.buffers = [name for name, _, _ in engine.buffers]
-        for name, sub, local in engine.buffers:
+        self.buffers = [name for name, _, _ in engine.state_buffers]
+        for name, sub, local in engine.state_buffers:
             first.setdefault(id(getattr(sub, local)), name)
         # Every key of module.state_dict(), in its order, with the name it is stored under.
         self.canonical: dict[str, str] = {}
@@ -107,7 +107,7 @@ class _Names:
                 self.shapes[slot["name"]] = tuple(slot["shape"])
         for name, p in module.named_parameters():
             self.shapes.setdefault(name, tuple(p.shape))
-        for name, sub, local in engine.buffers:
+        for name, sub, local in engine.state_buffers:
             self.shapes[name] = tuple(getattr(sub, local).shape)
 
     def lookup(self, state: Mapping[str, Any], name: str) -> Any:
@@ -262,7 +262,7 @@ def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
         if kind == BUFFER:
             if name in values:
                 return values[name].detach().reshape(-1)[start:stop]
-            sub, local = next((s, loc) for n, s, loc in engine.buffers if n == name)
+            sub, local = next((s, loc) for n, s, loc in engine.state_buffers if n == name)
             return getattr(sub, local).detach().reshape(-1)[start:stop].clone()
         if kind == PARAM and name in values:
             return values[name].detach().reshape(-1)[start:stop].to(device=device, dtype=engine.dtypes.master)
@@ -454,7 +454,7 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
 
     def read(name: str, kind: str, start: int, stop: int) -> torch.Tensor:
         if kind == BUFFER:
-            sub, local = next((s, loc) for n, s, loc in engine.buffers if n == name)
+            sub, local = next((s, loc) for n, s, loc in engine.state_buffers if n == name)
             return getattr(sub, local).detach().reshape(-1)[start:stop].clone()
         if kind == PARAM:
             return held[(name, kind, start, stop)]
@@ -523,7 +523,7 @@ class Checkpoint:
         self.engine.machine.finish_grad_sync()
         pieces = self.engine.master.pieces(ranges=self._owned_range)
         if self.engine.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
-            for name, sub, local in self.engine.buffers:
+            for name, sub, local in self.engine.state_buffers:
                 buf = getattr(sub, local)
                 pieces.append(Piece(name, BUFFER, 0, buf.numel(), tuple(buf.shape), buf.detach().reshape(-1)))
         return pieces
@@ -565,7 +565,7 @@ class Checkpoint:
         """Every rank reads every buffer (checkpoints written before buffers were saved hold
         none: the model's buffers are then left as they are, with a warning)."""
         missing = []
-        for name, sub, local in self.engine.buffers:
+        for name, sub, local in self.engine.state_buffers:
             buf = getattr(sub, local)
             try:
                 src = read(name, BUFFER, 0, buf.numel())
@@ -635,7 +635,7 @@ class Checkpoint:
     @torch.no_grad()
     def _buffer_dict(self) -> dict[str, torch.Tensor]:
         out = {}
-        for name, sub, local in self.engine.buffers:
+        for name, sub, local in self.engine.state_buffers:
             buf = getattr(sub, local).detach().clone()
             if self.engine.world_size > 1:
                 self.engine.construction.broadcast_from_rank0([buf])
