@@ -37,7 +37,7 @@ def test_results_are_json_ready():
     (lambda: plan.model_states(1e9, 0, 0), "n (data-parallel GPUs) must be >= 1"),
     (lambda: plan.model_states(1e9, 8, 4), "stage must be one of"),
     (lambda: plan.model_states(-1, 8, 0), "params must be > 0"),
-    (lambda: plan.get_hardware("V100"), "H100, H800, H200, A100, B200, TPU v5p"),
+    (lambda: plan.get_hardware("V100"), "H100, H100 96GB, H800, H200, A100, A100 40GB, B200, TPU v5p"),
     (lambda: plan.get_model("gpt5"), "llama3-405b"),
     (lambda: plan.RingCost(1e-6, 0, 8), "bandwidth must be > 0"),
     (lambda: plan.collective_time("broadcast", 1, 2, "H100"), "all_reduce, reduce_scatter, all_gather"),

@@ -83,7 +83,7 @@ def test_hardware_files(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["roofline", "--hardware", "H101"], "H100, H800"),
+    (["roofline", "--hardware", "H101"], "H100, H100 96GB, H800"),
     (["memory", "--model", "llama9"], "llama3-8b"),
     (["memory", "--params", "-5"], "--params: params must be between 1 and 1,000T"),
     (["comm", "--bytes", "1e6", "--gpus", "0"], "gpus must be between 1 and 1,000,000"),

@@ -145,4 +145,6 @@ def test_activation_memory_korthikanti():
     assert plan.activations(L, h, a, s, b, recompute="selective").per_layer_bytes == 34 * s * b * h
     full = plan.activations(L, h, a, s, b, recompute="full", vocab=1000)
     assert full.per_layer_bytes == 2 * s * b * h
-    assert full.total_bytes == L * 2 * s * b * h + 5 * s * b * h + 4 * s * b * 1000
+    assert full.total_bytes == L * 2 * s * b * h + 5 * s * b * h + 12 * s * b * 1000
+    # the loss's peak: fp32 logits, their log-softmax and its gradient, 12 bytes per logit
+    assert plan.memory.LOSS_PEAK_BYTES == 12

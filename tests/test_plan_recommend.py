@@ -43,12 +43,16 @@ def test_first_pick_is_the_planner_functions_arithmetic(llama_64):
     row = mp.stages[c.stage]
     assert c.memory_bytes == row["total_bytes"] and row["fits"]
     assert c.memory_bytes <= 0.9 * 80e9
-    # compute: 3·(2·A·t + 2·L·s·q·t) + recomputation, at 50 % of 989 TFLOP/s
+    # compute: the H100's compute model per micro-batch, and AdamW's 28 bytes per parameter the
+    # rank steps (Ψ/g) at its HBM bandwidth
     t = 8192 * c.micro_batch
     attn = 2 * m.layers * 8192 * m.q_dim * t
     fwd = 2 * m.active * t + attn
-    extra = {"none": 0, "selective": attn, "full": fwd}[c.recompute]
-    assert c.compute_s == pytest.approx(c.grad_acc * (3 * fwd + extra) / (0.5 * 9.9e14))
+    ct = plan.hardware.step_compute(m, "H100", 8192, c.micro_batch, c.recompute)
+    opt = 28 * m.params / g / 3.35e12
+    assert c.compute_s == pytest.approx(c.grad_acc * (ct.forward_s + ct.backward_s) + opt)
+    assert r.efficiency == pytest.approx(c.grad_acc * 3 * fwd / (c.compute_s * 9.9e14))
+    assert r.efficiency_source.startswith("H100 compute model: matmul 80% of peak")
     # communication: step_comm's collectives, each once or per micro-batch by stage
     sc = plan.step_comm("H100", n, c.stage, m.params, g if g < n else None, "bf16", c.compress)
     once = max(sum(x["intra_s"] for x in sc.collectives), sum(x["inter_s"] for x in sc.collectives))
@@ -151,3 +155,18 @@ def test_calibrated_compute_comes_from_the_profile(tmp_path):
         opt = optimizer_time(comp, c.micro_batch * 32, m.params / (2 if c.stage else 1))
         assert c.compute_s == pytest.approx(c.grad_acc * (f + b) * m.active / comp["params"] + opt)
         assert c.step_s == pytest.approx(c.compute_s + c.exposed_comm_s)
+
+
+def test_a_given_efficiency_keeps_the_flop_count_model():
+    """--efficiency 0.5: every configuration's compute is 3·(2·A·t + 2·L·s·q·t) + recomputation
+    at 50 % of 989 TFLOP/s, and the header says it was given."""
+    m = plan.load_config(LLAMA)
+    r = rec.recommend(m, "H100", nodes=8, gpus_per_node=8, global_batch_tokens="4M", seq=8192,
+                      efficiency=0.5)
+    c = r.best
+    t = 8192 * c.micro_batch
+    attn = 2 * m.layers * 8192 * m.q_dim * t
+    fwd = 2 * m.active * t + attn
+    extra = {"none": 0, "selective": attn, "full": fwd}[c.recompute]
+    assert c.compute_s == pytest.approx(c.grad_acc * (3 * fwd + extra) / (0.5 * 9.9e14))
+    assert r.efficiency == 0.5 and r.efficiency_source.startswith("given: 50%")

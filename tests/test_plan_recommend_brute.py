@@ -81,16 +81,19 @@ def test_mixtral_keeps_its_communication_bound_fastest():
     (communication-bound) is the fastest the model predicts, so it is first, marked as such."""
     r = recommend("mixtral-8x7b", "H100", 8, 8, 4 * 2**20, 4096)
     assert r.best.stage == 3 and r.best.micro_batch == 1 and r.best.comm_bound
-    assert r.best.step_s < 11.5
+    assert r.best.step_s < 14.5  # 13.6 s with H100's compute model (11.3 s at the old 50 % of peak)
 
 
 def test_llama_1b_on_8_picks_flash_without_recomputation():
     """Llama-3.2-1B on 8 GPUs: the first pick is no recomputation with FlashAttention/SDPA (no
-    s x s scores stored), what practitioners run; with eager attention it costs 40 GB more."""
+    s x s scores stored), what practitioners run; with eager attention it costs 40 GB more at
+    micro-batch 1."""
     m = _model("llama-3.2-1b")
     r = recommend(m, "H100", 1, 8, 4 * 2**20, 4096)
     assert r.best.recompute == "none" and r.attention == "flash"
-    assert r.best.memory_bytes < 30e9
-    eager = recommend(m, "H100", 1, 8, 4 * 2**20, 4096, attention="eager", recompute=("none",),
-                      micro_batches=(r.best.micro_batch,), stages=(r.best.stage,))
-    assert eager.best.memory_bytes > r.best.memory_bytes + 40e9
+    assert r.best.memory_bytes < 0.9 * 80e9
+    # micro-batch 1 at the same stage: eager attention stores the scores, 40 GB more
+    same = dict(recompute=("none",), micro_batches=(1,), stages=(r.best.stage,), require_fit=False)
+    flash = recommend(m, "H100", 1, 8, 4 * 2**20, 4096, **same)
+    eager = recommend(m, "H100", 1, 8, 4 * 2**20, 4096, attention="eager", **same)
+    assert eager.best.memory_bytes > flash.best.memory_bytes + 40e9

@@ -550,8 +550,9 @@ def _cluster(args, hw):
 
 def cmd_recommend(args) -> int:
     """The fastest configuration that fits (guide §6.1, §7, §9, §14)."""
+    from zerodp.plan.hardware import with_power_limit
     from zerodp.plan.recommend import BUCKET_MB, SEARCH_COMPRESSIONS, recommend, text
-    hw = get_hardware(args.hardware)
+    hw = with_power_limit(get_hardware(args.hardware), args.power_limit)
     model = _model(args, default=REC["model"])
     nodes, gpn = _cluster(args, hw)
     r = recommend(model, hw, nodes, gpn, args.global_batch_tokens, args.seq,
@@ -568,6 +569,18 @@ def cmd_recommend(args) -> int:
 def cmd_report(args) -> int:
     r = build_report()
     return _emit(args, r.to_dict(), r.text())
+
+
+def cmd_validate(args) -> int:
+    """The planner against published FSDP runs; status 1 when a run is outside its band."""
+    from zerodp.plan.report import VALIDATION_FILE, FITTED, fit_constants, load_validation, validate
+    path = args.table or VALIDATION_FILE
+    constants = fit_constants(load_validation(path)["runs"]) if args.fit else None
+    v = validate(constants, path, with_holdout=args.holdout)
+    _emit(args, v.to_dict(), v.text())
+    if args.fit and not args.json:
+        print("fitted on every run: " + ", ".join(f"{k} = {getattr(constants, k):.3g}" for k in FITTED))
+    return 0 if v.ok else 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -740,7 +753,11 @@ def add_parser(subparsers) -> None:
     _optimizer(p, REC["optimizer"])
     _attention(p, REC["attention"])
     p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
-                   default=REC["efficiency"], help="fraction of peak FLOP/s the compute reaches")
+                   default=REC["efficiency"], help="fraction of peak FLOP/s the compute reaches "
+                   "(default: the hardware's compute model, docs/planner.md)")
+    p.add_argument("--power-limit", type=_qty("power-limit", 1, 10_000, "watts"), metavar="W",
+                   help="board power limit in watts, below the part's TDP: the compute clock "
+                        "scales by (W/TDP)^(1/3) (default: the preset's)")
     p.add_argument("--headroom", type=_qty("headroom", 0, 0.99, "a fraction of HBM",
                                            allow_zero=True), default=REC["headroom"],
                    help="fraction of HBM kept free: CUDA context, NCCL buffers, allocator slack")
@@ -759,3 +776,17 @@ def add_parser(subparsers) -> None:
     p = sub.add_parser("report", help="the guide's worked examples, recomputed", formatter_class=_Help)
     _common(p, hardware=False)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("validate", help="the planner against published FSDP runs (exit 1 outside the band)",
+                       description="Predict every published run of zerodp/plan/validation.json as "
+                                   "it ran and compare TPS/GPU and memory with what its source "
+                                   "measured (docs/planner.md); exits 1 when a run is outside "
+                                   "the band.", formatter_class=_Help)
+    _common(p, hardware=False)
+    p.add_argument("--holdout", action="store_true",
+                   help="also fit the compute constants on some runs and predict the others")
+    p.add_argument("--fit", action="store_true",
+                   help="fit the compute constants on every run first, and use them")
+    p.add_argument("--table", metavar="PATH",
+                   help="another validation table of the same format (default: the shipped one)")
+    p.set_defaults(func=cmd_validate)

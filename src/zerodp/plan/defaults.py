@@ -42,7 +42,7 @@ DEFAULTS: dict[str, dict[str, object]] = {
     # plan recommend: Llama 3 8B on one node of 8 H100, 4Mi tokens of 4,096
     "recommend": dict(model="llama3-8b", hardware=HARDWARE, nodes=1, gpus_per_node=None,
                       global_batch_tokens=float(4 * 2**20), seq=4096, attention="flash",
-                      efficiency=0.5, headroom=0.1, optimizer=OPTIMIZER),
+                      efficiency=None, headroom=0.1, optimizer=OPTIMIZER),
 }
 
 

@@ -15,7 +15,22 @@ field               meaning
                     costs α′ = 2(g−1)·α, which is what nccl-tests reports (guide §4: α′ ≈ 16 µs)
 ``inter_alpha``     latency of one ring step across nodes (defaults to ``alpha``)
 ``axes``            mesh axes that can each carry DP traffic at ``intra_bw`` at once (TPU torus: 3)
+``hbm_bw``          HBM bandwidth per device, bytes/s (0: unknown; the compute model then
+                    assumes flops / 300, an A100-like ratio)
+``matmul_efficiency`` sustained fraction of ``flops`` a large bf16 GEMM reaches (the maximum
+                    achievable matmul FLOPS, MAMF, over the peak; 0: :data:`GENERIC_MATMUL`)
+``attention_efficiency`` fraction of ``flops`` FlashAttention's forward + backward reaches
+                    (0: :data:`GENERIC_ATTENTION`)
+``tdp_w``, ``power_limit_w`` the board's power at its rated clock and the limit the run sets
+                    (0: at TDP); a limit scales the compute clock by (limit/TDP)^(1/3)
 ==================  =========================================================================
+
+The step's compute (:func:`step_compute`) is priced from these: matrix multiplications at
+``flops × matmul_efficiency`` scaled by the GEMM's shape (hidden size, tokens per micro-batch),
+FlashAttention at ``flops × attention_efficiency``, memory-bound elementwise work at ``hbm_bw``,
+a per-layer overhead, the recomputation the mode actually runs and the optimizer step's HBM
+traffic; the shape constants shared by all hardware are :data:`COMPUTE` (docs/planner.md,
+"The compute model": sources, dates, and how they were fitted).
 
 Hardware files (``load_hardware``) are TOML or JSON objects with exactly these keys (``name``,
 ``flops``, ``hbm_bytes``, ``intra_bw``, ``devices_per_node`` required; ``inter_bw`` defaults to 0,
@@ -28,7 +43,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from zerodp.plan._common import ToDict, check_count, check_positive, parse_quantity
 
@@ -56,6 +71,11 @@ class Hardware(ToDict):
     inter_alpha: float | None = None
     axes: int = 1
     note: str = ""
+    hbm_bw: float = 0.0
+    matmul_efficiency: float = 0.0
+    attention_efficiency: float = 0.0
+    tdp_w: float = 0.0
+    power_limit_w: float = 0.0
 
     def __post_init__(self):
         if not self.name:
@@ -69,6 +89,16 @@ class Hardware(ToDict):
         if self.inter_alpha is not None:
             check_positive("inter_alpha", self.inter_alpha, allow_zero=True)
         check_count("axes", self.axes)
+        check_positive("hbm_bw", self.hbm_bw, allow_zero=True)
+        for name in ("matmul_efficiency", "attention_efficiency"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{name} must be a fraction of flops in [0, 1], got {value!r}")
+        check_positive("tdp_w", self.tdp_w, allow_zero=True)
+        check_positive("power_limit_w", self.power_limit_w, allow_zero=True)
+        if self.power_limit_w and self.tdp_w and self.power_limit_w > self.tdp_w:
+            raise ValueError(f"power_limit_w ({self.power_limit_w:g} W) above tdp_w "
+                             f"({self.tdp_w:g} W): a limit can only lower the board's power")
 
     @property
     def node_alpha(self) -> float:
@@ -93,30 +123,69 @@ def _per_hop(latency: float, ranks: int) -> float:
 
 _ALPHA_8GPU = _per_hop(H100_SMALL_MESSAGE_LATENCY, GPUS_PER_HGX_NODE)
 
+#: sustained fractions of peak (docs/planner.md, "The compute model", where each comes from):
+#: the maximum achievable matmul FLOPS (MAMF, bf16, best shape) over the peak, measured with
+#: ml-engineering's mamf-finder (S. Bekman, compute/accelerator/README.md, 2024): A100 SXM 267.9 of
+#: 312 TFLOP/s, H100 SXM 792.1 of 989, GH200 (the H100 die with HBM3e, as H200) 821.0 of 989
+MAMF_A100 = 267.9 / 312
+MAMF_H100 = 792.1 / 989
+MAMF_GH200 = 821.0 / 989
+#: FlashAttention-2's forward + backward (causal, head dim 128, long sequences) as a fraction of
+#: peak: about 190 TFLOP/s on A100 and about 335 TFLOP/s on H100 SXM (Dao 2023, arXiv 2307.08691,
+#: fig. 6-7; on Hopper FlashAttention-2 does not use its new instructions, Shah et al. 2024)
+FA2_A100 = 190e12 / 312e12
+FA2_H100 = 335e12 / 989e12
+#: where a part's sustained figures are not published: the H100's (an assumption, said in notes)
+GENERIC_MATMUL = MAMF_H100
+GENERIC_ATTENTION = FA2_H100
+
 PRESETS: dict[str, Hardware] = {h.name: h for h in [
     Hardware("H100", flops=9.9e14, hbm_bytes=80e9, intra_bw=450e9, devices_per_node=8,
-             inter_bw=400e9, alpha=_ALPHA_8GPU,
-             note="SXM; NVLink 450 GB/s per GPU one way; 8x400 Gbps NICs per node (guide §2.4)"),
+             inter_bw=400e9, alpha=_ALPHA_8GPU, hbm_bw=3.35e12, matmul_efficiency=MAMF_H100,
+             attention_efficiency=FA2_H100, tdp_w=700,
+             note="H100 SXM5 80GB HBM3 (3.35 TB/s), 700 W; NVLink 450 GB/s per GPU one way; "
+                  "8x400 Gbps NICs per node (guide §2.4)"),
+    Hardware("H100 96GB", flops=9.9e14, hbm_bytes=96e9, intra_bw=450e9, devices_per_node=8,
+             inter_bw=400e9, alpha=_ALPHA_8GPU, hbm_bw=2.4e12, matmul_efficiency=MAMF_H100,
+             attention_efficiency=FA2_H100, tdp_w=700, power_limit_w=500,
+             note="H100 SXM 96GB HBM2e (2.4 TB/s) as in Meta's Grand Teton hosts, run at their "
+                  "default 500 W limit (torchtitan docs/performance.md, 2025-01); "
+                  "--power-limit 700 for full TDP"),
     Hardware("H800", flops=9.9e14, hbm_bytes=80e9, intra_bw=200e9, devices_per_node=8,
-             inter_bw=400e9, alpha=_ALPHA_8GPU,
-             note="NVLink cut to 200 GB/s per GPU one way (guide §7.2); latency assumed as H100"),
+             inter_bw=400e9, alpha=_ALPHA_8GPU, hbm_bw=3.35e12, matmul_efficiency=MAMF_H100,
+             attention_efficiency=FA2_H100, tdp_w=700,
+             note="NVLink cut to 200 GB/s per GPU one way (guide §7.2); compute, HBM and latency "
+                  "assumed as H100"),
     Hardware("H200", flops=9.9e14, hbm_bytes=141e9, intra_bw=450e9, devices_per_node=8,
-             inter_bw=400e9, alpha=_ALPHA_8GPU,
-             note="H100 compute and NVLink with 141 GB HBM3e; latency assumed as H100"),
+             inter_bw=400e9, alpha=_ALPHA_8GPU, hbm_bw=4.8e12, matmul_efficiency=MAMF_GH200,
+             attention_efficiency=FA2_H100, tdp_w=700,
+             note="H100 compute and NVLink with 141 GB HBM3e (4.8 TB/s); matmul as GH200's "
+                  "measured MAMF (same die and memory); latency assumed as H100"),
     Hardware("A100", flops=3.12e14, hbm_bytes=80e9, intra_bw=300e9, devices_per_node=8,
-             inter_bw=200e9, alpha=_ALPHA_8GPU,
-             note="SXM 80GB; NVLink3 300 GB/s per GPU one way; 8x200 Gbps HDR per node; "
-                  "latency assumed as H100"),
+             inter_bw=200e9, alpha=_ALPHA_8GPU, hbm_bw=2.039e12, matmul_efficiency=MAMF_A100,
+             attention_efficiency=FA2_A100, tdp_w=400,
+             note="A100 SXM 80GB HBM2e (2.04 TB/s), 400 W; NVLink3 300 GB/s per GPU one way; "
+                  "8x200 Gbps HDR per node; latency assumed as H100"),
+    Hardware("A100 40GB", flops=3.12e14, hbm_bytes=40e9, intra_bw=300e9, devices_per_node=8,
+             inter_bw=200e9, alpha=_ALPHA_8GPU, hbm_bw=1.555e12, matmul_efficiency=MAMF_A100,
+             attention_efficiency=FA2_A100, tdp_w=400,
+             note="A100 SXM 40GB HBM2 (1.56 TB/s), 400 W; otherwise as A100"),
     Hardware("B200", flops=2.25e15, hbm_bytes=180e9, intra_bw=900e9, devices_per_node=8,
-             inter_bw=400e9, alpha=_ALPHA_8GPU,
-             note="HGX B200 (180 GB per GPU); NVLink5 900 GB/s per GPU one way; "
-                  "8x400 Gbps per node; latency assumed as H100"),
+             inter_bw=400e9, alpha=_ALPHA_8GPU, hbm_bw=8e12, tdp_w=1000,
+             note="HGX B200 (180 GB HBM3e per GPU, 8 TB/s), 1000 W; NVLink5 900 GB/s per GPU one "
+                  "way; 8x400 Gbps per node; no published MAMF: matmul and attention assumed at "
+                  "H100's fractions; latency assumed as H100"),
     Hardware("TPU v5p", flops=4.59e14, hbm_bytes=96e9,
              intra_bw=TPU_V5P_LINKS_PER_AXIS * TPU_V5P_ICI_LINK_BW,
              devices_per_node=TPU_V5P_POD_CHIPS, inter_bw=0.0, alpha=1e-6, axes=3,
+             hbm_bw=2.765e12,
              note="3D torus; one pod (8960 chips) is one ICI domain; 2 ICI links of 9e10 B/s "
-                  "per axis one way (guide §7.2); alpha 1 µs per hop is an assumption"),
+                  "per axis one way (guide §7.2); alpha 1 µs per hop is an assumption; "
+                  "sustained fractions assumed as H100's"),
 ]}
+#: other names of the presets (the part's full name)
+ALIASES = {"H100 SXM": "H100", "H100 80GB": "H100", "H100 SXM 80GB": "H100", "A100 80GB": "A100",
+           "A100 SXM": "A100", "H100 HBM2e": "H100 96GB"}
 
 
 def _normalize(name: str) -> str:
@@ -136,6 +205,9 @@ def get_hardware(name_or_file: str | Hardware) -> Hardware:
     for name, hw in PRESETS.items():
         if _normalize(name) == key:
             return hw
+    for alias, name in ALIASES.items():
+        if _normalize(alias) == key:
+            return PRESETS[name]
     if os.path.exists(name_or_file) or str(name_or_file).endswith((".toml", ".json")):
         return load_hardware(name_or_file)
     raise ValueError(f"unknown hardware {name_or_file!r}: use one of {', '.join(PRESETS)} "
@@ -143,7 +215,8 @@ def get_hardware(name_or_file: str | Hardware) -> Hardware:
 
 
 _NUMBER_FIELDS = ("flops", "hbm_bytes", "intra_bw", "inter_bw", "alpha", "inter_alpha",
-                  "small_message_latency")
+                  "small_message_latency", "hbm_bw", "matmul_efficiency", "attention_efficiency",
+                  "tdp_w", "power_limit_w")
 _INT_FIELDS = ("devices_per_node", "axes")
 
 
@@ -223,3 +296,160 @@ def save_hardware(hw: Hardware, path: str) -> str:
         f.write(text)
     return path
 
+
+
+# ---- what the hardware sustains: the compute model -----------------------------------------
+@dataclass(frozen=True)
+class ComputeConstants(ToDict):
+    """The compute model's constants shared by all hardware (docs/planner.md, "The compute
+    model"). ``hidden_knee`` and ``token_knee``: a GEMM of hidden size h over t tokens reaches
+    h/(h + hidden_knee) · t/(t + token_knee) of the hardware's sustained matmul fraction (wave and
+    tile quantization, and the small-K/N inefficiency of thin matrices); ``elementwise_passes``:
+    bytes the memory-bound operations (norms, activations, residual adds, rotary, casts) move per
+    byte of one layer's stored activations, forward (backward twice that);
+    ``layer_overhead_s``: seconds per layer per micro-batch forward that do not scale with tokens
+    (kernel launches, hooks; backward twice that); ``attention_backward``: FlashAttention's
+    backward FLOPs over its forward's (5 matmuls against 2); ``optimizer_bytes``: HBM bytes AdamW
+    moves per parameter it steps (reads fp32 value, gradient, two moments; writes value and
+    moments: 28); ``attention_scale``: the share of the FlashAttention benchmark's rate
+    (``attention_efficiency``) attention reaches inside a training step."""
+
+    hidden_knee: float = 0.0
+    token_knee: float = 1340.0
+    elementwise_passes: float = 4.49
+    layer_overhead_s: float = 8.6e-4
+    attention_backward: float = 2.5
+    optimizer_bytes: float = 28.0
+    attention_scale: float = 0.56
+
+
+#: the constants every prediction uses unless given others: token_knee, elementwise_passes,
+#: layer_overhead_s and attention_scale least-squares fitted (log ratios) on the 22 published runs
+#: of zerodp/plan/validation.json (``zerodp plan validate --fit``); hidden_knee fitted too and
+#: found 0 for hidden sizes 1,536-8,192 (no measurable effect there); docs/planner.md
+COMPUTE = ComputeConstants()
+
+
+def clock_factor(hw: Hardware) -> float:
+    """The compute clock under a power limit relative to TDP: (limit/TDP)^(1/3), dynamic power
+    growing as f·V² with the voltage following the clock (1.0 without a limit)."""
+    if hw.power_limit_w and hw.tdp_w and hw.power_limit_w < hw.tdp_w:
+        return (hw.power_limit_w / hw.tdp_w) ** (1 / 3)
+    return 1.0
+
+
+def with_power_limit(hw: Hardware, watts: float | None) -> Hardware:
+    """``hw`` run at ``watts`` (None: as it is; ValueError above its TDP)."""
+    if watts is None:
+        return hw
+    check_positive("power_limit_w", watts)
+    if not hw.tdp_w:
+        raise ValueError(f"{hw.name} has no tdp_w: a power limit needs the board's TDP "
+                         "(add tdp_w to the hardware file)")
+    return replace(hw, power_limit_w=0.0 if watts >= hw.tdp_w else float(watts))
+
+
+def sustained(hw: Hardware) -> dict:
+    """The sustained figures the compute model uses for ``hw``, and where each comes from."""
+    clock = clock_factor(hw)
+    mm = hw.matmul_efficiency or GENERIC_MATMUL
+    at = hw.attention_efficiency or GENERIC_ATTENTION
+    bw = hw.hbm_bw or hw.flops / 300
+    return {"matmul_flops": hw.flops * mm * clock, "attention_flops": hw.flops * at * clock,
+            "hbm_bw": bw, "clock_factor": clock, "matmul_efficiency": mm,
+            "attention_efficiency": at,
+            "assumed": [k for k, v in (("matmul_efficiency", hw.matmul_efficiency),
+                                       ("attention_efficiency", hw.attention_efficiency),
+                                       ("hbm_bw", hw.hbm_bw)) if not v]}
+
+
+@dataclass(frozen=True)
+class ComputeTime(ToDict):
+    """One micro-batch's compute on one device, and the optimizer step (:func:`step_compute`).
+    ``to_dict()`` keys: ``forward_s``, ``backward_s`` (recomputation included), ``recompute_s``
+    (the part of backward_s that is recomputation), ``optimizer_s``, ``matmul_s``,
+    ``attention_s``, ``elementwise_s``, ``overhead_s`` (fwd + bwd + recompute of each),
+    ``model_flops`` (forward + backward, no recomputation), ``efficiency`` (model FLOPs over
+    peak × (forward + backward): the compute's MFU) and ``matmul_efficiency`` (the GEMM shape's
+    sustained fraction of peak)."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    optimizer_s: float
+    matmul_s: float
+    attention_s: float
+    elementwise_s: float
+    overhead_s: float
+    model_flops: float
+    efficiency: float
+    matmul_efficiency: float
+
+
+def _block_matmuls(m) -> list[float]:
+    """Weights of one block's matrix multiplications in the order a forward runs them: a
+    SwiGLU block's q, k, v, output, gate, up, down; otherwise a fused qkv, output, up, down."""
+    h, q, kv, f = m.hidden, m.q_dim or m.hidden, m.kv_dim or m.hidden, m.ffn or 4 * m.hidden
+    if m.gated_mlp:
+        return [h * q, h * kv, h * kv, q * h, h * f, h * f, f * h]
+    return [h * (q + 2 * kv), q * h, h * f, f * h]
+
+
+def step_compute(model, hardware, seq: int, micro_batch: int = 1, recompute: str = "none",
+                 params_stepped: float = 0.0, constants: ComputeConstants | None = None,
+                 attention: str = "flash") -> ComputeTime:
+    """One micro-batch of ``micro_batch`` × ``seq`` tokens through ``model`` (a Model with a
+    shape) on ``hardware``, and AdamW over ``params_stepped`` parameters (module docstring).
+
+    Forward: matmuls 2·t·A (A the active parameters that multiply, the input embedding's lookup
+    excluded) at the GEMM's sustained rate; causal attention 2·L·s·q·t at FlashAttention's rate;
+    elementwise traffic at HBM bandwidth; a per-layer overhead. Backward: twice the matmuls and
+    overheads, ``attention_backward`` × the attention, twice the elementwise traffic. Recomputation
+    adds what the mode runs again: ``selective`` the attention core's forward; ``op`` every second
+    matmul of each block and its elementwise forward (saves the others' outputs and attention's);
+    ``layer`` a whole block forward on every second block; ``full`` every block's forward."""
+    from zerodp.plan.memory import activations
+
+    c = COMPUTE if constants is None else constants
+    hw = get_hardware(hardware)
+    m = model
+    m.require_shape("layers", "hidden", "heads")
+    t = seq * micro_batch
+    rate = sustained(hw)
+    h = m.hidden
+    mm_eff = h / (h + c.hidden_knee) * t / (t + c.token_knee) if t else 0.0
+    mm_rate = rate["matmul_flops"] * mm_eff
+    emb = float(m.vocab * m.hidden) if m.vocab else 0.0
+    block_mm = (m.active_block_params or 0.0) * m.layers
+    head_mm = emb if m.vocab else 0.0  # the output projection (tied or not) multiplies
+    mm_fwd = 2.0 * t * block_mm / mm_rate
+    head_fwd = 2.0 * t * head_mm / mm_rate
+    attn_flops = 2.0 * m.layers * seq * (m.q_dim or h) * t
+    attn_fwd = attn_flops / (rate["attention_flops"] * c.attention_scale)
+    act = activations(m.layers, h, m.heads, seq, micro_batch, m.ffn or 4 * h, m.vocab or 0,
+                      "none", q_dim=m.q_dim, kv_dim=m.kv_dim, gated_mlp=m.gated_mlp,
+                      attention=attention)
+    el_fwd = c.elementwise_passes * act.layers_bytes / rate["hbm_bw"]
+    ov_fwd = c.layer_overhead_s * m.layers
+    block_fwd = mm_fwd + attn_fwd + el_fwd + ov_fwd
+    if recompute == "none":
+        extra = 0.0
+    elif recompute == "selective":
+        extra = attn_fwd
+    elif recompute == "op":
+        mats = _block_matmuls(m)
+        extra = mm_fwd * sum(mats[1::2]) / sum(mats) + el_fwd + ov_fwd
+    elif recompute == "layer":
+        extra = block_fwd / 2
+    elif recompute == "full":
+        extra = block_fwd
+    else:
+        raise ValueError(f"recompute must be one of none, selective, op, layer, full; got {recompute!r}")
+    forward = block_fwd + head_fwd
+    backward = 2 * (mm_fwd + head_fwd + el_fwd + ov_fwd) + c.attention_backward * attn_fwd + extra
+    model_flops = 3 * (2.0 * t * (block_mm + head_mm) + attn_flops)
+    opt = c.optimizer_bytes * params_stepped / rate["hbm_bw"]
+    mfu = model_flops / (hw.flops * (forward + backward))
+    return ComputeTime(forward, backward, extra, opt, 3 * (mm_fwd + head_fwd),
+                       (1 + c.attention_backward) * attn_fwd, 3 * el_fwd, 3 * ov_fwd, model_flops,
+                       mfu, rate["matmul_flops"] * mm_eff / hw.flops)

@@ -24,7 +24,16 @@ activations, s = sequence, b = micro-batch, h = hidden, a = heads, per layer:
 * attention block 11·sbh + 5·a·s²·b, MLP block 19·sbh (for ffn = 4h; here 3·sbh + 4·sb·ffn),
   two LayerNorms 4·sbh: **none** with **eager** attention: sbh·(34 + 5as/h);
 * **selective** recomputation (recompute the attention core, the 5as²b part): 34·sbh;
-* **full** recomputation (store only each layer's input): 2·sbh.
+* **full** recomputation (store only each layer's input): 2·sbh;
+* **op** (selective by operator, as torchtitan's "selective op" checkpointing): each block keeps
+  its input, the outputs of every second matrix multiplication (the 1st, 3rd, ...: q, v, gate and
+  down of a SwiGLU block; the fused qkv and up of a GELU one) and attention's output with its
+  fp32 log-sum-exp, and recomputes the rest;
+* **layer** (every second block fully recomputed, torchtitan's "selective layer" with 2): the mean
+  of none and full.
+
+``op`` and ``layer`` are priced for published runs and on request; recommend searches
+:data:`RECOMPUTE` (none, selective, full).
 
 The attention implementation is a separate input (guide §8): **flash** (FlashAttention / SDPA, the
 default, what practitioners run) never stores the a·s²·b scores, softmax or its dropout mask (it
@@ -33,7 +42,10 @@ recomputes them inside its backward), so "none" with flash stores 34·sbh like s
 loop recomputes on top.
 
 Plus, once per model, the paper's input/output terms: embedding dropout mask sbh, final LayerNorm
-2sbh, output-layer input 2sbh and fp32 logits for the cross entropy 4·sb·vocab.
+2sbh, output-layer input 2sbh, and the loss's peak where the paper counts fp32 logits alone
+(4·sb·vocab): the logits upcast to fp32, the log-softmax the cross entropy saves for backward
+and its gradient, all fp32 and alive together when backward starts (:data:`LOSS_PEAK_BYTES`
+= 12 bytes per logit; docs/planner.md, "Memory against published runs").
 """
 
 from __future__ import annotations
@@ -53,6 +65,11 @@ ADAM_K = 12
 #: ZeRO-3 keeps the unit in use plus the prefetched one (guide §9.3)
 GATHERED_UNITS = 2
 RECOMPUTE = ("none", "selective", "full")
+#: every recomputation the activation and compute models price (``op``, ``layer``: module docstring)
+RECOMPUTE_MODES = RECOMPUTE + ("op", "layer")
+#: bytes per logit at the loss's peak: fp32 logits, their log-softmax and its gradient (module
+#: docstring)
+LOSS_PEAK_BYTES = 3 * FP32
 #: the default recomputation (zerodp.plan.defaults): none; with the default flash attention it
 #: stores no a·s² scores
 DEFAULT_RECOMPUTE = DEFAULTS["memory"]["recompute"]
@@ -217,8 +234,8 @@ def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int
     seq, micro_batch = check_count("seq", seq), check_count("micro_batch", micro_batch)
     ffn = 4 * hidden if ffn is None else check_count("ffn", ffn)
     vocab = check_count("vocab", vocab, minimum=0)
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {recompute!r}")
     attn_impl = check_attention(attention)
     s, b, h, a = seq, micro_batch, hidden, heads
     qd = h if q_dim is None else check_count("q_dim", q_dim)
@@ -233,9 +250,15 @@ def activations(layers: int, hidden: int, heads: int, seq: int, micro_batch: int
         per_layer = attention + mlp + norms
     elif recompute in ("none", "selective"):
         per_layer = attention - 5 * a * s * s * b + mlp + norms
+    elif recompute == "op":  # input, every second matmul's output, attention's output and lse
+        kept = [qd, ffn, h] if gated_mlp else [qd + 2 * kvd, ffn]
+        per_layer = 2 * sbh + 2 * s * b * (sum(kept) + (kvd if gated_mlp else 0) + qd) \
+            + FP32 * a * s * b
+    elif recompute == "layer":
+        per_layer = (attention - 5 * a * s * s * b + mlp + norms + 2 * sbh) / 2
     else:
         per_layer = 2 * sbh
-    head = 5 * sbh + FP32 * s * b * vocab
+    head = 5 * sbh + LOSS_PEAK_BYTES * s * b * vocab
     return Activations(layers, h, a, ffn, vocab, s, b, recompute, float(per_layer),
                        float(per_layer * layers), float(head), float(per_layer * layers + head),
                        attn_impl)
@@ -386,8 +409,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
         raise InputError("fp32 gradients already accumulate in fp32: drop fp32_grad_acc "
                          "(--fp32-grad-acc) or choose precision bf16/fp8", "fp32_grad_acc",
                          "fp32 梯度本身就以 fp32 累积：去掉 fp32 梯度累积，或选择 bf16/fp8 精度")
-    if recompute not in RECOMPUTE:
-        raise InputError(f"recompute must be one of {', '.join(RECOMPUTE)}; got {recompute!r}",
+    if recompute not in RECOMPUTE_MODES:
+        raise InputError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {recompute!r}",
                          "recompute")
     micro_batch = int(check_range("micro_batch", micro_batch, 1, MAX_MICRO_BATCH, integer=True,
                                   field="micro_batch"))
@@ -455,7 +478,8 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
     if act:
         includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute}, "
                         f"{attention} attention)")
-    zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算"}
+    zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算",
+                    "op": "按算子选择性重计算", "layer": "隔层完全重计算"}
     includes_zh = [f"参数（{prec['param_bytes']:g} B）", f"梯度（{prec['grad_bytes']:g} B）",
                    f"优化器状态（k = {k:g} B）" if not owned else
                    f"{optimizer} 状态按张量分配（每个张量整块放在一张卡上，取最多的那张卡）+ fp32 参数"

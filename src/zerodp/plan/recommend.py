@@ -23,9 +23,13 @@ not searched. Every figure of a candidate comes from one planner function:
 
 The step model (docs/planner.md, "recommend"), per GPU, ``t`` = micro-batch × seq tokens:
 
-* forward FLOPs F = 2·A·t + 2·L·seq·q·t (A active parameters; the causal attention scores and
-  their product with V); backward 2F; recomputation adds the attention core's forward
-  (selective, 2·L·seq·q·t) or a whole forward (full, F); compute = FLOPs / (C · efficiency);
+* compute: :func:`~zerodp.plan.hardware.step_compute`, the hardware's compute model (GEMMs at
+  the part's sustained matmul rate for their shape, FlashAttention at its measured rate,
+  memory-bound work at HBM bandwidth, per-layer overheads, the recomputation the mode runs, the
+  optimizer step's HBM traffic); with ``efficiency`` given instead, the seed's model: forward
+  FLOPs F = 2·A·t + 2·L·seq·q·t (A active parameters; the causal attention scores and their
+  product with V), backward 2F, recomputation adds the attention core's forward (selective) or a
+  whole forward (full), compute = FLOPs / (C · efficiency);
 * gradient collectives of stages 0-2 run in buckets of ``bucket_mb`` MiB: each bucket pays the
   collective's latency again; stage 3 runs one AllGather per unit (L blocks, the root unit);
 * what is hidden: stages 0-1 reduce once per step, behind the last micro-batch's backward;
@@ -48,10 +52,11 @@ from zerodp.plan.batch import plan_batch
 from zerodp.plan.collectives import collective_time
 from zerodp.plan.calibrated import calibration_for, compute_times, contention_s, optimizer_time
 from zerodp.plan.calibrated import efficiency as efficiency_of
-from zerodp.plan.hardware import Hardware, get_hardware, hardware_from_dict
+from zerodp.plan.hardware import (COMPUTE, Hardware, get_hardware, hardware_from_dict, step_compute,
+                                   sustained)
 from zerodp.plan.hybrid import step_comm
 from zerodp.plan.defaults import DEFAULTS
-from zerodp.plan.memory import HEADROOM, RECOMPUTE, memory_plan
+from zerodp.plan.memory import HEADROOM, RECOMPUTE, RECOMPUTE_MODES, memory_plan
 from zerodp.plan.models import get_model
 from zerodp.plan.ownership import PER_TENSOR, check_optimizer
 from zerodp.plan.roofline import threshold
@@ -66,8 +71,9 @@ MAX_SEARCH_MICRO_BATCH = 64
 #: configurations this close in time per token to the first pick are a tie: "why not first" says
 #: so, and what makes them simpler (no compression, less recomputation, ...)
 TIE = 0.01
-#: fraction of peak FLOP/s a step's compute reaches (guide §7.4 uses the peak; calibration gives
-#: the real one: ``zerodp calibrate``); zerodp.plan.defaults
+#: fraction of peak FLOP/s a step's compute reaches when given (None: the hardware's compute
+#: model, :func:`~zerodp.plan.hardware.step_compute`; calibration measures it: ``zerodp
+#: calibrate``); zerodp.plan.defaults
 DEFAULT_EFFICIENCY = DEFAULTS["recommend"]["efficiency"]
 
 
@@ -117,7 +123,10 @@ class Candidate(ToDict):
 class Recommendation(ToDict):
     """The answer of :func:`recommend`. ``to_dict()`` keys: ``model`` (name), ``params``,
     ``active_params``, ``hardware``, ``nodes``, ``gpus_per_node``, ``n``, ``global_batch_tokens``
-    (the target), ``seq``, ``samples`` (gbs), ``precision``, ``optimizer``, ``efficiency``, ``headroom``
+    (the target), ``seq``, ``samples`` (gbs), ``precision``, ``optimizer``, ``efficiency`` (the
+    first pick's compute: model FLOPs over peak × compute time), ``efficiency_source`` (where the
+    compute figures come from: the hardware's compute model and its sustained figures, a given
+    ``efficiency``, or a calibration profile), ``headroom``
     (fraction of HBM kept free), ``hbm_bytes``, ``searched`` (configurations tried),
     ``candidates`` (the top ones, fastest first), ``fitting`` (how many configurations fit),
     ``rejected`` (one entry per reason: ``reason``, ``count``, ``example``), ``attention``,
@@ -146,6 +155,7 @@ class Recommendation(ToDict):
     attention: str = DEFAULTS["recommend"]["attention"]
     train_flags: str = ""
     optimizer: str = DEFAULTS["recommend"]["optimizer"]
+    efficiency_source: str = ""
 
     @property
     def best(self) -> Candidate | None:
@@ -170,7 +180,12 @@ def flops_per_micro_batch(model, seq: int, micro_batch: int, recompute: str) -> 
     t = seq * micro_batch
     attn = 2.0 * model.layers * seq * (model.q_dim or model.hidden) * t
     fwd = 2.0 * model.active * t + attn
-    extra = {"none": 0.0, "selective": attn, "full": fwd}[recompute]
+    if recompute == "op":  # every second matmul of each block (hardware._block_matmuls)
+        from zerodp.plan.hardware import _block_matmuls
+        mats = _block_matmuls(model)
+        extra = 2.0 * t * (model.active_block_params or 0) * model.layers * sum(mats[1::2]) / sum(mats)
+    else:
+        extra = {"none": 0.0, "selective": attn, "layer": fwd / 2, "full": fwd}[recompute]
     return 3 * fwd, 3 * fwd + extra
 
 
@@ -226,7 +241,8 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
               headroom: float = HEADROOM, calibration=None,
               attention: str = DEFAULTS["recommend"]["attention"],
               shard_sizes_searched=None,
-              optimizer: str = DEFAULTS["recommend"]["optimizer"]) -> Recommendation:
+              optimizer: str = DEFAULTS["recommend"]["optimizer"], *, round_batch: bool = True,
+              require_fit: bool = True, constants=None) -> Recommendation:
     """The fastest configurations that fit, ranked (module docstring; docs/planner.md).
 
     ``model``: a preset name or :class:`~zerodp.plan.Model` with a shape; ``hardware``: a preset,
@@ -245,12 +261,20 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     over the parameters a rank steps (Ψ at stage 0, Ψ/g above), and (1 − η) of the communication
     that hides behind compute is added back, η the measured overlap efficiency
     (:func:`~zerodp.plan.calibrated.efficiency`). ``efficiency`` is then 1 (C is measured).
+
+    ``efficiency`` None (the default): the compute comes from the hardware's compute model
+    (:func:`~zerodp.plan.hardware.step_compute` with ``constants``, default
+    :data:`~zerodp.plan.hardware.COMPUTE`). ``round_batch`` False keeps the global batch as given
+    (default: the nearest power of two of samples, guide §6.1); ``require_fit`` False prices
+    configurations that do not fit too (``zerodp plan validate`` prices published runs as they
+    ran).
     """
     start = time.perf_counter()
     cal = None
     if calibration is not None:
         cal = calibration_for(calibration)
         efficiency = 1.0
+    modelled = efficiency is None
     m = get_model(model)
     owned = check_optimizer(optimizer) in PER_TENSOR
     if not (m.layers and m.hidden and m.heads):
@@ -269,8 +293,12 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         raise InputError(f"{hw.name} has no inter-node network: use --nodes 1", "nodes")
     target = parse_quantity(global_batch_tokens, "global_batch_tokens", count=True)
     seq = check_count("seq", seq)
-    if not 0 < efficiency <= 1:
+    if not modelled and not 0 < efficiency <= 1:
         raise InputError(f"efficiency must be in (0, 1], got {efficiency!r}", "efficiency")
+    bad_rc = [r for r in recompute if r not in RECOMPUTE_MODES]
+    if bad_rc:
+        raise InputError(f"recompute must be among {', '.join(RECOMPUTE_MODES)}; got {bad_rc[0]!r}",
+                         "recompute")
     if not 0 <= headroom < 1:
         raise InputError(f"headroom must be a fraction of HBM in [0, 1), got {headroom!r}",
                          "headroom")
@@ -279,7 +307,9 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         raise InputError(f"stages must be among 0, 1, 2, 3; got {bad[0]!r}", "stages")
     if micro_batches is None:
         micro_batches = [2**i for i in range(int(math.log2(MAX_SEARCH_MICRO_BATCH)) + 1)]
-    c_eff = hw.flops * efficiency
+    c_eff = hw.flops * (efficiency or 1.0)
+    consts = COMPUTE if constants is None else constants
+    compute_cache: dict = {}
     eta = efficiency_of(cal) if cal is not None else 1.0
     rejected: dict = {}
     kept: list[Candidate] = []
@@ -289,7 +319,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     thr_cache: dict = {}
     units = m.layers + (1 if m.embedding_params else 0)
     for mbs in micro_batches:
-        b = plan_batch(target, seq, mbs, n)
+        b = plan_batch(target, seq, mbs, n, round_to_power_of_two=round_batch)
         samples = b.samples
         for g in (shard_sizes(n, gpn) if shard_sizes_searched is None else shard_sizes_searched):
             for rc in recompute:
@@ -316,7 +346,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                     searched += len(comps) * len(bks)
                     label = (f"{STAGE_NAMES[s]}, g {g}, micro-batch {mbs}, recompute {rc}: "
                              f"{fmt_bytes(row['total_bytes'])} of {fmt_bytes(hw.hbm_bytes)}")
-                    if row["verdict"] != "fits":
+                    if row["verdict"] != "fits" and require_fit:
                         reason = ("does not fit in HBM" if row["verdict"] == "no" else
                                   f"tight: within the {headroom:.0%} headroom of HBM")
                         r = rejected.setdefault(reason, {"reason": reason, "count": 0,
@@ -325,7 +355,15 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                         continue
                     model_flops, run_flops = flops_per_micro_batch(m, seq, mbs, rc)
                     opt_s = 0.0
-                    if cal is None:
+                    if cal is None and modelled:
+                        if (mbs, rc) not in compute_cache:
+                            compute_cache[(mbs, rc)] = step_compute(m, hw, seq, mbs, rc, 0.0, consts,
+                                                                    attention)
+                        ct = compute_cache[(mbs, rc)]
+                        fwd_s, micro_s = ct.forward_s, ct.forward_s + ct.backward_s
+                        opt_s = (consts.optimizer_bytes * m.params / (g if s > 0 else 1)
+                                 / sustained(hw)["hbm_bw"])
+                    elif cal is None:
                         micro_s = run_flops / c_eff
                         fwd_s = micro_s / 3 if rc == "none" else (model_flops / 3) / c_eff
                     else:
@@ -418,6 +456,21 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     if samples is not None and abs(samples * seq - target) > 0.01 * target:
         notes.append(f"global batch rounded to {samples:,} samples of {seq:,} tokens "
                      f"({fmt_count(samples * seq)} tokens; guide §6.1)")
+    if cal is not None:
+        source = "calibration profile (measured forward, backward and optimizer times)"
+    elif not modelled:
+        source = f"given: {efficiency:.0%} of peak for every configuration"
+    else:
+        rate = sustained(hw)
+        source = (f"{hw.name} compute model: matmul {rate['matmul_efficiency']:.0%} of peak "
+                  f"sustained (MAMF), FlashAttention {rate['attention_efficiency']:.0%}, HBM "
+                  f"{rate['hbm_bw'] / 1e12:.3g} TB/s"
+                  + (f", clock x{rate['clock_factor']:.2f} at {hw.power_limit_w:g} W"
+                     if rate["clock_factor"] < 1 else "")
+                  + (f"; assumed: {', '.join(rate['assumed'])}" if rate["assumed"] else "")
+                  + " (docs/planner.md, \"The compute model\")")
+    if modelled:
+        efficiency = best.mfu * best.step_s / best.compute_s if best else 0.0
     return Recommendation(
         model=m.name, params=m.params, active_params=m.active, hardware=hw.name, nodes=nodes,
         gpus_per_node=gpn, n=n, global_batch_tokens=target, seq=seq, samples=samples or 0,
@@ -426,7 +479,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         rejected=sorted(rejected.values(), key=lambda r: -r["count"]), notes=notes,
         elapsed_s=time.perf_counter() - start, fitting=len(kept), attention=attention,
         train_flags=train_flags(best, nodes, gpn, samples * seq, seq, precision) if best else "",
-        optimizer=optimizer)
+        optimizer=optimizer, efficiency_source=source)
 
 
 def train_flags(c: Candidate, nodes: int, gpus_per_node: int, global_batch_tokens: int, seq: int,
@@ -446,10 +499,14 @@ def train_flags(c: Candidate, nodes: int, gpus_per_node: int, global_batch_token
     return " ".join(flags)
 
 
+#: recomputations from the least recomputed to the most (the order "simpler" reads)
+_RC_ORDER = ("none", "selective", "op", "layer", "full")
+
+
 def _complexity(c: Candidate) -> tuple:
     """What a configuration asks of the run beyond plain training: compression (changes the
     numbers, guide §15), recomputation (more compute), hybrid sharding, a higher stage."""
-    return (c.compress != "none", RECOMPUTE.index(c.recompute), c.shard_size < c.replicas * c.shard_size,
+    return (c.compress != "none", _RC_ORDER.index(c.recompute), c.shard_size < c.replicas * c.shard_size,
             c.stage)
 
 
@@ -464,7 +521,7 @@ def lost_because(c: Candidate, best: Candidate) -> str:
     if c.seconds_per_token <= best.seconds_per_token * (1 + TIE):
         simpler = [why for why, yes in (
             ("no compression", c.compress == "none" != best.compress),
-            ("less recomputation", RECOMPUTE.index(c.recompute) < RECOMPUTE.index(best.recompute)),
+            ("less recomputation", _RC_ORDER.index(c.recompute) < _RC_ORDER.index(best.recompute)),
             ("a lower stage", c.stage < best.stage)) if yes]
         gap = 100 * (c.seconds_per_token / best.seconds_per_token - 1)
         return (f"tie: +{gap:.2f}% per token (within {TIE:.0%})"
@@ -511,7 +568,7 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
             + f") on {r.nodes} × {r.gpus_per_node} {r.hardware} = {r.n:,} GPUs, global batch "
             f"{r.samples:,} × {r.seq:,} tokens, {r.precision}, {r.optimizer} optimizer, {r.attention} attention, "
             f"compute at "
-            f"{r.efficiency:.0%} of peak; fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} "
+            f"{r.efficiency:.0%} of peak (#1); fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} "
             f"GB (1 GB = 1e9 B)")
     if r.candidates:
         out = [table(COLUMNS, rows(r), title=head, align="rllrrlllrrrrrll"),
@@ -531,6 +588,8 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
             out.append(f"  {x['count']:>6,}  {x['reason']}" + (f" — e.g. {x['example']}"
                                                               if x["example"] else ""))
     out += [f"note: {x}" for x in r.notes]
+    if r.efficiency_source:
+        out.append(f"compute: {r.efficiency_source}")
     out.append(f"searched in {r.elapsed_s:.2f} s")
     return "\n".join(out)
 

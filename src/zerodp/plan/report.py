@@ -1,4 +1,5 @@
-"""The guide's worked examples, recomputed by the planner (``zerodp plan report``, ``make demo``).
+"""The guide's worked examples, recomputed by the planner (``zerodp plan report``, ``make demo``),
+and published FSDP runs predicted by it (``zerodp plan validate``, :func:`validate`).
 
 Each row names the guide section, the quantity, the value the planner computes, and the value the
 guide quotes, so a reader can check one against the other (guide §9.4 and the sections it draws on).
@@ -6,6 +7,9 @@ guide quotes, so a reader can check one against the other (guide §9.4 and the s
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import dataclass, field
 
 from zerodp.plan._common import GB, MB, ToDict, fmt_bytes, fmt_count, fmt_time, table
@@ -182,3 +186,196 @@ def _demo_expectation(tokens: int, size: float) -> str:
         return "exposed at every size"
     return {DEMO_BUCKETS[0]: "thousands, latency rules", DEMO_BUCKETS[1]: "sweet spot, small tail",
             DEMO_BUCKETS[2]: "1-2 buckets, last exposed"}[size]
+
+
+# ---- the planner against published runs (zerodp plan validate) ----------------------------
+#: the published FSDP runs (source, settings, measured throughput and memory): docs/planner.md,
+#: "Validation against published runs", says how they were chosen
+VALIDATION_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "validation.json")
+#: torch's max reserved bytes over the planner's peak (the caching allocator's slack, not
+#: modelled): fitted on the one published run with memory on 8 GPUs (82.4 GiB against 72.6 GiB),
+#: held out on the other (docs/planner.md)
+RESERVED_OVER_PEAK = 1.135
+#: the compute constants ``zerodp plan validate --fit`` fits (hardware.ComputeConstants)
+FITTED = ("token_knee", "elementwise_passes", "layer_overhead_s", "attention_scale")
+
+
+def load_validation(path: str = VALIDATION_FILE) -> dict:
+    """The validation table: ``tps_band``, ``memory_band`` and ``runs`` (docs/planner.md)."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _run_model(spec):
+    from zerodp.plan.models import custom_model
+    if isinstance(spec, str):
+        return get_model(spec)
+    d = dict(spec)
+    return custom_model(name=d.pop("name"), **d)
+
+
+def predict_run(run: dict, constants=None) -> dict:
+    """The planner's prediction of one published run as it ran (its stage, GPUs, micro-batch,
+    grad_acc, sequence and recomputation; no search): ``tps`` per GPU, ``step_s``, ``mfu``,
+    ``peak_gib`` (the planner's peak per GPU) and ``memory_gib`` (× :data:`RESERVED_OVER_PEAK`,
+    what torch reports as reserved)."""
+    from zerodp.plan.hardware import with_power_limit
+    from zerodp.plan.recommend import recommend
+
+    m = _run_model(run["model"])
+    hw = with_power_limit(get_hardware(run["hardware"]), run.get("power_limit_w"))
+    n = run["gpus"]
+    gpn = min(n, hw.devices_per_node)
+    mbs, ga, seq = run["micro_batch"], run["grad_acc"], run["seq"]
+    r = recommend(m, hw, n // gpn, gpn, mbs * ga * n * seq, seq, stages=(run.get("stage", 3),),
+                  recompute=(run["recompute"],), compress=("none",), bucket_mb=(25,),
+                  micro_batches=[mbs], shard_sizes_searched=[n], round_batch=False,
+                  require_fit=False, top=1, headroom=0.0, constants=constants)
+    c = r.candidates[0]
+    return {"tps": c.tokens_per_s_per_gpu, "step_s": c.step_s, "mfu": c.mfu,
+            "peak_gib": c.memory_bytes / 2**30, "memory_gib": c.memory_bytes * RESERVED_OVER_PEAK / 2**30}
+
+
+@dataclass(frozen=True)
+class Validation(ToDict):
+    """``zerodp plan validate``: ``rows`` (per run: ``id``, ``source``, ``url``, ``date``,
+    ``hardware``, ``model``, ``gpus``, ``micro_batch``, ``grad_acc``, ``seq``, ``recompute``,
+    ``measured_tps``, ``predicted_tps``, ``tps_ratio``, ``measured_memory_gib`` (null where the
+    source gives none), ``predicted_memory_gib``, ``peak_gib``, ``memory_ratio``, ``within``),
+    ``tps_band``, ``memory_band``, ``constants`` (the compute constants used), ``ok`` (every row
+    within its bands) and ``holdout`` (``--holdout``: per split the fitted constants and the
+    errors on the runs fitted and held out)."""
+
+    rows: list
+    tps_band: float
+    memory_band: float
+    constants: dict
+    ok: bool
+    holdout: list = field(default_factory=list)
+
+    def text(self) -> str:
+        cells = [[r["id"], r["hardware"], str(r["gpus"]), f"{r['micro_batch']}x{r['seq']}",
+                  r["recompute"], f"{r['measured_tps']:,.0f}", f"{r['predicted_tps']:,.0f}",
+                  f"{r['tps_ratio']:.3f}",
+                  "-" if r["measured_memory_gib"] is None else f"{r['measured_memory_gib']:.1f}",
+                  f"{r['predicted_memory_gib']:.1f}",
+                  "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.3f}",
+                  "yes" if r["within"] else "NO"] for r in self.rows]
+        ratios = [r["tps_ratio"] for r in self.rows]
+        out = [table(["run", "hardware", "GPUs", "mbs x seq", "recompute", "TPS/GPU", "predicted",
+                      "ratio", "GiB", "predicted GiB", "ratio", "in band"], cells,
+                     title=f"The planner against {len(self.rows)} published FSDP runs "
+                           f"(TPS/GPU within ±{self.tps_band:.0%}, memory within "
+                           f"±{self.memory_band:.0%} where published)",
+                     align="llrrlrrrrrrl"),
+               f"TPS ratios {min(ratios):.3f}-{max(ratios):.3f}, mean |error| "
+               f"{sum(abs(x - 1) for x in ratios) / len(ratios):.1%}; predicted GiB = the planner's "
+               f"peak x {RESERVED_OVER_PEAK} (torch's reserved over allocated, fitted on one run); "
+               "sources and settings: zerodp/plan/validation.json",
+               "constants: " + ", ".join(f"{k} {v:.3g}" for k, v in self.constants.items())]
+        for h in self.holdout:
+            out.append(f"hold-out {h['split']}: fitted {', '.join(f'{k} {v:.3g}' for k, v in h['constants'].items())}; "
+                       f"error on the {h['fitted_runs']} fitted runs max {h['fit_max']:.1%} (rms "
+                       f"{h['fit_rms']:.1%}), on the {h['held_runs']} held out max {h['held_max']:.1%} "
+                       f"(rms {h['held_rms']:.1%})")
+        out.append("all within the band" if self.ok else "OUTSIDE THE BAND: see the rows marked NO")
+        return "\n".join(out)
+
+
+def _log_error(runs, constants) -> float:
+    return sum(math.log(predict_run(r, constants)["tps"] / r["measured_tps_per_gpu"]) ** 2
+               for r in runs)
+
+
+def _nelder_mead(f, x0, step=0.5, iters=150):
+    """Minimize ``f`` from ``x0`` (a plain Nelder-Mead simplex, deterministic)."""
+    n = len(x0)
+    pts = [list(x0)] + [[x0[j] + (step if j == i else 0.0) for j in range(n)] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=vals.__getitem__)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        cen = [sum(p[j] for p in pts[:-1]) / n for j in range(n)]
+        xr = [2 * cen[j] - pts[-1][j] for j in range(n)]
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = [3 * cen[j] - 2 * pts[-1][j] for j in range(n)]
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = [(cen[j] + pts[-1][j]) / 2 for j in range(n)]
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0]] + [[(pts[0][j] + p[j]) / 2 for j in range(n)] for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    best = min(range(n + 1), key=vals.__getitem__)
+    return pts[best]
+
+
+def fit_constants(runs, start=None, iters: int = 150):
+    """The compute constants :data:`FITTED` that minimize Σ log(predicted/measured TPS)² over
+    ``runs`` (the others as ``start``, default :data:`~zerodp.plan.hardware.COMPUTE`)."""
+    from dataclasses import replace as _replace
+
+    from zerodp.plan.hardware import COMPUTE
+    base = COMPUTE if start is None else start
+    x0 = [math.log(getattr(base, k)) for k in FITTED]
+
+    def make(x):
+        return _replace(base, **{k: math.exp(v) for k, v in zip(FITTED, x)})
+    return make(_nelder_mead(lambda x: _log_error(runs, make(x)), x0, iters=iters))
+
+
+def _errors(runs, constants) -> tuple[float, float]:
+    e = [predict_run(r, constants)["tps"] / r["measured_tps_per_gpu"] - 1 for r in runs]
+    return max(abs(x) for x in e), math.sqrt(sum(x * x for x in e) / len(e))
+
+
+def holdout(runs, iters: int = 150) -> list[dict]:
+    """Fit on some runs, predict the others: alternate rows both ways, and by source (fit on
+    one framework's runs, predict the other's)."""
+    tt = [r for r in runs if r["id"].startswith("tt-")]
+    mo = [r for r in runs if not r["id"].startswith("tt-")]
+    splits = [("even rows -> odd rows", runs[0::2], runs[1::2]),
+              ("odd rows -> even rows", runs[1::2], runs[0::2]),
+              ("MosaicML -> torchtitan", mo, tt), ("torchtitan -> MosaicML", tt, mo)]
+    out = []
+    for name, fit_on, held in splits:
+        c = fit_constants(fit_on, iters=iters)
+        fmax, frms = _errors(fit_on, c)
+        hmax, hrms = _errors(held, c)
+        out.append({"split": name, "constants": {k: getattr(c, k) for k in FITTED},
+                    "fitted_runs": len(fit_on), "held_runs": len(held), "fit_max": fmax,
+                    "fit_rms": frms, "held_max": hmax, "held_rms": hrms})
+    return out
+
+
+def validate(constants=None, path: str = VALIDATION_FILE, with_holdout: bool = False) -> Validation:
+    """Every run of the validation table against the planner (``zerodp plan validate``)."""
+    from zerodp.plan.hardware import COMPUTE
+    data = load_validation(path)
+    c = COMPUTE if constants is None else constants
+    rows = []
+    for run in data["runs"]:
+        p = predict_run(run, c)
+        ratio = p["tps"] / run["measured_tps_per_gpu"]
+        mem = run.get("measured_memory_gib")
+        mratio = None if mem is None else p["memory_gib"] / mem
+        within = abs(ratio - 1) <= data["tps_band"] and (mratio is None or
+                                                          abs(mratio - 1) <= data["memory_band"])
+        model = run["model"] if isinstance(run["model"], str) else run["model"]["name"]
+        rows.append({"id": run["id"], "source": run["source"], "url": run["url"], "date": run["date"],
+                     "hardware": run["hardware"], "model": model, "gpus": run["gpus"],
+                     "micro_batch": run["micro_batch"], "grad_acc": run["grad_acc"], "seq": run["seq"],
+                     "recompute": run["recompute"], "measured_tps": run["measured_tps_per_gpu"],
+                     "predicted_tps": p["tps"], "tps_ratio": ratio, "measured_memory_gib": mem,
+                     "predicted_memory_gib": p["memory_gib"], "peak_gib": p["peak_gib"],
+                     "memory_ratio": mratio, "within": within})
+    return Validation(rows, data["tps_band"], data["memory_band"],
+                      {k: getattr(c, k) for k in ("hidden_knee",) + FITTED},
+                      all(r["within"] for r in rows),
+                      holdout(data["runs"]) if with_holdout else [])
