@@ -240,8 +240,9 @@ class Api:
                 _optimizer_param(REC["optimizer"]),
                 Param("attention", "choice", REC["attention"], "attention implementation",
                       choices=lambda: list(ATTENTION)),
-                Param("efficiency", "quantity", REC["efficiency"], "fraction of peak FLOP/s",
-                      maximum=1, why="a fraction of peak FLOP/s"),
+                Param("efficiency", "quantity", REC["efficiency"],
+                      "fraction of peak FLOP/s (empty: the hardware's compute model)",
+                      maximum=1, why="a fraction of peak FLOP/s", optional=True),
                 Param("headroom", "quantity", REC["headroom"], "fraction of HBM kept free",
                       allow_zero=True, maximum=0.99, why="a fraction of HBM"),
             ], self.recommend, "the fastest configurations that fit, ranked (plan recommend)"),
@@ -456,9 +457,25 @@ class Api:
         d["rejected"] = [dict(x, example_zh=recommend_zh(x["example"])) for x in d["rejected"]]
         d["notes_zh"] = [recommend_zh(x) for x in d["notes"]]
         d["text"] = recommend_text(r)
+        d["efficiency_source_zh"] = _source_zh(r.efficiency_source)
         d["labels"] = {"n": plural(r.n, "GPU"), "samples": f"{r.samples:,}",
                        "target": fmt_count(r.global_batch_tokens), "hbm": fmt_bytes(r.hbm_bytes)}
         return d
+
+
+def _source_zh(source: str) -> str:
+    """Where recommend's compute figures come from, in Chinese (the page's 计算 line)."""
+    import re
+    if source.startswith("calibration profile"):
+        return "校准文件（实测的前向、反向和优化器时间）"
+    m = re.match(r"given: (\S+) of peak", source)
+    if m:
+        return f"给定：每种配置都按峰值的 {m.group(1)}"
+    return (source.replace(" compute model: matmul ", " 计算模型：矩阵乘法持续达到峰值的 ")
+            .replace(" of peak sustained (MAMF), FlashAttention ", "（MAMF），FlashAttention ")
+            .replace(", HBM ", "，HBM ").replace("; assumed: ", "；假设值：")
+            .replace(", clock x", "，时钟 ×").replace(' (docs/planner.md, "The compute model")',
+                                                     "（docs/planner.md，“The compute model”）"))
 
 
 def _batch_warnings_zh(p) -> list[str]:

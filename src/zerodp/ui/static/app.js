@@ -587,6 +587,8 @@ function renderRecommend(d, panel) {
       textContent: `${x.count.toLocaleString("en")} · ${I18N[pageLang()]["reason." + x.reason] || x.reason}`
         + (x.example ? ` — ${zh ? x.example_zh : x.example}` : "") })));
   document.getElementById("recommend-notes").textContent = (zh ? d.notes_zh : d.notes).join(" ");
+  document.getElementById("recommend-compute").textContent = t("recommend.compute", {
+    efficiency: (100 * d.efficiency).toFixed(0), source: zh ? d.efficiency_source_zh : d.efficiency_source });
   document.getElementById("recommend-train").textContent =
     d.train_flags ? t("recommend.train") + "zerodp train " + d.train_flags : "";
 }
