@@ -70,9 +70,12 @@ compat:
 chaos: setup
 	$(BIN)/python -m zerodp.train.chaos --seed $(or $(SEED),0) --steps 200
 
-# The GPU path on this machine's CUDA GPUs (one rank per GPU, NCCL; about five minutes): the
-# differential matrix, the CUDA-event trace, the memory ledger per stage, zerodp bench vs DDP/FSDP2;
-# writes docs/gpu.md. Without a GPU it prints one line and runs nothing.
+# The GPU path on this machine's CUDA GPUs (one rank per GPU, NCCL, world N; about five minutes):
+# the differential matrix, the CUDA-event trace, the memory ledger per stage (the allocator against
+# the engine and the planner), zerodp bench vs DDP/FSDP2, each a check with a stated bound; prints
+# torch/CUDA/NCCL, writes docs/gpu.md, exits 1 if a phase failed. Without a GPU it prints one line
+# and runs nothing. The same phases on CPU (gloo, small; make test runs them, tests/test_gpu_path.py):
+# python -m zerodp.bench.gpu_check --device cpu [--world N] (report: out/gpu-check-cpu.md)
 gpu-check: setup
 	$(BIN)/python -m zerodp.bench.gpu_check
 

@@ -288,8 +288,128 @@ def test_gpu_check_refuses_an_unknown_phase(capsys):
 
 def test_gpu_report_has_the_command_and_every_phase(tmp_path):
     phases = [gpu_check.Phase("matrix", True, 12.0, ["| stage | cases | failed |"]),
-              gpu_check.Phase("bench", False, 3.0, [], "RankFailure: rank 0 failed\nmore")]
-    path = gpu_check.write_report(tmp_path / "gpu.md", 1, phases, 15.0, ["- GPUs: 1 × test"])
+              gpu_check.Phase("bench", False, 3.0, [], "RankFailure: 1 of 1 ranks failed:\n--- rank 0 ---\nTraceback"),
+              gpu_check.Phase("trace", True, 0.0, skipped="not asked for")]
+    run = gpu_check.Setup("cuda", 1, "small")
+    path = gpu_check.write_report(tmp_path / "gpu.md", run, phases, 15.0, ["- GPUs: 1 × test"])
     text = path.read_text()
     assert "make gpu-check" in text and "| matrix | ok | 12 |" in text and "| bench | FAILED | 3 |" in text
-    assert "Failed: `RankFailure: rank 0 failed`" in text and "| stage | cases | failed |" in text
+    assert "| trace | not run: not asked for | 0 |" in text and "Not run: not asked for" in text
+    assert "--- rank 0 ---\nTraceback" in text and "| stage | cases | failed |" in text  # the whole error
+    assert "collectives between ranks" in text  # world 1 says what it cannot check
+
+
+def test_error_text_keeps_every_rank_and_its_end():
+    from zerodp.spawn import RankFailure
+
+    ranks = "\n".join(f"--- rank {r} ---\nTraceback\n" + "  frame\n" * 400 + f"ValueError: rank {r} broke"
+                      for r in range(2))
+    text = gpu_check.error_text(RankFailure(f"2 of 2 ranks failed:\n{ranks}"), limit=2000)
+    assert len(text) < 2100 and text.startswith("RankFailure: 2 of 2 ranks failed:\n--- rank 0 ---")
+    assert text.endswith("ValueError: rank 1 broke") and "characters left out" in text
+    short = gpu_check.error_text(RuntimeError("one\ntwo"))
+    assert short == "RuntimeError: one\ntwo"
+
+
+def test_cpu_run_never_writes_docs_gpu_md_by_default():
+    assert gpu_check.DEFAULT_CPU_OUT != gpu_check.DEFAULT_OUT and gpu_check.DEFAULT_CPU_OUT.parent.name == "out"
+
+
+def test_cpu_cases_cover_every_stage_with_a_bf16_case():
+    cases = gpu_check.cpu_cases(_matrix, 2)
+    assert sorted(c.stage for c in cases) == [0, 1, 2, 3] and all(c.ranks_needed <= 2 for c in cases)
+    assert any(c.usage == "bf16" for c in cases) and len({c.usage for c in cases}) == len(cases)
+
+
+# ---- the memory phase's checks, on figures given by hand ----------------------------------------
+def _row(stage=0, acc=False, psi=1000, world=2, **kw):
+    from zerodp.engine.stats import formula_by_kind
+
+    f = formula_by_kind(stage, psi, world, acc)
+    gap = 2 * psi // world if acc and stage >= 2 else 0
+    memory = {"params": int(f["params"]), "grads": int(f["grads"]) - gap, "master": int(f["master"]),
+              "optimizer_states": int(f["optimizer_states"]) + 4, "gathered": 0, "comm_buffers": 4096}
+    stats = {"stage": stage, "rank": 0, "world_size": world, "num_params": psi, "param_dtype": "bfloat16",
+             "step": 1, "memory": memory, "layout": {"padding": 0}}
+    held = {"kinds": {}, "engine": 9000, "outside": 0, "buffers": 0, "placeholders": 40, "batch": 512,
+            "blocks": 5, "scalar_states": 4}
+    return {"stage": stage, "fp32_accum": acc, "stats": stats, "held": held, "alive_before": [], **kw}
+
+
+@pytest.mark.parametrize("stage,acc", [(0, False), (2, True), (3, True)])
+def test_memory_checks_hold_and_a_skewed_figure_fails(stage, acc):
+    from zerodp.bench.memory import evaluate, row_ok
+
+    row = _row(stage, acc)
+    checks = evaluate(row, 2, "nano", cuda=False)
+    assert row_ok(checks) and [c.ok for c in checks][-2:] == [None, None]  # the allocator's: CUDA only
+    for side in ("engine", "formula"):
+        bad = {c.name: c.ok for c in evaluate(row, 2, "nano", cuda=False, skew=(side, 1.0))}
+        assert bad["engine vs planner"] is False, side
+
+
+def test_memory_checks_catch_leftovers_and_outside_bytes():
+    from zerodp.bench.memory import evaluate
+
+    row = _row(alive_before=["GPT"])
+    row["held"]["outside"] = 41  # more than one element per parameter
+    got = {c.name: c.ok for c in evaluate(row, 2, "nano", cuda=False)}
+    assert got["clean"] is False and got["outside the engine"] is False
+
+
+def test_memory_checks_on_cuda_figures():
+    """The allocator's bounds (CUDA only) on figures given by hand: at rest the held bytes plus the
+    rounding; the peak between the engine's model states + batch and the planner's total."""
+    from zerodp.bench.memory import ALLOC_ROUND, evaluate
+
+    held = 9000 + 512
+    states = sum(_row()["stats"]["memory"][k] for k in ("params", "grads", "master", "optimizer_states"))
+    for at_rest, peak, ok_rest, ok_peak in [(held + 100, states + 600, True, True),
+                                            (held - 1, states + 600, False, True),
+                                            (held + ALLOC_ROUND * 64, states + 600, False, True),
+                                            (held, states, True, False),
+                                            (held, 10 ** 9, True, False)]:
+        got = {c.name: c.ok for c in evaluate(_row(at_rest=at_rest, peak=peak, leftover=0), 2, "nano", cuda=True)}
+        assert (got["allocator at rest"], got["allocator peak"]) == (ok_rest, ok_peak), (at_rest, peak)
+        assert got["clean"] is True
+    got = {c.name: c.ok for c in evaluate(_row(at_rest=held, peak=states + 600, leftover=512), 2, "nano", cuda=True)}
+    assert got["clean"] is False
+
+
+def test_memory_skew_is_parsed():
+    from zerodp.bench.memory import parse_skew
+
+    assert parse_skew("engine:5") == ("engine", 5.0) and parse_skew(None) is None
+    with pytest.raises(ValueError, match="engine:PCT"):
+        parse_skew("allocator:5")
+
+
+# ---- the whole harness on CPU (gloo), as make test runs it ---------------------------------------
+def _gpu_check_cpu(tmp_path, *extra):
+    out = tmp_path / "report.md"
+    p = subprocess.run([sys.executable, "-m", "zerodp.bench.gpu_check", "--device", "cpu", "--out", str(out), *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    return p, (out.read_text() if out.exists() else "")
+
+
+@pytest.mark.dist
+def test_gpu_check_on_cpu_runs_every_phase(tmp_path):
+    p, text = _gpu_check_cpu(tmp_path)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert f"torch {torch.__version__}, backend gloo" in p.stdout and "not checked here:" in p.stdout
+    for name in gpu_check.PHASES:
+        assert f"| {name} | ok |" in text, name
+    assert "| all | 4 | 0 |" in text  # the matrix: one case per stage, none failed
+    assert "expected the host clock only" not in text and "| 3 |" in text  # the trace, every stage
+    assert "Bounds, per row:" in text and "residual +" in text and "(bound 0…" in text  # the memory ledger
+    assert text.count("| ok |") >= 8 + 4  # eight memory rows, four phases
+    assert "not on CPU: no allocator counter" in text and "Not checked by this run:" in text
+    assert "zerodp stage 3" in text and "FSDP" in text  # the bench, both groups
+
+
+@pytest.mark.dist
+def test_a_wrong_memory_figure_fails_the_memory_phase(tmp_path):
+    p, text = _gpu_check_cpu(tmp_path, "--phases", "memory", "--memory-skew", "engine:5")
+    assert p.returncode == 1, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "phase 1/1 memory: FAILED" in p.stdout and "| memory | FAILED |" in text
+    assert "Test seam on" in text and "engine vs planner: engine" in text

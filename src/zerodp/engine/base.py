@@ -52,7 +52,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerodp.engine.adopt import Adoption
-from zerodp.engine.comm import CHROME_TRACE, CLIP_GRAD_NORM, Collectives, Control, user_call
+from zerodp.engine.comm import Collectives
+from zerodp.engine.control import (CHROME_TRACE, CLIP_GRAD_NORM, FULL_STATE_DICT, OPTIMIZER_STATE_DICT, STATE_DICT,
+                                   Control, user_call)
 from zerodp.engine.compiled import activate, host_only
 from zerodp.engine.config import Dtypes, EngineConfig, MixedPrecision, Policy, parse_dtype
 from zerodp.engine.construct import Construction, resolve_param_groups
@@ -230,6 +232,9 @@ class StageEngine(nn.Module):
             self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter", timeout_s=timeout_s)
             self.comm.leg = "world"  # control values (flags, token counts) cross every rank
         self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, self.replica_comm))
+        # what a rank waiting in the step's collectives runs to serve a call another rank makes alone
+        self.control.servers = {STATE_DICT: self.state_dict, OPTIMIZER_STATE_DICT: self.optimizer_state_dict,
+                                FULL_STATE_DICT: self.full_state_dict}
         self.checkpoint = Checkpoint(self)  # pieces, scalars, full tensors, the layout as data
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self.last_comm_peak = 0

@@ -14,25 +14,19 @@ Every call here records an :class:`~zerodp.engine.trace.Event` on the comm lane 
 Averages are done as SUM followed by a division by N on our side: ``ReduceOp.AVG`` is missing
 on gloo or has been silently wrong there in several releases.
 
-Calls a script makes (state dicts, gradient norms, traces) run through :class:`Control`, a small
-process group of the engine's own (guide §12.9): each carries its call's name and step, so a call
-made on some ranks only, or two different calls on different ranks, end every rank within
-``timeout_s`` with one line naming the call and its fix, and the process then exits.
+Calls a script makes (state dicts, gradient norms, traces) run through
+:class:`zerodp.engine.control.Control`, a small process group of the engine's own (guide §12.9);
+every wait here reports a failure to it, so that all ranks end with one message.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
-import functools
-import json
-import pickle
 import time
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,6 +58,24 @@ class CollectiveTimeout(RuntimeError):
     """A collective of the engine waited longer than its ``timeout_s``: named, with what to do."""
 
 
+def wait_serving(work, began: float, timeout_s: float, control, what: str) -> RuntimeError | None:
+    """``work.wait`` bounded by ``timeout_s`` from ``began``; its error is returned, not raised. A
+    wait longer than the control's ``poll_s`` looks, every ``poll_s``, whether another rank is
+    making a call alone, and serves it or ends
+    (:meth:`zerodp.engine.control.Control.serve_pending`), whose own errors pass through. A
+    collective that completes sooner waits exactly as before: nothing is added to the hot path."""
+    poll = getattr(control, "poll_s", None)
+    while True:
+        left = timeout_s - (time.monotonic() - began)
+        try:
+            work.wait(datetime.timedelta(seconds=left if poll is None else max(min(poll, left), 0.001)))
+            return None
+        except RuntimeError as e:
+            if poll is None or work.is_completed() or left <= poll:
+                return e
+        control.serve_pending(what)
+
+
 @dataclass
 class Pending:
     """An issued collective. :meth:`wait` blocks until done and applies any post-processing once."""
@@ -74,7 +86,12 @@ class Pending:
     after: Callable[[], None] | None = None
     done: bool = field(default=False)
     timeout_s: float | None = None  # the engine's timeout_s: a collective other ranks never issue
-    control: "Control | None" = None  # names the failure on every rank and lets the process exit
+    control: object = None  # zerodp.engine.control.Control: names the failure on every rank, lets the process exit
+
+    def _wait_serving(self, began: float) -> RuntimeError | None:
+        a = getattr(self.event, "args", None) or {}
+        return wait_serving(self.work, began, self.timeout_s, self.control,
+                            f"{a.get('kind', 'collective')} {a.get('label', '')!r}")
 
     def wait(self) -> None:
         """Block until done (CPU/gloo), or make the current CUDA stream wait for NCCL's (CUDA);
@@ -88,9 +105,8 @@ class Pending:
                 self.work.wait()
             else:
                 began = time.monotonic()
-                try:
-                    self.work.wait(datetime.timedelta(seconds=self.timeout_s))
-                except RuntimeError as e:
+                e = self._wait_serving(began)  # a served call's own errors pass through as they are
+                if e is not None:
                     # only this wait's own limit is named here; an abort from elsewhere (the
                     # training app's watchdog) passes through as it is, unless another rank said why
                     own = time.monotonic() - began >= 0.9 * self.timeout_s
@@ -98,7 +114,7 @@ class Pending:
                     if self.control is not None:
                         self.control.failed(f"{a.get('kind', 'collective')} {a.get('label', '')!r}", e, own)
                     if not own:
-                        raise
+                        raise e
                     raise CollectiveTimeout(
                         f"{a.get('kind', 'collective')} {a.get('label', '')!r} did not complete within "
                         f"{self.timeout_s:g} s: another rank never issued it — a forward, evaluation or save run on "
@@ -228,7 +244,7 @@ class Collectives:
         self.recorder = recorder
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.control: Control | None = None  # set by the engine's Control: user calls and failures
+        self.control = None  # zerodp.engine.control.Control, set by it: user calls and failures
 
     def _issue(self, kind: str, label: str, nbytes: int, launch: Callable[[], object],
                after: Callable[[], None] | None, async_op: bool) -> Pending:
@@ -365,7 +381,7 @@ class Collectives:
         )
         return tensor
 
-    def reduce_for(self, call: "Call", tensor: torch.Tensor, op: str = "sum", detail: float = 0.0) -> torch.Tensor:
+    def reduce_for(self, call, tensor: torch.Tensor, op: str = "sum", detail: float = 0.0) -> torch.Tensor:
         """A user call's SUM (``op="sum"``) or MAX of a one-element ``tensor`` over this group's
         ranks, in place, through the engine's :class:`Control` (tagged with ``call``, bounded, and
         apart from the step's collectives); without one, a plain recorded AllReduce."""
@@ -378,311 +394,3 @@ class Collectives:
         mine = torch.tensor([values[r] for r in self.control.members(self.group)], dtype=torch.float64)
         tensor.fill_(mine.sum() if op == "sum" else mine.max())
         return tensor
-
-
-# ---- calls a script makes: named, bounded, on a group of their own (guide §12.9) -----------------
-@dataclass(frozen=True)
-class Call:
-    """A collective call a script makes, as the script spells it, and the one-line fix when it is
-    made on some ranks only."""
-
-    name: str
-    fix: str
-    label: str  # how the trace names its collectives
-
-    @property
-    def code(self) -> int:
-        return CALLS.index(self) + 1
-
-
-STATE_DICT = Call("engine.state_dict()", "take the state dict on every rank, save it on rank 0", "state_dict")
-OPTIMIZER_STATE_DICT = Call(
-    "engine.optimizer.state_dict() (engine.optimizer_state_dict())",
-    "take the optimizer state dict on every rank, save it on rank 0", "optimizer_state_dict")
-LOAD_STATE_DICT = Call("engine.load_state_dict()", "load on every rank, each passing the whole dict",
-                       "load_state_dict")
-LOAD_OPTIMIZER_STATE_DICT = Call(
-    "engine.optimizer.load_state_dict() (engine.load_optimizer_state_dict())",
-    "load on every rank, each passing the whole dict", "load_optimizer_state_dict")
-FULL_STATE_DICT = Call("engine.full_state_dict()", "call it on every rank, use the result on rank 0",
-                       "full_state_dict")
-FULL_GRAD_DICT = Call("engine.full_grad_dict()", "call it on every rank, use the result on rank 0",
-                      "full_grad_dict")
-SCALAR_STATE = Call("engine.checkpoint.scalar_state()", "call it on every rank", "scalar_state")
-GRAD_NORM = Call(
-    "the norm of a sharded gradient (p.grad.norm(), torch.linalg.vector_norm(p.grad), "
-    "torch.nn.utils.clip_grad_norm_ over the model's parameters)",
-    "compute gradient norms on every rank (each is an AllReduce across the ranks), log them on rank 0",
-    "grad_norm")
-CLIP_GRAD_NORM = Call("engine.clip_grad_norm_()", "clip on every rank", "grad_norm")
-CHROME_TRACE = Call("engine.export_chrome_trace()", "call it on every rank; rank 0 writes the file",
-                    "chrome_trace")
-SAVE_DCP = Call("zerodp.save_dcp(engine, ...)", "call it on every rank: each writes its part", "save_dcp")
-LOAD_DCP = Call("zerodp.load_dcp(engine, ...)", "call it on every rank", "load_dcp")
-UNIT_SCHEDULE = Call("the stage-3 unit schedule check of a forward or step",
-                     "run every forward and step on every rank", "unit_schedule")
-#: Every call, in a fixed order: a call's code is its place here (+1), the same on every rank.
-CALLS = (STATE_DICT, OPTIMIZER_STATE_DICT, LOAD_STATE_DICT, LOAD_OPTIMIZER_STATE_DICT, FULL_STATE_DICT,
-         FULL_GRAD_DICT, SCALAR_STATE, GRAD_NORM, CLIP_GRAD_NORM, CHROME_TRACE, SAVE_DCP, LOAD_DCP,
-         UNIT_SCHEDULE)
-
-
-class CallMismatch(RuntimeError):
-    """The ranks made different calls (or the same call at different steps): raised on every rank,
-    before anything of the call ran; the process group is intact."""
-
-
-def user_call(call: Call):
-    """Decorate a function whose first argument is an engine: the call runs under
-    ``engine.control.call(call)`` (every rank checks that every other one makes it too)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def inner(engine, *args, **kwargs):
-            control = getattr(engine, "control", None)
-            if control is None:
-                return fn(engine, *args, **kwargs)
-            with control.call(call):
-                return fn(engine, *args, **kwargs)
-        return inner
-    return wrap
-
-
-#: The longest a rank whose wait ran out waits for the other ranks to say what they were doing
-#: (those in the step's collectives run out at about the same time; others may never say).
-POSTS_WAIT_S = 30.0
-#: Columns of a control exchange: the call's code, the step, a detail (a tensor's size), a value.
-_ROW = 4
-
-
-class Control:
-    """The engine's process group for the calls a script makes, and its failure channel (guide §12.9).
-
-    - Every user call (:func:`user_call`) starts with one tiny AllReduce on this group of
-      ``(code, step)`` per rank, so every rank checks that every other one makes the same call at
-      the same step; small values (gradient norms, :meth:`Collectives.reduce_for`) ride on that same
-      AllReduce; objects are gathered here too (:meth:`all_gather_object`). Nothing here pairs with
-      the step's collectives on the engine's groups, and no gradient bucket or unit gather runs
-      here: the hot path keeps its collectives as they were.
-    - Every wait is bounded by ``timeout_s``. When one runs out — here or on the engine's groups
-      (:class:`Pending`) — this rank posts what it was doing in the job's store, reads what the
-      other ranks posted (waiting up to ``timeout_s``, at most POSTS_WAIT_S, for them), and raises one
-      :class:`CollectiveTimeout` naming the call made on some ranks only and its fix; it then keeps
-      its process groups from being destroyed, whose destructors would wait for the collective
-      that never completes, so that the process exits as soon as the script ends.
-    """
-
-    def __init__(self, recorder: Recorder, group: dist.ProcessGroup | None, timeout_s: float | None,
-                 comms=()):
-        self.recorder = recorder  # its step count tags every call
-        self.timeout_s = timeout_s
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
-        self._engine_group = group
-        self._calls: list[Call] = []  # the user calls in progress on this rank, outermost first
-        self.failure: str | None = None
-        self.group = None  # connected at the first call (most engines never make one)
-        self.name = self._name(group) if self.world_size > 1 else None
-        self._comms = [c for c in comms if c is not None]
-        for c in self._comms:
-            c.control = self
-
-    def _name(self, group: dist.ProcessGroup | None) -> str:
-        """This control's name in the job's store: the engine group's name and how many controls
-        each of its ranks built before (every rank builds its engines in the same order)."""
-        base = f"zerodp/control/{group.group_name if group is not None else 'world'}"
-        return f"{base}/{self._store().add(f'{base}/built/{self.rank}', 1)}"
-
-    def _connected(self, call: Call):
-        """The gloo group of the engine's ranks, connected through the job's store under this
-        control's name at the first call that needs it (bounded by ``timeout_s`` like any wait).
-        Only the engine's ranks take part, and torch does not register it: it goes with this object."""
-        if self.group is None:
-            limit = datetime.timedelta(seconds=self.timeout_s or 1800)
-            try:
-                self.group = dist.ProcessGroupGloo(dist.PrefixStore(self.name, self._store()), self.rank,
-                                                   self.world_size, limit)
-            except RuntimeError as e:
-                self.failed(f"{call.name} (connecting the ranks)", e, True, call)
-                raise
-        return self.group
-
-    # ---- calls ----------------------------------------------------------------------------------
-    @property
-    def current(self) -> Call | None:
-        return self._calls[0] if self._calls else None
-
-    @contextlib.contextmanager
-    def call(self, call: Call) -> Iterator[None]:
-        """Run a user call: the outermost one checks, in one exchange, that every rank makes it."""
-        outer = not self._calls
-        self._calls.append(call)
-        try:
-            if outer:
-                self.exchange(call)
-            yield
-        finally:
-            self._calls.pop()
-
-    def members(self, group: dist.ProcessGroup | None) -> list[int]:
-        """The places, in this group's rank order, of ``group``'s ranks (a shard group's)."""
-        if group is None or group is self._engine_group:
-            return list(range(self.world_size))
-        return [self.ranks.index(r) for r in dist.get_process_group_ranks(group)]
-
-    def exchange(self, call: Call, value: float = 0.0, detail: float = 0.0) -> list[float]:
-        """One AllReduce on this group: every rank's ``(call, step, detail)`` is checked against
-        every other's (:class:`CallMismatch` on every rank when they differ) and every rank's
-        ``value`` comes back, by rank."""
-        if self.world_size == 1:
-            return [value]
-        group = self._connected(call)
-        rows = torch.zeros(self.world_size, _ROW, dtype=torch.float64)
-        rows[self.rank] = torch.tensor([call.code, self.recorder.step, detail, value], dtype=torch.float64)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
-        self._wait(group.allreduce([rows], options), call)
-        table = rows.tolist()
-        if len({tuple(r[:3]) for r in table}) > 1:
-            raise CallMismatch(self._mismatch(table))
-        return [r[3] for r in table]
-
-    def all_gather_object(self, obj, call: Call | None = None) -> list:
-        """``dist.all_gather_object`` on this group, bounded and tagged (the current call's name)."""
-        call = call or self.current or UNIT_SCHEDULE
-        if self.world_size == 1:
-            return [obj]
-        data = pickle.dumps(obj)
-        sizes = [int(n) for n in self.exchange(call, float(len(data)))]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)
-        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._wait(self._connected(call).allgather([out], [padded]), call)
-        return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(out, sizes)]
-
-    def _wait(self, work, call: Call) -> None:
-        if self.timeout_s is None:
-            work.wait()
-            return
-        began = time.monotonic()
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            self.failed(f"{call.name} ({call.label})", e, time.monotonic() - began >= 0.9 * self.timeout_s, call)
-            raise
-
-    def _mismatch(self, table: list[list[float]]) -> str:
-        def said(r: int) -> str:
-            code, step = int(table[r][0]), int(table[r][1])
-            name = CALLS[code - 1].name if 0 < code <= len(CALLS) else f"call #{code}"
-            return f"rank {r} made {name} at step {step}"
-
-        calls = {int(r[0]) for r in table}
-        fixes = "; ".join(dict.fromkeys(CALLS[c - 1].fix for c in sorted(calls) if 0 < c <= len(CALLS)))
-        return (f"the ranks made different collective calls ({'; '.join(said(r) for r in range(len(table)))}): "
-                f"every rank must make the same engine calls in the same order — {fixes}")
-
-    # ---- failures --------------------------------------------------------------------------------
-    def failed(self, what: str, error: BaseException, own_timeout: bool, call: Call | None = None) -> None:
-        """A wait on one of the engine's groups ended with ``error``: after its own ``timeout_s``
-        (``own_timeout``), or early (a rank gone, a watchdog's abort). Raise the named
-        :class:`CollectiveTimeout` on this rank once the ranks have said what each was doing; an
-        early error that no other rank explained returns, for the caller to raise as it is."""
-        store = self._store()
-        posts: dict[int, dict] | None = {}
-        if not own_timeout:
-            posts = self._read(store, wait_s=0.0)
-            if posts is None:  # the store went with the rank that hosted it: that rank's process ended
-                self.abandon()
-                said = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                raise CollectiveTimeout(
-                    f"{what} failed: another rank's process ended (its own message says why: a call made on "
-                    f"some ranks only, a crash, or a stall); the job ends (backend said: {said[:300]})") from error
-            if not posts:
-                return
-        call = call or self.current
-        mine = {"call": call.name if call else None, "what": what}
-        with contextlib.suppress(Exception):
-            store.set(self._key("failed", self.rank), json.dumps(mine))
-        posts = self._read(store, wait_s=min(self.timeout_s or 0.0, POSTS_WAIT_S)) or {}
-        posts[self.rank] = mine
-        with contextlib.suppress(Exception):  # the store may live in this process: the others read first
-            store.set(self._key("read", self.rank), "1")
-            store.wait([self._key("read", r) for r in range(self.world_size) if r in posts],
-                       datetime.timedelta(seconds=min(self.timeout_s or 1.0, 10.0)))
-        self.failure = self._message(posts, what)
-        self.abandon()
-        raise CollectiveTimeout(self.failure) from error
-
-    def _store(self):
-        if self.world_size == 1:
-            return None
-        try:
-            return dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - no store: each rank speaks for itself
-            return None
-
-    def _key(self, kind: str, rank: int) -> str:
-        return f"{self.name}/{kind}/{rank}"
-
-    def _read(self, store, wait_s: float) -> dict[int, dict] | None:
-        """What the other ranks posted, waiting up to ``wait_s`` for every one of them (None: the
-        store cannot be reached)."""
-        if store is None:
-            return {}
-        keys = {r: self._key("failed", r) for r in range(self.world_size) if r != self.rank}
-        deadline = time.monotonic() + wait_s
-        posts: dict[int, dict] = {}
-        try:
-            while True:
-                for r, key in keys.items():
-                    if r not in posts and store.check([key]):
-                        posts[r] = json.loads(store.get(key))
-                if len(posts) == len(keys) or time.monotonic() >= deadline:
-                    return posts
-                time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the store went with a rank that ended
-            return posts or None
-
-    def _message(self, posts: dict[int, dict], what: str) -> str:
-        limit = f"{self.timeout_s:g} s" if self.timeout_s else "its limit"
-        called = {}
-        for r in sorted(posts):
-            if posts[r]["call"]:
-                called.setdefault(posts[r]["call"], []).append(r)
-        silent = [r for r in range(self.world_size) if r not in posts]
-        elsewhere = "; ".join(
-            [f"rank {r} was in {posts[r]['what']}" for r in sorted(posts) if not posts[r]["call"]]
-            + [f"rank {r} said nothing (stalled, gone, or outside the engine)" for r in silent])
-        after = "; the job ends (parallelize(..., timeout_s=...) sets the limit)"
-        if len(called) == 1 and (silent or len(posts) > len(next(iter(called.values())))):
-            name, ranks = next(iter(called.items()))
-            fix = next(c.fix for c in CALLS if c.name == name)
-            return (f"{name} was called on rank {', '.join(map(str, ranks))} only, and waited {limit} for the "
-                    f"others ({elsewhere}): {fix}{after}")
-        if called:
-            names = "; ".join(f"{n} on rank {', '.join(map(str, rs))}" for n, rs in called.items())
-            return (f"the ranks made different collective calls ({names}; {elsewhere or 'no other'}), waited "
-                    f"{limit}: every rank must make the same engine calls in the same order{after}")
-        return (f"{what} did not complete within {limit}: another rank never issued it — a forward, "
-                "evaluation or save run on some ranks only (at stage 3 every forward gathers each unit on every "
-                "rank; run it on every rank, or under the model outside the engine), or a rank that died or "
-                f"stalled ({elsewhere or 'every rank waited'}){after}")
-
-    def abandon(self) -> None:
-        """Keep the engine's process groups from ever being destroyed: a group with a collective
-        that never completes blocks in its destructor (gloo waits for its worker threads) and the
-        process would never exit. Torch's ``abort`` does not end gloo's work; a reference that is
-        never released does (the groups are unusable from here on anyway)."""
-        groups = [self._engine_group] + [c.group for c in self._comms]
-        with contextlib.suppress(Exception):
-            groups.append(dist.distributed_c10d._get_default_group())
-        kept: set[int] = set()
-        for g in [self.group] + groups:
-            if g is None or id(g) in kept:
-                continue
-            kept.add(id(g))
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(g))
-            for device_type in getattr(g, "_device_types", []):
-                with contextlib.suppress(Exception):
-                    ctypes.pythonapi.Py_IncRef(ctypes.py_object(g._get_backend(device_type)))

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerodp.engine.comm import wait_serving
 from zerodp.engine.config import Dtypes, parse_dtype
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.exchange import OwnerExchange
@@ -202,8 +204,19 @@ class Construction:
         if self.engine.world_size == 1:
             return
         src = dist.get_global_rank(self.engine.group, 0) if self.engine.group is not None else 0
+        control = getattr(self.engine, "control", None)  # built after the first broadcasts, at construction
+        timeout_s = self.engine.comm.timeout_s
         for t in tensors:
-            dist.broadcast(t, src=src, group=self.engine.group)
+            work = dist.broadcast(t, src=src, group=self.engine.group, async_op=True)
+            if timeout_s is None:
+                work.wait()
+                continue
+            began = time.monotonic()
+            error = wait_serving(work, began, timeout_s, control, "broadcast 'buffers'")
+            if error is not None:
+                if control is not None:
+                    control.failed("broadcast 'buffers'", error, time.monotonic() - began >= 0.9 * timeout_s)
+                raise error
 
     @torch.no_grad()
     def init_groups(self, extra_broadcast: list[torch.Tensor] = (),

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from zerodp.engine.comm import LOAD_DCP, SAVE_DCP
+from zerodp.engine.control import LOAD_DCP, SAVE_DCP
 from zerodp.engine.state_dict import EngineLike
 
 _SINGLE_PROCESS_WARNING = ".*assuming the intent is to (save|load) in a single process.*"

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from zerodp.engine.comm import GRAD_NORM
+from zerodp.engine.control import GRAD_NORM
 
 aten = torch.ops.aten
 #: in-place scalings a script applies to a gradient (a clip, an unscale, ``model.zero_grad(set_to_none=False)``):

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from zerodp.engine.comm import UNIT_SCHEDULE
+from zerodp.engine.control import UNIT_SCHEDULE
 
 HASH_MOD = 1 << 50  # exact in float64, which the AllReduce carries
 LOG_LIMIT = 4096  # collectives named in a mismatch report

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import torch
 
-from zerodp.engine.comm import (FULL_GRAD_DICT, FULL_STATE_DICT, LOAD_OPTIMIZER_STATE_DICT, LOAD_STATE_DICT,
+from zerodp.engine.control import (FULL_GRAD_DICT, FULL_STATE_DICT, LOAD_OPTIMIZER_STATE_DICT, LOAD_STATE_DICT,
                                 OPTIMIZER_STATE_DICT, SCALAR_STATE, STATE_DICT, user_call)
 from zerodp.engine.group import FROZEN
 from zerodp.engine.master import OWNER, PARAM, Piece, Target, whole_name
@@ -185,7 +185,22 @@ def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
 
 
 # ---- model state -------------------------------------------------------------------------------
-@user_call(STATE_DICT)
+def replicated_model(engine: EngineLike) -> bool:
+    """Every rank holds every value of the model's state dict, as it is saved: stage 0 (the fp32
+    master replicated), and stages 1-2 whose parameters are the master's values (fp32 compute,
+    no int8 parameter gathers) — so the model's state dict is local, as DDP's is."""
+    if engine.stage == 0:
+        return True
+    return (engine.stage in (1, 2) and engine.dtypes.param == engine.dtypes.master
+            and not engine.config.quantize_params)
+
+
+def replicated_optimizer(engine: EngineLike) -> bool:
+    """Every rank holds every optimizer state whole: stage 0 (as DDP's optimizer)."""
+    return engine.stage == 0
+
+
+@user_call(STATE_DICT, local=replicated_model)
 @torch.no_grad()
 def state_dict(engine: EngineLike, *, rank0_only: bool = False, cpu_offload: bool = False,
                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -306,7 +321,7 @@ def _group_options(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-@user_call(OPTIMIZER_STATE_DICT)
+@user_call(OPTIMIZER_STATE_DICT, local=replicated_optimizer)
 @torch.no_grad()
 def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
                          cpu_offload: bool = False) -> dict:
@@ -577,7 +592,7 @@ class Checkpoint:
             warnings.warn(f"the checkpoint holds no values for the buffers {missing}; they keep "
                           "their current values", stacklevel=3)
 
-    @user_call(SCALAR_STATE)
+    @user_call(SCALAR_STATE, local=lambda checkpoint: replicated_optimizer(checkpoint.engine))
     def scalar_state(self) -> dict:
         """Collective: the optimizer's scalars (per parameter and per group) from every rank."""
         mine = self.engine.master.scalar_state()
@@ -608,13 +623,20 @@ class Checkpoint:
             return target.flat_start, target.flat_start
         return target.flat_start, target.flat_start + target.tensor.numel()
 
-    @user_call(FULL_STATE_DICT)
+    @user_call(FULL_STATE_DICT, local=lambda checkpoint: replicated_model(checkpoint.engine))
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
-        every persistent buffer (rank 0's values; floating-point ones as fp32)."""
-        self.engine.machine.finish_grad_sync()
-        self.engine._take_module_values(fold=True)  # what the script wrote into the module since the step
+        every persistent buffer (rank 0's values; floating-point ones as fp32). Local where every
+        rank holds them (:func:`replicated_model`: this rank's buffers then, as DDP's); served
+        from a wait where another rank makes the call alone (zerodp.engine.control)."""
+        control = self.engine.control
+        if control.in_call and not control.routed:  # a local or served call leaves the step's collectives alone
+            self.engine.machine.finish_grad_sync()
+        if not control.serving:
+            self.engine._take_module_values(fold=True)  # what the script wrote into the module since the step
+        if not control.in_call and self.engine.stage > 0:  # stages 1-2, replicated parameters (replicated_model)
+            return self._local_full()
         out = self._gather_full([t.tensor for t in self.engine.master.targets], frozen_from_params=True)
         for name, p in self.engine._module.named_parameters():  # frozen parameters outside the buffers
             if name not in out and p.numel() > 0:
@@ -632,12 +654,25 @@ class Checkpoint:
         return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
                                   for t, g in zip(self.engine.master.targets, grads)])
 
+    def _local_full(self) -> dict[str, torch.Tensor]:
+        """The full state dict from this rank's own replica (stages 1-2 with parameters in the
+        master's dtype: the published parameters are the master values)."""
+        master = self.engine.dtypes.master
+        out = {name: p.detach().to(master).clone() for name, p in self.engine.module.named_parameters()}
+        out.update(self._buffer_dict())
+        return out
+
     @torch.no_grad()
     def _buffer_dict(self) -> dict[str, torch.Tensor]:
         out = {}
+        control = self.engine.control
         for name, sub, local in self.engine.state_buffers:
             buf = getattr(sub, local).detach().clone()
-            if self.engine.world_size > 1:
+            if not control.in_call or self.engine.world_size == 1:
+                pass  # a local call: this rank's buffers, as DDP's state dict
+            elif control.routed:
+                control.broadcast_from_rank0(buf)
+            else:
                 self.engine.construction.broadcast_from_rank0([buf])
             out[name] = buf.to(self.engine.dtypes.master) if buf.is_floating_point() else buf
         return out
@@ -667,7 +702,10 @@ class Checkpoint:
                         local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
             if sharded and g.comm.world_size > 1:
                 flat = torch.empty(layout.padded_numel, dtype=self.engine.dtypes.master, device=self.engine.device)
-                g.comm.all_gather(flat, local, "gather_full", async_op=False)
+                if self.engine.control.routed:  # a served call: the servers' step collectives are in flight
+                    self.engine.control.all_gather_flat(flat, local, g.comm.group)
+                else:
+                    g.comm.all_gather(flat, local, "gather_full", async_op=False)
             else:
                 flat = local
             for slot in layout.slots:
