@@ -109,8 +109,8 @@ PER_TENSOR = [Case(s, w, USAGES[i % len(USAGES)], frozenset([("tied", "groups"),
 
 #: bf16 mixed precision at every stage and world size, the optimizers in turn (the pairwise table
 #: draws bf16 only a few times; torch 2.11 failed each of them: tests/test_compat.py)
-BF16 = [Case(s, w, "bf16", frozenset([("tied", "groups"), ("frozen", "unused"), ("buffer",), ("twice", "reduce_once")][i % 4]),
-             optimizer=OPTIMIZERS[i % len(OPTIMIZERS)])
+_FEATURES = [("tied", "groups"), ("frozen", "unused"), ("buffer",), ("twice", "reduce_once")]
+BF16 = [Case(s, w, "bf16", frozenset(_FEATURES[i % 4]), optimizer=OPTIMIZERS[i % len(OPTIMIZERS)])
         for i, (s, w) in enumerate((s, w) for s in STAGES for w in WORLDS)]
 
 

@@ -48,7 +48,7 @@ def test_first_pick_is_the_planner_functions_arithmetic(llama_64):
     t = 8192 * c.micro_batch
     attn = 2 * m.layers * 8192 * m.q_dim * t
     fwd = 2 * m.active * t + attn
-    ct = plan.hardware.step_compute(m, "H100", 8192, c.micro_batch, c.recompute)
+    ct = plan.compute.step_compute(m, "H100", 8192, c.micro_batch, c.recompute)
     opt = 28 * m.params / g / 3.35e12
     assert c.compute_s == pytest.approx(c.grad_acc * (ct.forward_s + ct.backward_s) + opt)
     assert r.efficiency == pytest.approx(c.grad_acc * 3 * fwd / (c.compute_s * 9.9e14))

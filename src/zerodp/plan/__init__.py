@@ -15,6 +15,7 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
 - recommend:   the fastest configuration that fits, ranked (docs/planner.md, "recommend")
 - timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
 - models:      model presets (shipped as config.json files) and custom shapes
+- compute:     the step's compute on one device (step_compute)
 - report:      the guide's worked examples, recomputed
 - plot:        timeline lanes and sweep curve (matplotlib imported only when called)
 """

@@ -23,7 +23,7 @@ not searched. Every figure of a candidate comes from one planner function:
 
 The step model (docs/planner.md, "recommend"), per GPU, ``t`` = micro-batch × seq tokens:
 
-* compute: :func:`~zerodp.plan.hardware.step_compute`, the hardware's compute model (GEMMs at
+* compute: :func:`~zerodp.plan.compute.step_compute`, the hardware's compute model (GEMMs at
   the part's sustained matmul rate for their shape, FlashAttention at its measured rate,
   memory-bound work at HBM bandwidth, per-layer overheads, the recomputation the mode runs, the
   optimizer step's HBM traffic); with ``efficiency`` given instead, the seed's model: forward
@@ -52,7 +52,8 @@ from zerodp.plan.batch import plan_batch
 from zerodp.plan.collectives import collective_time
 from zerodp.plan.calibrated import calibration_for, compute_times, contention_s, optimizer_time
 from zerodp.plan.calibrated import efficiency as efficiency_of
-from zerodp.plan.hardware import (COMPUTE, Hardware, get_hardware, hardware_from_dict, step_compute,
+from zerodp.plan.compute import _block_matmuls, step_compute
+from zerodp.plan.hardware import (COMPUTE, Hardware, get_hardware, hardware_from_dict,
                                    sustained)
 from zerodp.plan.hybrid import step_comm
 from zerodp.plan.defaults import DEFAULTS
@@ -72,7 +73,7 @@ MAX_SEARCH_MICRO_BATCH = 64
 #: so, and what makes them simpler (no compression, less recomputation, ...)
 TIE = 0.01
 #: fraction of peak FLOP/s a step's compute reaches when given (None: the hardware's compute
-#: model, :func:`~zerodp.plan.hardware.step_compute`; calibration measures it: ``zerodp
+#: model, :func:`~zerodp.plan.compute.step_compute`; calibration measures it: ``zerodp
 #: calibrate``); zerodp.plan.defaults
 DEFAULT_EFFICIENCY = DEFAULTS["recommend"]["efficiency"]
 
@@ -180,8 +181,7 @@ def flops_per_micro_batch(model, seq: int, micro_batch: int, recompute: str) -> 
     t = seq * micro_batch
     attn = 2.0 * model.layers * seq * (model.q_dim or model.hidden) * t
     fwd = 2.0 * model.active * t + attn
-    if recompute == "op":  # every second matmul of each block (hardware._block_matmuls)
-        from zerodp.plan.hardware import _block_matmuls
+    if recompute == "op":  # every second matmul of each block (compute._block_matmuls)
         mats = _block_matmuls(model)
         extra = 2.0 * t * (model.active_block_params or 0) * model.layers * sum(mats[1::2]) / sum(mats)
     else:
@@ -263,7 +263,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     (:func:`~zerodp.plan.calibrated.efficiency`). ``efficiency`` is then 1 (C is measured).
 
     ``efficiency`` None (the default): the compute comes from the hardware's compute model
-    (:func:`~zerodp.plan.hardware.step_compute` with ``constants``, default
+    (:func:`~zerodp.plan.compute.step_compute` with ``constants``, default
     :data:`~zerodp.plan.hardware.COMPUTE`). ``round_batch`` False keeps the global batch as given
     (default: the nearest power of two of samples, guide §6.1); ``require_fit`` False prices
     configurations that do not fit too (``zerodp plan validate`` prices published runs as they
