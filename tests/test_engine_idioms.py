@@ -134,22 +134,19 @@ def built_optimizer_and_lr_by_hand(rank, stage):
     if not isinstance(opt, torch.optim.Optimizer) or len(opt.param_groups) != 2:
         return f"engine.optimizer is {type(opt).__name__} with {len(opt.param_groups)} groups"
     for step in range(4):
+        # the first two steps through engine.optimizer, the last two through the script's own object,
+        # which the engine took over (a port by the wrap line alone keeps stepping it)
+        mine_opt = opt if step < 2 else built
         lr = 1e-2 * 0.5 * (1 + math.cos(math.pi * step / 4))
-        for o in (opt, ref_opt):
+        for o in (mine_opt, ref_opt):
             for group in o.param_groups:
                 group["lr"] = lr
-        opt.zero_grad()
+        mine_opt.zero_grad()
         x, y = batch(step)
         engine(mine(x, rank), mine(y, rank)).backward()
-        opt.step()
+        mine_opt.step()
         ref_opt.zero_grad()
         ref_step(ref, ref_opt, step)
-    try:
-        built.step()
-        return "the optimizer given to parallelize stepped without an error"
-    except RuntimeError as e:
-        if "engine.optimizer" not in str(e):
-            return f"wrong message: {e}"
     return distance(engine, ref, 4)
 
 

@@ -40,7 +40,8 @@ class Adoption:
 
     def __init__(self, engine, pending: bool, given: list = ()):
         self.pending = pending  # parallelize got no optimizer: adopt the first that steps the module
-        self._given = {id(o) for o in given}  # built optimizers given to parallelize: they refuse their own step
+        self._given = {id(o) for o in given}  # built optimizers given to parallelize (take_given)
+        self._given_list = list(given)
         self.adopted: torch.optim.Optimizer | None = None
         ref = weakref.ref(engine)
         self._param_ids = {id(p) for p in engine._module.parameters()}
@@ -87,13 +88,30 @@ class Adoption:
             g[_PARAMS] = []
         return (args[0],), {}
 
+    def take_given(self, engine) -> None:
+        """The one optimizer given to ``parallelize``, rebuilt over the master at construction,
+        becomes the engine's as an adopted one does (:meth:`adopt`, without a second rebuild): its
+        ``step()`` is ``engine.step()``, state it loaded before the wrap (a resume) goes in with it,
+        and its ``param_groups`` are the master's own list — a scheduler built on it, before or
+        after the wrap, moves the engine's learning rate. (Several given as a list were rebuilt as
+        one and refuse their own ``step()``.)"""
+        if len(self._given_list) != 1:
+            return
+        optimizer = self._given_list.pop()
+        self._route(engine, optimizer)
+        optimizer.param_groups = engine.master.optimizer.param_groups
+
     def adopt(self, engine, optimizer: torch.optim.Optimizer) -> None:
         """Rebuild ``optimizer`` over the engine's master and route its calls to the engine."""
+        engine.construction.rebuild_optimizer(optimizer)
+        self._route(engine, optimizer)
+
+    def _route(self, engine, optimizer: torch.optim.Optimizer) -> None:
+        """From here on ``optimizer`` is the engine's: its calls go to the engine, its state in."""
         saved = None
         if optimizer.state:  # loaded before its first step (a resume): carried over
             saved = torch.optim.Optimizer.state_dict(optimizer)
             optimizer.state.clear()
-        engine.construction.rebuild_optimizer(optimizer)
         self.pending = False
         self.adopted = optimizer
         ref = weakref.ref(engine)

@@ -184,11 +184,13 @@ class StageEngine(nn.Module):
                 raise ValueError("parallelize got a built optimizer and param_groups: the optimizer's own param "
                                  "groups say which options each parameter gets; pass one of the two")
             built = optimizer_factory
-            optimizer_factory, user_groups = from_built(built, module)
+            single = isinstance(built, torch.optim.Optimizer)  # taken over at construction (Adoption.take_given)
+            optimizer_factory, user_groups = from_built(built, module, with_state=single)
             config = dataclasses.replace(config, param_groups=user_groups)
-            for opt in [built] if isinstance(built, torch.optim.Optimizer) else built:
-                opt.register_step_pre_hook(_rebuilt_optimizer_step)
-                given.append(opt)
+            given = [built] if single else list(built)
+            if not single:
+                for opt in given:
+                    opt.register_step_pre_hook(_rebuilt_optimizer_step)
         if not callable(optimizer_factory):
             raise TypeError(
                 "optimizer must be a torch.optim.Optimizer over model.parameters() or a factory, e.g. "
@@ -233,8 +235,10 @@ class StageEngine(nn.Module):
             self.comm.leg = "world"  # control values (flags, token counts) cross every rank
         self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, self.replica_comm))
         # what a rank waiting in the step's collectives runs to serve a call another rank makes alone
-        self.control.servers = {STATE_DICT: self.state_dict, OPTIMIZER_STATE_DICT: self.optimizer_state_dict,
-                                FULL_STATE_DICT: self.full_state_dict}
+        this = weakref.ref(self)  # no cycle through the control: `del engine` frees it
+        self.control.servers = {STATE_DICT: lambda: this().state_dict(),
+                                OPTIMIZER_STATE_DICT: lambda: this().optimizer_state_dict(),
+                                FULL_STATE_DICT: lambda: this().full_state_dict()}
         self.checkpoint = Checkpoint(self)  # pieces, scalars, full tensors, the layout as data
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self.last_comm_peak = 0
@@ -600,10 +604,12 @@ def _stand_in_optimizer(groups: list[dict]) -> torch.optim.Optimizer:
 
 
 def _rebuilt_optimizer_step(optimizer, args, kwargs):
-    """Step pre-hook on an optimizer given to ``parallelize``: it was rebuilt over the engine's master."""
+    """Step pre-hook on each of several optimizers given to ``parallelize`` as a list: they were
+    rebuilt over the engine's master as one (a single one given is taken over instead)."""
     raise RuntimeError(
-        f"this {type(optimizer).__name__} was given to zerodp.parallelize, which rebuilt it over the engine's fp32 "
-        "master: step the engine's instead (optimizer = engine.optimizer after parallelize)")
+        f"this {type(optimizer).__name__} was given to zerodp.parallelize in a list, which rebuilt them over the "
+        "engine's fp32 master as one optimizer: step the engine's instead (optimizer = engine.optimizer after "
+        "parallelize)")
 
 
 def remove_hooks(handles: list) -> None:

@@ -239,6 +239,7 @@ class Construction:
         # Per group, per trainable parameter: its index in named_params (used-flags at step()).
         self.engine._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.engine.groups]
         self.engine.machine.reset_used()
+        self.engine.adoption.take_given(self.engine)  # the optimizer given to parallelize is the engine's now
 
     def build_optimizer(self) -> None:
         """The master optimizer over targets of every group's master (guide §12.3)."""

@@ -61,7 +61,7 @@ def is_built(optimizer: Any) -> bool:
 
 
 def from_built(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-               model: nn.Module) -> tuple[Callable[[list[dict]], Any], UserGroups]:
+               model: nn.Module, with_state: bool = False) -> tuple[Callable[[list[dict]], Any], UserGroups]:
     """A built optimizer (or several over disjoint parameters) → (factory, param-groups rule)
     that rebuild it over the master.
 
@@ -70,17 +70,18 @@ def from_built(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer
     group it was in (groups numbered across the optimizers, in the order given). A trainable
     parameter no optimizer holds, one held twice, or one the model does not own is refused in one
     line: torch would leave the first untrained, step the second twice, and the third is not this
-    model's."""
+    model's. ``with_state``: state the optimizer loaded before the wrap (a resume) is the caller's
+    to carry over (:meth:`zerodp.engine.adopt.Adoption.take_given`); else it is refused."""
     built = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     owned = {id(p) for p in model.parameters()}
     options, group_of, order, spans = [], {}, [], []
     for opt in built:
         what = type(opt).__name__
-        if opt.state:
+        if opt.state and not with_state:
             raise ValueError(
-                f"the {what} given to parallelize has already stepped (it holds state): zerodp rebuilds it over its "
-                "fp32 master, so pass it before its first step, and load a saved state with "
-                "engine.optimizer.load_state_dict(...) afterwards")
+                f"the {what} given to parallelize in a list holds state: zerodp rebuilds the list over its fp32 "
+                "master as one optimizer, so pass them before their first step and load a saved state with "
+                "engine.optimizer.load_state_dict(...) afterwards (a single optimizer given brings its state along)")
         first = len(options)
         for g, group in enumerate(opt.param_groups):
             options.append({k: v for k, v in group.items() if k != _PARAMS})

@@ -215,7 +215,7 @@ def state_dict(engine: EngineLike, *, rank0_only: bool = False, cpu_offload: boo
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r}: give a floating-point torch.dtype such as torch.bfloat16, or None for fp32")
-    full = engine.full_state_dict()
+    full = engine.checkpoint.full_values(local=not engine.control.in_call)
     names = _Names(engine)
     if rank0_only and engine.rank != 0:
         return {}
@@ -623,19 +623,23 @@ class Checkpoint:
             return target.flat_start, target.flat_start
         return target.flat_start, target.flat_start + target.tensor.numel()
 
-    @user_call(FULL_STATE_DICT, local=lambda checkpoint: replicated_model(checkpoint.engine))
-    @torch.no_grad()
+    @user_call(FULL_STATE_DICT)
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets every parameter as an fp32 tensor (from the master) and
-        every persistent buffer (rank 0's values; floating-point ones as fp32). Local where every
-        rank holds them (:func:`replicated_model`: this rank's buffers then, as DDP's); served
-        from a wait where another rank makes the call alone (zerodp.engine.control)."""
+        every persistent buffer (rank 0's values; floating-point ones as fp32); served from a wait
+        where another rank makes the call alone (zerodp.engine.control)."""
+        return self.full_values(local=False)
+
+    @torch.no_grad()
+    def full_values(self, local: bool) -> dict[str, torch.Tensor]:
+        """:meth:`full_state_dict`'s values; with ``local`` (``state_dict()`` where every rank holds
+        them, :func:`replicated_model`) from this rank alone, its own buffers — as DDP's."""
         control = self.engine.control
-        if control.in_call and not control.routed:  # a local or served call leaves the step's collectives alone
+        if not local and not control.routed:  # a served call leaves the step's collectives alone
             self.engine.machine.finish_grad_sync()
         if not control.serving:
             self.engine._take_module_values(fold=True)  # what the script wrote into the module since the step
-        if not control.in_call and self.engine.stage > 0:  # stages 1-2, replicated parameters (replicated_model)
+        if local and self.engine.stage > 0:  # stages 1-2, replicated parameters (replicated_model)
             return self._local_full()
         out = self._gather_full([t.tensor for t in self.engine.master.targets], frozen_from_params=True)
         for name, p in self.engine._module.named_parameters():  # frozen parameters outside the buffers
@@ -669,7 +673,7 @@ class Checkpoint:
         for name, sub, local in self.engine.state_buffers:
             buf = getattr(sub, local).detach().clone()
             if not control.in_call or self.engine.world_size == 1:
-                pass  # a local call: this rank's buffers, as DDP's state dict
+                pass  # a local state_dict(): this rank's buffers, as DDP's
             elif control.routed:
                 control.broadcast_from_rank0(buf)
             else:

@@ -176,22 +176,25 @@ class StepMachine:
         the gradient shard itself). So the step runs over batches of targets of at most
         ``STEP_BATCH_BYTES`` of fp32 gradients, one ``optimizer.step()`` each: the update of an
         elementwise optimizer is per element, so this is bitwise the single step (targets without
-        a gradient are skipped by each call). Only when the optimizer has step hooks (which would
-        then run once per batch) is it done in one call."""
+        a gradient are skipped by each call). It is done in one call — ``optimizer.step()`` runs
+        once per engine step, as torch's — whenever several calls could be seen: the optimizer has
+        step hooks (which would run once per batch), or it is not one of torch's own classes (a
+        class of the script's, or a library's, may count steps per param group: LAMB's bias
+        correction, a warm-up)."""
         grads = self.master_grads()
         exchange = self.engine.master.exchange
         cast = any(g is not None and g.dtype != self.engine.dtypes.master for g in grads)
-        hooks = (exchange is not None or cast) and _has_step_hooks(self.engine.master.optimizer)
-        if exchange is not None and not hooks:  # stage 3: whole tensors stepped on their owners, by batch of units
+        one_call = (exchange is not None or cast) and _one_call(self.engine.master.optimizer)
+        if exchange is not None and not one_call:  # stage 3: whole tensors stepped on their owners, by batch of units
             for units in exchange.batches():
                 exchange.bring(self.engine._unused, units)
                 self.engine.master.step()
                 self.engine.master.zero_grad()
                 exchange.send_back()
-        elif exchange is not None:  # step hooks run once per step: every unit's tensors at once
+        elif exchange is not None:  # one call: every unit's tensors at once
             exchange.bring(self.engine._unused)
         batches = [range(len(grads))]
-        if cast and not hooks:
+        if cast and not one_call:
             batches, start, size = [], 0, 0
             for i, g in enumerate(grads):
                 size += 0 if g is None else 4 * g.numel()
@@ -199,13 +202,15 @@ class StepMachine:
                     batches.append(range(start, i + 1))
                     start, size = i + 1, 0
             batches.append(range(start, len(grads)))
+        if exchange is not None and not one_call and not any(g is not None for g in grads):
+            batches = []  # every tensor was stepped whole on its owner: no flat target to step
         for batch in batches:
             chosen = set(batch)
             chosen_grads = [g if i in chosen else None for i, g in enumerate(grads)]
             self.engine.master.attach_grads(chosen_grads, self.engine._unused)
             self.engine.master.step()
             self.engine.master.zero_grad()
-        if exchange is not None and hooks:
+        if exchange is not None and one_call:
             exchange.send_back()
         self.publish_params()
 
@@ -316,6 +321,15 @@ class StepMachine:
         out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.engine.device).set_(st)
                                                   for st in self.grad_pool.free)
         return out
+
+
+def _one_call(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the step must be one ``optimizer.step()`` call (:meth:`StepMachine.optimizer_step`):
+    step hooks, or a member whose class is not torch's own (its per-group counters would run ahead)."""
+    from zerodp.engine.optim import members
+
+    foreign = any(not type(o).__module__.startswith("torch.optim") for o in members(optimizer))
+    return foreign or _has_step_hooks(optimizer)
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
