@@ -99,6 +99,31 @@ def _rank0_checkpoint_served(stage: int, rank: int, group, clock: dict) -> list:
     return [same, _same(with_ckpt, without), served_s]
 
 
+def _rank0_eval_served(rank: int, group, clock: dict) -> list:
+    """Stage 3: after each of three steps, rank 0 alone evaluates (through the engine and through
+    ``engine.module``) while rank 1 trains on; each equals the same evaluation made on every rank
+    just before, and the training ends where it ends without the evaluations."""
+    engine = _engine(3, group)
+    x_eval = _batch(9, 0)[0]
+    same = []
+    for step in range(3):
+        _train_step(engine, step, rank)
+        with torch.no_grad():
+            everyone = engine(x_eval, torch.zeros(ROWS, 3))
+        clock.setdefault("call", time.time())
+        if rank == 0:
+            with torch.no_grad():
+                same.append(torch.equal(everyone, engine(x_eval, torch.zeros(ROWS, 3)))
+                            and torch.equal(everyone, engine.module(x_eval, torch.zeros(ROWS, 3))))
+    _train_step(engine, 3, rank)
+    with_eval = engine.state_dict()
+    served_s = time.time() - clock["call"]
+    again = _engine(3, group)
+    for step in range(4):
+        _train_step(again, step, rank)
+    return [all(same) if rank == 0 else None, _same(with_eval, again.state_dict()), served_s]
+
+
 def _rank0_load_alone(rank: int, group, clock: dict) -> None:
     """Stage 2: rank 0 loads a state dict alone (a load cannot be served: every rank must copy
     its part) while rank 1 trains on."""
@@ -169,11 +194,12 @@ CASES = {
     "load_alone_stage2": _rank0_load_alone,
     "grad_norm_stage3": _grad_norm_logged_on_rank0,
     "eval_stage3": _eval_on_rank0,
+    "eval_served_stage3": _rank0_eval_served,
     "different_calls": _different_calls,
 }
 #: Each pair's cases in order; the last one's exit is the process's.
 PAIRS = (("different_calls", "checkpoint_stage0", "checkpoint_stage1", "checkpoint_stage2", "load_alone_stage2"),
-         ("checkpoint_stage3", "grad_norm_stage3", "eval_stage3"))
+         ("checkpoint_stage3", "eval_served_stage3", "grad_norm_stage3", "eval_stage3"))
 
 
 def _rank(cases: tuple[str, ...], rank: int, port: int, results) -> None:
@@ -298,12 +324,25 @@ def test_grad_norm_logged_on_rank0_only_ends_every_rank_stage3():
     assert "rank 1 was in" in messages[0], messages[0]  # what the other rank was doing meanwhile
 
 
+def test_rank0_eval_is_served_stage3():
+    """nanoGPT's ``if master_process: estimate_loss()`` at stage 3: rank 1, waiting in its next
+    step's unit gathers, serves rank 0's (bitwise the evaluation every rank makes)."""
+    out = results()
+    for rank in range(WORLD):
+        got = out["eval_served_stage3", rank]
+        said = got["said"]
+        assert isinstance(said, list), f"rank {rank}: {said}\n{got.get('traceback')}"
+        assert said[1], f"rank {rank}: the evaluations on rank 0 changed the training"
+    assert out["eval_served_stage3", 0]["said"][0] is True, "rank 0's evaluation alone differs"
+
+
 def test_rank0_eval_ends_and_every_process_exits_stage3():
-    """Rank 1 is away past the limit: rank 0 names its AllGather and ends; rank 1, back, learns
-    that rank 0's process ended, and ends too — both processes exit."""
+    """Rank 1 is away past the limit (a long host-side task, no collective to serve from): rank 0
+    names its evaluation and ends; rank 1, back, learns that rank 0's process ended, and ends
+    too — both processes exit."""
     out = results()
     first = out["eval_stage3", 0]["said"] or ""
-    assert "did not complete within 3 s" in first and "run it on every rank" in first, first
+    assert "(an evaluation) was called on rank 0 only" in first and "evaluate on every rank" in first, first
     _check_ended("eval_stage3", ("",), "")
     second = out["eval_stage3", 1]["said"]
     assert "another rank's process ended" in second or "did not complete" in second, second

@@ -53,8 +53,8 @@ import torch.nn as nn
 
 from zerodp.engine.adopt import Adoption
 from zerodp.engine.comm import Collectives
-from zerodp.engine.control import (CHROME_TRACE, CLIP_GRAD_NORM, FULL_STATE_DICT, OPTIMIZER_STATE_DICT, STATE_DICT,
-                                   Control, user_call)
+from zerodp.engine.control import (CHROME_TRACE, CLIP_GRAD_NORM, EVAL_FORWARD, FULL_STATE_DICT, OPTIMIZER_STATE_DICT,
+                                   STATE_DICT, Control, user_call)
 from zerodp.engine.compiled import activate, host_only
 from zerodp.engine.config import Dtypes, EngineConfig, MixedPrecision, Policy, parse_dtype
 from zerodp.engine.construct import Construction, resolve_param_groups
@@ -238,7 +238,8 @@ class StageEngine(nn.Module):
         this = weakref.ref(self)  # no cycle through the control: `del engine` frees it
         self.control.servers = {STATE_DICT: lambda: this().state_dict(),
                                 OPTIMIZER_STATE_DICT: lambda: this().optimizer_state_dict(),
-                                FULL_STATE_DICT: lambda: this().full_state_dict()}
+                                FULL_STATE_DICT: lambda: this().full_state_dict(),
+                                EVAL_FORWARD: lambda: this().hooks.serve_evaluation()}
         self.checkpoint = Checkpoint(self)  # pieces, scalars, full tensors, the layout as data
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self.last_comm_peak = 0

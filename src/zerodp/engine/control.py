@@ -70,10 +70,16 @@ SAVE_DCP = Call("zerodp.save_dcp(engine, ...)", "call it on every rank: each wri
 LOAD_DCP = Call("zerodp.load_dcp(engine, ...)", "call it on every rank", "load_dcp")
 UNIT_SCHEDULE = Call("the stage-3 unit schedule check of a forward or step",
                      "run every forward and step on every rank", "unit_schedule")
+EVAL_FORWARD = Call("a forward under torch.no_grad() at stage 3 (an evaluation)",
+                    "evaluate on every rank, or on rank 0 while the others are before their next step",
+                    "eval_forward")
+#: inside a served evaluation: the caller gathers one unit (detail: its index), or ends the forward
+UNIT_GATHER = Call("a unit's AllGather of a served evaluation", "evaluate on every rank", "eval_gather")
+FORWARD_END = Call("the end of a served evaluation", "evaluate on every rank", "eval_end")
 #: Every call, in a fixed order: a call's code is its place here (+1), the same on every rank.
 CALLS = (STATE_DICT, OPTIMIZER_STATE_DICT, LOAD_STATE_DICT, LOAD_OPTIMIZER_STATE_DICT, FULL_STATE_DICT,
          FULL_GRAD_DICT, SCALAR_STATE, GRAD_NORM, CLIP_GRAD_NORM, CHROME_TRACE, SAVE_DCP, LOAD_DCP,
-         UNIT_SCHEDULE)
+         UNIT_SCHEDULE, EVAL_FORWARD, UNIT_GATHER, FORWARD_END)
 
 
 class CallMismatch(RuntimeError):
@@ -108,7 +114,7 @@ _ROW = 6
 #: The calls a rank may make alone, served by the others (their result is well defined while the
 #: other ranks are anywhere before their next optimizer step: the master values and optimizer
 #: states do not change until then). Every other call made on some ranks only ends every rank.
-SERVED = (STATE_DICT, OPTIMIZER_STATE_DICT, FULL_STATE_DICT)
+SERVED = (STATE_DICT, OPTIMIZER_STATE_DICT, FULL_STATE_DICT, EVAL_FORWARD)
 #: Calls made every step (per parameter, per unit): not announced in the store, whose round trip
 #: would then be on the hot path; made on some ranks only they end every rank after ``timeout_s``.
 UNANNOUNCED = (GRAD_NORM, CLIP_GRAD_NORM, UNIT_SCHEDULE)
@@ -315,17 +321,42 @@ class Control:
         options.reduceOp = dist.ReduceOp.SUM
         self._wait(group.allreduce([rows], options), call)
         table = rows.tolist()
-        if len({tuple(r[:3]) for r in table}) > 1:
+        made = [r for r in table if not r[4]]  # a serving rank's row follows the caller's
+        if len({tuple(r[:3]) for r in made}) > 1:
             raise CallMismatch(self._mismatch(table))
         return table
 
-    def all_gather_flat(self, flat: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    # ---- a served evaluation (stage 3): the caller's unit gathers, over this group ------------
+    def routed_gather(self, full: torch.Tensor, shard: torch.Tensor, group, index: int) -> None:
+        """The caller of a served call gathers unit ``index`` (:meth:`serve_gathers` on the others)."""
+        self._rows(UNIT_GATHER, 0.0, float(index))
+        self.all_gather_flat(full, shard, group)
+
+    def end_routed(self) -> None:
+        """The caller's served forward is over: the serving ranks go back to their waits."""
+        self._rows(FORWARD_END, 0.0, 0.0)
+
+    def serve_gathers(self, shard_of: Callable[[int], tuple[torch.Tensor, object]]) -> None:
+        """A serving rank's part of another rank's evaluation forward: each unit it gathers
+        (``shard_of(index)``: this rank's shard and its group), until the forward ends."""
+        while True:
+            table = self._rows(UNIT_GATHER, 0.0, -1.0)
+            caller = next(row for row in table if not row[4])
+            if int(caller[0]) == FORWARD_END.code:
+                return
+            shard, group = shard_of(int(caller[2]))
+            self.all_gather_flat(None, shard, group)
+
+    def all_gather_flat(self, flat: torch.Tensor | None, local: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """``flat`` ← the ``local`` parts of ``group``'s ranks in their order, over this control
         group (a served call's AllGather: the engine's groups have the servers' step collectives
-        in flight). Every rank of the engine sends its part; each keeps its own group's."""
+        in flight). Every rank of the engine sends its part; each keeps its own group's (a
+        serving rank, ``flat=None``, none)."""
+        call = self.current or UNIT_GATHER
         parts = [torch.empty_like(local, device="cpu") for _ in range(self.world_size)]
-        self._wait(self._connected(self.current).allgather([parts], [local.detach().cpu().contiguous()]), self.current)
-        flat.copy_(torch.cat([parts[r] for r in self.members(group)]).to(flat.device))
+        self._wait(self._connected(call).allgather([parts], [local.detach().cpu().contiguous()]), call)
+        if flat is not None:
+            flat.copy_(torch.cat([parts[r] for r in self.members(group)]).to(flat.device))
 
     def broadcast_from_rank0(self, t: torch.Tensor) -> None:
         """``t`` ← rank 0's ``t``, over this control group (a served call's broadcast)."""

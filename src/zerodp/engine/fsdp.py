@@ -67,6 +67,7 @@ from zerodp.engine.base import StageEngine, grad_hook, remove_hooks
 from zerodp.engine.buckets import cast_floating_buffers
 from zerodp.engine.compiled import host_only
 from zerodp.engine.config import EngineConfig
+from zerodp.engine.control import EVAL_FORWARD
 from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.master import OptimizerFactory
@@ -264,6 +265,7 @@ class UnitHooks:
         self.peak_units = 0
         self.peak_bytes = 0
         self.tokens_issued = itertools.count()  # one per watched forward call (BackwardState)
+        self.evaluation: contextlib.ExitStack | None = None  # the control call of a no_grad forward
         self.handles: list = []
         self.loaded_keys: set[str] = set()  # model.load_state_dict: the keys written into shards
 
@@ -303,6 +305,8 @@ class UnitHooks:
             return None
         self.engine.machine.reconcile_grads()
         self.engine._take_module_values(fold=False)
+        if not torch.is_grad_enabled() and self.engine.world_size > 1:
+            self.open_evaluation()
         self.forwarding = True
         self.engine.machine.inflight.wait_all()
         for u in self.engine.groups:  # e.g. the kept unit of a forward that had no backward
@@ -401,7 +405,34 @@ class UnitHooks:
                 self.free(last)
         if not torch.is_grad_enabled():
             self.engine.machine.attach_sharded_grads()  # an evaluation forward of the module keeps .grad, as torch's
+        self.close_evaluation()
         return None
+
+    # ---- an evaluation on some ranks only (guide §12.9, zerodp.engine.control) -------------------
+    def open_evaluation(self) -> None:
+        """A forward under ``no_grad`` is a call every rank checks, as a state dict is: made on
+        every rank it gathers on the engine's groups as any forward; made on some ranks only
+        (``if rank == 0: evaluate()``), the others serve its unit gathers from their next step's
+        waits, over the control group (:meth:`serve_evaluation`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.engine.control.call(EVAL_FORWARD))
+        self.evaluation = stack
+
+    def close_evaluation(self) -> None:
+        stack, self.evaluation = self.evaluation, None
+        if stack is None:
+            return
+        with stack:
+            if self.engine.control.routed:
+                self.engine.control.end_routed()
+
+    def serve_evaluation(self) -> None:
+        """This rank, waiting in one of its step's collectives, serves another rank's evaluation:
+        this rank's shard of each unit that forward gathers (its own units stay as they are)."""
+        control = self.engine.control
+        groups = self.engine.groups
+        with control.call(EVAL_FORWARD):
+            control.serve_gathers(lambda i: (groups[i].param_shard, groups[i].comm.group))
 
     @host_only
     def pre_backward(self, u: Unit) -> None:
@@ -471,6 +502,12 @@ class UnitHooks:
 
     def abort_forward(self) -> None:
         self.forwarding = False
+        stack, self.evaluation = self.evaluation, None
+        if stack is not None:
+            with contextlib.suppress(Exception):  # the forward's own error is the one to see
+                with stack:
+                    if self.engine.control.routed:
+                        self.engine.control.end_routed()
         self.deferred = self.kept = None
         for u in self.engine.groups:
             for ev in (u.bwd.fwd_event, u.bwd.bwd_event):
@@ -515,7 +552,8 @@ class UnitHooks:
 
     # ---- gather / free / reduce ---------------------------------------------------------------
     def gather(self, u: Unit, async_op: bool) -> None:
-        self.engine.schedule.log("AG", u)
+        if not self.engine.control.routed:  # a served evaluation's gathers are not the step's
+            self.engine.schedule.log("AG", u)
         u.gather(async_op=async_op)
         units, nbytes = self.gathered_now()
         self.peak_units = max(self.peak_units, units)

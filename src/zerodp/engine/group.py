@@ -219,6 +219,12 @@ class FlatGroup:
                 self.full.copy_(self.param_shard)
             self._move_params(ParamState.GATHERED)
             return None
+        control = self.comm.control
+        if control is not None and control.routed:  # a served evaluation (zerodp.engine.control)
+            control.routed_gather(self.full, self.param_shard, self.comm.group, self.index)
+            self._gather_work = None
+            self._move_params(ParamState.GATHERED)
+            return None
         pending = self.comm.all_gather(self.full, self.param_shard, self.label, async_op=async_op,
                                        quant_block=self.quant_params)
         self._gather_work = pending if async_op else None
