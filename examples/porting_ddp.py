@@ -18,9 +18,8 @@ zerodp`` run the same code but for the wrap line::
     model = zerodp.parallelize(model, stage=stage)     # zerodp: 0 (DDP), 1, 2 (ZeRO-1/2), 3 (FSDP)
 
 (the optimizer built next is adopted by the engine at its first step: rebuilt over the fp32 master)
-and, at stage 3 only, which ranks evaluate: the parameters are sharded, so every forward gathers
-them and every rank must run it (``rank == 0 or stage == 3``); evaluating on rank 0 alone ends
-every rank with the engine's message naming that fix. ``train(rank, world, wrap, stage,
+and nothing else: the evaluation and the checkpoint run on rank 0 alone, as in the DDP script (at
+stages 1-3 the other ranks serve them from their next step's collectives). ``train(rank, world, wrap, stage,
 steps)`` is one rank of a run and returns its per-step losses: ``tests/test_porting.py`` calls it on
 2 gloo ranks with each wrap and compares the losses. Gloo on CPU, NCCL when CUDA is available;
 without torchrun it runs as a single process (world size 1).
@@ -139,7 +138,6 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
     # --------------------------------------------------------------------------------------------
     raw_model = model.module
     optimizer = configure_optimizers(raw_model)  # after the wrap, over the module's parameters
-    evaluates = rank == 0 or (wrap == "zerodp" and stage == 3)  # stage 3: every rank runs each forward
 
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # enabled only for fp16 autocast
     start = 0
@@ -152,6 +150,12 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
     out = {"loss": [], "grad_norm": [], "eval": {}}
     model.train()
     for step in range(start, steps):
+        if step % EVAL_EVERY == 0 and step > start and rank == 0:  # as nanoGPT: before the step, rank 0 only
+            model.eval()
+            with torch.no_grad():
+                x, y = get_batch(10**6, 0, 1, device)  # one fixed validation batch
+                out["eval"][step] = model(x, y).item()
+            model.train()
         lr = get_lr(step, steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -170,20 +174,26 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
         out["loss"].append(loss_sum)
         out["grad_norm"].append(norm.item())
 
-        if (step + 1) % EVAL_EVERY == 0 and evaluates:
-            model.eval()
-            with torch.no_grad():
-                x, y = get_batch(10**6, 0, 1, device)  # one fixed validation batch
-                out["eval"][step + 1] = model(x, y).item()
-            model.train()
-
-        if checkpoint is not None and step + 1 == save_at:
-            # Every rank builds the state dicts (zerodp gathers them: collective), rank 0 writes.
+        if checkpoint is not None and step + 1 == save_at and rank == 0:
             ckpt = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
-            if rank == 0:
-                torch.save(ckpt, checkpoint)
-            dist.barrier()
+            torch.save(ckpt, checkpoint)  # on disk before any rank ends the next step, which needs rank 0
     return out
+
+
+def setup() -> tuple[int, int, torch.device]:
+    """torchrun's process group (NCCL on CUDA, else gloo), or a single process without torchrun."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:  # torchrun
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -195,17 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--save-at", type=int, default=None)
     p.add_argument("--resume", action="store_true")
     args = p.parse_args(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:  # torchrun
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, _ = setup()
     try:
         out = train(rank, world, args.wrap, args.stage, args.steps, args.checkpoint, args.save_at, args.resume)
     finally:

@@ -98,20 +98,18 @@ class Adoption:
         if len(self._given_list) != 1:
             return
         optimizer = self._given_list.pop()
-        self._route(engine, optimizer)
+        self._route(engine, optimizer, _take_state(optimizer))
         optimizer.param_groups = engine.master.optimizer.param_groups
 
     def adopt(self, engine, optimizer: torch.optim.Optimizer) -> None:
         """Rebuild ``optimizer`` over the engine's master and route its calls to the engine."""
+        saved = _take_state(optimizer)
         engine.construction.rebuild_optimizer(optimizer)
-        self._route(engine, optimizer)
+        self._route(engine, optimizer, saved)
 
-    def _route(self, engine, optimizer: torch.optim.Optimizer) -> None:
-        """From here on ``optimizer`` is the engine's: its calls go to the engine, its state in."""
-        saved = None
-        if optimizer.state:  # loaded before its first step (a resume): carried over
-            saved = torch.optim.Optimizer.state_dict(optimizer)
-            optimizer.state.clear()
+    def _route(self, engine, optimizer: torch.optim.Optimizer, saved: dict | None) -> None:
+        """From here on ``optimizer`` is the engine's: its calls go to the engine, ``saved`` (the
+        state it loaded before, torch's format) into the engine's optimizer."""
         self.pending = False
         self.adopted = optimizer
         ref = weakref.ref(engine)
@@ -131,6 +129,16 @@ class Adoption:
         optimizer.load_state_dict = load_state_dict
         if saved is not None:
             load_state_dict(saved)
+
+
+def _take_state(optimizer: torch.optim.Optimizer) -> dict | None:
+    """State the optimizer loaded before its first step (a resume), in torch's format, taken out
+    of it to go into the engine's; None when it holds none."""
+    if not optimizer.state:
+        return None
+    saved = torch.optim.Optimizer.state_dict(optimizer)
+    optimizer.state.clear()
+    return saved
 
 
 def _copy_options(src: list[dict], dst: list[dict]) -> None:

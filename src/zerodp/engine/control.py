@@ -165,11 +165,13 @@ class Control:
         self.servers: dict[Call, Callable[[], object]] = {}
         self.poll_s = POLL_S if self.world_size > 1 else None  # read by Pending's wait
         self.failure: str | None = None
-        self.group = None  # connected at the first call (most engines never make one)
+        self.group = None  # connected at construction (below)
         self.name = self._name(group) if self.world_size > 1 else None
         self._comms = [c for c in comms if c is not None]
         for c in self._comms:
             c.control = self
+        if self.world_size > 1:  # now, while every rank builds the engine: a call made alone later must
+            self._connected(UNIT_SCHEDULE)  # not wait in a rendezvous it cannot poll (serve_pending)
 
     def _name(self, group: dist.ProcessGroup | None) -> str:
         """This control's name in the job's store: the engine group's name and how many controls
@@ -179,7 +181,7 @@ class Control:
 
     def _connected(self, call: Call):
         """The gloo group of the engine's ranks, connected through the job's store under this
-        control's name at the first call that needs it (bounded by ``timeout_s`` like any wait).
+        control's name when the engine is built (bounded by ``timeout_s`` like any wait).
         Only the engine's ranks take part, and torch does not register it: it goes with this object."""
         if self.group is None:
             limit = datetime.timedelta(seconds=self.timeout_s or 1800)
@@ -399,7 +401,14 @@ class Control:
                     self.failure = refusal
                     self.abandon()
                     raise CollectiveTimeout(refusal) from e
-                self.failed(f"{call.name} ({call.label})", e, time.monotonic() - began >= 0.9 * self.timeout_s, call)
+                own = time.monotonic() - began >= 0.9 * self.timeout_s
+                self.failed(f"{call.name} ({call.label})", e, own, call)
+                if call in SERVED and not own:  # the ranks that would serve it are gone
+                    self.abandon()
+                    raise CollectiveTimeout(
+                        f"{call.name} was made on this rank alone and another rank's process ended before serving "
+                        "it: the others serve such a call from their next step's collectives, and after their last "
+                        f"step there is none — {call.fix}; the job ends") from e
                 raise
 
     def _refusal(self) -> str | None:
