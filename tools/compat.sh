@@ -15,8 +15,8 @@ if [ ! -f "$venv/.installed" ]; then
   echo "compat: building $venv (torch==$version; a CUDA build is several GB)"
   "$py" -m venv "$venv"
   # a machine-wide pip constraint may cap torch below the newest release: lifted for this venv only
-  PIP_CONSTRAINT="" "$venv/bin/pip" install -q "torch==$version"
-  PIP_CONSTRAINT="" "$venv/bin/pip" install -q -e '.[dev,train]'
+  PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q "torch==$version"
+  PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q -e '.[dev,train]'
   touch "$venv/.installed"
 fi
 "$venv/bin/python" -c "import torch; print('compat: torch', torch.__version__)"

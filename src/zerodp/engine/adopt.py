@@ -124,11 +124,37 @@ class Adoption:
             eng.optimizer.load_state_dict(state)
             _copy_options(eng.master.optimizer.param_groups, optimizer.param_groups)
 
+        def add_param_group(group: dict) -> None:
+            raise RuntimeError(
+                f"add_param_group on the {type(optimizer).__name__} that zerodp took over: the engine's buckets, "
+                "units and master were planned at parallelize, and a tensor added now would never train; put the "
+                "parameter in a param group with lr=0 before parallelize and raise its lr later")
+
         optimizer.zero_grad = lambda set_to_none=True: _call(ref, "zero_grad", set_to_none)
         optimizer.state_dict = state_dict
         optimizer.load_state_dict = load_state_dict
+        optimizer.add_param_group = add_param_group
+        optimizer.state = _TakenState(optimizer.state, self._param_ids)
         if saved is not None:
             load_state_dict(saved)
+
+
+class _TakenState(dict):
+    """The ``state`` of an optimizer the engine took over: empty, as its states live on the
+    engine's fp32 master; looking up one of the model's parameters says where they are rather than
+    returning ``{}`` as torch's defaultdict would."""
+
+    def __init__(self, state: dict, param_ids: set[int]):
+        super().__init__(state)
+        self._param_ids = param_ids
+
+    def __missing__(self, key):
+        if id(key) in self._param_ids:
+            raise KeyError(
+                "this optimizer's state lives on zerodp's fp32 master, not on the model's parameters: read it by "
+                "name with engine.optimizer_state_dict()['state'][name] (or optimizer.state_dict(), torch's format)")
+        value = self[key] = {}
+        return value
 
 
 def _take_state(optimizer: torch.optim.Optimizer) -> dict | None:

@@ -239,7 +239,6 @@ class Construction:
         # Per group, per trainable parameter: its index in named_params (used-flags at step()).
         self.engine._used_index = [[position[g.names[i]] for i in g.trainable] for g in self.engine.groups]
         self.engine.machine.reset_used()
-        self.engine.adoption.take_given(self.engine)  # the optimizer given to parallelize is the engine's now
 
     def build_optimizer(self) -> None:
         """The master optimizer over targets of every group's master (guide §12.3)."""
@@ -328,7 +327,10 @@ class Construction:
         return param_targets(tensor, layout, flat_start, group_of, chunk, per_param=per_param)
 
     def start_clock(self) -> None:
-        """Align trace time zero across ranks (call right after a collective such as the check)."""
+        """The end of construction (each stage calls it last): the optimizer given to parallelize
+        becomes the engine's, with any state it loaded (:meth:`Adoption.take_given`), and trace time
+        zero is aligned across ranks (right after a collective such as the check)."""
+        self.engine.adoption.take_given(self.engine)
         self.engine.recorder.t0 = self.engine.recorder.clock()
         self.engine._last_step_end = None
 

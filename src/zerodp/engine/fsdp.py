@@ -436,6 +436,12 @@ class UnitHooks:
 
     @host_only
     def pre_backward(self, u: Unit) -> None:
+        if torch.is_grad_enabled():  # backward(create_graph=True) runs its graph with grad mode on
+            raise RuntimeError(
+                "a double backward (backward(create_graph=True), torch.autograd.grad(..., create_graph=True)) at "
+                "stage 3: each unit's gradient is reduced to shards and its parameters freed as its backward ends, "
+                "so no graph of the gradient can be kept; use stage 2 (parameters stay whole), or compute the "
+                "gradient penalty outside the engine")
         i = u.index
         if not u.pre_backward():
             return
