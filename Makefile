@@ -48,15 +48,19 @@ test-fast: setup
 # zerodp check on its three acceptance models, exact and perturbed (make test: a small model); and
 # the long end-to-end runs (tests marked in_make_fuzz, each naming what make test keeps): the
 # short chaos run, SIGTERM preemption with its bitwise resume, the two-launcher hybrid run, the
-# quick bench, train --bucket-mb auto, and a corpus smaller than one global batch at world 3.
+# quick bench, train --bucket-mb auto, and a corpus smaller than one global batch at world 3; the
+# four ported scripts at worlds 2 and 3 with twice the steps (make test: world 2); and the compat tier
+# on the oldest (2.9.1) and newest (2.15.0) torch (make compat).
 fuzz: setup
+	$(MAKE) compat TORCH=2.9.1
+	$(MAKE) compat TORCH=2.15.0
 	ZERODP_MATRIX_RANDOM=520 ZERODP_ENGINE_FUZZ=5000 $(BIN)/python -m pytest -q -s -m fuzz --hypothesis-profile=fuzz
 	ZERODP_COMPILE_ALL=1 ZERODP_OPTIMIZER_WORLDS=2,1,3,4 ZERODP_ALL_WORLDS=1 $(BIN)/python -m pytest -q -n 2 \
 	  --dist loadfile tests/test_engine_compile.py tests/test_engine_optimizers.py tests/test_engine_stage3.py \
 	  tests/test_engine_zero.py tests/test_engine_stage0.py tests/test_engine_correctness.py tests/test_plan_ownership.py \
 	  tests/test_bench_compressed.py tests/test_engine_matrix.py tests/test_train_resume.py tests/test_check_models.py \
 	  tests/test_chaos_short.py tests/test_preempt.py tests/test_multinode.py tests/test_bench_compare.py \
-	  tests/test_auto_bucket.py tests/test_reliability_data.py
+	  tests/test_auto_bucket.py tests/test_reliability_data.py tests/test_porting_scripts.py
 
 # The compatibility tier on another torch (docs/engine.md, "Supported torch versions"): a venv of
 # its own per version under .venv-compat (built once: a CUDA build of several GB from the index),

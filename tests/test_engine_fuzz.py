@@ -112,6 +112,7 @@ class Options:
     prefetch: bool  # stage 3
     dtype: str = "fp32"  # a key of DTYPES
     output: str = "tensor"  # what the model returns: tensor, dict, namedtuple or dataclass
+    child: bool = False  # the engine stored as a parent module's child; the checks read the parent's state dict
 
 
 def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
@@ -203,6 +204,14 @@ def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
             ops.append(("freeze", rng.choice(PARAM_NAMES)))
     if raised:
         ops.append(("zero", "engine", True))
+    # DDP scripts' habits, drawn from a generator of their own (the sequences above stay as they were):
+    # an optimizer of the script's own class counting steps per group, the engine a parent's child
+    # module, and rank 0 alone taking the state dicts before the others' next step (which serves them)
+    habits = random.Random(f"{seed}:{stage}:{world}:habits")
+    opts = dataclasses.replace(opts, child=habits.random() < 0.3,
+                               optimizer="counting" if habits.random() < 0.2 else opts.optimizer)
+    if habits.random() < 0.3:
+        ops += [("save_rank0",), ("train", batch + 1, (True,) * world, "sync", False)]
     ops.append(("step", "engine"))
     return opts, ops
 
@@ -225,14 +234,40 @@ def adamw_groups(model: nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
+class Counting(torch.optim.Optimizer):
+    """A script's own optimizer (not torch's class): SGD's update, and a step count per param group
+    (as LAMB's bias correction or a warm-up keeps), which must advance once per step."""
+
+    def __init__(self, params, lr: float = 0.05, count: int = 0):
+        super().__init__(params, dict(lr=lr, count=count))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] += 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.05)
+    if kind == "counting":
+        return Counting(params)
     return torch.optim.AdamW(params, lr=1e-2, eps=ADAM_EPS)
 
 
 class Divergence(AssertionError):
     pass
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
 class Run:
@@ -264,7 +299,13 @@ class Run:
             options["reduce_every_microbatch"] = o.reduce_every_microbatch
         if stage == 3:
             options["prefetch"] = o.prefetch
+        if o.optimizer == "counting":
+            options["elementwise_optimizer"] = True
         self.engine = zerodp.parallelize(self.model, optimizer=optimizer, **options)
+        self.parent = None
+        if o.child:  # timm's task.trainable_module = model
+            self.parent = nn.Module()
+            self.parent.trainable_module = self.engine
         self.scheds = []
         if o.scheduler:
             self.scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.8 ** k)
@@ -463,6 +504,15 @@ class Run:
             copy.deepcopy(self.engine.optimizer.state_dict()),
             copy.deepcopy(self.ref.state_dict()), copy.deepcopy(self.ref_opt.state_dict()))
 
+    def save_rank0(self):
+        """DDP's ``if rank == 0: torch.save({model.state_dict(), optimizer.state_dict()})``: rank 0
+        alone gets what the same calls on every rank give (served by the other ranks' next step)."""
+        everyone = (self.engine.state_dict(), self.engine.optimizer.state_dict())
+        if self.rank == 0:
+            alone = (self.engine.state_dict(), self.engine.optimizer.state_dict())
+            if not _same(everyone, alone):
+                raise Divergence("rank 0's state dicts taken alone differ from the same calls on every rank")
+
     def load(self, source):
         mine, mine_opt, ref, ref_opt = copy.deepcopy(self.snapshot)
         if source == "own":
@@ -488,6 +538,17 @@ class Run:
     # ---- the invariants
     def check(self):
         full = self.engine.full_state_dict()  # collective
+        if self.parent is not None:  # the parent's state dict holds the same parameters under its child's name
+            prefix = "trainable_module."
+            parents = {k[len(prefix):]: v for k, v in self.parent.state_dict().items()}
+            for name, p in self.ref.named_parameters():
+                if not torch.equal(parents[name].to(full[name].dtype), full[name]):
+                    raise Divergence(f"after step {self.steps}: the parent's state dict holds another {name}")
+        if self.opts.optimizer == "counting":
+            mine = [g["count"] for g in self.engine.master.optimizer.param_groups]
+            if mine != [g["count"] for g in self.ref_opt.param_groups]:
+                raise Divergence(f"after step {self.steps}: per-group step counts {mine}, torch's "
+                                 f"{[g['count'] for g in self.ref_opt.param_groups]}")
         tol = self.rtol()
         for name, p in self.ref.named_parameters():
             err = (full[name].double() - p.detach().double()).abs().max().item()
@@ -640,7 +701,7 @@ def test_generated_sequences_cover_every_call():
                     seen.add((op[0],) + tuple(v for v in op[1:] if isinstance(v, str)))
             opts = generate(seed, stage, 2)[0]
             seen.update({("dtype", opts.dtype), ("output", opts.output)})
-    want = {"train", "step", "zero", "eval", "clip", "lr", "sched", "save", "load", "dropped", "freeze",
+    want = {"train", "step", "zero", "eval", "clip", "lr", "sched", "save", "load", "dropped", "freeze", "save_rank0",
             "forward_after_raise", ("step", "scaler"), ("step", "optimizer"), ("eval", "inference_mode"),
             ("train", "no_sync"), ("train", "attr"), ("load", "torch-ddp-names"), ("clip", "torch"),
             ("zero", "model"), "grad_none", "write", "copy", ("write", "rebind"), ("write", "load"),
