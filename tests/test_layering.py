@@ -110,3 +110,13 @@ def test_no_engine_object_carries_more_than_forty_methods():
     assert counts["zerodp.engine.fsdp.FSDPEngine"] > 20  # the count sees inherited methods
     over = {k: v for k, v in counts.items() if v > 40}
     assert not over, over
+
+
+def test_the_engine_package_docstring_names_every_module():
+    """``zerodp/engine/__init__.py`` is the engine's map: a module added without its line fails."""
+    import pkgutil
+
+    import zerodp.engine as engine
+
+    missing = [m.name for m in pkgutil.iter_modules(engine.__path__) if f"``{m.name}``" not in engine.__doc__]
+    assert not missing, f"zerodp/engine/__init__.py does not name {missing}"

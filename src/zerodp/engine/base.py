@@ -159,7 +159,6 @@ class StageEngine(nn.Module):
     engine's flat buffers (:meth:`_apply`)."""
 
     stage: ClassVar[int] = -1
-    grads_sharded: ClassVar[bool] = True
     #: True when ``config.bucket_mb`` was chosen by ``bucket_mb="auto"`` (stages 0-2, guide §4).
     bucket_auto: bool = False
 
@@ -417,7 +416,7 @@ class StageEngine(nn.Module):
         else:
             sq = torch.zeros(1, dtype=self.dtypes.master if self.dtypes.master == torch.float64 else torch.float32,
                              device=self.device)
-        if self.grads_sharded and self.shard_comm.world_size > 1:  # replicas hold the same shards
+        if self.policy.shard_master and self.shard_comm.world_size > 1:  # disjoint shards; replicas hold the same
             sq = self.shard_comm.reduce_for(CLIP_GRAD_NORM, sq)
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)

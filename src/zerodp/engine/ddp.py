@@ -24,4 +24,3 @@ class DDPEngine(BucketEngine):
     """Stage 0: replicated params, grads and optimizer states; AllReduce per bucket."""
 
     stage = 0
-    grads_sharded = False  # every rank holds the same full gradient: the norm needs no collective

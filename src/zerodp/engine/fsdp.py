@@ -122,7 +122,6 @@ class FSDPEngine(StageEngine):
     """ZeRO-3 / FSDP over units; see the module docstring. Built by ``parallelize(stage=3)``."""
 
     stage = 3
-    grads_sharded = True
 
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):

@@ -365,7 +365,3 @@ class FlatGroup:
         else:
             out["params"].append(self.full)
         return out
-
-    @property
-    def _hybrid(self) -> bool:
-        return self.replicas is not None and self.replicas.world_size > 1

@@ -13,6 +13,7 @@ import os
 import re
 
 KB = 1e3
+BF16 = 2  # bytes per bf16 (and fp16) element: the planner's 16-bit unit
 MB = 1e6
 GB = 1e9
 TB = 1e12

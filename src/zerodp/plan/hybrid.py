@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from zerodp.plan._common import InputError, ToDict, check_count, check_positive
 from zerodp.plan.collectives import RingCost, bus_factor, network_cost
 from zerodp.plan.hardware import Hardware, get_hardware
-from zerodp.plan.memory import (ADAM_K, BF16, FP32, PRECISIONS, ModelStates, check_shard_size,  # noqa: F401
+from zerodp.plan._common import BF16
+from zerodp.plan.memory import (ADAM_K, FP32, PRECISIONS, ModelStates, check_shard_size,  # noqa: F401
                                 model_states)
 from zerodp.plan.units import STAGE_NAMES, STAGES
 

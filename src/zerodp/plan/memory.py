@@ -54,11 +54,10 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from zerodp.plan._common import InputError, ToDict, check_count, check_positive, fmt_bytes
+from zerodp.plan._common import BF16, InputError, ToDict, check_count, check_positive, fmt_bytes
 from zerodp.plan.defaults import ATTENTION, DEFAULTS
 from zerodp.plan.units import STAGE_NAMES, STAGES  # noqa: F401 - re-exported
 
-BF16 = 2
 FP32 = 4
 #: guide §1: Adam's fp32 master weights, first and second moments: 4 + 4 + 4 bytes per parameter
 ADAM_K = 12

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from zerodp.plan._common import ToDict, check_count, check_positive
 
-BF16 = 2
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 #: the aspect ratio assumed when only a parameter count is given: hidden = 128 × layers
 #: (Llama 3 8B: 4096 = 128 × 32), and 12·h² parameters per layer (guide §10.2 rounds to 16h²)

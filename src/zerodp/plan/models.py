@@ -18,7 +18,7 @@ import json
 import os
 
 from zerodp.plan.hf import model_from_config, shape_model
-from zerodp.plan.model import (ASSUMED_HIDDEN_PER_LAYER, ASSUMED_PARAMS_PER_LAYER_PER_H2, BF16,  # noqa: F401
+from zerodp.plan.model import (ASSUMED_HIDDEN_PER_LAYER, ASSUMED_PARAMS_PER_LAYER_PER_H2,  # noqa: F401
                                CONFIG_DIR, Model, assumed_shape)
 
 @functools.lru_cache(maxsize=1)

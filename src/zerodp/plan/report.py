@@ -16,7 +16,8 @@ from zerodp.plan._common import GB, MB, ToDict, fmt_bytes, fmt_count, fmt_time, 
 from zerodp.plan.batch import plan_batch
 from zerodp.plan.collectives import collective_time
 from zerodp.plan.hardware import get_hardware
-from zerodp.plan.memory import ADAM_K, BF16, max_params, model_states
+from zerodp.plan._common import BF16
+from zerodp.plan.memory import ADAM_K, max_params, model_states
 from zerodp.plan.models import get_model
 from zerodp.plan.units import STAGE_NAMES, STAGES
 from zerodp.plan.roofline import layer_prefetch, max_devices, threshold

@@ -28,13 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerodp.plan._common import InputError, ToDict, check_count, check_positive
+from zerodp.plan._common import BF16, InputError, ToDict, check_count, check_positive
 from zerodp.plan.collectives import network_cost
 from zerodp.plan.hardware import Hardware, get_hardware
 from zerodp.plan.hybrid import QUANT_BLOCK, check_placement, check_shard_size, wire_bytes
 from zerodp.plan.models import Model, get_model
 
-BF16 = 2
 #: guide §7.4: backward ≈ 4·tokens·Ψ FLOPs (twice the forward's 2·tokens·Ψ)
 BACKWARD_FLOPS_PER_TOKEN_PARAM = 4
 FORWARD_FLOPS_PER_TOKEN_PARAM = 2

@@ -28,13 +28,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from zerodp.plan._common import ToDict, check_count, check_positive
+from zerodp.plan._common import BF16, ToDict, check_count, check_positive
 from zerodp.plan.collectives import normalize_kind
 from zerodp.plan.hardware import Hardware, get_hardware
 from zerodp.plan.models import Model, get_model
 from zerodp.plan.roofline import BACKWARD_FLOPS_PER_TOKEN_PARAM, FORWARD_FLOPS_PER_TOKEN_PARAM
 
-BF16 = 2
 #: PyTorch DDP's default bucket_cap_mb (guide §4)
 DDP_DEFAULT_BUCKET_BYTES = 25 * 2**20
 #: the bucket ``zerodp plan simulate`` and the page start from (zerodp.plan.defaults): DDP's
