@@ -15,16 +15,14 @@ bound derived there for bf16 autocast).
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerodp
-from porting_ddp import GRAD_ACC, TinyGPT, configure_optimizers, get_batch, get_lr, setup
+from porting_ddp import GRAD_ACC, TinyGPT, configure_optimizers, get_batch, get_lr, run_example
 
 CKPT_EVERY = 2
 
@@ -65,17 +63,10 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wrap", choices=("ddp", "zerodp"), default="zerodp")
-    p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--steps", type=int, default=6)
-    args = p.parse_args(argv)
-    rank, world, device = setup()
-    with tempfile.TemporaryDirectory() as out_dir:
-        out = train(rank, world, args.wrap, args.stage, args.steps, out_dir, device)
-    dist.destroy_process_group()
-    if rank == 0:
-        for step, (loss, norm) in enumerate(zip(out["loss"], out["norm"])):
+    rank, out = run_example(__doc__, 6, lambda a, rank, world, device, folder: train(
+        rank, world, a.wrap, a.stage, a.steps, folder, device), argv)
+    for step, (loss, norm) in enumerate(zip(out["loss"], out["norm"])):
+        if rank == 0:
             print(f"step {step:4d} | loss: {loss:.6f} | norm: {norm:.4f}")
     return out
 

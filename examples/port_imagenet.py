@@ -17,16 +17,14 @@ a rank-0-only save there ends the job with a message that says to take the dicts
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerodp
-from porting_ddp import setup
+from porting_ddp import run_example
 
 CLASSES, SIZE, BATCH = 4, 8, 4  # 8×8 RGB images in 4 classes, 4 per rank per iteration
 
@@ -104,15 +102,8 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, epochs: int 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wrap", choices=("ddp", "zerodp"), default="zerodp")
-    p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--epochs", type=int, default=3)
-    args = p.parse_args(argv)
-    rank, world, device = setup()
-    with tempfile.TemporaryDirectory() as out_dir:
-        out = train(rank, world, args.wrap, args.stage, args.epochs, out_dir=out_dir, device=device)
-    torch.distributed.destroy_process_group()
+    rank, out = run_example(__doc__, 3, lambda a, rank, world, device, folder: train(
+        rank, world, a.wrap, a.stage, a.steps, out_dir=folder, device=device), argv, what="epochs")
     if rank == 0:
         print("losses", " ".join(f"{x:.4f}" for x in out["loss"]), "| val", " ".join(f"{x:.4f}" for x in out["val"]))
     return out

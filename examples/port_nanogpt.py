@@ -16,15 +16,13 @@ stages 1-3 (docs/porting.md, "Calls on rank 0 only"). ``tests/test_porting_scrip
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerodp
-from porting_ddp import GRAD_ACC, TinyGPT, configure_optimizers, get_batch, get_lr, setup
+from porting_ddp import GRAD_ACC, TinyGPT, configure_optimizers, get_batch, get_lr, run_example
 
 EVAL_INTERVAL, EVAL_ITERS = 2, 2
 
@@ -69,15 +67,8 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wrap", choices=("ddp", "zerodp"), default="zerodp")
-    p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--steps", type=int, default=6)
-    args = p.parse_args(argv)
-    rank, world, device = setup()
-    with tempfile.TemporaryDirectory() as out_dir:
-        out = train(rank, world, args.wrap, args.stage, args.steps, out_dir, device)
-    torch.distributed.destroy_process_group()
+    rank, out = run_example(__doc__, 6, lambda a, rank, world, device, folder: train(
+        rank, world, a.wrap, a.stage, a.steps, folder, device), argv, what="iterations")
     for it, loss in enumerate(out["loss"]):
         ev = f"  eval {out['eval'][it]:.4f}" if it in out["eval"] else ""
         if rank == 0:

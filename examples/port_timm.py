@@ -16,10 +16,8 @@ resumed from the halfway checkpoint, and compares every loss.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import tempfile
 
 import torch
 import torch.nn as nn
@@ -27,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zerodp
 from port_imagenet import TinyResNet, loader
-from porting_ddp import setup
+from porting_ddp import run_example
 
 
 class Task(nn.Module):
@@ -97,18 +95,12 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, epochs: int 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--wrap", choices=("ddp", "zerodp"), default="zerodp")
-    p.add_argument("--stage", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--epochs", type=int, default=4)
-    args = p.parse_args(argv)
-    rank, world, device = setup()
-    with tempfile.TemporaryDirectory() as folder:
+    def run(a, rank, world, device, folder):
         path = os.path.join(folder, "last.pth.tar")
-        out = train(rank, world, args.wrap, args.stage, args.epochs, ckpt=path, save_epoch=args.epochs // 2,
-                    device=device)
-        resumed = train(rank, world, args.wrap, args.stage, args.epochs, ckpt=path, resume=True, device=device)
-    torch.distributed.destroy_process_group()
+        whole = train(rank, world, a.wrap, a.stage, a.steps, ckpt=path, save_epoch=a.steps // 2, device=device)
+        return whole, train(rank, world, a.wrap, a.stage, a.steps, ckpt=path, resume=True, device=device)
+
+    rank, (out, resumed) = run_example(__doc__, 4, run, argv, what="epochs")
     if rank == 0:
         print("losses ", " ".join(f"{x:.4f}" for x in out["loss"]))
         print("resumed", " " * 7 * (len(out["loss"]) - len(resumed["loss"])),

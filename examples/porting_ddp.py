@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -178,6 +180,27 @@ def train(rank: int, world: int, wrap: str = "ddp", stage: int = 0, steps: int =
             ckpt = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
             torch.save(ckpt, checkpoint)  # on disk before any rank ends the next step, which needs rank 0
     return out
+
+
+def run_example(doc: str, steps: int, run, argv: list[str] | None = None, what: str = "optimizer steps"):
+    """The command line of the ported examples (``--wrap``, ``--stage``, ``--steps``), the process
+    group, a scratch folder for checkpoints shared by the ranks: ``run(args, rank, world, device,
+    folder)`` is the run, whose result comes back with this rank's number."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--wrap", choices=("ddp", "zerodp"), default="zerodp")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=0, help="zerodp's ZeRO stage")
+    p.add_argument("--steps", type=int, default=steps, help=what)
+    args = p.parse_args(argv)
+    rank, world, device = setup()
+    box = [tempfile.mkdtemp(prefix="zerodp-example-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # one folder for every rank (one machine: torchrun --standalone)
+    try:
+        return rank, run(args, rank, world, device, box[0])
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+        dist.destroy_process_group()
 
 
 def setup() -> tuple[int, int, torch.device]:

@@ -188,3 +188,28 @@ def trajectory_tolerance(n_terms: int, steps: int, dtype: torch.dtype = torch.fl
     """Relative bound after ``steps`` optimizer steps, each of whose gradients carries
     ``sum_tolerance(n_terms)``: the per-step errors add up (at most) linearly."""
     return steps * sum_tolerance(n_terms, dtype)
+
+
+class Counting(torch.optim.Optimizer):
+    """An optimizer of the script's own (not torch's class): SGD's update, and a step count per
+    param group, as LAMB's bias correction or a warm-up keeps — which must advance once per step."""
+
+    def __init__(self, params, lr: float = 0.05, count: int = 0):
+        super().__init__(params, dict(lr=lr, count=count))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] += 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def same_state(a, b) -> bool:
+    """Nested state dicts (tensors, numbers, lists) bitwise equal."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 import zerodp
-from _engine_common import Boom, Net, sum_tolerance, trajectory_tolerance
+from _engine_common import Boom, Counting, Net, same_state, sum_tolerance, trajectory_tolerance
 from zerodp.spawn import RankFailure, run_local
 
 pytestmark = [pytest.mark.dist, pytest.mark.fuzz]
@@ -234,22 +234,6 @@ def adamw_groups(model: nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
-class Counting(torch.optim.Optimizer):
-    """A script's own optimizer (not torch's class): SGD's update, and a step count per param group
-    (as LAMB's bias correction or a warm-up keeps), which must advance once per step."""
-
-    def __init__(self, params, lr: float = 0.05, count: int = 0):
-        super().__init__(params, dict(lr=lr, count=count))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            group["count"] += 1
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
-
-
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.05)
@@ -260,14 +244,6 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
 
 class Divergence(AssertionError):
     pass
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
 class Run:
@@ -510,7 +486,7 @@ class Run:
         everyone = (self.engine.state_dict(), self.engine.optimizer.state_dict())
         if self.rank == 0:
             alone = (self.engine.state_dict(), self.engine.optimizer.state_dict())
-            if not _same(everyone, alone):
+            if not same_state(everyone, alone):
                 raise Divergence("rank 0's state dicts taken alone differ from the same calls on every rank")
 
     def load(self, source):

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import LARS, Boom, Net, trajectory_tolerance
+from _engine_common import LARS, Boom, Counting, Net, trajectory_tolerance
 from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
@@ -74,6 +74,17 @@ def ref_step(ref: nn.Module, opt: torch.optim.Optimizer, step: int, use_extra: b
     opt.step()
 
 
+def train_both(engine, opt, ref: nn.Module, ref_opt: torch.optim.Optimizer, rank: int, steps) -> None:
+    """The same steps on the engine (through ``opt``) and on the reference, batch by batch."""
+    for step in steps:
+        x, y = batch(step)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_step(ref, ref_opt, step)
+        ref_opt.zero_grad()
+
+
 def refused(call, words: str, silent: str) -> str | None:
     """None when ``call()`` raises a RuntimeError whose message, one line, holds ``words``; else
     what happened."""
@@ -113,13 +124,7 @@ def enabled_grad_scaler_is_refused(rank, stage):
     if problem:
         return problem
     opt.zero_grad()
-    for step in range(2):  # the script, fixed, trains as the reference
-        x, y = batch(step)
-        engine(mine(x, rank), mine(y, rank)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref_step(ref, ref_opt, step)
-        ref_opt.zero_grad()
+    train_both(engine, opt, ref, ref_opt, rank, range(2))  # the script, fixed, trains as the reference
     return distance(engine, ref, 2)
 
 
@@ -393,22 +398,6 @@ def _unused_ok(stage: int) -> dict:
 
 
 
-class Counting(torch.optim.Optimizer):
-    """An optimizer of the script's own (not torch's), counting its steps per param group as LAMB's
-    bias correction or a warm-up does; SGD's update otherwise."""
-
-    def __init__(self, params, lr: float = 0.1):
-        super().__init__(params, dict(lr=lr, count=0))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            group["count"] += 1
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
-
-
 def optimizer_step_runs_once_per_engine_step(rank, stage):
     """Every layout, with the step's bf16 batches made small enough to split: the script's
     ``step()`` runs once per engine step (per-group counters equal the steps taken)."""
@@ -417,8 +406,8 @@ def optimizer_step_runs_once_per_engine_step(rank, stage):
     batch_bytes, step_module.STEP_BATCH_BYTES = step_module.STEP_BATCH_BYTES, 64
     try:
         for layout in ("flat", "owner"):
-            model, engine, ref = build(stage, lambda g: Counting(g), mixed_precision="bf16", optimizer_layout=layout,
-                                       elementwise_optimizer=layout == "flat")
+            model, engine, ref = build(stage, lambda g: Counting(g, lr=0.1), mixed_precision="bf16",
+                                       optimizer_layout=layout, elementwise_optimizer=layout == "flat")
             for step in range(3):
                 x, y = batch(step)
                 engine(mine(x, rank), mine(y, rank)).backward()
@@ -441,13 +430,8 @@ def scheduler_built_before_parallelize_moves_the_engines_lr(rank, stage):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s)
     for step in range(3):
-        x, y = batch(step)
-        engine(mine(x, rank), mine(y, rank)).backward()
-        engine.optimizer.step()
-        engine.optimizer.zero_grad()
+        train_both(engine, engine.optimizer, ref, ref_opt, rank, [step])
         sched.step()
-        ref_step(ref, ref_opt, step)
-        ref_opt.zero_grad()
         ref_sched.step()
     lrs = [g["lr"] for g in engine.master.optimizer.param_groups]
     if lrs != [0.1 * 0.5 ** 3] * len(lrs):
@@ -468,13 +452,7 @@ def optimizer_state_loaded_before_parallelize_is_taken_over(rank, stage):
         m.load_state_dict(pre.state_dict())
         o.load_state_dict(pre_opt.state_dict())
     engine = zerodp.parallelize(model, optimizer=opt, stage=stage, **_unused_ok(stage))
-    for step in range(2, 4):
-        x, y = batch(step)
-        engine(mine(x, rank), mine(y, rank)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref_step(ref, ref_opt, step)
-        ref_opt.zero_grad()
+    train_both(engine, opt, ref, ref_opt, rank, range(2, 4))  # the script steps its own object
     return distance(engine, ref, 2)
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from _engine_common import Net
+from _engine_common import Net, same_state
 from zerodp.spawn import free_port
 
 pytestmark = pytest.mark.dist
@@ -63,14 +63,6 @@ def _train_step(engine, step: int, rank: int) -> None:
     engine.zero_grad()
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return torch.equal(a, b) if torch.is_tensor(a) else a == b
-
-
 def _trained(stage: int, rank: int, group, checkpoint_on_rank0: bool, clock: dict) -> tuple[dict, bool | None]:
     """Four steps; after the first, with ``checkpoint_on_rank0``, rank 0 alone saves the model's
     and the optimizer's state dicts (compared with the same dicts taken on every rank just before)."""
@@ -84,7 +76,7 @@ def _trained(stage: int, rank: int, group, checkpoint_on_rank0: bool, clock: dic
             alone = {"model": engine.state_dict(), "optimizer": engine.optimizer.state_dict()}
             with tempfile.TemporaryDirectory() as tmp:
                 torch.save(alone, os.path.join(tmp, "ckpt.pt"))
-            same = _same(everyone, alone)
+            same = same_state(everyone, alone)
     for step in range(1, 4):
         _train_step(engine, step, rank)
     return engine.state_dict(), same
@@ -96,7 +88,7 @@ def _rank0_checkpoint_served(stage: int, rank: int, group, clock: dict) -> list:
     with_ckpt, same = _trained(stage, rank, group, True, clock)
     served_s = time.time() - clock["call"]
     without, _ = _trained(stage, rank, group, False, {})
-    return [same, _same(with_ckpt, without), served_s]
+    return [same, same_state(with_ckpt, without), served_s]
 
 
 def _rank0_eval_served(rank: int, group, clock: dict) -> list:
@@ -121,7 +113,7 @@ def _rank0_eval_served(rank: int, group, clock: dict) -> list:
     again = _engine(3, group)
     for step in range(4):
         _train_step(again, step, rank)
-    return [all(same) if rank == 0 else None, _same(with_eval, again.state_dict()), served_s]
+    return [all(same) if rank == 0 else None, same_state(with_eval, again.state_dict()), served_s]
 
 
 def _rank0_load_alone(rank: int, group, clock: dict) -> None:

@@ -171,15 +171,15 @@ def _cast(batch, dtype: torch.dtype):
 def _build_engine(cfg: CheckConfig, stage: int, group, device: torch.device, seed_offset: int):
     import dataclasses
 
-    import zerodp
+    from zerodp.engine.api import parallelize
 
     built = dataclasses.replace(cfg, seed=cfg.seed + seed_offset)
     model = build_model(built).to(device)
     optimizer = engine_optimizer(cfg, model)
-    engine = zerodp.parallelize(model, optimizer=optimizer, stage=stage,
-                                mixed_precision="bf16" if cfg.precision == "bf16" else None,
-                                units=find_units(model, cfg.units) if stage == 3 else None,
-                                find_unused_parameters=stage < 3, group=group)
+    engine = parallelize(model, optimizer=optimizer, stage=stage,
+                         mixed_precision="bf16" if cfg.precision == "bf16" else None,
+                         units=find_units(model, cfg.units) if stage == 3 else None,
+                         find_unused_parameters=stage < 3, group=group)
     return engine
 
 

@@ -99,6 +99,9 @@ class Dtypes:
         return cls(param=param, reduce=reduce, accum=accum, master=master, cast_inputs=mp is not None)
 
 
+REPLICA, ALIGNED, EXCHANGE = "replica", "aligned", "exchange"  # Policy.whole_tensors
+
+
 @dataclass(frozen=True)
 class Policy:
     """What one stage keeps and which collectives move it (guide §12.2, "four policies").
@@ -117,6 +120,11 @@ class Policy:
     otherwise ``grad_full`` lives only from a group's first gradient to its collective's end.
     ``keep_local``: gradients of a ``no_sync`` backward stay local until the step's synchronizing
     backward (every stage, except memory-first stages 2-3, which reduce every micro-batch).
+    ``whole_tensors``: where a per-tensor optimizer (Muon, Adafactor) finds each tensor whole
+    (guide §12.3): ``"replica"`` — every rank holds every tensor (stage 0); ``"aligned"`` — the
+    buckets are cut at tensor boundaries so that each tensor lies whole in its owner's slice (stages
+    1-2); ``"exchange"`` — units stay flat and the owner exchange brings each tensor whole to its
+    owner for the step (stage 3, :mod:`zerodp.engine.exchange`).
     """
 
     stage: int
@@ -124,12 +132,14 @@ class Policy:
     full_grads: bool
     shard_params: bool
     keep_local: bool
+    whole_tensors: str
 
     @classmethod
     def of(cls, stage: int, reduce_every_microbatch: bool = True) -> "Policy":
         memory_first = stage >= 2 and reduce_every_microbatch
         return cls(stage=stage, shard_master=stage >= 1, full_grads=stage <= 1 or (stage == 2 and not memory_first),
-                   shard_params=stage == 3, keep_local=not memory_first)
+                   shard_params=stage == 3, keep_local=not memory_first,
+                   whole_tensors=REPLICA if stage == 0 else EXCHANGE if stage == 3 else ALIGNED)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerodp.engine.comm import wait_serving
-from zerodp.engine.config import Dtypes, parse_dtype
+from zerodp.engine.config import ALIGNED, EXCHANGE, Dtypes, parse_dtype
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.exchange import OwnerExchange
 from zerodp.engine.layout import FlatLayout
@@ -110,7 +110,7 @@ class Construction:
         """Ranks per shard group (guide §14): ``config.shard_size``, else one node (torchrun's
         ``LOCAL_WORLD_SIZE``) when it divides the world, else every rank. Stage 0 shards nothing."""
         g = self.engine.config.shard_size
-        if self.engine.stage == 0:
+        if not self.engine.policy.shard_master:
             return self.engine.world_size
         if g is None:
             local = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -162,7 +162,7 @@ class Construction:
         quant = self.engine.config.quant_block
         layout = None
         whole = self.whole_groups
-        if whole and self.engine.stage < 3 and any(g in whole for _, _, g in entries):
+        if whole and self.engine.policy.whole_tensors == ALIGNED and any(g in whole for _, _, g in entries):
             # Tensor ownership: every tensor whole in its owner's slice, balanced across the groups
             # by elements and by the optimizer state each tensor costs.
             if self._owners is None:
@@ -269,7 +269,7 @@ class Construction:
         if self.placement == OWNER:  # the buckets were laid out for the optimizer given at parallelize
             self._whole_groups = whole_groups(optimizer, OWNER, self.engine.config.optimizer_layout)
             cut = [s.name for g in self.engine.groups
-                   if not g.layout.aligned and self.engine.policy.shard_master and self.engine.stage < 3
+                   if not g.layout.aligned and self.engine.policy.whole_tensors == ALIGNED
                    for s in g.layout.slots if self.engine._group_by_name.get(s.name, -1) in self._whole_groups]
             if cut:
                 raise ValueError(f"{type(optimizer).__name__} reads {cut[0]!r} whole, and the engine laid it out in a "
@@ -289,7 +289,7 @@ class Construction:
         """Stage 3 on the ownership path: the owner exchange of the tensors read whole, their
         owners balanced by the optimizer state each costs (:mod:`zerodp.engine.exchange`)."""
         whole = self.whole_groups
-        if self.engine.stage != 3 or not whole:
+        if self.engine.policy.whole_tensors != EXCHANGE or not whole:
             return None
         group_of, kinds = self.engine._group_by_name, self._state_kinds
 
@@ -317,12 +317,13 @@ class Construction:
 
         if self.placement == OWNER and (layout.aligned or not self.engine.policy.shard_master):
             return whole_targets(tensor, layout, flat_start, group_of)
-        if self.placement == OWNER and self.engine.stage < 3 \
+        if self.placement == OWNER and self.engine.policy.whole_tensors == ALIGNED \
                 and any(group_of(s.name) in self._whole_groups for s in layout.slots):
             raise ValueError("a tensor of a per-tensor optimizer lies in a flat bucket, cut across ranks (zerodp "
                              "internal error: please report it)")
         chunk = CPU_OPTIMIZER_CHUNK if self.engine.device.type == "cpu" else None
-        per_param = self.engine.stage == 3 or self.engine.config.find_unused_parameters or self._per_param_targets \
+        may_go_unused = self.engine.policy.shard_params or self.engine.config.find_unused_parameters  # units: always
+        per_param = may_go_unused or self._per_param_targets \
             or self.placement == OWNER
         return param_targets(tensor, layout, flat_start, group_of, chunk, per_param=per_param)
 
