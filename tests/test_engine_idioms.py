@@ -499,6 +499,29 @@ def engine_is_a_module_and_a_parents_child(rank, stage):
     return refused(engine.half, "cannot be moved or cast in place", "engine.half() went through")
 
 
+class Lookahead(torch.optim.Optimizer):
+    """A wrapper of another optimizer, built from it (as Lookahead and SAM are)."""
+
+    def __init__(self, base: torch.optim.Optimizer, k: int = 5):
+        self.base, self.k = base, k
+        self.param_groups, self.defaults, self.state = base.param_groups, base.defaults, base.state
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    def step(self, closure=None):
+        return self.base.step(closure)
+
+
+def wrapper_optimizer_built_before_the_wrap_is_refused_in_one_line(rank, stage):
+    model = Net()
+    try:
+        zerodp.parallelize(model, optimizer=Lookahead(torch.optim.AdamW(model.parameters(), lr=1e-2)), stage=stage,
+                           **_unused_ok(stage))
+        return "a Lookahead built before the wrap went through"
+    except TypeError as e:
+        said = str(e)
+        return None if "wraps another" in said and "optimizer=lambda groups" in said and "\n" not in said else said
+
+
 def double_backward_at_stage_3_is_refused(rank, stage):
     model, engine, ref = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
     x, y = batch(0)
@@ -520,7 +543,7 @@ CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16,
           optimizer_step_runs_once_per_engine_step, scheduler_built_before_parallelize_moves_the_engines_lr,
           optimizer_state_loaded_before_parallelize_is_taken_over, add_param_group_after_adoption_is_refused,
           optimizer_state_of_a_model_parameter_says_where_it_is, engine_is_a_module_and_a_parents_child,
-          double_backward_at_stage_3_is_refused]
+          wrapper_optimizer_built_before_the_wrap_is_refused_in_one_line, double_backward_at_stage_3_is_refused]
 NOT_AT_STAGE_3 = {"uneven_evaluation_does_not_hang"}  # stage 3 gathers in every forward: ranks must agree
 ONLY_AT_STAGE_3 = {"double_backward_at_stage_3_is_refused"}  # stages 0-2 keep whole parameters
 

@@ -465,7 +465,8 @@ def test_recommend_panel_takes_a_picked_or_pasted_config_json(desktop):
 #: English the Chinese page may show: technical names the guide's Chinese keeps as they are, and
 #: every value of a choice (presets, compressions, ...), taken from /api/schema below
 TERMS = {"GPU", "GQA", "HBM", "MFU", "MLP", "MiB", "NVLink", "SwiGLU", "TPU", "ZeRO", "AllReduce",
-         "ReduceScatter", "token", "config", "json", "grad_acc", "mbs", "seq", "gbs", "zerodp"}
+         "ReduceScatter", "token", "config", "json", "grad_acc", "mbs", "seq", "gbs", "zerodp",
+         "FLOP", "MAMF", "FlashAttention"}  # units and kernel names the Chinese page keeps as they are
 
 
 def _english_words(text: str) -> set[str]:

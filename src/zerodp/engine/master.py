@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import torch
 
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.optim import members
+from zerodp.engine.optim import RebuildError, members
 from zerodp.plan.ownership import state_numel
 
 PARAM = "param"
@@ -277,6 +277,8 @@ def probe_factory(factory: OptimizerFactory, group_options: list[dict],
 
     try:
         return build(params)
+    except RebuildError:
+        raise  # the class itself cannot be rebuilt: no parameter to name
     except (ValueError, RuntimeError, TypeError) as e:
         for name, shape, g in params:
             try:

@@ -115,13 +115,27 @@ def from_built(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer
     return factory, UserGroups(tuple(options), group_of, tuple(order))
 
 
+class RebuildError(TypeError):
+    """A built optimizer whose class cannot be called again over the master's param groups."""
+
+
 def _rebuilder(optimizer: torch.optim.Optimizer) -> Callable[[list[dict]], torch.optim.Optimizer]:
     cls = type(optimizer)
     # The defaults the constructor takes (AdamW's defaults also hold Adam's decoupled_weight_decay,
     # which AdamW's constructor fixes itself); every group carries its full options anyway.
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return lambda groups: cls(groups, **defaults)
+
+    def rebuild(groups: list[dict]) -> torch.optim.Optimizer:
+        try:
+            return cls(groups, **defaults)
+        except (TypeError, AttributeError, ValueError) as e:  # a wrapper of another optimizer (Lookahead, SAM)
+            raise RebuildError(
+                f"{cls.__name__} cannot be rebuilt over zerodp's fp32 master from its param groups and defaults "
+                f"({cls.__name__}(groups, **defaults) raised {type(e).__name__}: {e}) — an optimizer that wraps "
+                f"another, such as Lookahead or SAM, is built from its inner one: pass a factory that builds both, "
+                f"optimizer=lambda groups: {cls.__name__}(torch.optim.AdamW(groups, lr=...), ...)") from None
+    return rebuild
 
 
 def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:

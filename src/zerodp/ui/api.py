@@ -475,7 +475,7 @@ def _source_zh(source: str) -> str:
             .replace(" of peak sustained (MAMF), FlashAttention ", "（MAMF），FlashAttention ")
             .replace(", HBM ", "，HBM ").replace("; assumed: ", "；假设值：")
             .replace(", clock x", "，时钟 ×").replace(' (docs/planner.md, "The compute model")',
-                                                     "（docs/planner.md，“The compute model”）"))
+                                                     "（各常数的来源和日期见规划器文档的“计算模型”一节）"))
 
 
 def _batch_warnings_zh(p) -> list[str]:
