@@ -71,7 +71,13 @@ def wait_serving(work, began: float, timeout_s: float, control, what: str) -> Ru
             work.wait(datetime.timedelta(seconds=left if poll is None else max(min(poll, left), 0.001)))
             return None
         except RuntimeError as e:
-            if poll is None or work.is_completed() or left <= poll:
+            if poll is not None and work.is_completed():  # completed as the slice ran out: its own outcome
+                try:
+                    work.wait()
+                    return None
+                except RuntimeError as failed:
+                    return failed
+            if poll is None or left <= poll:
                 return e
         control.serve_pending(what)
 

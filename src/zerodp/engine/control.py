@@ -393,23 +393,30 @@ class Control:
             try:
                 work.wait(datetime.timedelta(seconds=max(min(POLL_S, left), 0.001)))
                 return
-            except RuntimeError as e:
-                if not work.is_completed() and left > POLL_S and self._refusal() is None:
+            except RuntimeError as timed_out:
+                error = timed_out
+                if work.is_completed():  # completed as the slice ran out: its own outcome decides
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as failed:
+                        error = failed
+                elif left > POLL_S and self._refusal() is None:
                     continue
                 refusal = self._refusal()
                 if refusal is not None:
                     self.failure = refusal
                     self.abandon()
-                    raise CollectiveTimeout(refusal) from e
+                    raise CollectiveTimeout(refusal) from error
                 own = time.monotonic() - began >= 0.9 * self.timeout_s
-                self.failed(f"{call.name} ({call.label})", e, own, call)
+                self.failed(f"{call.name} ({call.label})", error, own, call)
                 if call in SERVED and not own:  # the ranks that would serve it are gone
                     self.abandon()
                     raise CollectiveTimeout(
                         f"{call.name} was made on this rank alone and another rank's process ended before serving "
                         "it: the others serve such a call from their next step's collectives, and after their last "
-                        f"step there is none — {call.fix}; the job ends") from e
-                raise
+                        f"step there is none — {call.fix}; the job ends") from error
+                raise error from None
 
     def _refusal(self) -> str | None:
         """The message of another rank that refused a call this rank made (:meth:`_refuse`)."""
