@@ -71,7 +71,9 @@ class _Names:
     """The model's state-dict keys, which of them are tied aliases, and every expected shape."""
 
     def __init__(self, engine: EngineLike):
-        module = engine.module
+        # names, shapes and identities only: no wait for parameter gathers in flight (a rank serving
+        # a call from inside one of them would wait on itself, zerodp.engine.control)
+        module = engine._module
         first: dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             first.setdefault(id(p), name)
