@@ -250,13 +250,7 @@ def raised_backward_is_recoverable(rank, stage):
     if problem:
         return problem
     engine.zero_grad()
-    for step in (1, 2):
-        x, y = batch(step)
-        engine(mine(x, rank), mine(y, rank)).backward()
-        engine.step()
-        engine.zero_grad()
-        ref_step(ref, ref_opt, step)
-        ref_opt.zero_grad()
+    train_both(engine, engine, ref, ref_opt, rank, (1, 2))
     if stage == 3 and engine.stats().peak_gathered_units > 3:
         return f"{engine.stats().peak_gathered_units} units gathered at once after the recovery"
     return distance(engine, ref, 2)

@@ -101,6 +101,16 @@ def _within(got: list[float], want: list[float], tol_of_step, what: str) -> floa
     return worst
 
 
+def _losses_against_ddp(world: int, stage: int, script: str, terms: int):
+    """Per rank: each step's loss within the trajectory bound of DDP's; yields what the test checks
+    next (rank, its results, zerodp's and DDP's runs, the bound at step k)."""
+    for rank, r in enumerate(results(world)):
+        mine, ddp = r[script, "zerodp", stage], r[script, "ddp", 0]
+        tol = lambda k: trajectory_tolerance(world * terms, k + 1)  # noqa: E731
+        _within(mine["loss"], ddp["loss"], tol, f"rank {rank} stage {stage} loss")
+        yield rank, r, mine, ddp, tol
+
+
 NANOGPT_TERMS = porting_ddp.GRAD_ACC * porting_ddp.MICRO_BATCH * porting_ddp.SEQ  # per rank
 IMAGENET_TERMS = port_imagenet.BATCH * port_imagenet.SIZE * port_imagenet.SIZE  # per rank
 
@@ -108,10 +118,7 @@ IMAGENET_TERMS = port_imagenet.BATCH * port_imagenet.SIZE * port_imagenet.SIZE  
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", STAGES)
 def test_nanogpt_shape_equals_ddp(world, stage):
-    for rank, r in enumerate(results(world)):
-        mine, ddp = r["nanogpt", "zerodp", stage], r["nanogpt", "ddp", 0]
-        tol = lambda k: trajectory_tolerance(world * NANOGPT_TERMS, k + 1)  # noqa: E731
-        _within(mine["loss"], ddp["loss"], tol, f"rank {rank} stage {stage} loss")
+    for rank, _, mine, ddp, tol in _losses_against_ddp(world, stage, "nanogpt", NANOGPT_TERMS):
         assert sorted(mine["eval"]) == sorted(ddp["eval"]) and (bool(ddp["eval"]) == (rank == 0)), (mine, ddp)
         for it, loss in ddp["eval"].items():
             assert _rel(mine["eval"][it], loss) <= tol(it), (rank, stage, it, mine["eval"][it], loss)
@@ -120,11 +127,8 @@ def test_nanogpt_shape_equals_ddp(world, stage):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", STAGES)
 def test_imagenet_shape_equals_ddp(world, stage):
-    for rank, r in enumerate(results(world)):
-        mine, ddp = r["imagenet", "zerodp", stage], r["imagenet", "ddp", 0]
-        iters = 2
-        tol = lambda k: trajectory_tolerance(world * IMAGENET_TERMS, k + 1)  # noqa: E731
-        _within(mine["loss"], ddp["loss"], tol, f"rank {rank} stage {stage} loss")
+    iters = 2
+    for rank, _, mine, ddp, tol in _losses_against_ddp(world, stage, "imagenet", IMAGENET_TERMS):
         _within(mine["val"], ddp["val"], lambda e: tol(iters * (e + 1)), f"rank {rank} stage {stage} validation")
 
 
@@ -146,10 +150,7 @@ def test_build_nanogpt_shape_equals_ddp_within_the_bf16_autocast_bound(world, st
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", STAGES)
 def test_timm_shape_equals_ddp_and_resumes_before_the_wrap(world, stage):
-    for rank, r in enumerate(results(world)):
-        mine, ddp = r["timm", "zerodp", stage], r["timm", "ddp", 0]
-        tol = lambda k: trajectory_tolerance(world * IMAGENET_TERMS, k + 1)  # noqa: E731
-        _within(mine["loss"], ddp["loss"], tol, f"rank {rank} stage {stage} loss")
+    for rank, r, mine, ddp, tol in _losses_against_ddp(world, stage, "timm", IMAGENET_TERMS):
         _within(mine["ema"], ddp["ema"], lambda e: tol(2 * (e + 1)), f"rank {rank} stage {stage} EMA")
         resumed = r["timm resumed", "zerodp", stage]
         tail = mine["loss"][len(mine["loss"]) - len(resumed["loss"]):]
