@@ -1,4 +1,5 @@
-"""Shared pieces of the engine tests: tiny models, deterministic data, error measures.
+"""Shared pieces of the engine tests: tiny models, deterministic data, error measures, and
+:func:`spawn_once`, the one way a test starts a group of ranks.
 
 Every numerical claim is checked against an independent reference computed in the same rank
 process: a single-process full-batch model, torch DDP, or ZeroRedundancyOptimizer.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -213,3 +216,49 @@ def same_state(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+# ---- groups of ranks, spawned once ---------------------------------------------------------------
+# A spawned group costs seconds, so a test file runs its checks in one group and its tests read the
+# results. spawn_once is the one way a test starts ranks: the group runs at the first call (in a
+# test, a module fixture or a helper) and every later call with the same arguments, in the same
+# test process, gets the same results — or the same error, without running again (a hang costs its
+# timeout once, and every test that reads the group fails with the group's words).
+_DONE: dict = {}
+_SCRATCH: list = []  # the TemporaryDirectory holding spawn_once's folders, removed at exit
+
+
+def once(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, called once per test process for the same arguments (compared by
+    their pickled bytes): its value, or the error it raised, for every caller."""
+    key = (fn.__module__, fn.__qualname__, pickle.dumps((args, sorted(kwargs.items()))))
+    if key not in _DONE:
+        try:
+            _DONE[key] = (True, fn(*args, **kwargs))
+        except Exception as e:
+            _DONE[key] = (False, (e, e.__traceback__))
+            raise
+    ok, value = _DONE[key]
+    if not ok:
+        error, traceback = value
+        raise error.with_traceback(traceback)
+    return value
+
+
+def _spawn(fn, world: int, args: tuple, folder: bool, options: dict) -> list:
+    from zerodp.spawn import run_local
+
+    if folder:
+        if not _SCRATCH:
+            _SCRATCH.append(tempfile.TemporaryDirectory(prefix="zerodp-tests-"))
+        args = (tempfile.mkdtemp(dir=_SCRATCH[0].name), *args)
+    return run_local(fn, world, *args, **options)
+
+
+def spawn_once(fn, world: int, *args, folder: bool = False, **options) -> list:
+    """``fn(rank, world, *args)`` on ``world`` fresh gloo ranks (:func:`zerodp.spawn.run_local`
+    with ``options``: ``timeout``, ``grace``, ``env``, ``backend``), once per test process for the
+    same ``fn``, ``world``, ``args`` and ``options``: the results by rank. ``folder=True`` passes a
+    new empty folder, shared by the ranks and kept until the test process ends, as the first of
+    ``args`` (``fn(rank, world, folder, *args)``); it is made only when the group runs."""
+    return once(_spawn, fn, world, args, folder, options)

@@ -19,18 +19,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import NANO, PER_RANK, gpt_batch, make_gpt, max_rel, norm_rel, shard, worst
+from _engine_common import (NANO, PER_RANK, gpt_batch, in_make_fuzz, make_gpt, max_rel, norm_rel, shard, spawn_once,
+                            worst)
 from zerodp.bench import auto
 from zerodp.plan import calibrated
 from zerodp.plan.calibrated import LayerShape, gpt_layer_shapes
 from zerodp.cli import main
 from zerodp.engine.config import EngineConfig, module_layer_shapes, resolve_auto_bucket
-from zerodp.spawn import run_local
 from zerodp.train.config import TrainConfig
 
 from _profiles import synthetic_profile
 from _regret import expected_choice_mib
-from _engine_common import in_make_fuzz
 
 # α small and W low against the compute: overlap pays, so the sweet spot holds several buckets of
 # the test models (a fast network would put the whole model in one bucket).
@@ -246,8 +245,8 @@ def _auto_engines(rank, world, path, other_world_path):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auto")
-    return run_local(_auto_engines, 2, _profile(tmp / "p2.json", world=2), _profile(tmp / "p4.json", world=4),
-                     timeout=300)
+    return spawn_once(_auto_engines, 2, _profile(tmp / "p2.json", world=2), _profile(tmp / "p4.json", world=4),
+                      timeout=300)
 
 
 @pytest.mark.dist

@@ -52,7 +52,7 @@ def _many(rank: int, world: int, cfgs):
 def test_the_check_passes_the_engine_and_fails_it_with_the_learning_rate_off_by_a_thousandth():
     from zerodp.check import CheckConfig
     from zerodp.check.report import to_json, verdicts
-    from zerodp.spawn import run_local
+    from _engine_common import spawn_once
 
     optimizers = [("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
                   ("adamw", {"lr": 1e-2, "weight_decay": 0.1}),
@@ -64,7 +64,7 @@ def test_the_check_passes_the_engine_and_fails_it_with_the_learning_rate_off_by_
                                     steps=2, device="cpu", perturb_lr=perturb).validate())
     cfgs.append(CheckConfig(model=tiny_build, optimizer="adamw", input_shape=(6,), steps=2, stages=(1, 3),
                             precision="bf16", device="cpu").validate())
-    results = run_local(_many, 2, cfgs, timeout=300)[0]
+    results = spawn_once(_many, 2, cfgs, timeout=300)[0]
     data = json.loads(to_json(results[0], {}))  # what --json prints
     assert data["ok"] and [r["stage"] for r in data["rows"]] == [0, 1, 2, 3] and "states_planned" in data["rows"][0]
     for cfg, rows in zip(cfgs, results):

@@ -21,7 +21,6 @@ names (no ``_orig_mod.``) and load into an eager engine, and an eager engine's i
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -29,8 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _engine_common import max_rel, shard, trajectory_tolerance
-from zerodp.spawn import run_local
+from _engine_common import max_rel, shard, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 STEPS = 3
@@ -180,9 +178,8 @@ def _resume(rank: int, stage: int, compiled, compiled_call) -> dict:
             "compiled_from_eager": max(max_rel(c[k], a[k]) for k in a)}
 
 
-@functools.lru_cache(maxsize=None)
 def results(world: int = 2, stages: tuple[int, ...] = STAGES) -> dict:
-    return run_local(_all, world, stages, timeout=900)[0]
+    return spawn_once(_all, world, stages, timeout=900)[0]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
-from zerodp.spawn import run_local
+from _engine_common import spawn_once
 from zerodp.train.model import GPT, PRESETS
 
 pytestmark = pytest.mark.dist
@@ -150,7 +150,7 @@ def _ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_local(_ranks, 2, timeout=240)
+    return spawn_once(_ranks, 2, timeout=240)
 
 
 @pytest.mark.parametrize("key", ["qgz1", "qgz2", "qgz3", "bf16_0", "bf16_2", "bf16_3"])

@@ -8,7 +8,6 @@ References are independent: a single-process ``torch.nn`` model with a stock opt
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -16,9 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import ALL_WORLDS, sum_tolerance
+from _engine_common import ALL_WORLDS, spawn_once, sum_tolerance
 from _matrix import _gather_state
-from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
 STAGES = (0, 1, 2, 3)
@@ -362,9 +360,8 @@ def _every_check(rank, world, tmp):
         (_misc, (tmp,)))}
 
 
-@functools.cache
 def results(world: int, tmp: str = "") -> dict:
-    ranks = run_local(_every_check, world, tmp, timeout=600)
+    ranks = spawn_once(_every_check, world, tmp, timeout=600)
     return {name: [r[name] for r in ranks] for name in ranks[0]}
 
 

@@ -18,9 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import sum_tolerance
+from _engine_common import spawn_once, sum_tolerance
 from zerodp.engine.deferred import module_seed
-from zerodp.spawn import RankFailure, run_local
+from zerodp.spawn import RankFailure
 from zerodp.train.model import GPT, PRESETS
 
 pytestmark = pytest.mark.dist
@@ -80,7 +80,7 @@ def _both_inits(rank, world, stage):
 def runs():
     out = {}
     for world, stage in ((2, 3), (3, 1), (1, 0)):
-        for init, r in run_local(_both_inits, world, stage)[0].items():
+        for init, r in spawn_once(_both_inits, world, stage)[0].items():
             out[(world, stage, init)] = r
     return out
 
@@ -156,7 +156,7 @@ def _misuse(rank, world, case):
                                         ("no_reset", "no reset_parameters() to initialize")])
 def test_meta_misuse_ends_with_one_line(case, words):
     try:
-        msg = run_local(_misuse, 1, case)[0]
+        msg = spawn_once(_misuse, 1, case)[0]
     except RankFailure as e:  # pragma: no cover - shows the traceback if the engine raised otherwise
         raise AssertionError(str(e)) from None
     assert msg is not None and words in msg and "\n" not in msg
@@ -181,8 +181,8 @@ def _batched_step(rank, world, batch_bytes):
 def test_the_optimizer_step_over_batches_of_targets_is_bitwise_one_step():
     """bf16 gradients are cast to fp32 for the optimizer a batch of targets at a time (so 4Ψ/N of
     fp32 gradients never coexist): with batches of 4 KiB the result is bitwise that of one step."""
-    one = run_local(_batched_step, 2, 1 << 40)[0]
-    many = run_local(_batched_step, 2, 4096)[0]
+    one = spawn_once(_batched_step, 2, 1 << 40)[0]
+    many = spawn_once(_batched_step, 2, 4096)[0]
     assert set(one) == set(many)
     for k in one:
         assert torch.equal(one[k], many[k]), k

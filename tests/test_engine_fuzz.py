@@ -43,8 +43,8 @@ import torch
 import torch.nn as nn
 
 import zerodp
-from _engine_common import Boom, Counting, Net, same_state, sum_tolerance, trajectory_tolerance
-from zerodp.spawn import RankFailure, run_local
+from _engine_common import Boom, Counting, Net, same_state, spawn_once, sum_tolerance, trajectory_tolerance
+from zerodp.spawn import RankFailure
 
 pytestmark = [pytest.mark.dist, pytest.mark.fuzz]
 ROWS = 3  # rows per rank per micro-batch
@@ -600,7 +600,7 @@ def verdict(world: int, cases: list[tuple[int, int]], timeout: float, planted: s
     with tempfile.TemporaryDirectory() as tmp:
         journal = os.path.join(tmp, "case")
         try:
-            results = run_local(run_cases, world, cases, journal, planted, timeout=timeout)
+            results = spawn_once(run_cases, world, cases, journal, planted, timeout=timeout)
         except RankFailure as e:
             seed, stage = (int(v) for v in open(journal).read().split())
             return f"{e}\n{describe(seed, stage, world)}"

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import zerodp
 from zerodp.plan.hybrid import step_bytes_per_leg
-from zerodp.spawn import run_local
+from _engine_common import spawn_once
 from zerodp.train.model import GPT, PRESETS
 
 pytestmark = pytest.mark.dist
@@ -48,7 +48,7 @@ def _legs(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_local(_legs, 4, timeout=180)
+    return spawn_once(_legs, 4, timeout=180)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -11,7 +11,6 @@ differs by up to ``sum_tolerance`` of its magnitude, and after k steps the param
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
@@ -21,8 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import LARS, Boom, Counting, Net, trajectory_tolerance
-from zerodp.spawn import run_local
+from _engine_common import Boom, Counting, LARS, Net, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -561,18 +559,8 @@ def _all_checks(rank, world):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _group() -> tuple[list[dict] | None, str | None]:
-    try:
-        return run_local(_all_checks, WORLD, timeout=400), None
-    except Exception as e:  # noqa: BLE001 - a hang or a crash fails every test once, with its words
-        return None, f"{type(e).__name__}: {e}"
-
-
 def results() -> list[dict]:
-    out, error = _group()
-    assert error is None, error
-    return out
+    return spawn_once(_all_checks, WORLD, timeout=400)
 
 
 @pytest.mark.parametrize("check,stage", [(c.__name__, s) for c in CHECKS for s in STAGES if _runs(c, s)])
@@ -648,7 +636,7 @@ def _rank0_only_forward(rank, world):
 
 
 def test_stage3_forward_on_one_rank_ends_with_a_message_within_timeout_s():
-    out = run_local(_rank0_only_forward, WORLD, timeout=60)[0]
+    out = spawn_once(_rank0_only_forward, WORLD, timeout=60)[0]
     waited, _, message = out.partition("|")
     assert message, out
     assert "(an evaluation) was called on rank 0 only, and waited 1 s" in message and "every rank" in message, message

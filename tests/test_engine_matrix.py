@@ -17,10 +17,9 @@ import time
 
 import pytest
 
-from _engine_common import ALL_WORLDS
+from _engine_common import ALL_WORLDS, spawn_once
 from _matrix import (COMPRESS, OPTIMIZERS, STAGES, USAGES, WORLDS, Case, pairwise_cases, random_cases, run_cases,
                      run_cases_lr_off, run_cases_miscaled, valid)
-from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
 
@@ -31,7 +30,7 @@ def _run(cases: list[Case]) -> tuple[list[str], int]:
     for c in cases:
         by_world.setdefault(c.ranks_needed, []).append(c)
     for world, group in sorted(by_world.items()):
-        results = run_local(run_cases, world, group, timeout=120 + 20 * len(group))
+        results = spawn_once(run_cases, world, group, timeout=120 + 20 * len(group))
         for i, case in enumerate(group):
             errors = {rank_results[i][1] for rank_results in results if rank_results[i][1]}
             ran += 1
@@ -95,7 +94,7 @@ def test_compressed_checks_fail_on_a_codec_two_percent_off():
     cases = [Case.parse("stage=2 world=2 mesh=flat compress=int8 usage=no_sync features=-"),
              Case.parse("stage=3 world=4 mesh=hybrid compress=int8 usage=two_forwards features=buffer")]
     for case, what in zip(cases, ("within the compression bound", "as forward used it")):
-        results = run_local(run_cases_miscaled, case.ranks_needed, [case], 1.02, timeout=180)
+        results = spawn_once(run_cases_miscaled, case.ranks_needed, [case], 1.02, timeout=180)
         errors = [err for rank_results in results for _, err in rank_results if err]
         assert errors and all(what in e for e in errors), (case, errors[:1])
 
@@ -133,7 +132,7 @@ def test_per_tensor_checks_fail_on_a_learning_rate_a_thousandth_off():
     rates 0.1% too large (the reference's exact), each per-tensor optimizer's case fails."""
     cases = [Case.parse(f"stage={s} world=2 optimizer={o} usage=no_sync features=-")
              for s, o in ((1, "adafactor"), (2, "muon_adamw"), (3, "lars"))]
-    results = run_local(run_cases_lr_off, 2, cases, 1.001, timeout=180)
+    results = spawn_once(run_cases_lr_off, 2, cases, 1.001, timeout=180)
     for i, case in enumerate(cases):
         errors = [rank_results[i][1] for rank_results in results if rank_results[i][1]]
         assert errors and all(str(case) in e for e in errors), (str(case), errors[:1])

@@ -15,7 +15,6 @@ dtype the model trains in); bf16 compute against an fp32 reference by a few bf16
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import weakref
 
@@ -25,8 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import trajectory_tolerance
-from zerodp.spawn import run_local
+from _engine_common import spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -520,17 +518,7 @@ def _all_checks(rank, world):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _group() -> tuple[list[dict] | None, str | None]:
-    try:
-        return run_local(_all_checks, WORLD, timeout=400), None
-    except Exception as e:  # noqa: BLE001 - a hang or a crash fails every test once, with its words
-        return None, f"{type(e).__name__}: {e}"
-
-
 @pytest.mark.parametrize("check,stage", [(c.__name__, s) for c in CHECKS for s in STAGES])
 def test_module_habit(check, stage):
-    out, error = _group()
-    assert error is None, error
-    for rank, r in enumerate(out):
+    for rank, r in enumerate(spawn_once(_all_checks, WORLD, timeout=400)):
         assert r[(check, stage)] is None, f"rank {rank}, stage {stage}, {check}: {r[(check, stage)]}"

@@ -27,8 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import LARS, Stepped, trajectory_tolerance
-from zerodp.spawn import run_local
+from _engine_common import LARS, Stepped, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 ROWS = 3  # rows per rank per micro-batch
@@ -318,7 +317,7 @@ def _all_checks(rank, world, root):
 
 
 def _results(world: int, root) -> list[dict]:
-    return run_local(_all_checks, world, root, timeout=300)
+    return spawn_once(_all_checks, world, root, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,8 @@ below read its results. References: a single-process model on the full batch, an
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import tempfile
 
 import pytest
 import torch
@@ -19,10 +17,10 @@ import torch.nn.functional as F
 
 import zerodp
 from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt,
-                            make_odd, max_rel, norm_rel, odd_batch, shard, sum_tolerance, trajectory_tolerance, worst)
+                            make_odd, max_rel, norm_rel, odd_batch, shard, spawn_once, sum_tolerance,
+                            trajectory_tolerance, worst)
 from zerodp.engine.buckets import MB
 from zerodp.plan.units import plan_buckets
-from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
 #: make test: 2 ranks; make fuzz (ZERODP_ALL_WORLDS=1): 2, 3 and 4 (the differential matrix
@@ -220,12 +218,8 @@ def _stage0_checks(rank, world, tmpdir):
     return out
 
 
-_TMP = tempfile.mkdtemp(prefix="zerodp-stage0-")
-
-
-@functools.cache
 def results(world: int) -> list[dict]:
-    return run_local(_stage0_checks, world, _TMP, timeout=300)
+    return spawn_once(_stage0_checks, world, folder=True, timeout=300)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -18,13 +18,11 @@ padding is exercised.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 
-from _engine_common import ALL_WORLDS
-from zerodp.spawn import run_local
+from _engine_common import ALL_WORLDS, spawn_once
 from zerodp.train.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=37, seq_len=12, n_layer=3, n_head=2, d_model=22, bias=False)
@@ -304,7 +302,7 @@ STAGE3_WORLDS = [2, 3, 4] if ALL_WORLDS else [2]
 @pytest.fixture(scope="module", params=STAGE3_WORLDS, ids=lambda w: f"world{w}")
 def world_results(request):
     world = request.param
-    return world, run_local(_scenarios, world, reference_checkpoint(world), timeout=400)
+    return world, spawn_once(_scenarios, world, reference_checkpoint(world), timeout=400)
 
 
 @pytest.mark.dist

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from _engine_common import Net, same_state
+from _engine_common import Net, once, same_state
 from zerodp.spawn import free_port
 
 pytestmark = pytest.mark.dist
@@ -253,9 +253,8 @@ def _run_all() -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=1)
 def results() -> dict:
-    return _run_all()
+    return once(_run_all)
 
 
 def _check_ended(case: str, names: tuple[str, ...], fix: str) -> list[str]:

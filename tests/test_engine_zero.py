@@ -7,18 +7,15 @@ memory ledger ``zerodp.plan.memory`` (bytes per rank).
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import zerodp
 from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt,
-                            max_rel, norm_rel, shard, worst)
+                            max_rel, norm_rel, shard, spawn_once, worst)
 from zerodp.engine.config import MixedPrecision
 from zerodp.engine.stats import compare_table, formula_by_kind
-from zerodp.spawn import run_local
 
 pytestmark = pytest.mark.dist
 #: make test: 2 ranks; make fuzz (ZERODP_ALL_WORLDS=1): 2, 3 and 4 (the differential matrix
@@ -247,9 +244,8 @@ def _zero_checks(rank, world):
     return out
 
 
-@functools.cache
 def results(world: int) -> list[dict]:
-    return run_local(_zero_checks, world, timeout=400)
+    return spawn_once(_zero_checks, world, timeout=400)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -417,7 +413,7 @@ def test_zero_grad_set_to_none_frees_the_gradients_and_changes_no_value():
     every gradient storage is freed (full gradients and their accumulator at stages 0-1, shards at
     stages 2-3) until the next backward; with ``set_to_none=False`` they stay; both runs end
     bitwise equal, and stats() reports the step's gradients either way."""
-    for r in run_local(_set_to_none, 2):
+    for r in spawn_once(_set_to_none, 2):
         for key, _, _ in SET_TO_NONE_CASES:
             kept, after = r[f"{key}/False/grads"]
             assert after == kept > 0, (key, kept, after)
@@ -448,5 +444,5 @@ def _deleted_engines(rank, world):
 
 
 def test_a_deleted_engine_and_its_buffers_are_freed():
-    for r in run_local(_deleted_engines, 2):
+    for r in spawn_once(_deleted_engines, 2):
         assert not any(r.values()), f"engines still alive after del + gc.collect(), by stage: {r}"

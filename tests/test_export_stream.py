@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zerodp.spawn import run_local
+from _engine_common import spawn_once
 
 ROOT = Path(__file__).resolve().parents[1]
 D, UNITS = 1280, 16
@@ -105,7 +105,7 @@ def _ranks(rank: int, world: int, out: str) -> dict:
 @pytest.mark.dist
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures the peak RSS through Linux's /proc")
 def test_save_hf_streams_from_the_shards_and_what_it_writes_loads_with_the_engines_logits(tmp_path):
-    results = run_local(_ranks, 2, str(tmp_path), timeout=420)
+    results = spawn_once(_ranks, 2, str(tmp_path), timeout=420)
     assert results[0]["llama"] in ("ok", "skipped: no transformers")
     assert results[0]["params"] >= 50_000_000
     for rank, r in enumerate(results):

@@ -30,10 +30,9 @@ import torch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
-from _engine_common import trajectory_tolerance  # noqa: E402
+from _engine_common import spawn_once, trajectory_tolerance  # noqa: E402
 from zerodp.engine.hf import (HFCheckpointError, INDEX_FILE, load_hf_state_dict, open_hf,  # noqa: E402
                               save_hf, shard_file_name)
-from zerodp.spawn import run_local  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))  # the spawned ranks inherit sys.path
@@ -144,7 +143,7 @@ def group(tmp_path_factory):
 
     gpt = _gpt_checkpoint(tmp / "gpt-run")
     export_hf(tmp / "gpt-run", tmp / "gpt-hf", log=lambda m: None, native_names=True)
-    results = run_local(_ranks, WORLD, str(tmp), timeout=240, env={"HF_HUB_OFFLINE": "1"})
+    results = spawn_once(_ranks, WORLD, str(tmp), timeout=240, env={"HF_HUB_OFFLINE": "1"})
     return tmp, source, results, gpt
 
 

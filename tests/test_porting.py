@@ -14,15 +14,12 @@ tokens), hence ``k + 1``. A resumed run must continue exactly as the uninterrupt
 
 from __future__ import annotations
 
-import functools
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from _engine_common import trajectory_tolerance
-from zerodp.spawn import run_local
+from _engine_common import spawn_once, trajectory_tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # the spawned ranks inherit it
 
@@ -48,10 +45,8 @@ def _every_wrap(rank: int, world: int, folder: str) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def results() -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        return run_local(_every_wrap, WORLD, folder, timeout=600)
+    return spawn_once(_every_wrap, WORLD, folder=True, timeout=600)
 
 
 def _rel(a: float, b: float) -> float:

@@ -29,13 +29,11 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from _engine_common import ALL_WORLDS, trajectory_tolerance
-from zerodp.spawn import run_local
+from _engine_common import ALL_WORLDS, spawn_once, trajectory_tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))  # the spawned ranks inherit it
 
@@ -80,10 +78,8 @@ def _ddp_other_buckets(rank: int, world: int) -> dict:
         port_build_nanogpt.DDP = real
 
 
-@functools.lru_cache(maxsize=None)
 def results(world: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        return run_local(_runs, world, folder, timeout=900)
+    return spawn_once(_runs, world, folder=True, timeout=900)
 
 
 def _rel(a: float, b: float) -> float:

@@ -14,13 +14,12 @@ hypothesis profile; ``make fuzz`` many more examples.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from _engine_common import spawn_once
 from zerodp.engine.comm import reduce_scatter_flat, ring_sent_bytes
 from zerodp.engine.quant import (dequantize_int8, int8_collective_bytes, int8_sent_bytes, int8_wire_bytes,
                                  quantize_int8)
@@ -279,11 +278,8 @@ def _collective_checks(rank: int, world: int) -> dict:
     return out
 
 
-@functools.cache
 def _results() -> list[dict]:
-    from zerodp.spawn import run_local
-
-    return run_local(_collective_checks, 3, timeout=120)
+    return spawn_once(_collective_checks, 3, timeout=120)
 
 
 @pytest.mark.dist

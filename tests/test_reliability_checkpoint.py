@@ -17,7 +17,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zerodp.spawn import RankFailure, run_local
+from _engine_common import spawn_once
+from zerodp.spawn import RankFailure
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
 from zerodp.train.hooks import Hooks
@@ -70,7 +71,7 @@ def _load_after_damage(rank, world, root):
 
 
 def test_a_shard_that_breaks_after_validation_is_applied_on_no_rank(tmp_path):
-    (err0, same0), (err1, same1) = run_local(_load_after_damage, 2, str(tmp_path), timeout=240)
+    (err0, same0), (err1, same1) = spawn_once(_load_after_damage, 2, str(tmp_path), timeout=240)
     assert err1 and "rank00001.safetensors" in err1, err1
     assert err0 and "another rank cannot load" in err0 and "nothing was loaded" in err0
     assert same0 and same1, "a rank changed its parameters, optimizer state or RNG before failing"
@@ -94,7 +95,7 @@ def test_a_multi_rank_save_killed_on_one_rank_leaves_the_previous_checkpoint(tmp
     victim, phase = 1, "files"
     root = tmp_path / "checkpoints"
     with pytest.raises(RankFailure, match=f"rank {victim} died with exit code 17"):
-        run_local(_save_twice_and_kill, 2, str(root), victim, phase, timeout=120, grace=30)
+        spawn_once(_save_twice_and_kill, 2, str(root), victim, phase, timeout=120, grace=30)
     messages = []
     found = ckpt.find(tmp_path, log=messages.append)
     assert found.name == "step_00000001"

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from zerodp.spawn import run_local
+from _engine_common import in_make_fuzz, spawn_once
 from zerodp.train.config import TrainConfig
 from zerodp.train.data import Sharding, TrainStream, Windows, val_batches
-from _engine_common import in_make_fuzz
 
 SEQ = 4
 
@@ -62,5 +61,5 @@ def _run(rank, world, root, data):
 def test_a_corpus_smaller_than_one_global_batch_trains_at_world_3(tmp_path):
     data = tmp_path / "tiny.txt"
     data.write_bytes(b"abcdefghij" * 20)  # 180 training tokens: 11 windows of 16+1; 1 validation window
-    results = run_local(_run, 3, str(tmp_path), str(data), timeout=240)
+    results = spawn_once(_run, 3, str(tmp_path), str(data), timeout=240)
     assert results == [3, True, True]

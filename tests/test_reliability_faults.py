@@ -18,7 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zerodp.spawn import RankFailure, run_local
+from _engine_common import spawn_once
+from zerodp.spawn import RankFailure
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
 from zerodp.train.watchdog import CollectiveFailure, Watchdog, explain, is_collective_error
@@ -109,8 +110,8 @@ def test_the_survivors_of_a_dead_rank_end_by_themselves_and_say_why(tmp_path):
     """No launcher to clean up (as on another node under torchrun): rank 0 must notice alone."""
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_local(_survivor, 2, str(tmp_path), timeout=240, grace=90,
-                  env={"ZERODP_TEST_FAULT": "exit:1:2"})
+        spawn_once(_survivor, 2, str(tmp_path), timeout=240, grace=90,
+                   env={"ZERODP_TEST_FAULT": "exit:1:2"})
     elapsed = time.monotonic() - t0
     text = str(info.value)
     assert "rank 1 died with exit code 13" in text

@@ -13,10 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zerodp.spawn import run_local
+from _engine_common import gpt_batch, make_gpt, spawn_once
 from zerodp.train.config import TrainConfig
 
-from _engine_common import gpt_batch, make_gpt
 
 pytestmark = pytest.mark.dist
 
@@ -104,7 +103,7 @@ def test_one_rank_inf_skips_the_step_on_every_rank_for_every_stage():
             stages.append(s)
         except ImportError:
             continue
-    r0, r1 = run_local(_guarded_vs_reference, 2, stages, timeout=300)
+    r0, r1 = spawn_once(_guarded_vs_reference, 2, stages, timeout=300)
     for key in r0:
         for res in (r0[key], r1[key]):
             assert res["unchanged"], f"stage/clip {key}: a skipped step changed parameters or optimizer state"
@@ -156,7 +155,7 @@ def _loop(rank, world, root):
 
 
 def test_the_training_loop_counts_reports_continues_and_stops_after_n_in_a_row(tmp_path):
-    (r0, stop0), (_, stop1) = run_local(_loop, 2, str(tmp_path), timeout=240)
+    (r0, stop0), (_, stop1) = spawn_once(_loop, 2, str(tmp_path), timeout=240)
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     skips = [r for r in records if r["event"] == "skip"]
     assert [(r["step"], r["ranks"], r["consecutive"]) for r in skips] == [(3, [1], 1)]

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import zerodp
-from _engine_common import NANO, PER_RANK, TRAJECTORY, gpt_batch, make_gpt, norm_rel, shard, trajectory_tolerance
-from zerodp.spawn import run_local
+from _engine_common import (NANO, PER_RANK, TRAJECTORY, gpt_batch, make_gpt, norm_rel, shard, spawn_once,
+                            trajectory_tolerance)
 
 STAGES = (0, 1, 2, 3)
 PRECISIONS = (None, "bf16")
@@ -246,7 +246,7 @@ def results(tmp_path_factory):
     """(world 2's results, world 3's results, the folder holding the checkpoints they wrote,
     rank 1's results of world 2)."""
     tmp = tmp_path_factory.mktemp("state_dict")
-    ranks = run_local(_both, 3, str(tmp), timeout=300)
+    ranks = spawn_once(_both, 3, str(tmp), timeout=300)
     return ranks[0][0], ranks[0][1], tmp, ranks[1][0]
 
 

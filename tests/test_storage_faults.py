@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zerodp.spawn import run_local
+from _engine_common import spawn_once
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.chaos import RUN, Launch, compare, env_with
 from zerodp.train.config import TrainConfig
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("storage")
     cli = Launch([*RUN, "--steps", "6", "--ckpt-every", "2", "--out", str(root / "cli")],
                  env_with("enospc:1:4"), [])
-    ranks = run_local(_runs, 2, str(root), timeout=600)
+    ranks = spawn_once(_runs, 2, str(root), timeout=600)
     said = [(root / f"stderr-rank{r}.txt").read_text() for r in (0, 1)]
     return root, ranks, said, cli
 

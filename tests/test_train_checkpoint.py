@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zerodp.engine.master import Piece
-from zerodp.spawn import run_local
+from _engine_common import spawn_once
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.hooks import Hooks
 
@@ -85,7 +85,7 @@ def _corrupt_copy(src, dst, how):
 @pytest.mark.dist
 def test_world4_pieces_assemble_anywhere_and_bad_files_are_named(tmp_path):
     root = tmp_path / "ck"
-    run_local(_save_world, 4, str(root), 20, timeout=120)
+    spawn_once(_save_world, 4, str(root), 20, timeout=120)
     path = root / "step_00000020"
     ck = ckpt.Checkpoint.open(path)
     assert ck.world_size == 4 and len(ck.manifest["files"]) == 4

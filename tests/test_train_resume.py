@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _engine_common import ALL_WORLDS
-from zerodp.spawn import run_local
+from _engine_common import ALL_WORLDS, spawn_once
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
 
@@ -62,7 +61,7 @@ def _losses(run: Path) -> dict:
 
 def test_resume_is_bitwise_for_every_supported_stage(tmp_path):
     stages = STAGES
-    run_local(_resume_all_stages, 2, stages, str(tmp_path), timeout=400)
+    spawn_once(_resume_all_stages, 2, stages, str(tmp_path), timeout=400)
     for s in stages:
         a = ckpt.Checkpoint.open(ckpt.find(tmp_path / f"straight{s}"))
         b = ckpt.Checkpoint.open(ckpt.find(tmp_path / f"split{s}"))
@@ -114,12 +113,12 @@ def test_reshard_world4_stage3_to_world2_stage1_and_export(tmp_path):
     from zerodp.train.export import export, load_exported
     from zerodp.train.model import GPT, GPTConfig
 
-    run_local(_world4, 4, str(tmp_path), timeout=300)
+    spawn_once(_world4, 4, str(tmp_path), timeout=300)
     saved = ckpt.Checkpoint.open(ckpt.find(tmp_path / "w4split"))
     assert saved.world_size == 4 and saved.manifest["stage"] == 3 and saved.step == RESHARD_STEPS - 1
 
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
-    (full, logits), _ = run_local(_world2, 2, str(tmp_path), x, timeout=300)
+    (full, logits), _ = spawn_once(_world2, 2, str(tmp_path), x, timeout=300)
     for name in saved.names():  # identical parameters after loading at another layout
         assert torch.equal(torch.from_numpy(full[name]), saved.full(name, "param")), name
 
@@ -189,7 +188,7 @@ def _half_apply(rank, world, root):
 def test_a_checkpoint_one_rank_cannot_serve_is_applied_on_no_rank(tmp_path):
     """A parameter's pieces dropped from the manifest: only the rank that owns it notices, and
     still neither rank loads anything (the ranks agree before applying)."""
-    (victim, err0, same0), (_, err1, same1) = run_local(_half_apply, 2, str(tmp_path), timeout=300)
+    (victim, err0, same0), (_, err1, same1) = spawn_once(_half_apply, 2, str(tmp_path), timeout=300)
     assert err1 and victim in err1 and "holds no 'param' state" in err1
     assert err0 and "another rank cannot load" in err0
     assert same0 and same1  # nothing was written on either rank
