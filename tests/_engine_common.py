@@ -128,41 +128,6 @@ class LARS(torch.optim.SGD):
         return super().step(closure)
 
 
-class Stepped:
-    """Several stock optimizers over disjoint parameters, stepped one after the other (the
-    single-process reference of a list; its state_dict() numbers parameters across them, in the
-    order given, as torch numbers one optimizer's)."""
-
-    def __init__(self, optimizers):
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    @property
-    def state(self) -> dict:
-        return {p: s for o in self.optimizers for p, s in o.state.items()}
-
-    def step(self):
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        state, groups, base = {}, [], 0
-        for o in self.optimizers:
-            sd = o.state_dict()
-            n = sum(len(g["params"]) for g in sd["param_groups"])
-            state.update({base + i: v for i, v in sd["state"].items()})
-            groups += [{**g, "params": [base + i for i in g["params"]]} for g in sd["param_groups"]]
-            base += n
-        return {"state": state, "param_groups": groups}
-
-
 #: make fuzz's second line sets ZERODP_ALL_WORLDS=1: the suites' 3- and 4-rank groups and other
 #: volume that make test leaves to it (the Makefile lists what)
 ALL_WORLDS = bool(os.environ.get("ZERODP_ALL_WORLDS"))

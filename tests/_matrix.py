@@ -57,10 +57,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # The differential core is the package's, shared with ``zerodp check`` (src/zerodp/check/core.py):
-# the tolerances' formulas, the elementwise bound and the checkpoint gather. The cases, the model
-# and the derivation of each bound stay here.
+# the tolerances' formulas, the elementwise bound, the checkpoint gather and the reference of a list
+# of optimizers (Stepped: stock torch optimizers stepped one after the other; the engine imports
+# nothing from zerodp.check, so the reference stays independent of it). The cases, the model and
+# the derivation of each bound stay here.
 from zerodp.check.core import assert_within as _assert_within
-from zerodp.check.core import fed_tolerance, tolerance
+from zerodp.check.core import Stepped, fed_tolerance, tolerance
 from zerodp.check.core import gather_state as _core_gather_state
 
 STAGES = (0, 1, 2, 3)
@@ -385,8 +387,6 @@ class Reference:
         else:
             spec = [{"params": [p for _, p in trainable]}]
         if optimizer == "muon_adamw":
-            from _engine_common import Stepped
-
             self.opt = Stepped(_muon_adamw(model, groups))
         else:
             self.opt = FACTORIES[optimizer](spec)

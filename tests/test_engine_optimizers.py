@@ -27,7 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import LARS, Stepped, spawn_once, trajectory_tolerance
+from _engine_common import LARS, spawn_once, trajectory_tolerance
+from _train_common import cpu_context
+from zerodp.check.core import Stepped  # the single-process reference of a list of optimizers
 
 pytestmark = pytest.mark.dist
 ROWS = 3  # rows per rank per micro-batch
@@ -283,7 +285,7 @@ def _checkpoint(rank, world, out, root):
     """World 2 saves Adafactor, and Muon + AdamW, at stage 2 (pieces, zerodp.train.checkpoint);
     world 3 loads each at stage 1 and world 2 at stage 3, and both continue as the reference."""
     from zerodp.train import checkpoint as ckpt
-    from zerodp.train.loop import RankContext, load_into
+    from zerodp.train.loop import load_into
 
     for name in ("adafactor", "muon_adamw"):
         where = root / f"checkpoints-{name}"
@@ -296,7 +298,7 @@ def _checkpoint(rank, world, out, root):
         dst = build(name, stage, seed=5)
         ck = ckpt.Checkpoint.open(path)
         out[f"ckpt/{name}/whole_pieces"] = sorted({p["name"] for p in ck.manifest["pieces"] if "::" in p["name"]})
-        load_into(dst, ck, RankContext(rank, world, rank, torch.device("cpu")))
+        load_into(dst, ck, cpu_context(rank, world))
         ref, _ = reference(name, [(s, 2) for s in range(STEPS)])
         out[f"ckpt/{name}/loaded"] = (param_error(dst.full_state_dict(), ref), trajectory_tolerance(2 * ROWS, STEPS))
         train(dst, rank, world, 1, first=STEPS)

@@ -120,3 +120,28 @@ def test_the_engine_package_docstring_names_every_module():
 
     missing = [m.name for m in pkgutil.iter_modules(engine.__path__) if f"``{m.name}``" not in engine.__doc__]
     assert not missing, f"zerodp/engine/__init__.py does not name {missing}"
+
+
+def test_no_test_file_imports_a_private_name_of_another():
+    """A helper two test files need lives, public, in a shared ``tests/_*.py`` module: no test file
+    imports an underscore name from another (``from test_x import _helper``, ``from _matrix
+    import _helper``, or ``_matrix._helper`` read through a module import)."""
+    tests = Path(__file__).resolve().parent
+    local = {p.stem for p in tests.glob("*.py")}
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in local and node.level == 0:
+                found += [f"{path.name}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_")]
+            elif isinstance(node, ast.Import):
+                modules.update(a.asname or a.name for a in node.names if a.name in local)
+        found += [f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in modules and node.attr.startswith("_")]
+    # the planner's test files are another change's to mend (issue 50): this one goes with it
+    waiting = {"test_plan_recommend_optimizer.py:13: test_plan_recommend_brute._check"}
+    found = [f for f in found if f not in waiting]
+    assert not found, "private names imported from another test file:\n" + "\n".join(found)

@@ -23,18 +23,12 @@ from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
 from zerodp.train.hooks import Hooks
 
-from test_train_checkpoint import MODEL, pieces_for, reference_state
+from _train_common import MODEL, cpu_context, pieces_for, reference_state
 
 pytestmark = pytest.mark.dist
 
 BASE = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=256, micro_batch=4, steps=2,
                    eval_every=0, eval_batches=1, ckpt_every=0, progress=False, stage=2, timeout_s=60)
-
-
-def _ctx(rank, world):
-    from zerodp.train.loop import RankContext
-
-    return RankContext(rank, world, rank, torch.device("cpu"))
 
 
 def _everything(engine):
@@ -54,16 +48,16 @@ def _load_after_damage(rank, world, root):
 
     from zerodp.train.loop import build_engine, load_into, train
 
-    train(replace(BASE, out=f"{root}/good"), _ctx(rank, world))
+    train(replace(BASE, out=f"{root}/good"), cpu_context(rank, world))
     ck = ckpt.Checkpoint.open(ckpt.find(f"{root}/good"))  # validated: sizes and SHA-256 fine
-    engine, _ = build_engine(BASE, BASE.model_config(256), _ctx(rank, world))
+    engine, _ = build_engine(BASE, BASE.model_config(256), cpu_context(rank, world))
     before = _everything(engine)
     dist.barrier()
     if rank == 0:  # now rank 1's shard disappears, between validation and loading
         (ck.path / ckpt.rank_file(1)).unlink()
     dist.barrier()
     try:
-        load_into(engine, ck, _ctx(rank, world))
+        load_into(engine, ck, cpu_context(rank, world))
         error = None
     except ckpt.CheckpointError as e:
         error = str(e)

@@ -9,9 +9,9 @@ batch of 12 sequences, which must simply finish.
 
 import numpy as np
 import pytest
-import torch
 
 from _engine_common import in_make_fuzz, spawn_once
+from _train_common import cpu_context
 from zerodp.train.config import TrainConfig
 from zerodp.train.data import Sharding, TrainStream, Windows, val_batches
 
@@ -47,12 +47,12 @@ def test_every_rank_gets_the_same_validation_batches_count(world, n_windows):
 
 
 def _run(rank, world, root, data):
-    from zerodp.train.loop import RankContext, train
+    from zerodp.train.loop import train
 
     cfg = TrainConfig(preset="nano", data=data, seq_len=16, global_batch_tokens=192, micro_batch=2,
                       steps=3, eval_every=2, eval_batches=2, ckpt_every=0, progress=False, stage=2,
                       timeout_s=60, out=f"{root}/run")
-    out = train(cfg, RankContext(rank, world, rank, torch.device("cpu")))
+    out = train(cfg, cpu_context(rank, world))
     return out.get("steps") if rank == 0 else True
 
 

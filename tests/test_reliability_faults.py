@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from _engine_common import spawn_once
+from _train_common import cpu_context
 from zerodp.spawn import RankFailure
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
@@ -101,9 +102,9 @@ BASE = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=256, micro_bat
 
 
 def _survivor(rank, world, root):
-    from zerodp.train.loop import RankContext, train
+    from zerodp.train.loop import train
 
-    return train(replace(BASE, out=f"{root}/run"), RankContext(rank, world, rank, torch.device("cpu")))
+    return train(replace(BASE, out=f"{root}/run"), cpu_context(rank, world))
 
 
 def test_the_survivors_of_a_dead_rank_end_by_themselves_and_say_why(tmp_path):

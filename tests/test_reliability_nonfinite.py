@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _engine_common import gpt_batch, make_gpt, spawn_once
+from _train_common import cpu_context
 from zerodp.train.config import TrainConfig
 
 
@@ -140,9 +141,9 @@ def _loop(rank, world, root):
     import os
 
     from zerodp.engine.guard import NonFiniteGradients
-    from zerodp.train.loop import RankContext, train
+    from zerodp.train.loop import train
 
-    ctx = RankContext(rank, world, rank, torch.device("cpu"))
+    ctx = cpu_context(rank, world)
     os.environ["ZERODP_TEST_FAULT"] = "inf:1:2"
     summary = train(replace(BASE, out=f"{root}/run"), ctx)
     os.environ["ZERODP_TEST_FAULT"] = "inf:0:1-4"

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _engine_common import spawn_once
+from _train_common import cpu_context
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.chaos import RUN, Launch, compare, env_with
 from zerodp.train.config import TrainConfig
@@ -38,10 +39,10 @@ STARTUP_S = 120
 def _runs(rank, world, root):
     import sys
 
-    from zerodp.train.loop import RankContext, train
+    from zerodp.train.loop import train
 
     sys.stderr = open(f"{root}/stderr-rank{rank}.txt", "w", buffering=1)  # what this rank says
-    ctx = RankContext(rank, world, rank, torch.device("cpu"))
+    ctx = cpu_context(rank, world)
     got = {}
     for kind, victim, _ in CASES:
         os.environ["ZERODP_TEST_FAULT"] = f"{kind}:{victim}:4"

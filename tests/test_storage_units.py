@@ -13,7 +13,7 @@ import torch
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.hooks import NO_HOOKS, Hooks
 
-from test_train_checkpoint import MODEL, pieces_for, reference_state
+from _train_common import MODEL, pieces_for, reference_state, save_killed
 
 
 class FailAt(Hooks):
@@ -77,16 +77,9 @@ def test_a_save_killed_while_replacing_the_same_step_loses_nothing(tmp_path, pha
     """A resumed run that redoes a saved step saves it again: the complete checkpoint of that step
     is moved aside first. Killed then, the old checkpoint is still found (under its aside name),
     and the next save puts it back."""
-    import multiprocessing as mp
-
-    from test_train_checkpoint import _save_then_die
-
     root = tmp_path / "checkpoints"
     ckpt.save(pieces_for(reference_state(seed=1), 0, 1), root, 3, {"model": MODEL}, keep=2)
-    proc = mp.get_context("spawn").Process(target=_save_then_die, args=(str(root), 3, phase))
-    proc.start()
-    proc.join(120)
-    assert proc.exitcode == 17
+    assert save_killed(root, 3, phase, wait_s=120) == 17
     found = ckpt.find(tmp_path, log=lambda m: None)
     assert ckpt.Checkpoint.open(found).step == 3 and _same(found, seed=1)
     ckpt.save(pieces_for(reference_state(seed=4), 0, 1), root, 4, {"model": MODEL}, keep=2)

@@ -1,12 +1,12 @@
 """Checkpoint files: atomic saves, validation on load, and assembling any range from any ranks' pieces.
 
-These tests exercise the file format with pieces cut here, independently of the engine: the
-full state is concatenated in name order and split into ``world`` contiguous ranges, the way a
-ZeRO flat buffer is (guide §9). End-to-end tests with the engine are in test_train_resume.py.
+These tests exercise the file format with pieces cut by tests/_train_common.py, independently of
+the engine: the full state is concatenated in name order and split into ``world`` contiguous
+ranges, the way a ZeRO flat buffer is (guide §9). End-to-end tests with the engine are in
+test_train_resume.py.
 """
 
 import json
-import multiprocessing as mp
 import shutil
 
 import pytest
@@ -14,34 +14,8 @@ import torch
 
 from zerodp.engine.master import Piece
 from _engine_common import spawn_once
+from _train_common import MODEL, pieces_for, reference_state, save_killed
 from zerodp.train import checkpoint as ckpt
-from zerodp.train.hooks import Hooks
-
-KINDS = ("param", "exp_avg")
-MODEL = {"d_model": 8, "n_layer": 1}
-
-
-def reference_state(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"a.weight": (5, 3), "b.bias": (7,), "c.weight": (2, 2, 3)}
-    return {(n, k): torch.randn(s, generator=g) for n, s in shapes.items() for k in KINDS}
-
-
-def pieces_for(state, rank, world):
-    names = sorted({n for n, _ in state})
-    sizes = {n: state[(n, "param")].numel() for n in names}
-    total = sum(sizes.values())
-    shard = -(-total // world)
-    lo, hi = rank * shard, min(total, (rank + 1) * shard)
-    out, at = [], 0
-    for n in names:
-        a, b = max(lo, at), min(hi, at + sizes[n])
-        if a < b:
-            for k in KINDS:
-                flat = state[(n, k)].reshape(-1)
-                out.append(Piece(n, k, a - at, b - at, tuple(state[(n, k)].shape), flat[a - at:b - at]))
-        at += sizes[n]
-    return out
 
 
 def _save_world(rank, world, root, step):
@@ -116,26 +90,11 @@ def test_world4_pieces_assemble_anywhere_and_bad_files_are_named(tmp_path):
         ck.check_pieces([Piece("b.bias", "param", 0, 8, (8,), torch.zeros(8))])
 
 
-def _save_then_die(root, step, phase):
-    import os
-
-    class DieAt(Hooks):
-        def save_phase(self, step, name):
-            if name == phase:
-                os._exit(17)  # as abrupt as a kill: no cleanup, no exception handlers
-
-    ckpt.save(pieces_for(reference_state(seed=step), 0, 1), root, step, {"model": MODEL},
-              keep=1, hooks=DieAt())
-
-
 @pytest.mark.parametrize("phase", ["files", "manifest", "renamed", "complete"])
 def test_a_save_killed_at_any_point_leaves_the_previous_checkpoint(tmp_path, phase):
     root = tmp_path / "checkpoints"
     ckpt.save(pieces_for(reference_state(seed=1), 0, 1), root, 1, {"model": MODEL}, keep=1)
-    proc = mp.get_context("spawn").Process(target=_save_then_die, args=(str(root), 2, phase))
-    proc.start()
-    proc.join(60)
-    assert proc.exitcode == 17
+    assert save_killed(root, 2, phase, wait_s=60) == 17
     messages = []
     found = ckpt.find(tmp_path, log=messages.append)
     if phase == "complete":  # the new one was complete when it died: it wins, the old is still there

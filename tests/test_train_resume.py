@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _engine_common import ALL_WORLDS, spawn_once
+from _train_common import cpu_context
 from zerodp.train import checkpoint as ckpt
 from zerodp.train.config import TrainConfig
 
@@ -33,20 +34,14 @@ BASE = TrainConfig(preset="nano", seq_len=32, global_batch_tokens=1024, micro_ba
                    eval_every=0, eval_batches=1, ckpt_every=0, progress=False, lr=3e-3, warmup_steps=3)
 
 
-def _ctx(rank, world):
-    from zerodp.train.loop import RankContext
-
-    return RankContext(rank, world, rank, torch.device("cpu"))
-
-
 def _resume_all_stages(rank, world, stages, root):
     from zerodp.train.loop import train
 
     for s in stages:
         cfg = replace(BASE, stage=s)
-        train(replace(cfg, out=f"{root}/straight{s}"), _ctx(rank, world))
-        train(replace(cfg, out=f"{root}/split{s}", stop_after=10), _ctx(rank, world))
-        train(replace(cfg, out=f"{root}/split{s}", resume=f"{root}/split{s}"), _ctx(rank, world))
+        train(replace(cfg, out=f"{root}/straight{s}"), cpu_context(rank, world))
+        train(replace(cfg, out=f"{root}/split{s}", stop_after=10), cpu_context(rank, world))
+        train(replace(cfg, out=f"{root}/split{s}", resume=f"{root}/split{s}"), cpu_context(rank, world))
     return True
 
 
@@ -86,8 +81,8 @@ def _world4(rank, world, root):
     from zerodp.train.loop import train
 
     cfg = replace(BASE, stage=3, steps=RESHARD_STEPS)
-    train(replace(cfg, out=f"{root}/w4"), _ctx(rank, world))  # reference: straight through
-    train(replace(cfg, out=f"{root}/w4split", stop_after=RESHARD_STEPS - 1), _ctx(rank, world))
+    train(replace(cfg, out=f"{root}/w4"), cpu_context(rank, world))  # reference: straight through
+    train(replace(cfg, out=f"{root}/w4split", stop_after=RESHARD_STEPS - 1), cpu_context(rank, world))
     return True
 
 
@@ -96,12 +91,12 @@ def _world2(rank, world, root, x):
 
     ck = ckpt.Checkpoint.open(ckpt.find(f"{root}/w4split"))
     cfg = replace(BASE, stage=1, steps=RESHARD_STEPS)
-    engine, _ = build_engine(cfg, cfg.model_config(256), _ctx(rank, world))
-    load_into(engine, ck, _ctx(rank, world))
+    engine, _ = build_engine(cfg, cfg.model_config(256), cpu_context(rank, world))
+    load_into(engine, ck, cpu_context(rank, world))
     full = engine.full_state_dict()
     with torch.no_grad():
         logits = engine(x)
-    train(replace(cfg, out=f"{root}/w2", resume=f"{root}/w4split"), _ctx(rank, world))
+    train(replace(cfg, out=f"{root}/w2", resume=f"{root}/w4split"), cpu_context(rank, world))
     # numpy, not tensors: run_local's queue would share tensor storage with a process that exits
     return {k: v.numpy() for k, v in full.items()}, logits.numpy()
 
@@ -170,14 +165,14 @@ def _half_apply(rank, world, root):
     from zerodp.train.loop import build_engine, load_into, train
 
     cfg = replace(BASE, stage=2, steps=2, eval_every=0)
-    train(replace(cfg, out=f"{root}/good"), _ctx(rank, world))
+    train(replace(cfg, out=f"{root}/good"), cpu_context(rank, world))
     bad = Path(root) / "bad" / "step_00000002"
     victim = [_drop_a_parameter_only_rank1_holds(ckpt.find(f"{root}/good"), bad) if rank == 0 else None]
     dist.broadcast_object_list(victim, src=0)
-    engine, _ = build_engine(cfg, cfg.model_config(256), _ctx(rank, world))
+    engine, _ = build_engine(cfg, cfg.model_config(256), cpu_context(rank, world))
     before = {k: v.numpy() for k, v in engine.full_state_dict().items()}
     try:
-        load_into(engine, ckpt.Checkpoint.open(bad), _ctx(rank, world))
+        load_into(engine, ckpt.Checkpoint.open(bad), cpu_context(rank, world))
         error = None
     except ckpt.CheckpointError as e:
         error = str(e)
