@@ -112,6 +112,35 @@ class Net(nn.Module):
         return F.mse_loss(self.out(h), y)
 
 
+# ---- optimizers -------------------------------------------------------------------------------
+#: AdamW of the trajectory tests (stages 0-3). lr 1e-3: at 1e-2 the tiny models on random tokens
+#: are so ill-conditioned that merely splitting a batch's sum in two *in one process* moves the
+#: parameters by ~1e-3 relative after 20 Adam steps; at 1e-3 that inherent spread is ~2e-7.
+ADAMW_LR, ADAMW_WD = 1e-3, 0.1
+
+
+def adamw(groups):
+    """torch AdamW at ADAMW_LR with weight decay ADAMW_WD: the engine's optimizer factory in the
+    trajectory tests, and their references' optimizer."""
+    return torch.optim.AdamW(groups, lr=ADAMW_LR, weight_decay=ADAMW_WD)
+
+
+def no_decay_on_norms_and_biases(name, param):
+    """The engine's ``param_groups`` rule of :func:`decay_groups`: no weight decay below 2-D."""
+    return {"weight_decay": 0.0} if param.dim() < 2 else {}
+
+
+def decay_groups(params, weight_decay: float | None = None) -> list[dict]:
+    """nanoGPT's decay / no-decay split of ``params`` (a module's parameters, or a list), as torch
+    param groups: matrices and embeddings decay (at ``weight_decay``, else at the optimizer's own),
+    biases and norms do not."""
+    params = list(params.parameters() if isinstance(params, nn.Module) else params)
+    decay = {"params": [p for p in params if p.dim() >= 2]}
+    if weight_decay is not None:
+        decay["weight_decay"] = weight_decay
+    return [decay, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 class Boom(Exception):
     """Raised inside backward by a tensor hook (anomaly mode, a caught OOM)."""
 

@@ -43,7 +43,8 @@ import torch
 import torch.nn as nn
 
 import zerodp
-from _engine_common import Boom, Counting, Net, same_state, spawn_once, sum_tolerance, trajectory_tolerance
+from _engine_common import (Boom, Counting, Net, decay_groups, same_state, spawn_once, sum_tolerance,
+                            trajectory_tolerance)
 from zerodp.spawn import RankFailure
 
 pytestmark = [pytest.mark.dist, pytest.mark.fuzz]
@@ -228,12 +229,6 @@ def batch_of(b: int, world: int):
     return torch.randn(world * ROWS, 5, generator=g), torch.randn(world * ROWS, 3, generator=g)
 
 
-def adamw_groups(model: nn.Module) -> list[dict]:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-
-
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.05)
@@ -256,9 +251,9 @@ class Run:
         self.dtype, mixed, self.eps_dtype = DTYPES[o.dtype]
         self.model = Shaped(seed, o.output).to(self.dtype)
         self.ref = Shaped(seed, o.output).to(self.dtype)
-        self.ref_opt = make_optimizer(o.optimizer, adamw_groups(self.ref) if o.built else self.ref.parameters())
+        self.ref_opt = make_optimizer(o.optimizer, decay_groups(self.ref, 0.1) if o.built else self.ref.parameters())
         if o.built:
-            optimizer = make_optimizer(o.optimizer, adamw_groups(self.model))
+            optimizer = make_optimizer(o.optimizer, decay_groups(self.model, 0.1))
         else:
             def optimizer(groups, kind=o.optimizer):
                 return make_optimizer(kind, groups)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import Boom, Counting, LARS, Net, spawn_once, trajectory_tolerance
+from _engine_common import Boom, Counting, LARS, Net, decay_groups, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -35,13 +35,6 @@ def batch(step: int):
 
 def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t[rank * ROWS:(rank + 1) * ROWS]
-
-
-def adamw_groups(model: nn.Module) -> list[dict]:
-    """nanoGPT's decay / no-decay split: matrices decay, biases and norms do not."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
 def build(stage: int, factory, seed: int = 0, **options):
@@ -129,10 +122,10 @@ def enabled_grad_scaler_is_refused(rank, stage):
 def built_optimizer_and_lr_by_hand(rank, stage):
     """``configure_optimizers()`` builds AdamW with decay groups before the wrap; LR set by hand."""
     model, ref = Net(), Net()
-    built = torch.optim.AdamW(adamw_groups(model), lr=1e-2, betas=(0.9, 0.95))
+    built = torch.optim.AdamW(decay_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.95))
     engine = zerodp.parallelize(model, optimizer=built, stage=stage, bucket_mb=0.0002, first_bucket_mb=0.0001,
                                 **({} if stage == 3 else {"find_unused_parameters": True}))
-    ref_opt = torch.optim.AdamW(adamw_groups(ref), lr=1e-2, betas=(0.9, 0.95))
+    ref_opt = torch.optim.AdamW(decay_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95))
     opt = engine.optimizer
     if not isinstance(opt, torch.optim.Optimizer) or len(opt.param_groups) != 2:
         return f"engine.optimizer is {type(opt).__name__} with {len(opt.param_groups)} groups"
@@ -157,10 +150,10 @@ def torch_format_state_dict(rank, stage):
     """``optimizer.state_dict()`` is torch's (index-keyed, full tensors) and loads both ways; a
     DDP model's ``module.`` names load too."""
     model, ref = Net(), Net()
-    built = torch.optim.AdamW(adamw_groups(model), lr=1e-2)
+    built = torch.optim.AdamW(decay_groups(model, 0.1), lr=1e-2)
     engine = zerodp.parallelize(model, optimizer=built, stage=stage,
                                 **({} if stage == 3 else {"find_unused_parameters": True}))
-    ref_opt = torch.optim.AdamW(adamw_groups(ref), lr=1e-2)
+    ref_opt = torch.optim.AdamW(decay_groups(ref, 0.1), lr=1e-2)
     for step in range(2):
         engine.optimizer.zero_grad()
         x, y = batch(step)
@@ -183,9 +176,9 @@ def torch_format_state_dict(rank, stage):
             torch.testing.assert_close(got.float(), v.float(), rtol=tol, atol=tol * v.abs().max().item())
     # A plain torch optimizer loads it; and a fresh engine loads torch's (a DDP run's) state.
     plain = Net()
-    torch.optim.AdamW(adamw_groups(plain), lr=1e-2).load_state_dict(mine_sd)
+    torch.optim.AdamW(decay_groups(plain, 0.1), lr=1e-2).load_state_dict(mine_sd)
     model2 = Net(seed=1)
-    engine2 = zerodp.parallelize(model2, optimizer=torch.optim.AdamW(adamw_groups(model2), lr=1e-2), stage=stage,
+    engine2 = zerodp.parallelize(model2, optimizer=torch.optim.AdamW(decay_groups(model2, 0.1), lr=1e-2), stage=stage,
                                  **({} if stage == 3 else {"find_unused_parameters": True}))
     engine2.load_state_dict({f"module.{k}": v for k, v in ref.state_dict().items()})  # as a DDP model saves
     engine2.optimizer.load_state_dict(theirs)

@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt,
-                            make_odd, max_rel, norm_rel, odd_batch, shard, spawn_once, sum_tolerance,
+from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, adamw, gpt_batch,
+                            make_gpt, make_odd, max_rel, norm_rel, odd_batch, shard, spawn_once, sum_tolerance,
                             trajectory_tolerance, worst)
 from zerodp.engine.buckets import MB
 from zerodp.plan.units import plan_buckets
@@ -39,10 +39,6 @@ def batch_terms(world: int, micro: int = 1) -> int:
 
 
 ACCUMULATED_MICRO = 4
-
-
-def adamw(groups):
-    return torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
 
 
 class Branchy(nn.Module):

@@ -22,16 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from _engine_common import ALL_WORLDS, spawn_once
+from _engine_common import ALL_WORLDS, adamw, decay_groups, no_decay_on_norms_and_biases, spawn_once
 from zerodp.train.model import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=37, seq_len=12, n_layer=3, n_head=2, d_model=22, bias=False)
 STEPS = 20
 PER_RANK = 2  # samples per rank per micro-batch
-# lr 1e-3: at 1e-2 this tiny model on random tokens is so ill-conditioned that merely splitting
-# the batch's sum in two *in one process* moves the parameters by ~1e-3 relative after 20 Adam
-# steps; at 1e-3 that inherent spread is ~2e-7, far below the 1e-5 acceptance.
-LR, WD = 1e-3, 0.1
+# The optimizer: _engine_common.adamw (lr 1e-3, the reason there): the inherent spread of this
+# tiny model's trajectory is then ~2e-7, far below the 1e-5 acceptance.
 # fp32 trajectory relative error: N ≤ 4 ranks' gradients summed in another order, 20 steps
 # (_engine_common.trajectory_tolerance(4, 20) ≈ 1.9e-5).
 TRAJ_RTOL = 20 * 2 * 4 * torch.finfo(torch.float32).eps
@@ -54,23 +52,13 @@ def _model(cfg: GPTConfig = CFG, frozen: tuple[str, ...] = (), seed: int = 0) ->
     return m
 
 
-def _no_decay_rule(name, p):
-    return {"weight_decay": 0.0} if p.dim() < 2 else {}
-
-
-def _groups_for_reference(model):
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    other = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay}, {"params": other, "weight_decay": 0.0}]
-
-
 # ---- the independent reference: one process, the whole batch ---------------------------------
 def reference(world: int, steps: int = STEPS, cfg: GPTConfig = CFG, grad_acc: int = 1,
               frozen: tuple[str, ...] = (), groups: bool = False, clip: float | None = None,
               keep_state: dict | None = None):
     m = _model(cfg, frozen)
-    params = _groups_for_reference(m) if groups else [p for p in m.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = adamw(decay_groups(params) if groups else params)
     losses, norms = [], []
     if keep_state is not None:
         keep_state.update(model=m, optimizer=opt)
@@ -168,7 +156,7 @@ def _fsdp2(rank, world, mp_dtype=None, steps=STEPS):
     for block in m.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(m, mesh=mesh, mp_policy=policy)
-    opt = torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=WD)
+    opt = adamw(m.parameters())
 
     class Wrap:  # the _train loop's interface
         def __call__(self, x, y):
@@ -194,9 +182,9 @@ def _engine(model, units=None, groups=False, **options):
     from zerodp.engine.fsdp import FSDPEngine
 
     if groups:
-        options["param_groups"] = _no_decay_rule
+        options["param_groups"] = no_decay_on_norms_and_biases
     config = EngineConfig(stage=3, **options)
-    return FSDPEngine(model, lambda g: torch.optim.AdamW(g, lr=LR, weight_decay=WD), config, units=units)
+    return FSDPEngine(model, adamw, config, units=units)
 
 
 def _scenarios(rank, world, ckpt):

@@ -12,8 +12,9 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import zerodp
-from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, gpt_batch, make_gpt,
-                            max_rel, norm_rel, shard, spawn_once, worst)
+from _engine_common import (ADAMW_LR, ADAMW_WD, ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY,
+                            adamw, decay_groups, gpt_batch, make_gpt, max_rel, no_decay_on_norms_and_biases, norm_rel,
+                            shard, spawn_once, worst)
 from zerodp.engine.config import MixedPrecision
 from zerodp.engine.stats import compare_table, formula_by_kind
 
@@ -36,21 +37,6 @@ def _batch_tol(world: int, micro: int = 1) -> float:
     return sum_tolerance(world * PER_RANK * NANO.seq_len * micro)  # every token of the batch
 STEPS = 20
 BF16_STEPS = 10  # bf16 matmuls are slow on CPU
-LR, WD = 1e-3, 0.1
-
-
-def no_decay_on_norms_and_biases(name, param):
-    return {"weight_decay": 0.0} if param.dim() < 2 else {}
-
-
-def adamw(groups):
-    return torch.optim.AdamW(groups, lr=LR, weight_decay=WD)
-
-
-def _ddp_groups(model):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
 
 
 def _train(step_fn, rank, world, steps=STEPS):
@@ -87,13 +73,13 @@ def _trajectories(rank, world, out):
     follow stage 0 in bf16."""
     ddp_model = make_gpt(**TRAJECTORY)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
-    ddp_losses = _train(_torch_step(ddp, adamw(_ddp_groups(ddp_model))), rank, world)
+    ddp_losses = _train(_torch_step(ddp, adamw(decay_groups(ddp_model))), rank, world)
     ddp_state = dict(ddp_model.named_parameters())
 
     zro_model = make_gpt(**TRAJECTORY)
     zro_ddp = torch.nn.parallel.DistributedDataParallel(zro_model)
-    zro = ZeroRedundancyOptimizer(_ddp_groups(zro_model), optimizer_class=torch.optim.AdamW, lr=LR,
-                                  weight_decay=WD)
+    zro = ZeroRedundancyOptimizer(decay_groups(zro_model), optimizer_class=torch.optim.AdamW,
+                                  lr=ADAMW_LR, weight_decay=ADAMW_WD)
     zro_losses = _train(_torch_step(zro_ddp, zro), rank, world)
     zro_state = dict(zro_model.named_parameters())
 

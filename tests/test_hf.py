@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
-from _engine_common import spawn_once, trajectory_tolerance  # noqa: E402
+from _engine_common import decay_groups, spawn_once, trajectory_tolerance  # noqa: E402
 from zerodp.engine.hf import (HFCheckpointError, INDEX_FILE, load_hf_state_dict, open_hf,  # noqa: E402
                               save_hf, shard_file_name)
 
@@ -154,10 +154,7 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.
     model = ex.build_model(args)
     model.train()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(decay_groups(model), lr=args.lr, weight_decay=args.weight_decay)
     from zerodp.train.data import Windows, load_corpus
 
     corpus = load_corpus()

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import zerodp
-from _engine_common import (NANO, PER_RANK, TRAJECTORY, gpt_batch, make_gpt, norm_rel, shard, spawn_once,
-                            trajectory_tolerance)
+from _engine_common import (NANO, PER_RANK, TRAJECTORY, decay_groups, gpt_batch, make_gpt, no_decay_on_norms_and_biases,
+                            norm_rel, shard, spawn_once, trajectory_tolerance)
 
 STAGES = (0, 1, 2, 3)
 PRECISIONS = (None, "bf16")
@@ -29,10 +29,6 @@ FROZEN_NAME = "pos_emb.weight"
 
 def adamw(groups):
     return torch.optim.AdamW(groups, lr=LR, weight_decay=WD)
-
-
-def no_decay_on_norms_and_biases(name, param):
-    return {"weight_decay": 0.0} if param.dim() < 2 else {}
 
 
 def plain_model(seed: int, tied: bool = False, calib: float = 0.0, **overrides) -> torch.nn.Module:
@@ -254,9 +250,7 @@ def results(tmp_path_factory):
 def _reference(steps_w2: int, steps_w3: int):
     """torch AdamW on the whole model and the whole batch of every step (no data parallelism)."""
     model = make_gpt(0, **TRAJECTORY)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(decay_groups(model), lr=LR, weight_decay=WD)
     schedule = [(s, 2) for s in range(steps_w2)] + [(s, 3) for s in range(steps_w2, steps_w2 + steps_w3)]
     for step, world in schedule:
         x, y = gpt_batch(step, world)
