@@ -418,7 +418,7 @@ def scheduler_built_before_parallelize_moves_the_engines_lr(rank, stage):
         train_both(engine, engine.optimizer, ref, ref_opt, rank, [step])
         sched.step()
         ref_sched.step()
-    lrs = [g["lr"] for g in engine.master.optimizer.param_groups]
+    lrs = [g["lr"] for g in engine.optimizer.param_groups]  # what the next step uses (the trajectory checks it)
     if lrs != [0.1 * 0.5 ** 3] * len(lrs):
         return f"the engine's learning rates {lrs}, the scheduler's {0.1 * 0.5 ** 3}"
     return distance(engine, ref, 3)

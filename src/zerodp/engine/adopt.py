@@ -77,7 +77,6 @@ class Adoption:
                     "an optimizer: the engine trains its fp32 master, so step engine.optimizer instead (or pass this "
                     "optimizer to parallelize and build none before)")
             self.adopt(engine, optimizer)
-        _copy_options(optimizer.param_groups, engine.master.optimizer.param_groups)  # an LR set by a scheduler
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if closure is not None:
             with torch.enable_grad():
@@ -88,18 +87,30 @@ class Adoption:
             g[_PARAMS] = []
         return (args[0],), {}
 
+    def options_in(self, engine) -> None:
+        """Before the engine's step: the taken optimizer's options (an LR set by a scheduler) → the master."""
+        if self.adopted is not None:
+            _copy_options(self.adopted.param_groups, engine.master.optimizer.param_groups)
+
+    def options_out(self, engine) -> None:
+        """After it: what the step moved in the master's groups (a per-group step counter) → the taken optimizer."""
+        if self.adopted is not None:
+            _copy_options(engine.master.optimizer.param_groups, self.adopted.param_groups)
+
     def take_given(self, engine) -> None:
         """The one optimizer given to ``parallelize``, rebuilt over the master at construction,
         becomes the engine's as an adopted one does (:meth:`adopt`, without a second rebuild): its
-        ``step()`` is ``engine.step()``, state it loaded before the wrap (a resume) goes in with it,
-        and its ``param_groups`` are the master's own list — a scheduler built on it, before or
-        after the wrap, moves the engine's learning rate. (Several given as a list were rebuilt as
-        one and refuse their own ``step()``.)"""
+        ``step()`` is ``engine.step()``, state it loaded before the wrap (a resume) goes in with it.
+        Its ``param_groups`` keep the module's parameters — whose ``.grad`` is the reduced gradient
+        (a :class:`~zerodp.engine.grads.ShardedGrad` at sharded stages), so that clipping over
+        ``optimizer.param_groups`` clips as over ``model.parameters()`` — and their options go to the
+        master before each step and come back after it: a scheduler built on it, before or after the
+        wrap, moves the engine's learning rate. (Several given as a list were rebuilt as one and
+        refuse their own ``step()``.)"""
         if len(self._given_list) != 1:
             return
         optimizer = self._given_list.pop()
         self._route(engine, optimizer, _take_state(optimizer))
-        optimizer.param_groups = engine.master.optimizer.param_groups
 
     def adopt(self, engine, optimizer: torch.optim.Optimizer) -> None:
         """Rebuild ``optimizer`` over the engine's master and route its calls to the engine."""
@@ -115,14 +126,10 @@ class Adoption:
         ref = weakref.ref(engine)
 
         def state_dict() -> dict:
-            eng = ref()
-            _copy_options(optimizer.param_groups, eng.master.optimizer.param_groups)
-            return eng.optimizer.state_dict()
+            return ref().optimizer.state_dict()
 
         def load_state_dict(state: dict) -> None:
-            eng = ref()
-            eng.optimizer.load_state_dict(state)
-            _copy_options(eng.master.optimizer.param_groups, optimizer.param_groups)
+            ref().optimizer.load_state_dict(state)
 
         def add_param_group(group: dict) -> None:
             raise RuntimeError(

@@ -445,6 +445,7 @@ class StageEngine(nn.Module):
                                "lr=...) to parallelize, or build one over model.parameters() and call its step()")
         self.machine.reconcile_grads()
         self._take_module_values(fold=True)
+        self.adoption.options_in(self)
         with self.recorder.span("step", COMPUTE):
             self.machine.finish_grad_sync()
             # Collective where parameters may go unused: a dropped gradient's used-flag was reset, so
@@ -459,6 +460,7 @@ class StageEngine(nn.Module):
             if not self.config.overlap_param_gather:
                 self.machine.wait_params()  # step() returns with the model's parameters up to date
         self.machine.move(StepState.STEPPED)
+        self.adoption.options_out(self)
         self.machine.attach_sharded_grads()  # gradients stay on the parameters until zero_grad, as torch's
         self.last_comm_peak, self.machine.comm_peak = self.machine.comm_peak, 0
         self.machine.tokens = 0.0
@@ -561,11 +563,13 @@ class StageEngine(nn.Module):
     def optimizer_state_dict(self, **options) -> dict:
         """Collective: the optimizer's state keyed by parameter name, in the shape
         ``torch.optim.Optimizer.state_dict()`` uses."""
+        self.adoption.options_in(self)
         return optimizer_state_dict(self, **options)
 
     def load_optimizer_state_dict(self, state: dict, **options) -> None:
         """Collective: load an :meth:`optimizer_state_dict` saved at any stage and world size."""
-        return load_optimizer_state_dict(self, state, **options)
+        load_optimizer_state_dict(self, state, **options)
+        self.adoption.options_out(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every parameter whole, as fp32 (the master), and every persistent buffer."""

@@ -27,7 +27,7 @@ from zerodp.engine.exchange import OwnerExchange
 from zerodp.engine.layout import FlatLayout
 from zerodp.engine.optim import UserGroups, from_built
 from zerodp.engine.master import (FLAT, OWNER, MasterOptimizer, Target, choose_layout, group_state_kinds, param_targets,
-                                  probe_factory, state_cost, whole_groups, whole_targets)
+                                  check_reads_alone, probe_factory, state_cost, whole_groups, whole_targets)
 from zerodp.plan.units import OwnerLedger, plan_buckets
 
 #: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
@@ -136,6 +136,8 @@ class Construction:
             if isinstance(probe, torch.optim.Optimizer):
                 config = self.engine.config
                 got = choose_layout(probe, config.elementwise_optimizer, config.optimizer_layout)
+                if self.engine.policy.shard_master:
+                    check_reads_alone(probe)
                 whole = whole_groups(probe, got, self.engine.config.optimizer_layout)
                 kinds = group_state_kinds(probe)
             self._placement, self._whole_groups, self._state_kinds = got, whole, kinds

@@ -409,6 +409,31 @@ class GradBuffers:
             buf[a:b].copy_(flat[a + base - slot.offset:b + base - slot.offset])
 
     @torch.no_grad()
+    def add_own(self, own: list[tuple[int, torch.Tensor]]) -> None:
+        """This rank's own gradients for some trainable parameters (index ``j``, the whole tensor),
+        assigned by the script where no backward put one: added to the local gradients the next
+        reduction averages, as a ``no_sync`` backward's would be (``LOCAL``, or ``REDUCED_LOCAL``
+        after a reduction — the reduction is linear, so it adds their mean to what is reduced)."""
+        for j, grad in own:
+            slot = self.layout.slots[self.trainable[j]]
+            if tuple(grad.shape) != tuple(slot.shape):
+                raise RuntimeError(f"{slot.name}.grad was assigned a tensor of shape {tuple(grad.shape)}; the "
+                                   f"parameter's shape is {tuple(slot.shape)}")
+        kept = self.has_local or (self.policy.full_grads and self.state is not GradState.NONE)
+        self._ensure_storage()
+        target = self.acc_full if self.acc_full is not None else self.grad_full
+        views = self._views(target)
+        if not kept:
+            for view in views:
+                view.zero_()
+        for j, grad in own:
+            views[j].add_(grad.detach().to(target.dtype).reshape(views[j].shape))
+        self._move(GradState.REDUCED_LOCAL if self.state in (GradState.REDUCED, GradState.REDUCED_LOCAL)
+                   else GradState.LOCAL)
+        for j, i in enumerate(self.trainable):
+            self.params[i].grad = self.held_grad(j)
+
+    @torch.no_grad()
     def scale(self, coef: torch.Tensor) -> None:
         """Clip (guide §12.5): scale what the master reads and, where full gradients stay at rest,
         the local sums the next reduction overwrites the shard with — so that micro-batches

@@ -29,6 +29,8 @@ loads at any other.
 
 from __future__ import annotations
 
+import copy
+
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -184,6 +186,42 @@ def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool = False,
     for member in members(optimizer):
         if not (declared or type(member) in known_ok):
             _refuse_not_elementwise(member)
+
+
+def check_reads_alone(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, in one line, an optimizer whose update of one tensor reads another tensor's gradient
+    (a global gradient-norm clip inside ``step()``, a trust ratio over all parameters: LAMB's and
+    LARS's global forms). At stages 1-3 each rank steps only its shards or owned tensors (guide
+    §9.1, §12.3), so such a step would see a partial norm and be quietly wrong.
+
+    Learned, not guessed, for every member that is not one of torch's own classes: the optimizer
+    built over the stand-ins (:func:`probe_factory`) is stepped twice from the same state, the
+    first tensor's gradient the same both times and every other gradient 10⁶ times larger the
+    second time; an update that reads each tensor alone moves the first tensor identically."""
+    for member in members(optimizer):
+        if type(member).__module__.startswith("torch.optim"):
+            continue
+        params = [p for g in member.param_groups for p in g["params"]]
+        if len(params) < 2:
+            continue
+        saved, first = copy.deepcopy(member.state_dict()), []
+        for other in (1e-3, 1e3):
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    p.fill_(0.5 + 0.25 * (i == 0))
+                    p.grad = torch.full_like(p, 0.1 if i == 0 else other)
+            member.step()
+            first.append(params[0].detach().clone())
+            member.load_state_dict(saved)
+        for p in params:
+            p.grad = None
+        if not torch.equal(first[0], first[1]):
+            raise ValueError(
+                f"{type(member).__name__}'s step() reads across tensors (its update of one tensor changes with another "
+                "tensor's gradient: a global gradient-norm clip or a trust ratio over all parameters), which stages "
+                "1-3 cannot give it exactly — each rank steps only its shard of the model: use stage=0, or the "
+                "optimizer's per-tensor form with engine.clip_grad_norm_(max_norm) for the global clip (e.g. timm's "
+                "Lamb(max_grad_norm=None))")
 
 
 def _refuse_not_elementwise(optimizer: torch.optim.Optimizer) -> None:

@@ -198,7 +198,10 @@ class EngineOptimizer(torch.optim.Optimizer):
     # ---- what torch's helpers (schedulers, GradScaler) read -------------------------------
     @property
     def param_groups(self) -> list[dict]:
-        return self._stock.param_groups
+        """The optimizer the engine took over's own groups when there is one (the script's, over the
+        module's parameters: :mod:`zerodp.engine.adopt`), else the master's: one place an LR is set."""
+        taken = self._engine.adoption.adopted
+        return self._stock.param_groups if taken is None else taken.param_groups
 
     @property
     def defaults(self) -> dict:

@@ -289,8 +289,7 @@ class StepMachine:
         for g in self.engine.groups:
             g.take_rebound()  # a rebound p.data (of another dtype too) before .grad is set
         for g, index in zip(self.engine.groups, self.engine._used_index):
-            if g.grads.state is GradState.NONE:
-                continue
+            own = []  # gradients the script assigned where no backward put one (after torch.autograd.grad)
             for j, i in enumerate(g.trainable):
                 p = g.params[i]
                 entry = attached.get(id(p))
@@ -299,7 +298,10 @@ class StepMachine:
                     seen, p.grad = p.grad, entry[0]
                 else:
                     seen = p.grad
-                if expected is None or seen is expected:
+                if seen is not None and seen is not expected and not self.step_used[index[j]]:
+                    own.append((j, seen))
+                    continue
+                if g.grads.state is GradState.NONE or expected is None or seen is expected:
                     continue
                 if seen is None:
                     g.grads.drop(j)
@@ -310,8 +312,26 @@ class StepMachine:
                     self.dropped.discard(g.names[i])
                     if entry is None and expected is not None:
                         p.grad = expected
-            if all(n in self.dropped for n in (g.names[i] for i in g.trainable)):
+            if own:
+                self.take_own(g, index, own)
+            elif all(n in self.dropped for n in (g.names[i] for i in g.trainable)):
                 g.grads.zero(set_to_none=True)  # model.zero_grad(): as engine.zero_grad() for this group
+
+    def take_own(self, g: FlatGroup, index: list[int], own: list[tuple[int, torch.Tensor]]) -> None:
+        """``p.grad = t`` on a parameter no backward gave a gradient since ``zero_grad`` (the script
+        ran ``torch.autograd.grad`` and assigned the result): ``t`` is this rank's own gradient, as a
+        backward's would be, so it goes into the local gradients and the step averages it over the
+        ranks (guide §2: the data-parallel mean). Trainable parameters assigned nothing stay
+        without a gradient (torch does not step them)."""
+        assigned = {j for j, _ in own}
+        if g.grads.state in (GradState.NONE, GradState.ZEROS):
+            for j, i in enumerate(g.trainable):
+                if j not in assigned and not self.step_used[index[j]]:
+                    self.dropped.add(g.names[i])
+        g.grads.add_own(own)
+        for j, _ in own:
+            self.step_used[index[j]] = True
+            self.dropped.discard(g.names[g.trainable[j]])
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {}
