@@ -47,17 +47,8 @@ def _train(step_fn, rank, world, steps=STEPS):
     return losses
 
 
-def _engine_step(engine):
-    def step(x, y):
-        loss = engine(x, y)
-        loss.backward()
-        engine.step()
-        engine.zero_grad()
-        return loss.item()
-    return step
-
-
-def _torch_step(model, opt):
+def _stepper(model, opt):
+    """One training step of ``model`` with ``opt`` (an engine is both: ``_stepper(engine, engine)``)."""
     def step(x, y):
         loss = model(x, y)
         loss.backward()
@@ -73,20 +64,20 @@ def _trajectories(rank, world, out):
     follow stage 0 in bf16."""
     ddp_model = make_gpt(**TRAJECTORY)
     ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
-    ddp_losses = _train(_torch_step(ddp, adamw(decay_groups(ddp_model))), rank, world)
+    ddp_losses = _train(_stepper(ddp, adamw(decay_groups(ddp_model))), rank, world)
     ddp_state = dict(ddp_model.named_parameters())
 
     zro_model = make_gpt(**TRAJECTORY)
     zro_ddp = torch.nn.parallel.DistributedDataParallel(zro_model)
     zro = ZeroRedundancyOptimizer(decay_groups(zro_model), optimizer_class=torch.optim.AdamW,
                                   lr=ADAMW_LR, weight_decay=ADAMW_WD)
-    zro_losses = _train(_torch_step(zro_ddp, zro), rank, world)
+    zro_losses = _train(_stepper(zro_ddp, zro), rank, world)
     zro_state = dict(zro_model.named_parameters())
 
     for stage in (1, 2):
         engine = zerodp.parallelize(make_gpt(**TRAJECTORY), adamw, stage=stage,
                                     param_groups=no_decay_on_norms_and_biases, **FEW_BUCKETS)
-        losses = _train(_engine_step(engine), rank, world)
+        losses = _train(_stepper(engine, engine), rank, world)
         full = engine.full_state_dict()
         out[f"traj{stage}/loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ddp_losses))
         out[f"traj{stage}/param_err"] = worst({n: norm_rel(full[n], p) for n, p in ddp_state.items()})
@@ -102,7 +93,7 @@ def _trajectories(rank, world, out):
     for stage in (0, 1, 2):
         engine = zerodp.parallelize(make_gpt(**TRAJECTORY), adamw, stage=stage, mixed_precision="bf16",
                                     **FEW_BUCKETS)
-        bf16[stage] = (_train(_engine_step(engine), rank, world, BF16_STEPS), engine.full_state_dict())
+        bf16[stage] = (_train(_stepper(engine, engine), rank, world, BF16_STEPS), engine.full_state_dict())
     for stage in (1, 2):
         out[f"bf16_{stage}/loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(bf16[stage][0], bf16[0][0]))
         out[f"bf16_{stage}/param_err"] = worst({n: norm_rel(t, bf16[0][1][n]) for n, t in bf16[stage][1].items()})
@@ -183,7 +174,7 @@ def _checkpoint_across_stages(rank, world, out):
     import torch.distributed as dist
 
     src = zerodp.parallelize(make_gpt(**TRAJECTORY), adamw, stage=1, **FEW_BUCKETS)
-    _train(_engine_step(src), rank, world, steps=3)
+    _train(_stepper(src, src), rank, world, steps=3)
     mine = [(p.name, p.kind, p.start, p.stop, p.tensor.numpy().copy()) for p in src.checkpoint.state_pieces()]
     every: list = [None] * world
     dist.all_gather_object(every, mine)
@@ -201,7 +192,7 @@ def _checkpoint_across_stages(rank, world, out):
     before = src.full_state_dict()
     out["ckpt/loaded_err"] = worst({n: max_rel(t, before[n]) for n, t in dst.full_state_dict().items()})
     x, y = gpt_batch(99, world)
-    losses = [_engine_step(e)(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)) for e in (src, dst)]
+    losses = [_stepper(e, e)(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK)) for e in (src, dst)]
     after = src.full_state_dict()
     out["ckpt/continued_loss_err"] = abs(losses[0] - losses[1]) / abs(losses[0])
     out["ckpt/continued_param_err"] = worst({n: norm_rel(t, after[n]) for n, t in dst.full_state_dict().items()})

@@ -154,7 +154,9 @@ def optimizers_for(model: nn.Module, optimizer: "Optimizer | str" = Optimizer.AD
         [torch.optim.AdamW(rest, lr=LR)] if rest else [])
 
 
-def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool):
+def _plain_step(model: nn.Module, opt, set_to_none: bool):
+    """A contender's step: forward and backward through ``model``, then ``opt.step()`` and
+    ``opt.zero_grad(set_to_none=...)`` (a torch optimizer, or the engine, its own optimizer)."""
     def step(x, y, on_backward=None):
         loss = model(x, y)
         loss.backward()
@@ -208,15 +210,7 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
         engine = zerodp.parallelize(model, optimizer=optimizers_for(model, optimizer) if muon else opt_factory,
                                     stage=stage,
                                     **({} if stage == 3 else {"bucket_mb": bucket_mb, **auto}), **extra)
-
-        def step(x, y, on_backward=None):
-            loss = engine(x, y)
-            loss.backward()
-            if on_backward is not None:
-                on_backward()
-            engine.step()
-            engine.zero_grad()
-            return loss.detach()
+        step = _plain_step(engine, engine, True)  # the engine is its own optimizer (zero_grad sets to None)
         options = {} if stage == 3 else {"bucket_mb": engine.config.bucket_mb, "bucket_auto": engine.bucket_auto}
         options.update(extra)
         return Contender(name, stage, role, label, step, lambda: engine.stats().model_state_bytes,

@@ -16,6 +16,47 @@ def _mib(v) -> str:
     return "n/a" if v is None else f"{v / MIB:.1f}"
 
 
+def _cell(v, fmt: str, width: int) -> str:
+    """``v`` right-aligned in ``width`` columns as ``fmt`` says, or blanks where there is none."""
+    return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+
+
+def _mib_cell(v, width: int, fmt: str = ".2f") -> str:
+    """Bytes as MiB (to two places unless ``fmt`` says otherwise) in ``width`` columns, or blanks."""
+    return _cell(None if v is None else v / MIB, fmt, width)
+
+
+def _peak(spec) -> str:
+    """The peak-memory column: the GPU's under CUDA, else the process's resident set."""
+    return "peak GPU MiB" if spec.device is Device.CUDA else "peak RSS MiB"
+
+
+def _head(width: int) -> str:
+    """The first columns of the per-row tables' header (muon, compressed, compiled)."""
+    return f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<{width}}{'median ms':>10}"
+
+
+def _start(r, width: int) -> str:
+    """The first columns of one of their rows: regime, tokens per rank, stage, label, median ms."""
+    stage = "-" if r.stage is None else str(r.stage)
+    return f"{r.regime:<8}{r.tokens_per_rank:>9}{stage:>6}  {r.label:<{width}}{r.ms:>10.1f}"
+
+
+def _timed(rows, least_width: int, peak: str, head: str, cells) -> list[str]:
+    """The header and rows of a table whose median is followed by its quartiles and the peak memory
+    (muon, compiled): ``head`` the further columns' header, ``cells(r)`` a row's further cells."""
+    width = max(least_width, *(len(r.label) + 1 for r in rows))
+    return [f"{_head(width)}{'IQR ms':>16}{peak:>13}{head}"] + [
+        f"{_start(r, width)}{'' if r.q1_ms is None else f'{r.q1_ms:.1f}-{r.q3_ms:.1f}':>16}"
+        f"{_mib(r.peak_rss_bytes):>13}{cells(r)}" for r in rows]
+
+
+def _memory_words(spec) -> str:
+    """How the peak memory was read (``--memory``)."""
+    return (f"built and stepped {spec.memory_steps} times alone in a fresh group" if spec.memory.value == "fresh"
+            else "over the build and first step, in the timing group")
+
+
 def contenders_table(result: BenchResult) -> str:
     """Every contender of every regime: median, overhead, memory, bytes, prediction."""
     spec = result.spec
@@ -26,7 +67,7 @@ def contenders_table(result: BenchResult) -> str:
              "times: median of the per-step max over ranks; memory, states, sent: rank 0"
              + ("; peak RSS with glibc's mmap threshold fixed at 128 KiB (--malloc mmap)"
                 if spec.malloc is Malloc.MMAP else "")]
-    peak = "peak GPU MiB" if spec.device is Device.CUDA else "peak RSS MiB"
+    peak = _peak(spec)
     width = max([38] + [len(display_label(c)) + 1 for rr in result.regimes for c in rr.contenders.values()])
     head = (f"{'stage':>5}  {'contender':<{width}}{'median ms':>10}{'/floor':>8}{peak:>13}"
             f"{'states MiB':>11}{'sent MiB/step':>14}{'trace MiB/step':>15}")
@@ -67,23 +108,12 @@ def muon_table(result: BenchResult) -> str:
     if not rows:
         return ""
     spec = result.spec
-    peak = "peak GPU MiB" if spec.device is Device.CUDA else "peak RSS MiB"
-    width = max(38, *(len(r.label) + 1 for r in rows))
-    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<{width}}{'median ms':>10}{'IQR ms':>16}"
-             f"{peak:>13}{'opt-state MiB':>14}{'DDP/ours':>9}{'sent MiB/step':>14}{'ours/DDP':>9}{'last loss':>11}"]
-
-    def f(v, fmt, width):
-        return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
-    for r in rows:
-        iqr = "" if r.q1_ms is None else f"{r.q1_ms:.1f}-{r.q3_ms:.1f}"
-        stage = "-" if r.stage is None else str(r.stage)
-        state = None if r.optimizer_state_bytes is None else r.optimizer_state_bytes / MIB
-        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{stage:>6}  {r.label:<{width}}{r.ms:>10.1f}{iqr:>16}"
-                     f"{_mib(r.peak_rss_bytes):>13}{f(state, '.3f', 14)}"
-                     f"{f(r.state_less, '.2f', 9)}{f(None if r.sent_bytes is None else r.sent_bytes / MIB, '.2f', 14)}"
-                     f"{f(r.sent_vs_peer, '.3f', 9)}{r.last_loss:>11.6f}")
-    memory = (f"built and stepped {spec.memory_steps} times alone in a fresh group" if spec.memory.value == "fresh"
-              else "over the build and first step, in the timing group")
+    peak = _peak(spec)
+    lines = _timed(rows, 38, peak, f"{'opt-state MiB':>14}{'DDP/ours':>9}{'sent MiB/step':>14}{'ours/DDP':>9}"
+                                   f"{'last loss':>11}",
+                   lambda r: (f"{_mib_cell(r.optimizer_state_bytes, 14, '.3f')}{_cell(r.state_less, '.2f', 9)}"
+                              f"{_mib_cell(r.sent_bytes, 14)}{_cell(r.sent_vs_peer, '.3f', 9)}{r.last_loss:>11.6f}"))
+    memory = _memory_words(spec)
     lines.append(f"Muon (lr 0.02) on the transformer blocks' 2-D weights, AdamW (lr 3e-4) on the rest, every row; "
                  f"median and IQR (quartiles) of the timed steps, each the max over ranks; {peak} on rank 0, {memory}; "
                  "opt-state: rank 0's optimizer state (every tensor in it, step counters included), counted after "
@@ -99,19 +129,14 @@ def compressed_table(result: BenchResult) -> str:
     rows = compressed_rows(result)
     if not rows:
         return ""
-    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<40}{'median ms':>10}{'×floor':>8}"
+    lines = [f"{_head(40)}{'×floor':>8}"
              f"{'×ours':>7}{'peak RSS MiB':>13}{'intra MiB':>10}{'inter MiB':>10}{'×fp32 bytes':>12}"
              f"{'planner ×':>10}{'predicted ms':>13}{'error':>7}"]
-
-    def f(v, fmt, width):
-        return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
     for r in rows:
-        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{r.stage:>6}  {r.label:<40}{r.ms:>10.1f}"
-                     f"{f(r.over_floor, '.2f', 8)}{r.vs_plain:>7.2f}"
-                     f"{_mib(r.peak_rss_bytes):>13}{f(None if r.wire_intra is None else r.wire_intra / MIB, '.2f', 10)}"
-                     f"{f(None if r.wire_inter is None else r.wire_inter / MIB, '.2f', 10)}"
-                     f"{f(r.bytes_vs_plain, '.3f', 12)}{f(r.planner_vs_plain, '.3f', 10)}"
-                     f"{f(r.predicted_ms, '.1f', 13)}"
+        lines.append(f"{_start(r, 40)}{_cell(r.over_floor, '.2f', 8)}{r.vs_plain:>7.2f}"
+                     f"{_mib(r.peak_rss_bytes):>13}{_mib_cell(r.wire_intra, 10)}{_mib_cell(r.wire_inter, 10)}"
+                     f"{_cell(r.bytes_vs_plain, '.3f', 12)}{_cell(r.planner_vs_plain, '.3f', 10)}"
+                     f"{_cell(r.predicted_ms, '.1f', 13)}"
                      f"{'' if r.predicted_error is None else f'{r.predicted_error * 100:+.0f}%':>7}")
     lines.append("×ours: median / zerodp's uncompressed flat row of the same stage; ×fp32 bytes: traced bytes "
                  "sent per rank per step / that row's; planner ×: the same ratio from zerodp.plan.hybrid")
@@ -125,21 +150,12 @@ def compiled_table(result: BenchResult) -> str:
     if not rows:
         return ""
     spec = result.spec
-    peak = "peak GPU MiB" if spec.device is Device.CUDA else "peak RSS MiB"
-    width = max(40, *(len(r.label) + 1 for r in rows))
-    lines = [f"{'regime':<8}{'tok/rank':>9}{'stage':>6}  {'contender':<{width}}{'median ms':>10}{'IQR ms':>16}"
-             f"{peak:>13}{'first step s':>13}{'timed compiles':>15}{'compiled/eager':>15}{'ours/peer':>10}"]
-
-    def f(v, fmt, width):
-        return f"{'':>{width}}" if v is None else f"{v:>{width}{fmt}}"
-    for r in rows:
-        iqr = "" if r.q1_ms is None else f"{r.q1_ms:.1f}-{r.q3_ms:.1f}"
-        lines.append(f"{r.regime:<8}{r.tokens_per_rank:>9}{r.stage:>6}  {r.label:<{width}}{r.ms:>10.1f}{iqr:>16}"
-                     f"{_mib(r.peak_rss_bytes):>13}{f(r.first_step_s, '.1f', 13)}"
-                     f"{f(r.timed_compiles if r.compiled else None, 'd', 15)}{f(r.vs_eager, '.3f', 15)}"
-                     f"{f(r.ours_vs_peer, '.3f', 10)}")
-    memory = (f"built and stepped {spec.memory_steps} times alone in a fresh group" if spec.memory.value == "fresh"
-              else "over the build and first step, in the timing group")
+    peak = _peak(spec)
+    lines = _timed(rows, 40, peak, f"{'first step s':>13}{'timed compiles':>15}{'compiled/eager':>15}{'ours/peer':>10}",
+                   lambda r: (f"{_cell(r.first_step_s, '.1f', 13)}"
+                              f"{_cell(r.timed_compiles if r.compiled else None, 'd', 15)}"
+                              f"{_cell(r.vs_eager, '.3f', 15)}{_cell(r.ours_vs_peer, '.3f', 10)}"))
+    memory = _memory_words(spec)
     lines.append(f"median and IQR (quartiles) of the timed steps, each the max over ranks; warm-up excluded: the "
                  f"first step (where a compiled model compiles; 'first step s', max over ranks), {spec.warmup - 1} "
                  f"more warm-up round(s) and the first step of every turn of {spec.turn} are not timed; timed "
