@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 
 import torch
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 import zerodp
 from zerodp.engine.hf import load_hf, save_hf
 from zerodp.train.data import Windows, load_corpus
+from porting_ddp import setup  # the process group as this folder's DDP example sets it up
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_CONFIG = os.path.join(HERE, "configs", "tiny-llama")
@@ -182,16 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     own_group = not dist.is_initialized()
     if own_group:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        setup()  # torchrun's process group (NCCL on CUDA, else gloo), or a single process without torchrun
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         result = train(args, rank, world, _device(str(dist.get_backend())))
