@@ -212,6 +212,23 @@ def same_state(a, b) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
+def run_checks(rank: int, checks, stages=(0, 1, 2, 3), runs=None) -> dict:
+    """Each ``check(rank, stage)`` at each stage (where ``runs(check, stage)``, if given), with
+    deterministic algorithms: {(check's name, stage): what it returned (None: as the reference), or
+    what it raised, in words} — a check that raises is reported and the group goes on."""
+    torch.use_deterministic_algorithms(True)
+    out = {}
+    for stage in stages:
+        for check in checks:
+            if runs is not None and not runs(check, stage):
+                continue
+            try:
+                out[(check.__name__, stage)] = check(rank, stage)
+            except Exception as e:  # noqa: BLE001 - reported per check, the group goes on
+                out[(check.__name__, stage)] = f"raised {type(e).__name__}: {e}"
+    return out
+
+
 # ---- groups of ranks, spawned once ---------------------------------------------------------------
 # A spawned group costs seconds, so a test file runs its checks in one group and its tests read the
 # results. spawn_once is the one way a test starts ranks: the group runs at the first call (in a

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import Boom, Counting, LARS, Net, decay_groups, spawn_once, trajectory_tolerance
+from _engine_common import Boom, Counting, LARS, Net, decay_groups, run_checks, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -538,16 +538,7 @@ def _runs(check, stage: int) -> bool:
 
 
 def _all_checks(rank, world):
-    torch.use_deterministic_algorithms(True)
-    out = {}
-    for stage in STAGES:
-        for check in CHECKS:
-            if not _runs(check, stage):
-                continue
-            try:
-                out[(check.__name__, stage)] = check(rank, stage)
-            except Exception as e:  # noqa: BLE001 - reported per check, the group goes on
-                out[(check.__name__, stage)] = f"raised {type(e).__name__}: {e}"
+    out = run_checks(rank, CHECKS, STAGES, _runs)
     out["peaks"] = _peak_gathered_units(rank, world)
     return out
 

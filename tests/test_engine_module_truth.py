@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import spawn_once, trajectory_tolerance
+from _engine_common import run_checks, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -123,18 +123,22 @@ def one_line(e: BaseException, *words: str) -> str | None:
     return None
 
 
-def train(model, engine, ref, rank, steps=STEPS, lr=0.1, between=None, dtype=torch.float32, opt=None):
+def train(model, engine, ref, rank, steps=STEPS, lr=0.1, between=None, dtype=torch.float32, opt=None,
+          zero_grad=True):
     """``steps`` steps of the engine and of the reference (SGD with momentum, unless ``opt`` is a
-    stock optimizer over the reference), calling ``between(step, target)`` on both after each."""
+    stock optimizer over the reference), calling ``between(step, target)`` on both after each;
+    ``zero_grad=False``: neither optimizer's zero_grad is called (``between`` does what it does)."""
     ref_opt = opt or torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
     for step in range(steps):
         x, y = batch(step, dtype)
         ref(x, y).backward()
         ref_opt.step()
-        ref_opt.zero_grad()
+        if zero_grad:
+            ref_opt.zero_grad()
         engine(mine(x, rank), mine(y, rank)).backward()
         engine.step()
-        engine.zero_grad()
+        if zero_grad:
+            engine.zero_grad()
         if between is not None:
             between(step, ref)
             between(step, model)
@@ -180,20 +184,14 @@ def model_zero_grad_and_grad_none(rank, stage):
     pile up across steps (before: 0.29 off after 4 SGD steps at stages 2-3)."""
     model, ref = Small(), Small()
     engine = zerodp.parallelize(model, sgd, stage=stage)
-    ref_opt = sgd(ref.parameters())
-    for step in range(4):
-        x, y = batch(step)
-        ref(x, y).backward()
-        ref_opt.step()
-        engine(mine(x, rank), mine(y, rank)).backward()
-        engine.step()
+
+    def zero(step, m):
         if step % 2:
-            ref.zero_grad()
-            model.zero_grad()
+            m.zero_grad()
         else:
-            for m in (ref, model):
-                for p in m.parameters():
-                    p.grad = None
+            for p in m.parameters():
+                p.grad = None
+    train(model, engine, ref, rank, steps=4, between=zero, zero_grad=False)
     return compare(engine.full_state_dict(), ref, 4)
 
 
@@ -202,16 +200,11 @@ def model_zero_grad_keeps_zeros(rank, stage):
     model, ref = Small(), Small()
     engine = zerodp.parallelize(model, sgd, stage=stage)
     ref_opt = sgd(ref.parameters())
-    for step in range(3):
-        x, y = batch(step)
-        ref(x, y).backward()
-        ref_opt.step()
-        engine(mine(x, rank), mine(y, rank)).backward()
-        engine.step()
-        ref.zero_grad(set_to_none=False)
-        model.zero_grad(set_to_none=False)
-        ref_opt.step()  # a step on zero gradients: momentum alone moves the parameters
-        engine.step()
+
+    def zeros_then_step(step, m):  # a step on zero gradients: momentum alone moves the parameters
+        m.zero_grad(set_to_none=False)
+        (ref_opt if m is ref else engine).step()
+    train(model, engine, ref, rank, steps=3, between=zeros_then_step, opt=ref_opt, zero_grad=False)
     return compare(engine.full_state_dict(), ref, 3)
 
 
@@ -507,15 +500,7 @@ CHECKS = [torch_clip_grad_norm_on_module_parameters, torch_clip_on_module_with_b
 
 
 def _all_checks(rank, world):
-    torch.use_deterministic_algorithms(True)
-    out = {}
-    for stage in STAGES:
-        for check in CHECKS:
-            try:
-                out[(check.__name__, stage)] = check(rank, stage)
-            except Exception as e:  # noqa: BLE001 - reported per check, the group goes on
-                out[(check.__name__, stage)] = f"raised {type(e).__name__}: {e}"
-    return out
+    return run_checks(rank, CHECKS, STAGES)
 
 
 @pytest.mark.parametrize("check,stage", [(c.__name__, s) for c in CHECKS for s in STAGES])
