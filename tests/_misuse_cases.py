@@ -131,6 +131,13 @@ def checkpoint(preset: str = "nano", step: int = 5, damage: str | None = None) -
     return prepare
 
 
+def resume_checkpoint(*extra: str, damage: str | None = None,
+                      path: str = "<tmp>/old") -> Callable[[Path], str]:
+    """``zerodp train`` (the nano run, ``extra`` options) resuming ``path``: a :func:`checkpoint`,
+    optionally damaged, written first."""
+    return setup_then(checkpoint(damage=damage), cli("train", *NANO_RUN, *extra, "--resume", path, "--out", "<tmp>/r"))
+
+
 # ------------------------------------------------------------------------------- API call sites
 def _gpt():
     import torch
@@ -249,23 +256,22 @@ CASES: list[Case] = [
                                                  "<tmp>/old", "--out", "<tmp>/r"))),
          "zerodp train: error: --data <tmp>/tokens.bin holds token id 300, outside the vocabulary of the model in <tmp>/old/checkpoints/step_00000005 (ids 0-255): resume with data of the tokenizer that model was trained with"),
     Case("nothing-left", "checkpoint", "`--resume` a checkpoint at step 5 with `--steps 5`",
-         setup_then(checkpoint(), cli("train", *NANO_RUN, "--steps", "5", "--resume", "<tmp>/old", "--out", "<tmp>/r")),
+         resume_checkpoint("--steps", "5"),
          "zerodp train: error: <tmp>/old/checkpoints/step_00000005 is at step 5 and --steps is 5: nothing left to do; raise --steps to train further"),
     Case("truncated-shard", "checkpoint", "`--resume` a checkpoint whose shard file lost its last 100 bytes",
-         setup_then(checkpoint(damage="truncated"), cli("train", *NANO_RUN, "--resume", "<tmp>/old", "--out", "<tmp>/r")),
+         resume_checkpoint(damage="truncated"),
          "zerodp train: error: <tmp>/old/checkpoints/step_00000005/rank00000.safetensors has 182612 bytes but the manifest says 182712: the file is truncated or was overwritten"),
     Case("corrupted-shard", "checkpoint", "`--resume` a checkpoint whose shard file has one flipped bit",
-         setup_then(checkpoint(damage="flipped"), cli("train", *NANO_RUN, "--resume", "<tmp>/old", "--out", "<tmp>/r")),
+         resume_checkpoint(damage="flipped"),
          "zerodp train: error: <tmp>/old/checkpoints/step_00000005/rank00000.safetensors fails its SHA-256 check: the file is corrupt"),
     Case("missing-shard", "checkpoint", "`--resume` a checkpoint whose rank 0 shard file was deleted",
-         setup_then(checkpoint(damage="missing"), cli("train", *NANO_RUN, "--resume", "<tmp>/old", "--out", "<tmp>/r")),
+         resume_checkpoint(damage="missing"),
          "zerodp train: error: <tmp>/old/checkpoints/step_00000005/rank00000.safetensors is missing: the checkpoint was saved by 1 rank and rank 0's shard file is gone; copy it back, or resume from another checkpoint"),
     Case("foreign-manifest", "checkpoint", "`--resume` a directory whose manifest is not a zerodp manifest",
-         setup_then(checkpoint(damage="foreign"), cli("train", *NANO_RUN, "--resume", "<tmp>/old", "--out", "<tmp>/r")),
+         resume_checkpoint(damage="foreign"),
          "zerodp train: error: <tmp>/old/checkpoints/step_00000005/manifest.json is not a zerodp-checkpoint version 1 manifest"),
     Case("incomplete", "checkpoint", "`--resume` a checkpoint directory whose save never finished (no `COMPLETE`)",
-         setup_then(checkpoint(damage="incomplete"),
-                    cli("train", *NANO_RUN, "--resume", "<tmp>/old/checkpoints/step_00000005", "--out", "<tmp>/r")),
+         resume_checkpoint(damage="incomplete", path="<tmp>/old/checkpoints/step_00000005"),
          "zerodp train: error: checkpoint <tmp>/old/checkpoints/step_00000005 is incomplete (no COMPLETE marker): its save was interrupted; use an earlier checkpoint"),
     Case("export-suffix", "checkpoint", "`zerodp export RUN model.pt`",
          setup_then(checkpoint(), cli("export", "<tmp>/old", "<tmp>/model.pt")),
