@@ -11,6 +11,9 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
 - roofline:    tokens-per-device threshold, MoE, whole-model and per-layer (FSDP) forms
 - hybrid:      past one node (guide §14): shard groups of g, bytes per element on the wire,
                :func:`step_bytes_per_leg` (what the engine measures), :func:`step_comm` by leg
+- diloco:      replica groups that talk rarely (guide §16): DiLoCo / Streaming DiLoCo over
+               hybrid ZeRO, cross-group bytes per step, outer state, step times and the
+               bandwidth below which DiLoCo's step beats hybrid ZeRO's
 - batch:       gbs = mbs × grad_acc × dp
 - recommend:   the fastest configuration that fits, ranked (docs/planner.md, "recommend")
 - timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
@@ -23,9 +26,12 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
 from zerodp.plan.batch import BatchPlan, nearest_power_of_two, plan_batch
 from zerodp.plan.collectives import (KINDS, CollectiveTime, HierarchicalCost, RingCost,
                                      bus_factor, collective_time, network_cost, ring_steps)
+from zerodp.plan.diloco import (DiLoCoBytes, DiLoCoPlan, DiLoCoSettings, GroupLink,
+                                diloco_bytes, diloco_plan, group_link, measured_loss,
+                                outer_state_bytes)
 from zerodp.plan.hardware import (PRESETS as HARDWARE_PRESETS, Hardware, get_hardware,
                                   hardware_from_dict, hardware_names, load_hardware,
-                                  save_hardware)
+                                  save_hardware, with_inter_group)
 from zerodp.plan.hf import load_config, model_from_config, parse_config
 from zerodp.plan.hybrid import (COMPRESSIONS, QUANT_BLOCK, StepComm, StepCollective, Wire,
                                 hybrid_model_states, int8_bytes, step_bytes_per_leg,
@@ -60,4 +66,6 @@ __all__ = [
     "COMPRESSIONS", "QUANT_BLOCK", "StepComm", "StepCollective", "Wire", "hybrid_model_states",
     "int8_bytes", "step_bytes_per_leg", "step_collectives", "step_comm", "wire_bytes",
     "Candidate", "Recommendation", "recommend",
+    "DiLoCoBytes", "DiLoCoPlan", "DiLoCoSettings", "GroupLink", "diloco_bytes", "diloco_plan",
+    "group_link", "measured_loss", "outer_state_bytes", "with_inter_group",
 ]

@@ -209,6 +209,88 @@ def _optimizer(p, default):
                         "tensors, priced by tensor ownership (guide §12.3; needs the model's shape)")
 
 
+_DURATION = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def _duration(what, high=1.0):
+    """An argparse type: seconds, or a number with s/ms/us/ns ("5us", "0.2ms"), in [0, high]."""
+    def parse(text):
+        t = str(text).strip()
+        unit = next((u for u in sorted(_DURATION, key=len, reverse=True)
+                     if t.lower().endswith(u) and t[:-len(u)].strip()), "")
+        try:
+            v = float(t[:len(t) - len(unit)] if unit else t) * _DURATION.get(unit, 1.0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"cannot read {what} {text!r}: a number of seconds, or with a unit: 5us, 0.2ms") from None
+        if v != v or not 0 <= v <= high:
+            raise argparse.ArgumentTypeError(range_sentence(what, 0, high, "seconds", text))
+        return v
+    parse.__name__ = what
+    return parse
+
+
+def _inter_group(p):
+    """--inter-group-bw and --inter-group-latency: the link between replica groups (guide §16)."""
+    g = p.add_argument_group("the link between replica groups (guide §16)")
+    g.add_argument("--inter-group-bw", type=_qty("inter-group-bw", 1, 1e15, "1 B/s to 1 PB/s"),
+                   metavar="BYTES_PER_S",
+                   help="bandwidth between replica groups, bytes/s per GPU one way, e.g. 1.25GB "
+                        "(10 Gbit/s) (default: the hardware's inter-node share per GPU)")
+    g.add_argument("--inter-group-latency", type=_duration("inter-group-latency"), metavar="S",
+                   help="latency of one ring step between groups: seconds, or 5us, 0.2ms "
+                        "(default: the hardware's inter-node latency)")
+    return g
+
+
+def _diloco_options(p, compute=True):
+    """--diloco-every/-fragments/-compress/-delay (guide §16), and what prices its step."""
+    from zerodp.plan.diloco import OUTER_COMPRESSIONS
+    g = p.add_argument_group("replica groups that talk rarely: DiLoCo (guide §16)")
+    g.add_argument("--diloco-every", type=_int_qty("diloco-every", 1, 1_000_000), metavar="H",
+                   help="DiLoCo: each shard group takes H inner steps alone, then the groups "
+                        "average the pseudo-gradient (default: no outer loop)")
+    g.add_argument("--diloco-fragments", type=_int_qty("diloco-fragments", 1, 1_000_000),
+                   default=1, metavar="F",
+                   help="Streaming DiLoCo: F fragments synced at staggered steps (at most H)")
+    g.add_argument("--diloco-compress", choices=list(OUTER_COMPRESSIONS), default="none",
+                   help="pseudo-gradients on the wire: none (fp32) or int8 (blockwise, 1 + 4/B "
+                        "bytes per element)")
+    g.add_argument("--diloco-delay", type=_int_qty("diloco-delay", 0, 1_000_000), default=0,
+                   metavar="TAU", help="the exchange runs behind TAU inner steps (below H)")
+    if compute:
+        g.add_argument("--compute-ms", type=_qty("compute-ms", 0, 1e7, "milliseconds",
+                                                 allow_zero=True),
+                       help="measured compute of one inner step per GPU, ms (default: the "
+                            "compute model at --seq-len x --micro-batch tokens, or not counted)")
+        g.add_argument("--seq-len", dest="seq", type=_int_qty("seq-len", 1, MAX_SEQ,
+                                                              "ten million tokens at most"),
+                       help="sequence length of an inner step's micro-batch (default: none; "
+                            "the compute is then not counted unless --compute-ms)")
+        g.add_argument("--micro-batch", dest="mbs", type=_int_qty("micro-batch", 1,
+                                                                   MAX_MICRO_BATCH),
+                       default=1, help="micro-batch of an inner step (with --seq-len)")
+        g.add_argument("--overlap", action="store_true",
+                       help="DDP's and hybrid ZeRO's cross-group collectives hide behind "
+                            "backward (default: exposed, as the bench's simulated link)")
+
+
+def _diloco_settings(args):
+    """DiLoCoSettings from the flags, or None without --diloco-every (others then refused)."""
+    from zerodp.plan.diloco import DiLoCoSettings
+    if args.diloco_every is None:
+        given = [f for f, v in (("--diloco-fragments", args.diloco_fragments != 1),
+                                ("--diloco-compress", args.diloco_compress != "none"),
+                                ("--diloco-delay", args.diloco_delay != 0),
+                                ("--compute-ms", getattr(args, "compute_ms", None) is not None),
+                                ("--overlap", getattr(args, "overlap", False))) if v]
+        if given:
+            raise ValueError(f"{given[0]} describes DiLoCo's outer loop: add --diloco-every H")
+        return None
+    return DiLoCoSettings(every=args.diloco_every, fragments=args.diloco_fragments,
+                          compress=args.diloco_compress, delay=args.diloco_delay)
+
+
 def _leg(nbytes_or_s, fmt):
     """A leg's bytes or time, "-" when the leg carries nothing."""
     return fmt(nbytes_or_s) if nbytes_or_s else "-"
@@ -309,7 +391,14 @@ def _ownership_table(stages: list[dict], optimizer: str) -> str:
 
 
 def cmd_comm_step(args) -> int:
-    """A step's collectives by leg (guide §14): --params/--model, --stage, --shard-size, --compress."""
+    """A step's collectives by leg (guide §14): --params/--model, --stage, --shard-size, --compress;
+    with --diloco-every, DDP, hybrid ZeRO and DiLoCo over the inter-group link (guide §16)."""
+    if args.diloco_every is None:
+        lone = [f for f, v in (("--inter-group-bw", args.inter_group_bw),
+                               ("--inter-group-latency", args.inter_group_latency),
+                               ("--seq-len", args.seq)) if v is not None]
+        if lone:
+            raise ValueError(f"{lone[0]} prices the DiLoCo table: add --diloco-every H")
     if args.bandwidth is not None or args.alpha is not None or args.latency is not None:
         raise ValueError("a step's collectives are priced on --hardware: drop --bandwidth/--alpha/"
                          "--latency, or drop --params/--model and give --bytes")
@@ -349,7 +438,34 @@ def cmd_comm_step(args) -> int:
         "(what the engine measures): " + "; ".join(
             f"{s.stage_name} intra {fmt_bytes(s.ring_bytes['intra'])}, inter {fmt_bytes(s.ring_bytes['inter'])}"
             for s in steps)])
-    return _emit(args, {"steps": [s.to_dict() for s in steps]}, text)
+    result = {"steps": [s.to_dict() for s in steps]}
+    outer = _diloco_settings(args)
+    if outer is not None:
+        plan = _diloco_table(args, hw, params, g, outer)
+        result["diloco"] = plan.to_dict()
+        from zerodp.plan.diloco import text as diloco_text
+        text += "\n\n" + diloco_text(plan)
+    return _emit(args, result, text)
+
+
+def _diloco_table(args, hw, params, g, outer):
+    """DDP, hybrid ZeRO and DiLoCo at --stage (3 when all stages are shown; guide §16)."""
+    from zerodp.plan.diloco import diloco_plan
+    if g is None or g >= args.gpus:
+        raise ValueError("DiLoCo's replica groups are the shard groups: give --shard-size G "
+                         f"below --gpus {args.gpus} (at least two groups)")
+    if args.compress != "none":
+        raise ValueError("--compress narrows hybrid ZeRO's wire; the DiLoCo table compares "
+                         "uncompressed inner steps: drop --compress (the pseudo-gradients' "
+                         "compression is --diloco-compress)")
+    model = (get_model(args.model) if args.model is not None else load_config(args.config)
+             if args.config is not None else params)
+    return diloco_plan(model, hw, args.gpus, g, 3 if args.stage is None else args.stage, outer,
+                       precision=args.precision, numel=params,
+                       compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
+                       seq=args.seq, micro_batch=args.mbs, inter_group_bw=args.inter_group_bw,
+                       inter_group_latency=args.inter_group_latency, overlap=args.overlap,
+                       gathers_per_step=args.gathers)
 
 
 def cmd_comm(args) -> int:
@@ -363,7 +479,11 @@ def cmd_comm(args) -> int:
             raise ValueError(f"give {named[0]} or {named[1]}, not both")
         return cmd_comm_step(args)
     step_only = [f for f, v in (("--shard-size", args.shard_size), ("--stage", args.stage),
-                                ("--compress", args.compress != "none")) if v is not None and v is not False]
+                                ("--compress", args.compress != "none"),
+                                ("--diloco-every", args.diloco_every),
+                                ("--inter-group-bw", args.inter_group_bw),
+                                ("--inter-group-latency", args.inter_group_latency),
+                                ("--seq-len", args.seq)) if v is not None and v is not False]
     if step_only:
         raise ValueError(f"{step_only[0]} applies to a step's collectives: give --params or --model "
                          "(with --stage), or drop it and price one collective of --bytes")
@@ -552,9 +672,12 @@ def cmd_recommend(args) -> int:
     """The fastest configuration that fits (guide §6.1, §7, §9, §14)."""
     from zerodp.plan.hardware import with_power_limit
     from zerodp.plan.recommend import BUCKET_MB, SEARCH_COMPRESSIONS, recommend, text
+    from zerodp.plan.hardware import with_inter_group
     hw = with_power_limit(get_hardware(args.hardware), args.power_limit)
+    hw = with_inter_group(hw, args.inter_group_bw, args.inter_group_latency)
     model = _model(args, default=REC["model"])
     nodes, gpn = _cluster(args, hw)
+    outer = _diloco_settings(args)
     r = recommend(model, hw, nodes, gpn, args.global_batch_tokens, args.seq,
                   precision=args.precision, efficiency=args.efficiency,
                   stages=(args.stage,) if args.stage is not None else (0, 1, 2, 3),
@@ -562,7 +685,8 @@ def cmd_recommend(args) -> int:
                   compress=(args.compress,) if args.compress else SEARCH_COMPRESSIONS,
                   bucket_mb=(args.bucket_mb,) if args.bucket_mb else BUCKET_MB,
                   micro_batches=(args.mbs,) if args.mbs else None, top=args.top,
-                  headroom=args.headroom, attention=args.attention, optimizer=args.optimizer)
+                  headroom=args.headroom, attention=args.attention, optimizer=args.optimizer,
+                  diloco=outer)
     return _emit(args, r.to_dict(), text(r))
 
 
@@ -655,6 +779,8 @@ def add_parser(subparsers) -> None:
     s.add_argument("--gathers", type=_int_qty("gathers", 0, 1000), default=2,
                    help="stage 3: parameter AllGathers per step (forward, again in backward)")
     _levers(p)
+    _diloco_options(p)
+    _inter_group(p)
     p.set_defaults(func=cmd_comm)
 
     p = sub.add_parser("roofline", help="tokens per GPU to stay compute-bound; min batch; max GPUs",
@@ -771,6 +897,8 @@ def add_parser(subparsers) -> None:
                    help="one bucket size in MiB (default: 25, 100, 400)")
     _alias(s, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
            help="one micro-batch (default: powers of two up to 64)")
+    _diloco_options(p, compute=False)
+    _inter_group(p)
     p.set_defaults(func=cmd_recommend)
 
     p = sub.add_parser("report", help="the guide's worked examples, recomputed", formatter_class=_Help)

@@ -14,6 +14,11 @@ field               meaning
 ``alpha``           latency of one ring step, seconds. A small-message AllReduce on a full node
                     costs α′ = 2(g−1)·α, which is what nccl-tests reports (guide §4: α′ ≈ 16 µs)
 ``inter_alpha``     latency of one ring step across nodes (defaults to ``alpha``)
+``inter_group_bw``  bandwidth between replica groups, bytes/s per GPU, one way (guide §16: a link
+                    slower than the nodes' own network joining groups of nodes; None: the
+                    inter-node figures, each GPU's share of its node's ``inter_bw``)
+``inter_group_alpha`` latency of one ring step between replica groups, seconds (None:
+                    ``inter_alpha``)
 ``axes``            mesh axes that can each carry DP traffic at ``intra_bw`` at once (TPU torus: 3)
 ``hbm_bw``          HBM bandwidth per device, bytes/s (0: unknown; the compute model then
                     assumes flops / 300, an A100-like ratio)
@@ -76,6 +81,8 @@ class Hardware(ToDict):
     attention_efficiency: float = 0.0
     tdp_w: float = 0.0
     power_limit_w: float = 0.0
+    inter_group_bw: float | None = None
+    inter_group_alpha: float | None = None
 
     def __post_init__(self):
         if not self.name:
@@ -96,6 +103,10 @@ class Hardware(ToDict):
                 raise ValueError(f"{name} must be a fraction of flops in [0, 1], got {value!r}")
         check_positive("tdp_w", self.tdp_w, allow_zero=True)
         check_positive("power_limit_w", self.power_limit_w, allow_zero=True)
+        if self.inter_group_bw is not None:
+            check_positive("inter_group_bw", self.inter_group_bw)
+        if self.inter_group_alpha is not None:
+            check_positive("inter_group_alpha", self.inter_group_alpha, allow_zero=True)
         if self.power_limit_w and self.tdp_w and self.power_limit_w > self.tdp_w:
             raise ValueError(f"power_limit_w ({self.power_limit_w:g} W) above tdp_w "
                              f"({self.tdp_w:g} W): a limit can only lower the board's power")
@@ -216,7 +227,7 @@ def get_hardware(name_or_file: str | Hardware) -> Hardware:
 
 _NUMBER_FIELDS = ("flops", "hbm_bytes", "intra_bw", "inter_bw", "alpha", "inter_alpha",
                   "small_message_latency", "hbm_bw", "matmul_efficiency", "attention_efficiency",
-                  "tdp_w", "power_limit_w")
+                  "tdp_w", "power_limit_w", "inter_group_bw", "inter_group_alpha")
 _INT_FIELDS = ("devices_per_node", "axes")
 
 
@@ -336,6 +347,19 @@ def clock_factor(hw: Hardware) -> float:
     if hw.power_limit_w and hw.tdp_w and hw.power_limit_w < hw.tdp_w:
         return (hw.power_limit_w / hw.tdp_w) ** (1 / 3)
     return 1.0
+
+
+def with_inter_group(hw: Hardware, bandwidth: float | None = None,
+                     latency: float | None = None) -> Hardware:
+    """``hw`` with an inter-group link (guide §16): ``bandwidth`` bytes/s per GPU one way,
+    ``latency`` seconds per ring step; None keeps what ``hw`` says (by default the inter-node
+    figures)."""
+    if bandwidth is not None:
+        check_positive("inter_group_bw", bandwidth)
+    if latency is not None:
+        check_positive("inter_group_alpha", latency, allow_zero=True)
+    return replace(hw, inter_group_bw=hw.inter_group_bw if bandwidth is None else float(bandwidth),
+                   inter_group_alpha=hw.inter_group_alpha if latency is None else float(latency))
 
 
 def with_power_limit(hw: Hardware, watts: float | None) -> Hardware:

@@ -89,8 +89,8 @@ class Candidate(ToDict):
     step's compute), ``comm_s`` (its collectives, slower leg), ``exposed_comm_s``, ``step_s``,
     ``tokens_per_step`` (all GPUs), ``tokens_per_s_per_gpu``, ``mfu``, ``bottleneck`` (leg),
     ``comm_bound`` (tokens per GPU per window below the roofline threshold of guide §7; shown,
-    not rejected) and ``lost_because`` (for runners-up: why the first pick beats it, or that it
-    ties with it)."""
+    not rejected), ``lost_because`` (for runners-up: why the first pick beats it, or that it
+    ties with it) and ``outer`` (the DiLoCo outer loop it runs, guide §16: "" for none)."""
 
     stage: int
     stage_name: str
@@ -114,6 +114,7 @@ class Candidate(ToDict):
     comm_bound: bool
     lost_because: str = ""
     comm_elements: float = 0.0
+    outer: str = ""
 
     @property
     def seconds_per_token(self) -> float:
@@ -131,7 +132,10 @@ class Recommendation(ToDict):
     (fraction of HBM kept free), ``hbm_bytes``, ``searched`` (configurations tried),
     ``candidates`` (the top ones, fastest first), ``fitting`` (how many configurations fit),
     ``rejected`` (one entry per reason: ``reason``, ``count``, ``example``), ``attention``,
-    ``train_flags`` (the first pick as ``zerodp train`` options), ``notes`` and ``elapsed_s``."""
+    ``train_flags`` (the first pick as ``zerodp train`` options), ``notes``, ``elapsed_s``, and
+    with an outer loop or an inter-group link (guide §16) ``diloco`` (its settings),
+    ``inter_group`` (the link) and ``loss_note`` (its measured cost in loss, or that none was
+    measured); null and "" otherwise."""
 
     model: str
     params: float
@@ -157,6 +161,9 @@ class Recommendation(ToDict):
     train_flags: str = ""
     optimizer: str = DEFAULTS["recommend"]["optimizer"]
     efficiency_source: str = ""
+    diloco: dict | None = None
+    inter_group: dict | None = None
+    loss_note: str = ""
 
     @property
     def best(self) -> Candidate | None:
@@ -242,7 +249,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
               attention: str = DEFAULTS["recommend"]["attention"],
               shard_sizes_searched=None,
               optimizer: str = DEFAULTS["recommend"]["optimizer"], *, round_batch: bool = True,
-              require_fit: bool = True, constants=None) -> Recommendation:
+              require_fit: bool = True, constants=None, diloco=None) -> Recommendation:
     """The fastest configurations that fit, ranked (module docstring; docs/planner.md).
 
     ``model``: a preset name or :class:`~zerodp.plan.Model` with a shape; ``hardware``: a preset,
@@ -268,6 +275,16 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     (default: the nearest power of two of samples, guide §6.1); ``require_fit`` False prices
     configurations that do not fit too (``zerodp plan validate`` prices published runs as they
     ran).
+
+    ``diloco`` (a :class:`~zerodp.plan.diloco.DiLoCoSettings` or its fields as a dict, guide §16):
+    every hybrid layout of stages 1-3 (g < n) is also priced as DiLoCo over that stage — the
+    inner step's collectives inside the shard group only, plus the outer loop's exchange and
+    update per inner step (:func:`~zerodp.plan.diloco.outer_step_seconds`), and θ_outer and the
+    momentum (8Ψ/g) in its memory. The hardware's inter-group link (``inter_group_bw``,
+    ``inter_group_alpha``; :func:`~zerodp.plan.hardware.with_inter_group`) is read as the network
+    between nodes: every configuration's cross-node collectives are priced on it (a shard group
+    of whole nodes is one replica group). What DiLoCo costs in loss is only quoted from
+    :data:`~zerodp.plan.diloco.LOSS_TABLE`, never predicted.
     """
     start = time.perf_counter()
     cal = None
@@ -289,8 +306,18 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
     if gpn != hw.devices_per_node:
         hw = replace(hw, devices_per_node=gpn)
     n = nodes * gpn
+    outer = link = None
+    if hw.inter_group_bw is not None or hw.inter_group_alpha is not None:
+        if nodes == 1:
+            raise InputError("the inter-group link joins nodes: give two nodes or more, or drop "
+                             "the inter-group bandwidth and latency", "nodes")
+        hw = replace(hw, inter_bw=hw.inter_bw if hw.inter_group_bw is None else hw.inter_group_bw * gpn,
+                     inter_alpha=hw.inter_alpha if hw.inter_group_alpha is None else hw.inter_group_alpha)
     if nodes > 1 and hw.inter_bw <= 0:
         raise InputError(f"{hw.name} has no inter-node network: use --nodes 1", "nodes")
+    if diloco is not None:
+        from zerodp.plan.diloco import DiLoCoSettings
+        outer = diloco if isinstance(diloco, DiLoCoSettings) else DiLoCoSettings(**dict(diloco))
     target = parse_quantity(global_batch_tokens, "global_batch_tokens", count=True)
     seq = check_count("seq", seq)
     if not modelled and not 0 < efficiency <= 1:
@@ -326,6 +353,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                 if b.gpu_rich:  # every (stage, compression, bucket) of this point
                     count = sum(len([c for c in compress if s > 0 or c == "none"])
                                 * (len(bucket_mb) if s < 3 else 1)
+                                * (2 if outer is not None and g < n else 1)
                                 for s in stages if g == n or s > 0)
                     searched += count
                     r = rejected.setdefault("grad_acc < 1", {
@@ -343,7 +371,8 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                     row = mp.stages[s]
                     comps = [c for c in compress if s > 0 or c == "none"]
                     bks = list(bucket_mb) if s < 3 else [None]
-                    searched += len(comps) * len(bks)
+                    twins = outer is not None and g < n
+                    searched += len(comps) * len(bks) * (2 if twins else 1)
                     label = (f"{STAGE_NAMES[s]}, g {g}, micro-batch {mbs}, recompute {rc}: "
                              f"{fmt_bytes(row['total_bytes'])} of {fmt_bytes(hw.hbm_bytes)}")
                     if row["verdict"] != "fits" and require_fit:
@@ -351,7 +380,7 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                                   f"tight: within the {headroom:.0%} headroom of HBM")
                         r = rejected.setdefault(reason, {"reason": reason, "count": 0,
                                                          "example": label})
-                        r["count"] += len(comps) * len(bks)
+                        r["count"] += len(comps) * len(bks) * (2 if twins else 1)
                         continue
                     model_flops, run_flops = flops_per_micro_batch(m, seq, mbs, rc)
                     opt_s = 0.0
@@ -424,6 +453,21 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                                 bottleneck="inter" if legs[1] > legs[0] else "intra",
                                 comm_bound=bound, comm_elements=row["comm_elements_per_step"])
                             kept.append(cand)
+                            if twins:
+                                twin = _diloco_twin(
+                                    cand, outer, hw, n, g, s, elements, precision, cp, bk, pieces,
+                                    units, b.grad_acc, micro_s, fwd_s, opt_s, exchange_s, m,
+                                    row, headroom, comm_cache, thr_cache, mbs * seq,
+                                    eta if cal is not None else None)
+                                if twin.verdict == "fits" or not require_fit:
+                                    kept.append(twin)
+                                else:
+                                    reason = ("DiLoCo (outer state 8Ψ/g added): does not fit in "
+                                              "HBM" if twin.verdict == "no" else
+                                              "DiLoCo (outer state 8Ψ/g added): tight")
+                                    r = rejected.setdefault(reason, {"reason": reason, "count": 0,
+                                                                     "example": label})
+                                    r["count"] += 1
     notes = []
     if kept and all(c.comm_bound for c in kept):
         notes.append("every configuration that fits is communication-bound (below the roofline "
@@ -469,8 +513,32 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
                      if rate["clock_factor"] < 1 else "")
                   + (f"; assumed: {', '.join(rate['assumed'])}" if rate["assumed"] else "")
                   + " (docs/planner.md, \"The compute model\")")
+    loss_note = ""
+    if outer is not None:
+        from zerodp.plan.diloco import loss_figure
+        _, loss_note = loss_figure(m.name, outer, None)
+        twins = [c for c in kept if c.outer]
+        plain = [c for c in kept if not c.outer]
+        if best is not None and best.outer:
+            notes.append(f"the first pick runs DiLoCo over hybrid sharding ({outer.label()}; guide "
+                         f"§16), priced per inner step; loss: {loss_note}")
+            if plain:
+                other = min(plain, key=lambda c: c.seconds_per_token)
+                notes.append(f"without an outer loop the fastest ({other.stage_name}, g "
+                             f"{other.shard_size}) is {_pct(other, best)} slower per token")
+        elif twins:
+            fast = min(twins, key=lambda c: c.seconds_per_token)
+            notes.append(f"DiLoCo ({outer.label()}) is at best {_pct(fast, best)} per token "
+                         f"slower than the first pick ({fast.stage_name}, g {fast.shard_size}); "
+                         f"loss: {loss_note}")
+        else:
+            notes.append(f"DiLoCo ({outer.label()}) needs a hybrid layout of stages 1-3 (g < N) "
+                         "that fits: none here")
     if modelled:
         efficiency = best.mfu * best.step_s / best.compute_s if best else 0.0
+    if hw.inter_group_bw is not None or hw.inter_group_alpha is not None:
+        from zerodp.plan.diloco import group_link
+        link = group_link(hw, n, gpn).to_dict()
     return Recommendation(
         model=m.name, params=m.params, active_params=m.active, hardware=hw.name, nodes=nodes,
         gpus_per_node=gpn, n=n, global_batch_tokens=target, seq=seq, samples=samples or 0,
@@ -478,12 +546,64 @@ def recommend(model, hardware="H100", nodes: int = 1, gpus_per_node: int | None 
         searched=searched, candidates=ranked,
         rejected=sorted(rejected.values(), key=lambda r: -r["count"]), notes=notes,
         elapsed_s=time.perf_counter() - start, fitting=len(kept), attention=attention,
-        train_flags=train_flags(best, nodes, gpn, samples * seq, seq, precision) if best else "",
-        optimizer=optimizer, efficiency_source=source)
+        train_flags=train_flags(best, nodes, gpn, samples * seq, seq, precision, outer) if best else "",
+        optimizer=optimizer, efficiency_source=source,
+        diloco=outer.to_dict() if outer is not None else None, inter_group=link,
+        loss_note=loss_note)
+
+
+def _pct(c: Candidate, best: Candidate) -> str:
+    return f"{100 * (c.seconds_per_token / best.seconds_per_token - 1):.2f}%"
+
+
+def _diloco_twin(cand: Candidate, outer, hw, n, g, s, elements, precision, cp, bk, pieces, units,
+                 grad_acc, micro_s, fwd_s, opt_s, exchange_s, m, row, headroom, comm_cache,
+                 thr_cache, micro_tokens, eta) -> Candidate:
+    """``cand`` (a hybrid layout, g < n) as DiLoCo over its stage (guide §16; :func:`recommend`):
+    the inner step's collectives inside the shard group, exposed as the hybrid step's are, plus
+    the outer loop's exchange and update per inner step; θ_outer and the momentum in memory."""
+    from zerodp.plan.diloco import group_link, outer_state_bytes, outer_step_seconds
+    from zerodp.plan.memory import verdict
+
+    key = (s, g, cp, "inner")
+    if key not in comm_cache:
+        comm_cache[key] = _split_comm(hw, g, s, elements, None, precision, cp)
+    cm = comm_cache[key]
+    lat = (pieces - 1) * (cm.param_latency * 2 + cm.grad_latency if s == 3 else cm.grad_latency)
+    per_micro = max(cm.per_micro) + (lat if s >= 2 else 0.0)
+    per_step = max(cm.per_step) + (lat if s < 2 else 0.0)
+    after = max(cm.after_step) + exchange_s
+    bwd_s = micro_s - fwd_s
+    hide = micro_s if s == 3 else bwd_s
+    exposed = (grad_acc * _window(per_micro, hide, pieces) + _window(per_step, bwd_s, pieces)
+               + after)
+    comm = grad_acc * per_micro + per_step + after
+    compute = grad_acc * micro_s + opt_s
+    if eta is not None:
+        exposed += contention_s(comm - exposed, eta)
+    link = group_link(hw, n, g)
+    outer_avg, _ = outer_step_seconds(elements, n, g, outer, link, compute,
+                                      hbm_bw=sustained(hw)["hbm_bw"], stage=s, hardware=hw)
+    exposed += outer_avg
+    step = compute + exposed
+    tkey = (g, cp, "inner")
+    if tkey not in thr_cache:
+        thr_cache[tkey] = threshold(hw, g, model=m, compress=cp).threshold_tokens
+    window = micro_tokens * (1 if s == 3 else grad_acc)
+    memory = row["total_bytes"] + outer_state_bytes(elements, g, outer.momentum)
+    tokens = cand.tokens_per_step
+    legs = [sum(x) for x in zip(cm.per_micro, cm.per_step, cm.after_step)]
+    return replace(cand, memory_bytes=memory, verdict=verdict(memory, hw.hbm_bytes, headroom),
+                   compute_s=compute, comm_s=comm, exposed_comm_s=exposed, step_s=step,
+                   tokens_per_s_per_gpu=tokens / n / step,
+                   mfu=cand.mfu * cand.step_s / step,
+                   bottleneck="inter" if legs[1] > legs[0] else "intra",
+                   comm_bound=window < thr_cache[tkey] * (elements / m.params),
+                   outer="DiLoCo " + outer.label())
 
 
 def train_flags(c: Candidate, nodes: int, gpus_per_node: int, global_batch_tokens: int, seq: int,
-                precision: str) -> str:
+                precision: str, outer=None) -> str:
     """Candidate ``c`` as ``zerodp train`` options (the same names: docs/planner.md, "one
     vocabulary"); paste them after ``zerodp train --model ...`` (on each node under torchrun past
     one). Recomputation and attention are the activation model's, not options of the trainer."""
@@ -496,6 +616,16 @@ def train_flags(c: Candidate, nodes: int, gpus_per_node: int, global_batch_token
         flags.append(f"--shard-size {c.shard_size}")
     if c.compress != "none":
         flags.append(f"--compress {c.compress}")
+    if c.outer and outer is not None:  # guide §16: the replica groups are the shard groups
+        if not (c.stage > 0 and c.shard_size != gpus_per_node):
+            flags.append(f"--shard-size {c.shard_size}")
+        flags.append(f"--diloco-every {outer.every}")
+        if outer.fragments > 1:
+            flags.append(f"--diloco-fragments {outer.fragments}")
+        if outer.compress != "none":
+            flags.append(f"--diloco-compress {outer.compress}")
+        if outer.delay:
+            flags.append(f"--diloco-delay {outer.delay}")
     return " ".join(flags)
 
 
@@ -504,15 +634,16 @@ _RC_ORDER = ("none", "selective", "op", "layer", "full")
 
 
 def _complexity(c: Candidate) -> tuple:
-    """What a configuration asks of the run beyond plain training: compression (changes the
-    numbers, guide §15), recomputation (more compute), hybrid sharding, a higher stage."""
-    return (c.compress != "none", _RC_ORDER.index(c.recompute), c.shard_size < c.replicas * c.shard_size,
-            c.stage)
+    """What a configuration asks of the run beyond plain training: an outer loop (changes the
+    optimization, guide §16), compression (changes the numbers, guide §15), recomputation (more
+    compute), hybrid sharding, a higher stage."""
+    return (c.outer != "", c.compress != "none", _RC_ORDER.index(c.recompute),
+            c.shard_size < c.replicas * c.shard_size, c.stage)
 
 
 def _shape(c: Candidate) -> tuple:
     """Runners-up differ from each other in more than the bucket size."""
-    return (c.stage, c.shard_size, c.micro_batch, c.recompute, c.compress)
+    return (c.stage, c.shard_size, c.micro_batch, c.recompute, c.compress, c.outer)
 
 
 def lost_because(c: Candidate, best: Candidate) -> str:
@@ -520,6 +651,7 @@ def lost_because(c: Candidate, best: Candidate) -> str:
     differences; within :data:`TIE`, "a tie" and what ``c`` asks less of the run, if anything."""
     if c.seconds_per_token <= best.seconds_per_token * (1 + TIE):
         simpler = [why for why, yes in (
+            ("no outer loop", c.outer == "" != best.outer),
             ("no compression", c.compress == "none" != best.compress),
             ("less recomputation", _RC_ORDER.index(c.recompute) < _RC_ORDER.index(best.recompute)),
             ("a lower stage", c.stage < best.stage)) if yes]
@@ -544,14 +676,29 @@ COLUMNS = ["#", "stage", "G", "micro-batch", "grad_acc", "recompute", "compress"
            "GB/GPU", "step", "exposed", "tok/s/GPU", "MFU", "comm-bound", "why not first"]
 
 
+def _outer_column(r: Recommendation) -> bool:
+    """The "outer" column shows when a candidate runs DiLoCo (guide §16)."""
+    return any(c.outer for c in r.candidates)
+
+
+def columns(r: Recommendation) -> list[str]:
+    """:data:`COLUMNS`, with "outer" after "compress" when a candidate runs DiLoCo."""
+    if not _outer_column(r):
+        return list(COLUMNS)
+    i = COLUMNS.index("compress") + 1
+    return COLUMNS[:i] + ["outer"] + COLUMNS[i:]
+
+
 def rows(r: Recommendation) -> list[list[str]]:
     """The ranked table's cells as the CLI prints them (the page shows the same strings)."""
     from zerodp.plan._common import fmt_time
 
     out = []
+    outer = _outer_column(r)
     for i, c in enumerate(r.candidates, 1):
         out.append([str(i), c.stage_name, str(c.shard_size), str(c.micro_batch), str(c.grad_acc),
-                    c.recompute, c.compress, "unit" if c.bucket_mb is None else f"{c.bucket_mb:g}",
+                    c.recompute, c.compress] + ([c.outer or "-"] if outer else []) + [
+                    "unit" if c.bucket_mb is None else f"{c.bucket_mb:g}",
                     f"{c.memory_bytes / 1e9:.1f}", fmt_time(c.step_s), fmt_time(c.exposed_comm_s),
                     f"{c.tokens_per_s_per_gpu:,.0f}", f"{100 * c.mfu:.1f}%",
                     "yes" if c.comm_bound else "no",
@@ -571,7 +718,8 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
             f"{r.efficiency:.0%} of peak (#1); fits: ≤ {1 - r.headroom:.0%} of {r.hbm_bytes / 1e9:.3g} "
             f"GB (1 GB = 1e9 B)")
     if r.candidates:
-        out = [table(COLUMNS, rows(r), title=head, align="rllrrlllrrrrrll"),
+        align = "rllrrllllrrrrrll" if _outer_column(r) else "rllrrlllrrrrrll"
+        out = [table(columns(r), rows(r), title=head, align=align),
                f"{r.fitting:,} configurations fit; shown: the fastest of each layout (bucket sizes "
                f"folded); ties: within {TIE:.0%} per token",
                f"zerodp train {r.train_flags}  (#1; recompute and attention are the activation "
@@ -599,7 +747,7 @@ def text(r: Recommendation, hardware: Hardware | None = None) -> str:
 _ZH = [
     (r"^first pick: fastest$", "首选：最快"),
     (r"^tie: \+(\S+)% per token \(within (\S+)%\)", r"并列：每 token 慢 \1%（在 \2% 以内）"),
-    (r"; simpler: ", "；优点："), (r"no compression", "不压缩"),
+    (r"; simpler: ", "；优点："), (r"no outer loop", "不用 DiLoCo"), (r"no compression", "不压缩"),
     (r"less recomputation", "重计算少"), (r"a lower stage", "阶段低"), (r", ", "、"),
     (r"^\+(\S+ \S+) of compute \((.*)\)$", r"计算多 \1（\2）"),
     (r"^\+(\S+ \S+) of exposed communication$", r"暴露通信多 \1"),
