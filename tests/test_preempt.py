@@ -94,6 +94,18 @@ def _last_record(out) -> dict:
     return json.loads((Path(out) / "metrics.jsonl").read_text().splitlines()[-1])
 
 
+def _stopped(launch, out, rc: int, want_rc: int, took: float, at: int, signal: str | None = None) -> dict:
+    """``launch`` (writing ``out``) exited with ``want_rc`` within the grace period of its signal,
+    its last record a stop at step ``at`` or later (on ``signal``, where given) with a checkpoint
+    of that step: the record."""
+    assert rc == want_rc, _text(launch)[-3000:]
+    assert took < GRACE_S
+    stop = _last_record(out)
+    assert stop["event"] == "stop" and stop["step"] >= at and (signal is None or stop["signal"] == signal)
+    assert ckpt.Checkpoint.open(ckpt.find(out)).step == stop["step"]
+    return stop
+
+
 def _digest(path: Path) -> dict:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
 
@@ -118,21 +130,15 @@ def test_sigterm_stops_with_a_checkpoint_within_the_grace_period_and_resume_is_b
           f"(torchrun): exit {rc_b} after {took_b:.2f} s")
 
     # our launcher: the documented status 143, within the grace period, a checkpoint of the stop step
-    assert rc_a == 143, _text(a)[-3000:]
-    assert took_a < GRACE_S
-    stop = _last_record(ours)
-    assert stop["event"] == "stop" and stop["signal"] == "SIGTERM" and stop["step"] >= at_l
+    stop = _stopped(a, ours, rc_a, 143, took_a, at_l, "SIGTERM")
     assert f"zerodp train: stopped on SIGTERM after step {stop['step']}, with a checkpoint" in _text(a)
-    assert ckpt.Checkpoint.open(ckpt.find(ours)).step == stop["step"] < N_STEPS
+    assert stop["step"] < N_STEPS
 
     # torchrun forwards SIGTERM to its workers; they stop the same way (each exits 143, rank 0
     # says so); torchrun itself then exits 1 after its SignalException (its own behaviour)
-    assert rc_b == 1, _text(b)[-3000:]
-    assert took_b < GRACE_S
-    stop_b = _last_record(tr)
-    assert stop_b["event"] == "stop" and stop_b["step"] >= at_t
+    stop_b = _stopped(b, tr, rc_b, 1, took_b, at_t)
     assert f"zerodp train: stopped on SIGTERM after step {stop_b['step']}, with a checkpoint" in _text(b)
-    assert ckpt.Checkpoint.open(ckpt.find(tr)).step == stop_b["step"] < N_STEPS
+    assert stop_b["step"] < N_STEPS
 
     ra = _launch(ours, "--resume")
     rb = _launch(tr, "--resume", torchrun=True)
@@ -175,11 +181,7 @@ def test_ctrl_c_stops_gracefully_a_second_one_aborts_and_the_grace_period_bounds
     print(f"Ctrl-C at step {at}: exit {rc_c} after {took_c:.2f} s; second SIGINT: exit {rc_d} "
           f"{took_d:.2f} s after it; stuck stop with --grace-s 12: exit {rc_e} after {took_e:.2f} s")
 
-    assert rc_c == 130, _text(c)[-3000:]
-    assert took_c < GRACE_S
-    stop = _last_record(ctrl_c)
-    assert stop["event"] == "stop" and stop["signal"] == "SIGINT" and stop["step"] >= at
-    assert ckpt.Checkpoint.open(ckpt.find(ctrl_c)).step == stop["step"]
+    _stopped(c, ctrl_c, rc_c, 130, took_c, at, "SIGINT")
     assert "second interrupt" not in _text(c)
 
     assert rc_d == 1, _text(d)[-3000:]
