@@ -58,9 +58,22 @@ def gpt_batch(step: int, world: int, per_rank: int = PER_RANK, seq: int = NANO.s
     return x[:, :-1], x[:, 1:]
 
 
+def regression_batch(seed: int, rows: int, dtype: torch.dtype = torch.float32):
+    """``rows`` inputs of 5 features and targets of 3 (the small 5 → 3 models: Odd, Net, the
+    matrix's and the idiom files'), normal, drawn from generator seed ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 5, generator=g).to(dtype), torch.randn(rows, 3, generator=g).to(dtype)
+
+
+def token_batch(seed: int, rows: int):
+    """``rows`` sequences of random nano-GPT tokens and, as targets, each shifted by one (wrapping)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, NANO.vocab_size, (rows, NANO.seq_len), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
 def odd_batch(step: int, world: int, per_rank: int = 3):
-    g = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(world * per_rank, 5, generator=g), torch.randn(world * per_rank, 3, generator=g)
+    return regression_batch(2000 + step, world * per_rank)
 
 
 def shard(t: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:

@@ -65,6 +65,8 @@ from zerodp.check.core import assert_within as _assert_within
 from zerodp.check.core import Stepped, fed_tolerance, tolerance
 from zerodp.check.core import gather_state as _core_gather_state
 
+from _engine_common import LARS, regression_batch
+
 STAGES = (0, 1, 2, 3)
 WORLDS = (1, 2, 3, 4)
 #: "owner": the same SGD declared per-tensor (``optimizer_layout="owner"``), so stages 1-3 take the
@@ -307,8 +309,6 @@ def _adafactor(groups):
 
 
 def _lars(groups):
-    from _engine_common import LARS
-
     return LARS(groups, lr=0.05, momentum=0.9)
 
 
@@ -347,8 +347,7 @@ def per_tensor(case: Case) -> bool:
 
 
 def batch(step: int, micro: int):
-    g = torch.Generator().manual_seed(10_000 + 100 * step + micro)
-    return torch.randn(ROWS, 5, generator=g), torch.randn(ROWS, 3, generator=g)
+    return regression_batch(10_000 + 100 * step + micro, ROWS)
 
 
 def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import spawn_once
+from _engine_common import make_gpt, spawn_once, token_batch
 from zerodp.train.model import GPT, PRESETS
 
 pytestmark = pytest.mark.dist
@@ -35,14 +35,11 @@ U_BF16 = 2.0 ** -8
 
 
 def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(NANO)
+    return make_gpt(0)
 
 
 def _batch(rank: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randint(0, NANO.vocab_size, (2, NANO.seq_len), generator=g)
-    return x, torch.roll(x, -1, dims=1)
+    return token_batch(100 + rank, 2)
 
 
 def _loss(model, rank):

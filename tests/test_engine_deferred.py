@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import spawn_once, sum_tolerance
+from _engine_common import spawn_once, sum_tolerance, token_batch
 from zerodp.engine.deferred import module_seed
 from zerodp.spawn import RankFailure
 from zerodp.train.model import GPT, PRESETS
@@ -52,17 +52,11 @@ def _adamw(groups):
     return torch.optim.AdamW(groups, lr=1e-2)
 
 
-def _batch(seed: int, n: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, NANO.vocab_size, (n, NANO.seq_len), generator=g)
-    return x, torch.roll(x, -1, dims=1)
-
-
 def _init_and_step(rank, world, stage, init_fn_name):
     init_fn = GPT._init if init_fn_name == "gpt" else None
     eng = zerodp.parallelize(_meta_gpt(), _adamw, stage=stage, init_fn=init_fn)
     before = {k: v.clone() for k, v in eng.full_state_dict().items()}
-    x, y = _batch(0, 2 * world)
+    x, y = token_batch(0, 2 * world)
     xs, ys = x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
     loss = F.cross_entropy(eng(xs).flatten(0, 1).float(), ys.flatten())
     loss.backward()
@@ -115,7 +109,7 @@ def test_a_meta_model_trains_like_the_plain_model(runs):
     lr = 1e-2
     ref = _reference()
     opt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    x, y = _batch(0, 4)
+    x, y = token_batch(0, 4)
     F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
     grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     opt.step()
@@ -169,7 +163,7 @@ def _batched_step(rank, world, batch_bytes):
     torch.manual_seed(0)
     eng = zerodp.parallelize(GPT(NANO), _adamw, stage=3, mixed_precision="bf16")
     for step in range(2):
-        x, y = _batch(step, 2 * world)
+        x, y = token_batch(step, 2 * world)
         loss = F.cross_entropy(eng(x[2 * rank:2 * rank + 2]).flatten(0, 1).float(), y[2 * rank:2 * rank + 2].flatten())
         loss.backward()
         eng.step()

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 import zerodp
-from _engine_common import (Boom, Counting, Net, decay_groups, same_state, spawn_once, sum_tolerance,
+from _engine_common import (Boom, Counting, Net, decay_groups, regression_batch, same_state, spawn_once, sum_tolerance,
                             trajectory_tolerance)
 from zerodp.spawn import RankFailure
 
@@ -225,8 +225,7 @@ def describe(seed: int, stage: int, world: int) -> str:
 
 # ---- running a case on one rank and on the reference --------------------------------------------
 def batch_of(b: int, world: int):
-    g = torch.Generator().manual_seed(7000 + b)
-    return torch.randn(world * ROWS, 5, generator=g), torch.randn(world * ROWS, 3, generator=g)
+    return regression_batch(7000 + b, world * ROWS)
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:

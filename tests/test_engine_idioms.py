@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import Boom, Counting, LARS, Net, decay_groups, run_checks, spawn_once, trajectory_tolerance
+from _engine_common import (Boom, Counting, LARS, Net, decay_groups, regression_batch, run_checks, shard, spawn_once,
+                            trajectory_tolerance)
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -29,12 +30,11 @@ STAGES = (0, 1, 2, 3)
 
 
 def batch(step: int):
-    g = torch.Generator().manual_seed(500 + step)
-    return torch.randn(WORLD * ROWS, 5, generator=g), torch.randn(WORLD * ROWS, 3, generator=g)
+    return regression_batch(500 + step, WORLD * ROWS)
 
 
 def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * ROWS:(rank + 1) * ROWS]
+    return shard(t, rank, ROWS)
 
 
 def build(stage: int, factory, seed: int = 0, **options):

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import run_checks, spawn_once, trajectory_tolerance
+from _engine_common import regression_batch, run_checks, shard, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -94,12 +94,11 @@ class SparseBag(nn.Module):
 
 
 def batch(step: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(700 + step)
-    return (torch.randn(WORLD * ROWS, 5, generator=g).to(dtype), torch.randn(WORLD * ROWS, 3, generator=g).to(dtype))
+    return regression_batch(700 + step, WORLD * ROWS, dtype)
 
 
 def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * ROWS:(rank + 1) * ROWS]
+    return shard(t, rank, ROWS)
 
 
 def compare(got: dict, ref: nn.Module, steps: int, dtype: torch.dtype = torch.float32) -> str | None:

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import LARS, spawn_once, trajectory_tolerance
+from _engine_common import LARS, regression_batch, shard, spawn_once, trajectory_tolerance
 from _train_common import cpu_context
 from zerodp.check.core import Stepped  # the single-process reference of a list of optimizers
 
@@ -93,12 +93,11 @@ BUILT = {"muon_adamw"}  # built over the model by the script, not a factory of p
 
 
 def batch(step: int, world: int):
-    g = torch.Generator().manual_seed(700 + 31 * world + step)
-    return torch.randn(world * ROWS, 5, generator=g), torch.randn(world * ROWS, 3, generator=g)
+    return regression_batch(700 + 31 * world + step, world * ROWS)
 
 
 def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * ROWS:(rank + 1) * ROWS]
+    return shard(t, rank, ROWS)
 
 
 def build(name: str, stage: int, seed: int = 0):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from _engine_common import Net, once, same_state
+from _engine_common import Net, once, regression_batch, same_state, shard
 from zerodp.spawn import free_port
 
 pytestmark = pytest.mark.dist
@@ -47,9 +47,8 @@ EXIT_S = 10.0  # a rank's last message to its process's exit (interpreter teardo
 
 
 def _batch(step: int, rank: int):
-    g = torch.Generator().manual_seed(700 + step)
-    x, y = torch.randn(WORLD * ROWS, 5, generator=g), torch.randn(WORLD * ROWS, 3, generator=g)
-    return x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]
+    x, y = regression_batch(700 + step, WORLD * ROWS)
+    return shard(x, rank, ROWS), shard(y, rank, ROWS)
 
 
 def _engine(stage: int, group):
