@@ -295,3 +295,44 @@ def test_the_planner_stays_torch_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert math.isfinite(diloco_plan("tiny", "H100", 4, 2, 3, every=10).speedup_vs_hybrid)
+
+
+def test_guide_section_16_figures_are_what_the_planner_prints():
+    """guide §16.2 and §16.4 in both languages quote these figures; they must stay the planner's."""
+    from pathlib import Path
+
+    from zerodp.plan._common import fmt_bytes
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    figures = []
+    for name in ("tiny", "small"):
+        psi = get_model(name).params
+        b32 = diloco_bytes(psi, 4, 2, DiLoCoSettings(every=100), 3)
+        b8 = diloco_bytes(psi, 4, 2, DiLoCoSettings(every=100, compress="int8"), 3)
+        figures += [fmt_bytes(b32.ddp_cross_bytes_per_step), fmt_bytes(b32.hybrid_cross_bytes_per_step),
+                    fmt_bytes(b32.cross_bytes_per_step), fmt_bytes(b8.cross_bytes_per_step)]
+    figures += [f"{b8.ddp_ratio:,.0f}".replace(",", "{,}"), f"{b8.hybrid_ratio:,.0f}"]
+    link = dict(inter_group_bw=1.5625e9, inter_group_latency=20e-6, seq=8192, every=100,
+                compress="int8")
+    exposed = diloco_plan("llama3-8b", "H100", 128, 64, 3, **link)
+    hidden = diloco_plan("llama3-8b", "H100", 128, 64, 3, overlap=True, **link)
+    streaming = diloco_plan("llama3-8b", "H100", 128, 64, 3, fragments=4, delay=1, **link)
+    by = exposed.bytes
+    figures += [fmt_bytes(by["ddp_cross_bytes_per_step"]), fmt_bytes(by["hybrid_cross_bytes_per_step"]),
+                fmt_bytes(by["cross_bytes_per_step"]), fmt_bytes(by["peak_cross_bytes_per_step"]),
+                fmt_bytes(by["outer_state_bytes"]),
+                f"{streaming.bytes['peak_cross_bytes_per_step'] / 1e6:.0f} MB"]
+    sync_free = exposed.compute_s + exposed.methods[2]["intra_s"]  # a step no fragment syncs on
+    figures += [f"{m['step_s']:.3g} s".replace("1.4 s", "1.40 s")
+                for p in (exposed, hidden) for m in p.methods]
+    figures += [f"{exposed.compute_s:.3g} s", f"{hidden.hidden_s:.2f} s",
+                f"{exposed.methods[1]['exposed_cross_s'] * 1e3:.0f} ms",
+                f"{hidden.crossover_bandwidth_bytes_per_s / 1e6:.0f} MB/s",
+                f"{(exposed.methods[2]['peak_step_s'] - sync_free) * 1e3:.0f} ms"]
+    assert exposed.crossover == "always" and hidden.crossover == "below"
+    quiet = streaming.compute_s + streaming.methods[2]["intra_s"]  # a step no fragment syncs on
+    figures.append(f"{(streaming.methods[2]['peak_step_s'] - quiet) * 1e3:.1f} ms")
+    for name in ("guide.md", "guide.zh.md"):
+        text = (docs / name).read_text(encoding="utf-8")
+        section = text[text.index('<a id="s16-2"></a>'):text.index('<a id="s16-5"></a>')]
+        missing = [f for f in figures if f not in section]
+        assert not missing, (name, missing)
