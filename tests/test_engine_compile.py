@@ -44,12 +44,13 @@ ADAM_EPS = 1e-3
 def n_terms(world: int) -> int:
     return world * ROWS * 4  # terms summed into one gradient element (rows x outputs)
 #: Graph breaks dynamo records in the first compiled training step at stage 3 of the 3-unit model
-#: below, per form (docs/engine.md): all are skips of the engine's host_only unit hooks (5 at a
-#: unit's pre-forward, 2 at a post-forward, as dynamo resumes after each); torch.compile(engine)
-#: adds 3 at the engine's forward entry. Compiling each unit's forward (docs/engine.md's advice,
+#: below, per form (docs/engine.md): all are skips of the engine's host_only unit hooks (6 at a
+#: unit's pre-forward, 3 at a post-forward, as dynamo resumes after each — one of each more since
+#: the inner modules carry the first forward's shared-module check); torch.compile(engine) adds
+#: its forward entry's. Compiling each unit's forward (docs/engine.md's advice,
 #: ``unit.forward = torch.compile(unit.forward)``) leaves the hooks outside every graph: 0.
-#: Measured 7, 7, 10 and 0 on torch 2.13.
-MAX_STAGE3_BREAKS = {"torch.compile(model)": 7, "model.compile()": 7, "torch.compile(engine)": 10, "unit.forward": 0}
+#: Measured 9, 9 (7, 7 before that check), at most 10, and 0 on torch 2.13.
+MAX_STAGE3_BREAKS = {"torch.compile(model)": 9, "model.compile()": 9, "torch.compile(engine)": 10, "unit.forward": 0}
 
 
 class Net(nn.Module):

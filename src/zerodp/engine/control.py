@@ -121,6 +121,8 @@ UNANNOUNCED = (GRAD_NORM, CLIP_GRAD_NORM, UNIT_SCHEDULE)
 #: How often a rank waiting in one of the step's collectives looks in the job's store for a call
 #: another rank makes alone (a collective that completes sooner never looks).
 POLL_S = 0.25
+#: the least time the control group gets to connect when the engine is built (parallelize is collective)
+CONNECT_FLOOR_S = 60.0
 
 
 class Routing(enum.Enum):
@@ -184,7 +186,9 @@ class Control:
         control's name when the engine is built (bounded by ``timeout_s`` like any wait).
         Only the engine's ranks take part, and torch does not register it: it goes with this object."""
         if self.group is None:
-            limit = datetime.timedelta(seconds=self.timeout_s or 1800)
+            # Connecting is part of parallelize, which every rank calls: a short timeout_s (seconds,
+            # for the waits) must not fail a slow start-up on a loaded machine. Waits poll their own limit.
+            limit = datetime.timedelta(seconds=max(self.timeout_s or 1800, CONNECT_FLOOR_S))
             try:
                 self.group = dist.ProcessGroupGloo(dist.PrefixStore(self.name, self._store()), self.rank,
                                                    self.world_size, limit)

@@ -74,7 +74,7 @@ from zerodp.engine.master import OptimizerFactory
 from zerodp.engine.module_view import restore_class, shard_view_class
 from zerodp.engine.nest import cast_floats, grad_tensors, replace, tensors
 from zerodp.engine.schedule import UnitSchedule
-from zerodp.engine.states import Phase, StepState
+from zerodp.engine.states import ParamState, Phase, StepState
 from zerodp.engine.stats import EngineStats, fmt_bytes
 from zerodp.engine.trace import COMPUTE
 from zerodp.engine.unit import plan_units
@@ -266,6 +266,7 @@ class UnitHooks:
         self.tokens_issued = itertools.count()  # one per watched forward call (BackwardState)
         self.evaluation: contextlib.ExitStack | None = None  # the control call of a no_grad forward
         self.handles: list = []
+        self.watching = True  # until the first training forward ends: units' inner modules checked (module_runs)
         self.loaded_keys: set[str] = set()  # model.load_state_dict: the keys written into shards
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -290,6 +291,15 @@ class UnitHooks:
                 self.handles.append(p.register_post_accumulate_grad_hook(
                     grad_hook(self, "grad_ready", u.index, j)))
         self.handles.append(root.register_forward_hook(call("top_post_forward")))
+        # The first training forward also watches every module that holds a unit's parameters
+        # below the unit's own module: one run while its unit is not gathered is shared across
+        # units or called from outside the model (it would read the placeholders). The hooks stay
+        # (removing them would make torch.compile recompile) and return at once afterwards.
+        unit_of = {id(p): u for u in self.engine.groups for p in u.params}
+        for name, m in root.named_modules():
+            owner = next((unit_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in unit_of), None)
+            if owner is not None and m is not owner.module:
+                self.handles.append(m.register_forward_pre_hook(_watch_hook(ref, owner.index, name)))
         # The module's own state dict holds full values (gathered: a collective), and its
         # load_state_dict writes into the shards; deepcopy is refused (module_view).
         self.handles.append(root.register_state_dict_post_hook(call("module_state_dict")))
@@ -397,6 +407,8 @@ class UnitHooks:
             self.next_fwd = {a.index: b for a, b in zip(seq, seq[1:])}
             back = self.post_order[::-1]
             self.next_bwd = {a.index: b for a, b in zip(back, back[1:])}
+        if torch.is_grad_enabled():
+            self.watching = False
         if last is not None:
             if torch.is_grad_enabled() and grad_tensors(out):
                 self.kept = last  # guide §9.3: used first by backward, so never freed: 2L − 1
@@ -406,6 +418,20 @@ class UnitHooks:
             self.engine.machine.attach_sharded_grads()  # an evaluation forward of the module keeps .grad, as torch's
         self.close_evaluation()
         return None
+
+    @host_only
+    def module_runs(self, index: int, name: str, module, args) -> None:
+        """A module holding unit ``index``'s parameters starts its forward (the first training
+        forward only): its unit must be gathered — a gather in flight is waited for."""
+        u = self.engine.groups[index]
+        if u.param_state is ParamState.GATHERING:
+            u.wait_gather()
+        elif u.param_state is ParamState.SHARDED:
+            raise RuntimeError(
+                f"module {name!r} holds parameters of stage-3 unit {u.label!r} but runs while that unit is not "
+                "gathered (it is shared with another unit, or called from outside the model): make the shared "
+                "module its own unit or part of one unit that encloses every use (parallelize(..., units=[...])), "
+                "or call it inside `with engine.gathered():`")
 
     # ---- an evaluation on some ranks only (guide §12.9, zerodp.engine.control) -------------------
     def open_evaluation(self) -> None:
@@ -630,6 +656,19 @@ def _engine_hook(ref: "weakref.ref[UnitHooks]", method: str, *args):
 
 
 @host_only
+def _watch_hook(ref: "weakref.ref[UnitHooks]", index: int, name: str):
+    """The first training forward's check on a unit's inner module (:meth:`UnitHooks.module_runs`);
+    a forward being compiled skips it (no graph break: the check is for eager scripts)."""
+    def hook(module, args):
+        if torch.compiler.is_compiling():
+            return None
+        eng = ref()
+        if eng is None or not eng.watching:
+            return None
+        return eng.module_runs(index, name, module, args)
+    return hook
+
+
 def _unit_hook(ref: "weakref.ref[UnitHooks]", method: str, index: int, skip: int, *args):
     """A unit's forward hook: ``method(unit, *args[skip:])`` (the module and, after forward, its
     inputs left out), holding the engine weakly."""

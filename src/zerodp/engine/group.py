@@ -198,7 +198,9 @@ class FlatGroup:
             # At rest each parameter keeps its shape over one shared element (a stride-0 view, as
             # FSDP2's sharded DTensor keeps the global shape): p.shape, p.dim() and p.numel() stay
             # what scripts group parameters by; in-place writes to it are refused by torch itself.
-            one = torch.zeros((), dtype=self.dtypes.param, device=self.device)
+            # The element is NaN: a value read from it (an EMA, a norm, ``p.data.clone()``) is loudly
+            # not the parameter's, never a quiet zero, and a rebinding to such a value is refused.
+            one = torch.full((), float("nan"), dtype=self.dtypes.param, device=self.device)
             self._placeholders = [one.expand(sl.shape) for sl in self.layout.slots]
             free_storage(self.full)
             for param, held in zip(self.params, self._placeholders):
@@ -279,6 +281,13 @@ class FlatGroup:
                 return
             for i, (param, held) in enumerate(zip(self.params, self._placeholders)):
                 if param.data_ptr() != held.data_ptr() or param.stride() != held.stride():
+                    if param.numel() and bool(param.detach().isnan().all()):
+                        param.data = held
+                        raise RuntimeError(
+                            f"parameter {self.names[i]!r} was rebound (p.data = ...) to a value read while stage 3 "
+                            "held only this rank's shard of it (at rest the module's parameter is a NaN placeholder): "
+                            "read and rebind inside `with engine.gathered(writeback=True):` on every rank, or load "
+                            "values with model.load_state_dict(...)")
                     self.write_param(i, param.detach())
                     param.data = held
                     self._versions[i] = param._version  # writes into the rebound tensor were taken with it

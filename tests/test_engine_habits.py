@@ -1,0 +1,237 @@
+"""Habits of real training scripts that were silently wrong, each exact or refused in one line.
+
+Each test is named after the habit. They run at stages 0-3 on 2 gloo ranks (one spawned group
+for the file) against a single-process reference: the same model and a plain ``torch.optim``
+optimizer stepped on the full batch (every rank's rows). Tolerances come from the dtype and the
+number of summed terms (``trajectory_tolerance``), relative to the largest reference value as
+``torch.testing.assert_close``'s ``atol = rtol × magnitude``.
+
+- clipping over ``optimizer.param_groups`` (Lightning's way) on the optimizer given to
+  ``parallelize``: before, its params were the engine's master shards without ``.grad`` — the
+  norm was 0 and nothing was clipped;
+- ``torch.autograd.grad`` then ``p.grad = g``: before, never stepped;
+- an optimizer whose ``step()`` reads across tensors (LAMB's global-norm clip) at stages 1-3:
+  before, each rank clipped by its own tensors' norm; now refused (exact at stage 0);
+- stage 3: rebinding ``p.data`` to a value read at rest (before: zeros written into the shards),
+  a module shared across units (before: it read the other unit's freed parameters), an in-place
+  write at rest (torch refuses it: the placeholder is one element).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zerodp
+from _engine_common import Net, spawn_once, trajectory_tolerance
+
+pytestmark = pytest.mark.dist
+WORLD, ROWS, STEPS = 2, 3, 3
+STAGES = (0, 1, 2, 3)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(900 + step)
+    return torch.randn(WORLD * ROWS, 5, generator=g), torch.randn(WORLD * ROWS, 3, generator=g)
+
+
+def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
+    return t[rank * ROWS:(rank + 1) * ROWS]
+
+
+def distance(engine, ref: nn.Module, steps: int) -> str | None:
+    """None when every parameter equals the reference's within the trajectory bound, else the worst."""
+    full = engine.full_state_dict()
+    scale = max(v.abs().max().item() for v in ref.state_dict().values())
+    bound = trajectory_tolerance(WORLD * ROWS, steps) * max(scale, 1.0)
+    worst = max(((full[k].float() - v.float()).abs().max().item(), k) for k, v in ref.state_dict().items())
+    return None if worst[0] <= bound else f"{worst[1]} differs by {worst[0]:.3g} (bound {bound:.3g})"
+
+
+class GlobalNormSGD(torch.optim.Optimizer):
+    """SGD whose step clips by the global gradient norm over every parameter it holds (LAMB's
+    ``max_grad_norm``, timm's default): the update of one tensor reads every other's gradient."""
+
+    def __init__(self, params, lr: float = 0.1, max_norm: float = 0.05):
+        super().__init__(params, dict(lr=lr, max_norm=max_norm))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        for group in self.param_groups:
+            coef = min(1.0, group["max_norm"] / (total + 1e-6))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * coef)
+
+
+def clip_over_optimizer_param_groups(rank, stage):
+    model, ref = Net(0), Net(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = zerodp.parallelize(model, optimizer=opt, stage=stage, find_unused_parameters=stage < 3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 0.01)
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], 0.01)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if not torch.allclose(norm, ref_norm, rtol=trajectory_tolerance(WORLD * ROWS, 1), atol=0.0):
+            return f"step {step}: norm {float(norm):.6g}, the reference's {float(ref_norm):.6g}"
+    return distance(engine, ref, STEPS)
+
+
+def autograd_grad_then_assigned_grad_is_stepped(rank, stage):
+    model, ref = Net(0), Net(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zerodp.parallelize(model, optimizer=opt, stage=stage, find_unused_parameters=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    params = list(model.parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        grads = torch.autograd.grad(engine(mine(x, rank), mine(y, rank)), params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+        ref_grads = torch.autograd.grad(ref(x, y), list(ref.parameters()))
+        for p, g in zip(ref.parameters(), ref_grads):
+            p.grad = g
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return distance(engine, ref, STEPS)
+
+
+def optimizer_reading_across_tensors_is_refused_at_stages_1_to_3(rank, stage):
+    model, ref = Net(0), Net(0)
+    try:
+        engine = zerodp.parallelize(model, optimizer=lambda groups: GlobalNormSGD(groups), stage=stage,
+                                    optimizer_layout="owner", find_unused_parameters=stage < 3)
+    except ValueError as e:
+        if stage == 0:
+            return f"refused at stage 0, where every rank steps the whole model: {e}"
+        words = ("reads across tensors", "stage=0", "GlobalNormSGD")
+        return None if all(w in str(e) for w in words) and "\n" not in str(e) else f"unclear refusal: {e}"
+    if stage > 0:
+        return "accepted at a sharded stage: each rank would clip by the norm of its own tensors only"
+    ref_opt = GlobalNormSGD(ref.parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        engine.step()
+        engine.zero_grad()
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return distance(engine, ref, STEPS)
+
+
+def rebinding_p_data_read_at_rest(rank, stage):
+    """``p.data = p.data.clone()`` after a step: exact at stages 0-2; at stage 3 the value read at
+    rest is the placeholder's, and the rebinding is refused at the next call."""
+    model, ref = Net(0), Net(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zerodp.parallelize(model, optimizer=opt, stage=stage, find_unused_parameters=stage < 3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    try:
+        for step in range(STEPS):
+            x, y = batch(step)
+            engine(mine(x, rank), mine(y, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+            ref(x, y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for m in (model, ref):
+                for p in m.parameters():
+                    p.data = p.data.clone()
+    except RuntimeError as e:
+        if stage == 3 and "rebound" in str(e) and "engine.gathered(writeback=True)" in str(e):
+            return None
+        return f"raised: {e}"
+    return "stage 3 accepted a rebinding to placeholder values" if stage == 3 else distance(engine, ref, STEPS)
+
+
+class SharedInner(nn.Module):
+    """Block 1 also calls block 0's linear layer, held outside the module tree (a closure, an
+    attribute set with ``object.__setattr__``): at stage 3 it lives in unit ``blocks.0``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(2)])
+        self.out = nn.Linear(5, 3)
+        object.__setattr__(self, "peer", self.blocks[0][0])
+
+    def forward(self, x, y):
+        h = self.blocks[0](x)
+        h = torch.tanh(self.blocks[1](h) + self.peer(h))
+        return F.mse_loss(self.out(h), y)
+
+
+def module_shared_across_units(rank, stage):
+    model, ref = SharedInner(), SharedInner()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = zerodp.parallelize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
+    try:
+        for step in range(STEPS):
+            x, y = batch(step)
+            engine(mine(x, rank), mine(y, rank)).backward()
+            engine.step()
+            engine.zero_grad()
+            ref(x, y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    except RuntimeError as e:
+        if stage == 3 and "'blocks.0.0'" in str(e) and "units=" in str(e):
+            return None
+        return f"raised: {e}"
+    return "stage 3 ran a module of a freed unit" if stage == 3 else distance(engine, ref, STEPS)
+
+
+def in_place_write_at_rest(rank, stage):
+    """``p.mul_(0.5)`` under no_grad between steps: exact at stages 0-2; at stage 3 torch itself
+    refuses the write to the one-element placeholder, in one line, and nothing changes."""
+    model, ref = Net(0), Net(0)
+    engine = zerodp.parallelize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stage=stage,
+                                find_unused_parameters=stage < 3)
+    try:
+        with torch.no_grad():
+            for m in (model, ref):
+                for p in m.parameters():
+                    p.mul_(0.5)
+    except RuntimeError as e:
+        if stage != 3 or "\n" in str(e):
+            return f"raised: {e}"
+        return distance(engine, Net(0), 0)  # refused: the shards are untouched
+    return "stage 3 accepted a write to the placeholder" if stage == 3 else distance(engine, ref, 0)
+
+
+CHECKS = [clip_over_optimizer_param_groups, autograd_grad_then_assigned_grad_is_stepped,
+          optimizer_reading_across_tensors_is_refused_at_stages_1_to_3, rebinding_p_data_read_at_rest,
+          module_shared_across_units, in_place_write_at_rest]
+
+
+def _all(rank, world):
+    torch.use_deterministic_algorithms(True)
+    out = {}
+    for stage in STAGES:
+        for check in CHECKS:
+            try:
+                out[(check.__name__, stage)] = check(rank, stage)
+            except Exception as e:  # noqa: BLE001 - reported per check, the group goes on
+                out[(check.__name__, stage)] = f"raised {type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("check,stage", [(c.__name__, s) for c in CHECKS for s in STAGES])
+def test_habit(check, stage):
+    for rank, r in enumerate(spawn_once(_all, WORLD, timeout=300)):
+        assert r[(check, stage)] is None, f"rank {rank}, stage {stage}: {r[(check, stage)]}"
