@@ -216,6 +216,27 @@ class Counting(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"])
 
 
+class GlobalNormSGD(torch.optim.Optimizer):
+    """SGD whose step clips by the global gradient norm over every parameter it holds (LAMB's
+    ``max_grad_norm``, timm's default): the update of one tensor reads every other's gradient, so
+    zerodp runs it at stage 0 only (refused at stages 1-3)."""
+
+    def __init__(self, params, lr: float = 0.1, max_norm: float = 0.05):
+        super().__init__(params, dict(lr=lr, max_norm=max_norm))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        for group in self.param_groups:
+            coef = min(1.0, group["max_norm"] / (total + 1e-6))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * coef)
+
+
 def same_state(a, b) -> bool:
     """Nested state dicts (tensors, numbers, lists) bitwise equal."""
     if isinstance(a, dict):

@@ -43,8 +43,8 @@ import torch
 import torch.nn as nn
 
 import zerodp
-from _engine_common import (Boom, Counting, Net, decay_groups, regression_batch, same_state, spawn_once, sum_tolerance,
-                            trajectory_tolerance)
+from _engine_common import (Boom, Counting, GlobalNormSGD, Net, decay_groups, regression_batch, same_state, spawn_once,
+                            sum_tolerance, trajectory_tolerance)
 from zerodp.spawn import RankFailure
 
 pytestmark = [pytest.mark.dist, pytest.mark.fuzz]
@@ -114,6 +114,7 @@ class Options:
     dtype: str = "fp32"  # a key of DTYPES
     output: str = "tensor"  # what the model returns: tensor, dict, namedtuple or dataclass
     child: bool = False  # the engine stored as a parent module's child; the checks read the parent's state dict
+    resumed: bool = False  # a built optimizer that loaded state (and the model values) before the wrap
 
 
 def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
@@ -213,6 +214,13 @@ def generate(seed: int, stage: int, world: int) -> tuple[Options, list[tuple]]:
                                optimizer="counting" if habits.random() < 0.2 else opts.optimizer)
     if habits.random() < 0.3:
         ops += [("save_rank0",), ("train", batch + 1, (True,) * world, "sync", False)]
+    # ... rank 0 alone evaluating (local at stages 0-2, served by the others' next step at stage 3), a
+    # resume before the wrap (timm's order), and at stage 0 an optimizer whose step reads a global norm
+    if habits.random() < 0.25:
+        ops += [("eval_rank0", batch + 2), ("train", batch + 1, (True,) * world, "sync", False)]
+    opts = dataclasses.replace(opts, resumed=opts.built and habits.random() < 0.3)
+    if stage == 0 and habits.random() < 0.15:
+        opts = dataclasses.replace(opts, optimizer="globalnorm")
     ops.append(("step", "engine"))
     return opts, ops
 
@@ -233,6 +241,8 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.05)
     if kind == "counting":
         return Counting(params)
+    if kind == "globalnorm":
+        return GlobalNormSGD(params, lr=0.05, max_norm=0.5)
     return torch.optim.AdamW(params, lr=1e-2, eps=ADAM_EPS)
 
 
@@ -269,8 +279,10 @@ class Run:
             options["reduce_every_microbatch"] = o.reduce_every_microbatch
         if stage == 3:
             options["prefetch"] = o.prefetch
-        if o.optimizer == "counting":
+        if o.optimizer in ("counting", "globalnorm"):
             options["elementwise_optimizer"] = True
+        if o.resumed:  # timm's --resume: values and optimizer state loaded before the wrap
+            self.resume_before_wrap(o.optimizer, optimizer)
         self.engine = zerodp.parallelize(self.model, optimizer=optimizer, **options)
         self.parent = None
         if o.child:  # timm's task.trainable_module = model
@@ -285,6 +297,17 @@ class Run:
         self.snapshot = None
         self.baseline_units = None
         self.adam_slack = 0.0  # absolute: what AdamW's division may add to the trajectory bound
+
+    def resume_before_wrap(self, kind: str, optimizer: torch.optim.Optimizer) -> None:
+        """A checkpoint of one plain step loaded into the model, the reference and both optimizers."""
+        warm = copy.deepcopy(self.ref)
+        warm_opt = make_optimizer(kind, decay_groups(warm, 0.1))
+        x, y = self.batch(99)
+        loss_of(warm(x, y)).backward()
+        warm_opt.step()
+        for model, opt in ((self.model, optimizer), (self.ref, self.ref_opt)):
+            model.load_state_dict(warm.state_dict())
+            opt.load_state_dict(copy.deepcopy(warm_opt.state_dict()))
 
     # ---- tolerances: n terms summed in another order, over the steps so far
     def rtol(self) -> float:
@@ -483,6 +506,17 @@ class Run:
             if not same_state(everyone, alone):
                 raise Divergence("rank 0's state dicts taken alone differ from the same calls on every rank")
 
+    def eval_rank0(self, b):
+        """``if rank == 0: evaluate()`` under ``no_grad``: rank 0 alone gets what every rank's same
+        call gives (local at stages 0-2; at stage 3 its gathers served by the others' next step)."""
+        x, y = self.batch(b)
+        with torch.no_grad():
+            everyone = loss_of(self.engine(self.mine(x), self.mine(y))).item()
+            if self.rank == 0:
+                alone = loss_of(self.engine(self.mine(x), self.mine(y))).item()
+                if alone != everyone:
+                    raise Divergence(f"rank 0's evaluation alone gave {alone!r}, every rank's {everyone!r}")
+
     def load(self, source):
         mine, mine_opt, ref, ref_opt = copy.deepcopy(self.snapshot)
         if source == "own":
@@ -670,11 +704,13 @@ def test_generated_sequences_cover_every_call():
                 elif op[0] in ("train", "step", "zero", "eval", "load", "clip"):
                     seen.add((op[0],) + tuple(v for v in op[1:] if isinstance(v, str)))
             opts = generate(seed, stage, 2)[0]
-            seen.update({("dtype", opts.dtype), ("output", opts.output)})
+            seen.update({("dtype", opts.dtype), ("output", opts.output), ("optimizer", opts.optimizer),
+                         ("resumed", opts.resumed), ("child", opts.child)})
     want = {"train", "step", "zero", "eval", "clip", "lr", "sched", "save", "load", "dropped", "freeze", "save_rank0",
-            "forward_after_raise", ("step", "scaler"), ("step", "optimizer"), ("eval", "inference_mode"),
+            "forward_after_raise", "eval_rank0", ("step", "scaler"), ("step", "optimizer"), ("eval", "inference_mode"),
             ("train", "no_sync"), ("train", "attr"), ("load", "torch-ddp-names"), ("clip", "torch"),
             ("zero", "model"), "grad_none", "write", "copy", ("write", "rebind"), ("write", "load"),
-            ("write", "mul_gathered"), ("write", "mul_refused"), ("write", "apply")} | \
+            ("write", "mul_gathered"), ("write", "mul_refused"), ("write", "apply"), ("resumed", True), ("child", True),
+            ("optimizer", "counting"), ("optimizer", "globalnorm")} | \
         {("dtype", d) for d in DTYPES} | {("output", o) for o in ("tensor", "dict", "namedtuple", "dataclass")}
     assert want <= seen, want - seen

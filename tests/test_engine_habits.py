@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import Net, spawn_once, trajectory_tolerance
+from _engine_common import GlobalNormSGD, Net, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD, ROWS, STEPS = 2, 3, 3
@@ -48,24 +48,6 @@ def distance(engine, ref: nn.Module, steps: int) -> str | None:
     bound = trajectory_tolerance(WORLD * ROWS, steps) * max(scale, 1.0)
     worst = max(((full[k].float() - v.float()).abs().max().item(), k) for k, v in ref.state_dict().items())
     return None if worst[0] <= bound else f"{worst[1]} differs by {worst[0]:.3g} (bound {bound:.3g})"
-
-
-class GlobalNormSGD(torch.optim.Optimizer):
-    """SGD whose step clips by the global gradient norm over every parameter it holds (LAMB's
-    ``max_grad_norm``, timm's default): the update of one tensor reads every other's gradient."""
-
-    def __init__(self, params, lr: float = 0.1, max_norm: float = 0.05):
-        super().__init__(params, dict(lr=lr, max_norm=max_norm))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-        for group in self.param_groups:
-            coef = min(1.0, group["max_norm"] / (total + 1e-6))
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"] * coef)
 
 
 def clip_over_optimizer_param_groups(rank, stage):
