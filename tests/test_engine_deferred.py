@@ -157,7 +157,7 @@ def test_meta_misuse_ends_with_one_line(case, words):
 
 
 def _batched_step(rank, world, batch_bytes):
-    import zerodp.engine.step as step_machine
+    import zerodp.engine.master as step_machine
 
     step_machine.STEP_BATCH_BYTES = batch_bytes
     torch.manual_seed(0)

@@ -196,9 +196,41 @@ def in_place_write_at_rest(rank, stage):
     return "stage 3 accepted a write to the placeholder" if stage == 3 else distance(engine, ref, 0)
 
 
+class Built(torch.optim.SGD):
+    """SGD that counts its constructions (declared elementwise: a subclass is not trusted unasked)."""
+
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).made += 1
+        super().__init__(*args, **kwargs)
+
+
+def optimizer_constructed_once_per_build(rank, stage):
+    """The engine builds the user's optimizer once: once from a factory, once more (the rebuild over
+    the master) for one the script built before the wrap, or after it (adopted at its first step)."""
+    made = []
+    for how in ("factory", "given", "adopted"):
+        Built.made = 0
+        model = Net(0)
+        opts = dict(stage=stage, elementwise_optimizer=True, find_unused_parameters=stage < 3)
+        if how == "factory":
+            engine = zerodp.parallelize(model, optimizer=lambda groups: Built(groups, lr=0.1), **opts)
+        elif how == "given":
+            engine = zerodp.parallelize(model, optimizer=Built(model.parameters(), lr=0.1), **opts)
+        else:
+            engine = zerodp.parallelize(model, **opts)
+            opt = Built(model.parameters(), lr=0.1)
+        x, y = batch(0)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        (opt if how == "adopted" else engine.optimizer).step()
+        made.append(Built.made)
+    return None if made == [1, 2, 2] else f"constructions (factory, given, adopted): {made}, want [1, 2, 2]"
+
+
 CHECKS = [clip_over_optimizer_param_groups, autograd_grad_then_assigned_grad_is_stepped,
           optimizer_reading_across_tensors_is_refused_at_stages_1_to_3, rebinding_p_data_read_at_rest,
-          module_shared_across_units, in_place_write_at_rest]
+          module_shared_across_units, in_place_write_at_rest, optimizer_constructed_once_per_build]
 
 
 def _all(rank, world):

@@ -386,7 +386,7 @@ def _unused_ok(stage: int) -> dict:
 def optimizer_step_runs_once_per_engine_step(rank, stage):
     """Every layout, with the step's bf16 batches made small enough to split: the script's
     ``step()`` runs once per engine step (per-group counters equal the steps taken)."""
-    import zerodp.engine.step as step_module
+    import zerodp.engine.master as step_module
 
     batch_bytes, step_module.STEP_BATCH_BYTES = step_module.STEP_BATCH_BYTES, 64
     try:

@@ -97,6 +97,7 @@ class Construction:
         self._placement: str | None = None  # chosen at the first group laid out (placement)
         self._whole_groups: frozenset[int] = frozenset()
         self._state_kinds: list = []
+        self._probe: torch.optim.Optimizer | None = None  # the factory's one build, for build_master
         self._owners: OwnerLedger | None = None  # tensor ownership: owners balanced across groups
         self._per_param_targets = False  # an adopted optimizer: one target per parameter
 
@@ -140,6 +141,7 @@ class Construction:
                     check_reads_alone(probe)
                 whole = whole_groups(probe, got, self.engine.config.optimizer_layout)
                 kinds = group_state_kinds(probe)
+                self._probe = probe
             self._placement, self._whole_groups, self._state_kinds = got, whole, kinds
         return got
 
@@ -284,8 +286,9 @@ class Construction:
 
     def build_master(self, targets: list[Target], exchange: OwnerExchange | None = None) -> MasterOptimizer:
         e = self.engine
+        built, self._probe = self._probe, None  # the optimizer that learned the placement, used once
         return MasterOptimizer(e._factory, targets, e.group_options, e.config.elementwise_optimizer,
-                               placement=self.placement, exchange=exchange)
+                               placement=self.placement, exchange=exchange, built=built)
 
     def exchange(self) -> OwnerExchange | None:
         """Stage 3 on the ownership path: the owner exchange of the tensors read whole, their

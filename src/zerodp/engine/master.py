@@ -56,6 +56,9 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
 PER_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name) for name in ("Adafactor", "Muon", "Rprop", "ASGD") if hasattr(torch.optim, name))
 
+#: the most fp32 gradient bytes cast at once for the optimizer step (:meth:`MasterOptimizer.step_on`)
+STEP_BATCH_BYTES = 16 * 1024 * 1024
+
 # Optimizers no data-parallel layout runs, and why (one line each).
 REFUSED_OPTIMIZERS: dict[str, str] = {
     "LBFGS": "LBFGS is refused: its step() re-evaluates the loss through a closure and line-searches over all "
@@ -331,6 +334,37 @@ def probe_factory(factory: OptimizerFactory, group_options: list[dict],
         raise e
 
 
+def _repoint(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> bool:
+    """Point an optimizer built over stand-ins (one group per param group, each stand-in of its
+    parameter's number of dimensions, no state) at the real groups' tensors; False when its groups
+    do not line up one to one or it holds state (then the factory builds it anew)."""
+    groups = optimizer.param_groups
+    if len(groups) != len(param_groups) or optimizer.state:
+        return False
+    for g, p in zip(groups, param_groups):
+        g["params"] = list(p["params"])
+    return True
+
+
+def _one_call(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the step must be one ``optimizer.step()`` call (:meth:`MasterOptimizer.step_on`):
+    step hooks, or a member whose class is not torch's own (its per-group counters would run ahead)."""
+    foreign = any(not type(o).__module__.startswith("torch.optim") for o in members(optimizer))
+    return foreign or _has_step_hooks(optimizer)
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` runs hooks (its own or torch's global ones)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    from zerodp.engine.adopt import is_adoption_hook
+
+    hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
+             *torch_optimizer._global_optimizer_post_hooks.values()]
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or any(not is_adoption_hook(h) for h in hooks))
+
+
 def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
@@ -344,7 +378,8 @@ class MasterOptimizer:
     """
 
     def __init__(self, factory: OptimizerFactory, targets: list[Target], group_options: list[dict],
-                 declared_elementwise: bool = False, placement: str = FLAT, exchange=None):
+                 declared_elementwise: bool = False, placement: str = FLAT, exchange=None,
+                 built: torch.optim.Optimizer | None = None):
         self.targets = targets
         self.placement = placement  # "flat" (1-D slices) or "owner" (whole tensors, their shapes)
         # Stage 3's owner exchange (zerodp.engine.exchange): the tensors it brings whole are stepped
@@ -356,7 +391,10 @@ class MasterOptimizer:
         stepped = [t for t in targets if t.name not in self.exchanged] + self.proxies
         param_groups = [{"params": [t.tensor for t in stepped if t.group == g], **opts}
                         for g, opts in enumerate(group_options)]
-        self.optimizer = factory(param_groups)
+        # The user's optimizer is built once: the build over stand-ins that learned its class
+        # (probe_factory) is pointed at the targets — its groups, options and (empty) state are
+        # what the factory's build over them would hold — else the factory builds it now.
+        self.optimizer = built if built is not None and _repoint(built, param_groups) else factory(param_groups)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ValueError(
                 "optimizer must be a callable taking a list of param groups and returning a "
@@ -377,6 +415,51 @@ class MasterOptimizer:
 
     def step(self) -> None:
         self.optimizer.step()
+
+    def step_on(self, grads: list[torch.Tensor | None], unused: set[str], master_dtype: torch.dtype) -> None:
+        """One engine step of the stock optimizer on ``grads`` (the reduced gradient each target
+        reads, :attr:`targets` order; ``unused``: parameters no rank gave a gradient, left None).
+
+        Gradients kept in bf16 are cast to fp32 for the optimizer: all at once that is 4 bytes per
+        element of the whole shard alive during ``optimizer.step()`` (4Ψ/N at stage 3, more than
+        the gradient shard itself). So the step runs over batches of targets of at most
+        ``STEP_BATCH_BYTES`` of fp32 gradients, one ``optimizer.step()`` each: the update of an
+        elementwise optimizer is per element, so this is bitwise the single step (targets without
+        a gradient are skipped by each call). It is done in one call — ``optimizer.step()`` runs
+        once per engine step, as torch's — whenever several calls could be seen: the optimizer has
+        step hooks (which would run once per batch), or it is not one of torch's own classes (a
+        class of the script's, or a library's, may count steps per param group: LAMB's bias
+        correction, a warm-up). At stage 3 the tensors read whole are stepped on their owners by
+        batches of units (:mod:`zerodp.engine.exchange`), or all at once in that one call."""
+        exchange = self.exchange
+        cast = any(g is not None and g.dtype != master_dtype for g in grads)
+        one_call = (exchange is not None or cast) and _one_call(self.optimizer)
+        if exchange is not None and not one_call:  # whole tensors stepped on their owners, by batch of units
+            for units in exchange.batches():
+                exchange.bring(unused, units)
+                self.step()
+                self.zero_grad()
+                exchange.send_back()
+        elif exchange is not None:  # one call: every unit's tensors at once
+            exchange.bring(unused)
+        batches = [range(len(grads))]
+        if cast and not one_call:
+            batches, start, size = [], 0, 0
+            for i, g in enumerate(grads):
+                size += 0 if g is None else 4 * g.numel()
+                if size >= STEP_BATCH_BYTES:
+                    batches.append(range(start, i + 1))
+                    start, size = i + 1, 0
+            batches.append(range(start, len(grads)))
+        if exchange is not None and not one_call and not any(g is not None for g in grads):
+            batches = []  # every tensor was stepped whole on its owner: no flat target to step
+        for batch in batches:
+            chosen = set(batch)
+            self.attach_grads([g if i in chosen else None for i, g in enumerate(grads)], unused)
+            self.step()
+            self.zero_grad()
+        if exchange is not None and one_call:
+            exchange.send_back()
 
     def attach_grads(self, grads: list[torch.Tensor | None], unused: set[str] = frozenset()) -> None:
         """``target.tensor.grad`` ← the fp32 gradient of each target (None skips it this step).

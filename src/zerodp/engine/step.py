@@ -27,8 +27,6 @@ from zerodp.engine.trace import COMPUTE
 
 #: gradient reductions allowed in flight before the oldest is waited for (bounds transient buffers)
 MAX_REDUCE_IN_FLIGHT = 2
-#: the most fp32 gradient bytes cast at once for the optimizer step (see ``_optimizer_step``)
-STEP_BATCH_BYTES = 16 * 1024 * 1024
 
 
 class StepMachine:
@@ -168,50 +166,9 @@ class StepMachine:
         return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self.engine._target_slices]
 
     def optimizer_step(self) -> None:
-        """Attach fp32 gradients to the master targets, step the stock optimizer, detach, then
-        ``_publish_params``.
-
-        Gradients kept in bf16 are cast to fp32 for the optimizer: all at once that is 4 bytes per
-        element of the whole shard alive during ``optimizer.step()`` (4Ψ/N at stage 3, more than
-        the gradient shard itself). So the step runs over batches of targets of at most
-        ``STEP_BATCH_BYTES`` of fp32 gradients, one ``optimizer.step()`` each: the update of an
-        elementwise optimizer is per element, so this is bitwise the single step (targets without
-        a gradient are skipped by each call). It is done in one call — ``optimizer.step()`` runs
-        once per engine step, as torch's — whenever several calls could be seen: the optimizer has
-        step hooks (which would run once per batch), or it is not one of torch's own classes (a
-        class of the script's, or a library's, may count steps per param group: LAMB's bias
-        correction, a warm-up)."""
-        grads = self.master_grads()
-        exchange = self.engine.master.exchange
-        cast = any(g is not None and g.dtype != self.engine.dtypes.master for g in grads)
-        one_call = (exchange is not None or cast) and _one_call(self.engine.master.optimizer)
-        if exchange is not None and not one_call:  # stage 3: whole tensors stepped on their owners, by batch of units
-            for units in exchange.batches():
-                exchange.bring(self.engine._unused, units)
-                self.engine.master.step()
-                self.engine.master.zero_grad()
-                exchange.send_back()
-        elif exchange is not None:  # one call: every unit's tensors at once
-            exchange.bring(self.engine._unused)
-        batches = [range(len(grads))]
-        if cast and not one_call:
-            batches, start, size = [], 0, 0
-            for i, g in enumerate(grads):
-                size += 0 if g is None else 4 * g.numel()
-                if size >= STEP_BATCH_BYTES:
-                    batches.append(range(start, i + 1))
-                    start, size = i + 1, 0
-            batches.append(range(start, len(grads)))
-        if exchange is not None and not one_call and not any(g is not None for g in grads):
-            batches = []  # every tensor was stepped whole on its owner: no flat target to step
-        for batch in batches:
-            chosen = set(batch)
-            chosen_grads = [g if i in chosen else None for i, g in enumerate(grads)]
-            self.engine.master.attach_grads(chosen_grads, self.engine._unused)
-            self.engine.master.step()
-            self.engine.master.zero_grad()
-        if exchange is not None and one_call:
-            exchange.send_back()
+        """The optimizer part steps the master on the step's fp32 gradients
+        (:meth:`zerodp.engine.master.MasterOptimizer.step_on`), then the compute parameters follow."""
+        self.engine.master.step_on(self.master_grads(), self.engine._unused, self.engine.dtypes.master)
         self.publish_params()
 
     def publish_params(self) -> None:
@@ -341,24 +298,3 @@ class StepMachine:
         out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.engine.device).set_(st)
                                                   for st in self.grad_pool.free)
         return out
-
-
-def _one_call(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the step must be one ``optimizer.step()`` call (:meth:`StepMachine.optimizer_step`):
-    step hooks, or a member whose class is not torch's own (its per-group counters would run ahead)."""
-    from zerodp.engine.optim import members
-
-    foreign = any(not type(o).__module__.startswith("torch.optim") for o in members(optimizer))
-    return foreign or _has_step_hooks(optimizer)
-
-
-def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` runs hooks (its own or torch's global ones)."""
-    from torch.optim import optimizer as torch_optimizer
-
-    from zerodp.engine.adopt import is_adoption_hook
-
-    hooks = [*torch_optimizer._global_optimizer_pre_hooks.values(),
-             *torch_optimizer._global_optimizer_post_hooks.values()]
-    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or any(not is_adoption_hook(h) for h in hooks))
