@@ -8,7 +8,7 @@ from __future__ import annotations
 from zerodp.bench.contenders import CONTENDERS
 from zerodp.bench.schedule import stage_groups
 from zerodp.bench.spec import BenchSpec
-from zerodp.plan.units import MIB
+from zerodp.plan._common import MIB
 
 #: per rank and contender, bytes per parameter of fp32 training with AdamW, unsharded: params 4 +
 #: grads 4 + Adam m, v 8, plus the transients of a step (gathered or staged copies, the optimizer's

@@ -107,7 +107,7 @@ from zerodp.bench.contenders import CONTENDERS, variant_of
 from zerodp.bench.results import BenchResult, ContenderResult, RegimeResult
 from zerodp.bench.runner import rank_bench, rank_memory
 from zerodp.bench.spec import UNIT, BenchSpec, Device, Memory, Regime
-from zerodp.plan.units import MIB
+from zerodp.plan._common import MIB
 
 
 def run_bench(spec: BenchSpec, timeout: float = 1800.0) -> BenchResult:

@@ -16,7 +16,7 @@ from zerodp.bench.contenders import VARIANTS
 from zerodp.bench.results import PREDICTION_TOLERANCE, BenchResult, compressed_rows
 from zerodp.bench.spec import UNIT, Memory
 from zerodp.bench.tables import compiled_table, compressed_table, contenders_table, summary_table
-from zerodp.plan.units import MIB
+from zerodp.plan._common import MIB
 
 
 def _rel(path: str, md_path: str) -> str:

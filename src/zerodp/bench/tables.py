@@ -9,7 +9,7 @@ from zerodp.bench.contenders import CONTENDERS, VARIANTS, Optimizer, compiled_pe
 from zerodp.bench.probe import Malloc
 from zerodp.bench.results import BenchResult, compiled_rows, compressed_rows, display_label, muon_rows, muon_verdicts
 from zerodp.bench.spec import Device
-from zerodp.plan.units import MIB
+from zerodp.plan._common import MIB
 
 
 def _mib(v) -> str:

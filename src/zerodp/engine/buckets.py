@@ -24,9 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zerodp.plan.units import MIB
 
-MB = MIB  # DDP's bucket_cap_mb counts mebibytes
 
 
 def cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> None:

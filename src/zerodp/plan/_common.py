@@ -17,12 +17,21 @@ BF16 = 2  # bytes per bf16 (and fp16) element: the planner's 16-bit unit
 MB = 1e6
 GB = 1e9
 TB = 1e12
+MIB = 1 << 20  # binary units: bucket sizes (DDP's bucket_cap_mb counts mebibytes) and measured memory
 
 _SUFFIX = {
     "": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
     "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40,
 }
 _QUANTITY = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]{0,3})\s*$")
+
+def fmt_mib(n: float) -> str:
+    """Bytes in binary units: ``512 B``, ``3.40 MiB``, ``1.25 GiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
 
 
 def parse_quantity(text: str | float | int, what: str = "value", count: bool = False) -> float:

@@ -28,7 +28,7 @@ from zerodp.plan._common import read_json
 from zerodp.plan.collectives import RingCost
 from zerodp.plan.roofline import FORWARD_FLOPS_PER_TOKEN_PARAM
 from zerodp.plan.timeline import Layer, sweep_buckets
-from zerodp.plan.units import MIB
+from zerodp.plan._common import MIB
 
 ETA_UNCERTAINTY = 0.25  # η is measured on one pattern and varies run to run (bench.overlap)
 REGRET_TOLERANCE = 0.01  # sizes whose worst regret is within 1 % of the least count as equal

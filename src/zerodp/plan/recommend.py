@@ -61,7 +61,8 @@ from zerodp.plan.memory import HEADROOM, RECOMPUTE, RECOMPUTE_MODES, memory_plan
 from zerodp.plan.models import get_model
 from zerodp.plan.ownership import PER_TENSOR, check_optimizer
 from zerodp.plan.roofline import threshold
-from zerodp.plan.units import MIB, STAGE_NAMES
+from zerodp.plan._common import MIB
+from zerodp.plan.units import STAGE_NAMES
 
 #: the bucket sizes searched for stages 0-2, MiB (25: PyTorch DDP's bucket_cap_mb)
 BUCKET_MB = (25, 100, 400)

@@ -1,9 +1,9 @@
-"""Names and units every part of zerodp shares, defined once (torch-free).
+"""Names every part of zerodp shares, defined once (torch-free; units are
+``zerodp.plan._common``'s: ``MIB``, a mebibyte — DDP's ``bucket_cap_mb`` and the engine's
+``bucket_mb`` count these — and ``fmt_mib``).
 
-``MIB``: a mebibyte (DDP's ``bucket_cap_mb`` and the engine's ``bucket_mb`` count these);
 ``AUTO``: the value that asks for a chosen bucket size (``bucket_mb="auto"``, guide §4);
-``STAGE_NAMES``: what stage 0-3 are called (guide §9); :func:`fmt_mib`: bytes in binary units,
-as memory is measured. (The planner's tables use decimal units: ``zerodp.plan._common.fmt_bytes``.)
+``STAGE_NAMES``: what stage 0-3 are called (guide §9).
 :func:`plan_buckets`: which parameters share a gradient bucket (guide §4), the one plan the engine
 (``zerodp.engine.reducer``) and the planner (``zerodp.plan.ownership``) both use;
 :func:`lpt_slice`: the slice a bucket of whole tensors needs when they are packed into N slices;
@@ -17,7 +17,8 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-MIB = 1 << 20
+from zerodp.plan._common import MIB, fmt_mib  # noqa: F401 - fmt_mib: the engine's stats read it here
+
 AUTO = "auto"
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -27,14 +28,6 @@ MAX_WHOLE_PADDING = 0.10
 #: Owners balance optimizer state by filling a slice up to this much above the even share (or up
 #: to the largest-first slice, when that is larger): :meth:`OwnerLedger.assign`.
 OWNER_SLACK = 0.01
-
-
-def fmt_mib(n: float) -> str:
-    """Bytes in binary units: ``512 B``, ``3.40 MiB``, ``1.25 GiB``."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def lpt_slice(sizes: list[int], n: int) -> int:

@@ -19,10 +19,9 @@ import statistics
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from zerodp.plan.units import MIB, fmt_mib
+from zerodp.plan._common import MIB, fmt_mib
 from zerodp.train.progress import METRICS_FILE, read_metrics
 
-MiB = MIB
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -194,10 +193,10 @@ def memory_rows(stats: list[dict]) -> str:
     rows = []
     for k in kinds + ["total"]:
         vals = [sum(s["memory"].values()) if k == "total" else s["memory"].get(k, 0) for s in stats]
-        row = [k] + [v / MiB for v in vals] + [vals[0] / n]
+        row = [k] + [v / MIB for v in vals] + [vals[0] / n]
         if formula:
             f = formula.get(k)
-            row.append("" if f is None else f / MiB)
+            row.append("" if f is None else f / MIB)
         rows.append(row)
     return table(headers, rows)
 
