@@ -14,6 +14,8 @@ dataclass whose ``to_dict()`` is JSON-ready with documented keys. Bad input rais
 - diloco:      replica groups that talk rarely (guide §16): DiLoCo / Streaming DiLoCo over
                hybrid ZeRO, cross-group bytes per step, outer state, step times and the
                bandwidth below which DiLoCo's step beats hybrid ZeRO's
+- goodput:     goodput under node failures: restart every rank from a checkpoint (Young's and
+               the best interval) vs heal one replica group from a live peer (issue 52)
 - batch:       gbs = mbs × grad_acc × dp
 - recommend:   the fastest configuration that fits, ranked (docs/planner.md, "recommend")
 - timeline:    bucketed-overlap and FSDP-prefetch event simulation, bucket-size sweep
@@ -29,6 +31,9 @@ from zerodp.plan.collectives import (KINDS, CollectiveTime, HierarchicalCost, Ri
 from zerodp.plan.diloco import (DiLoCoBytes, DiLoCoPlan, DiLoCoSettings, GroupLink,
                                 diloco_bytes, diloco_plan, group_link, measured_loss,
                                 outer_state_bytes)
+from zerodp.plan.goodput import (Goodput, HealGoodput, best_interval, daly_interval,
+                                 failure_domains, goodput_plan, goodput_table, heal_goodput,
+                                 restart_goodput, young_interval)
 from zerodp.plan.hardware import (PRESETS as HARDWARE_PRESETS, Hardware, get_hardware,
                                   hardware_from_dict, hardware_names, load_hardware,
                                   save_hardware, with_inter_group)
@@ -68,4 +73,6 @@ __all__ = [
     "Candidate", "Recommendation", "recommend",
     "DiLoCoBytes", "DiLoCoPlan", "DiLoCoSettings", "GroupLink", "diloco_bytes", "diloco_plan",
     "group_link", "measured_loss", "outer_state_bytes", "with_inter_group",
+    "Goodput", "HealGoodput", "best_interval", "daly_interval", "failure_domains", "goodput_plan",
+    "goodput_table", "heal_goodput", "restart_goodput", "young_interval",
 ]

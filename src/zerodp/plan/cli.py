@@ -707,6 +707,60 @@ def cmd_validate(args) -> int:
     return 0 if v.ok else 1
 
 
+def _nodes_list(text):
+    """``--nodes`` of plan goodput: one count or a comma-separated list (a row each)."""
+    parse = _int_qty("nodes", 1, **_GPUS)
+    return [parse(t) for t in str(text).split(",") if t.strip()]
+
+
+def cmd_goodput(args) -> int:
+    """Restart from a checkpoint vs heal from a peer replica group, under node failures
+    (zerodp.plan.goodput, docs/reliability.md)."""
+    from zerodp.plan.goodput import HOUR, fmt_duration, goodput_table
+    hw = get_hardware(args.hardware)
+    gpn = args.gpus_per_node or hw.devices_per_node
+    g = gpn if args.shard_size in (None, NODE) else args.shard_size
+    if args.state_bytes is None:
+        model = _model(args, default="llama3-8b")
+        mp = memory_plan(model, max(args.nodes) * gpn, hw, args.precision, shard_size=g)
+        row = next(s for s in mp.stages if s["stage"] == args.stage)
+        state, what = row["param_bytes"] + row["optimizer_bytes"], (
+            f"{model.name} at stage {args.stage}, {args.precision}: parameters and optimizer state")
+    else:
+        state, what = args.state_bytes, "given"
+    bw = args.transfer_bw or hw.inter_group_bw or hw.inter_bw / gpn
+    if not bw:
+        raise ValueError(f"{hw.name} has no inter-node network: give --transfer-bw")
+    plans = goodput_table(args.nodes, gpus_per_node=gpn, shard_size=g,
+                          mtbf_node_s=args.mtbf_hours * HOUR, state_bytes=state, transfer_bw=bw,
+                          ckpt_s=args.ckpt_s, restart_s=args.restart_s, quorum_s=args.quorum_s,
+                          step_s=args.step_s, interval_s=args.ckpt_interval_s)
+    pct = "{:.1%}".format
+    rows = [[f"{p.nodes:,}", f"{p.gpus:,}", f"{p.replicas:,}", fmt_duration(p.job_mtbf_s),
+             fmt_duration(p.interval_s), pct(p.restart_goodput), fmt_duration(p.best_interval_s),
+             pct(p.restart_best_goodput), fmt_duration(p.heal.down_s), pct(p.heal.goodput),
+             f"{100 * p.gain:+.1f} pts", f"{p.gain * p.gpus * 24:,.0f}"] for p in plans]
+    first = plans[0]
+    head = (f"Goodput under failures (committed work / fault-free): {hw.name}, {gpn} GPUs per node, "
+            f"MTBF {args.mtbf_hours:,.0f} h per node, replica groups of {g} GPUs "
+            f"(failure domain: {first.domains.what}); checkpoint write {fmt_duration(args.ckpt_s)}, "
+            f"restart {fmt_duration(args.restart_s)}, quorum {fmt_duration(args.quorum_s)}, step "
+            f"{fmt_duration(args.step_s)}")
+    interval = "given" if args.ckpt_interval_s is not None else "Young, sqrt(2 C M)"
+    text = "\n".join([
+        table(["nodes", "GPUs", "R", "job MTBF", f"ckpt every ({interval.split(',')[0]})",
+               "restart", "best every", "restart there", "group down", "heal",
+               "heal - restart", "GPU-h/day"], rows, title=head),
+        f"restart: every rank from the newest checkpoint, G = tau / (M e^(R/M) (e^((tau+C)/M) - 1)) "
+        f"(Daly 2006) at tau = {interval} and at the best tau; heal: the failed group restarts and "
+        f"fetches {fmt_bytes(state)} per GPU ({what}) from a peer at {fmt_bytes(bw)}/s "
+        f"({fmt_duration(first.transfer_s)}) while R-1 groups step on, each failure and rejoin "
+        f"stalling them one step and a quorum (zerodp.plan.goodput)",
+        "GPU-h/day: GPU-hours of work a day that healing keeps and restarting loses (vs restart "
+        "at the best tau)"])
+    return _emit(args, {"plans": [p.to_dict() for p in plans]}, text)
+
+
 # ---------------------------------------------------------------------------------------------
 def add_parser(subparsers) -> None:
     plan = subparsers.add_parser("plan", help="the guide's cost models: memory, comm, roofline, "
@@ -900,6 +954,57 @@ def add_parser(subparsers) -> None:
     _diloco_options(p, compute=False)
     _inter_group(p)
     p.set_defaults(func=cmd_recommend)
+
+    p = sub.add_parser("goodput", help="restart from a checkpoint vs heal from a peer, under "
+                       "node failures", formatter_class=_Help,
+                       description="Goodput (committed work over a fault-free run's) when nodes "
+                                   "fail at random with --mtbf-hours each: restarting every rank "
+                                   "from the newest checkpoint (Young's and the best checkpoint "
+                                   "interval) against torchft-style replica groups, where only the "
+                                   "failed group restarts and heals from a live peer while the "
+                                   "others step on (docs/reliability.md, 'Goodput under "
+                                   "failures').")
+    _common(p, model=True)
+    from zerodp.plan.goodput import CKPT_S, LLAMA3_NODE_MTBF_H, QUORUM_S, RESTART_S, STEP_S
+    g = p.add_argument_group("cluster and failures")
+    g.add_argument("--nodes", type=_nodes_list, default=[16, 128, 512, 2048], metavar="N[,N...]",
+                   help="nodes: one count, or several separated by commas (a row each)")
+    _alias(g, "--nproc", "--gpus-per-node", dest="gpus_per_node",
+           type=_int_qty("nproc", 1, 100_000), default=None,
+           help="GPUs (ranks) per node (default: the hardware's, 8 on H100)")
+    g.add_argument("--shard-size", type=_shard_size_type, default=NODE, metavar="G",
+                   help="GPUs per replica group, a multiple or a divisor of --nproc; 'node': "
+                        "one node per group")
+    g.add_argument("--mtbf-hours", type=_qty("mtbf-hours", 0, 1e9, "hours"),
+                   default=round(LLAMA3_NODE_MTBF_H), metavar="H",
+                   help="mean time between failures of one node, hours (default: Llama 3 405B's "
+                        "419 unexpected interruptions in 54 days on 2,048 nodes)")
+    c = p.add_argument_group("times (seconds)")
+    for flag, dflt, text in (
+            ("--ckpt-s", CKPT_S, "a checkpoint write, blocking"),
+            ("--restart-s", RESTART_S, "from a failure to the first new step: detect, start, "
+                                       "initialise, read the checkpoint"),
+            ("--quorum-s", QUORUM_S, "a quorum change: the lighthouse notices the failure or "
+                                     "the rejoin and the process groups reconfigure"),
+            ("--step-s", STEP_S, "one training step (the one in flight at a failure is lost)")):
+        c.add_argument(flag, type=_qty(flag[2:], 0, 1e9, "seconds", allow_zero=True),
+                       default=dflt, metavar="S", help=text)
+    c.add_argument("--ckpt-interval-s", type=_qty("ckpt-interval-s", 0, 1e9, "seconds"),
+                   metavar="S", help="compute between checkpoints of the restart path (default: "
+                                     "Young's sqrt(2 C M))")
+    s = p.add_argument_group("what a healing GPU fetches")
+    s.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=3,
+                   help="ZeRO stage: the shard of parameters and optimizer state per GPU")
+    _precision(s, MEM["precision"])
+    s.add_argument("--state-bytes", type=_qty("state-bytes", 0, 1e15, "a PB at most",
+                                              allow_zero=True),
+                   help="bytes per GPU to fetch (default: the model's parameters and optimizer "
+                        "state at --stage over the group)")
+    s.add_argument("--transfer-bw", type=_qty("transfer-bw", 1, 1e15, "1 B/s to 1 PB/s"),
+                   metavar="BYTES_PER_S",
+                   help="bytes/s per GPU of that fetch (default: the hardware's inter-group "
+                        "bandwidth, else each GPU's share of its node's NICs)")
+    p.set_defaults(func=cmd_goodput)
 
     p = sub.add_parser("report", help="the guide's worked examples, recomputed", formatter_class=_Help)
     _common(p, hardware=False)
