@@ -15,6 +15,10 @@ def __getattr__(name):
         from zerodp.engine import parallelize
 
         return parallelize
+    if name == "DiLoCo":  # the outer loop's settings: parallelize(..., outer=zerodp.DiLoCo(every=H))
+        from zerodp.engine.config import DiLoCo
+
+        return DiLoCo
     if name == "check":  # a subpackage; importing it sets the attribute, as for any submodule
         import importlib
 

@@ -17,10 +17,11 @@ Entry point: :func:`parallelize`. Every module, one concept each (docs/layout.md
 - ``deferred`` / ``devices`` / ``module_view`` / ``nest`` / ``compiled``  meta models, device checks,
                    stage 3's module view, nested inputs, host bookkeeping kept out of compiled graphs
 - ``quant``        blockwise int8, ZeRO++ qwZ and qgZ (guide §15);  ``schedule``  stage 3's unit schedule
+- ``outer``        DiLoCo's outer loop over the replica groups of hybrid sharding (guide §16)
 - ``trace`` / ``stats``  the per-rank event recorder; measured memory and comm vs the guide's formulas
 """
 
 from zerodp.engine.api import engine_class, parallelize
-from zerodp.engine.config import EngineConfig, MixedPrecision
+from zerodp.engine.config import DiLoCo, EngineConfig, MixedPrecision
 
-__all__ = ["parallelize", "engine_class", "EngineConfig", "MixedPrecision"]
+__all__ = ["parallelize", "engine_class", "EngineConfig", "MixedPrecision", "DiLoCo"]

@@ -34,7 +34,8 @@ used by stage 3 only (FSDP units, guide §10.3); stages 0-2 ignore it.
 A stage subclass sets ``stage``, then in ``__init__`` (after ``super().__init__``) sets the
 dtypes (``construction.set_dtypes``), builds ``self.groups`` with ``construction.new_group``, runs
 ``construction.check_consistency`` and ``construction.init_groups()``, builds its ``hooks`` (which
-call ``GradBuffers.take`` and ``machine.launch_reduce``) and calls ``construction.start_clock()``;
+call ``GradBuffers.take`` and ``machine.launch_reduce``), calls ``bind_outer()`` (the DiLoCo outer
+loop takes the groups, :mod:`zerodp.engine.outer`) and ``construction.start_clock()``;
 it defines ``_local_used`` and ``_step_unused`` (torch's ``.grad is None`` rule at ``step()``):
 :mod:`zerodp.engine.reducer` (stages 0-2) and :mod:`zerodp.engine.fsdp` (stage 3) are the two.
 """
@@ -65,6 +66,7 @@ from zerodp.engine.guard import NonFiniteGuard
 from zerodp.engine.master import MasterOptimizer, OptimizerFactory
 from zerodp.engine.nest import cast_floats, grad_tensors
 from zerodp.engine.optim import EngineOptimizer, from_built, is_built
+from zerodp.engine.outer import OuterLoop, outer_shard_size
 from zerodp.engine.state_dict import (BUFFER, Checkpoint, load_optimizer_state_dict,  # noqa: F401 - BUFFER: hf reads it here
                                      load_state_dict, optimizer_state_dict, state_dict)
 from zerodp.engine.stats import collect_stats, measured_bytes
@@ -227,12 +229,21 @@ class StageEngine(nn.Module):
         self.construction = Construction(self)  # building the flat groups, once (zerodp.engine.construct)
         self.machine = StepMachine(self)  # the step's state and what moves it (zerodp.engine.step)
         self.shard_size = self.construction.shard_size()
+        if config.outer is not None:  # DiLoCo (guide §16): replica groups that talk only in its syncs
+            self.shard_size = outer_shard_size(config.outer, self.world_size, self.shard_size, self.stage,
+                                               config.shard_size)
+        replicas = None
         if self.shard_size < self.world_size:
             shard_pg, replica_pg = hybrid_groups(self.world_size, self.shard_size, group)
             self.shard_comm = Collectives(self.recorder, shard_pg, leg="intra", timeout_s=timeout_s)
-            self.replica_comm = Collectives(self.recorder, replica_pg, leg="inter", timeout_s=timeout_s)
+            replicas = Collectives(self.recorder, replica_pg, leg="inter", timeout_s=timeout_s)
             self.comm.leg = "world"  # control values (flags, token counts) cross every rank
-        self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, self.replica_comm))
+        self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, replicas))
+        # With the outer loop the inner step is plain ZeRO inside the shard group (no replica
+        # reduction); only the outer loop's syncs cross the groups (zerodp.engine.outer).
+        self.replica_comm = replicas if config.outer is None else None
+        self.outer: OuterLoop | None = None if config.outer is None else OuterLoop(
+            config.outer, stage=self.stage, shard=self.shard_comm, replicas=replicas)
         # what a rank waiting in the step's collectives runs to serve a call another rank makes alone
         this = weakref.ref(self)  # no cycle through the control: `del engine` frees it
         self.control.servers = {STATE_DICT: lambda: this().state_dict(),
@@ -455,8 +466,10 @@ class StageEngine(nn.Module):
             if self.guard is not None and self.guard.should_skip(self):  # collective
                 self.machine.zero_grads()  # inf/NaN somewhere: apply nothing, on every rank
                 self.machine.reset_used()
-            else:
+            elif self.outer is None:
                 self.machine.optimizer_step()
+            else:  # the inner step, then the outer loop's syncs due after it (zerodp.engine.outer)
+                self.outer.step(self.machine.optimizer_step)
             if not self.config.overlap_param_gather:
                 self.machine.wait_params()  # step() returns with the model's parameters up to date
         self.machine.move(StepState.STEPPED)
@@ -470,6 +483,11 @@ class StageEngine(nn.Module):
             self.last_step_time_s = now - self._last_step_end
         self._last_step_end = now
         self.recorder.next_step()
+
+    def bind_outer(self) -> None:
+        """The stage built its flat groups: the outer loop, if any, takes them (guide §16)."""
+        if self.outer is not None:
+            self.outer.bind(self.groups, self.machine.param_gathers, self.dtypes.master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients for the next step. ``param.grad`` becomes None; with ``set_to_none``

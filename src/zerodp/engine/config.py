@@ -68,6 +68,48 @@ class MixedPrecision:
 
 
 @dataclass(frozen=True)
+class DiLoCo:
+    """The outer loop over replica groups (guide §16; :mod:`zerodp.engine.outer`), given to
+    ``parallelize(..., shard_size=g, outer=DiLoCo(every=H))``: each shard group of ``g`` ranks trains
+    alone (ZeRO at the engine's stage inside it) and every ``every`` inner steps the groups average
+    their pseudo-gradients Δ = θ_outer − θ_local and an outer SGD (``lr``, ``momentum``,
+    ``nesterov``: ``torch.optim.SGD``'s) steps θ_outer, which then replaces θ_local.
+
+    ``compress``: None (fp32 on the wire) or ``"int8"`` (blockwise, one fp32 scale per 256 elements,
+    guide §15). ``fragments``: F, Streaming DiLoCo — each rank's outer shard is cut into F equal
+    contiguous ranges, fragment f syncs after the inner steps k with (k − ⌊f·H/F⌋) mod H = 0
+    (steps counted from 1). ``delay``: τ, the fragment's exchange launched at its sync step and
+    applied τ inner steps later (its outer update then replaces the fragment, the local progress of
+    those τ steps included: Streaming DiLoCo's merge with α = 1). 1 ≤ F ≤ H, 0 ≤ τ < H (the planner's
+    :class:`~zerodp.plan.diloco.DiLoCoSettings` checks them)."""
+
+    every: int
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    compress: str | None = None
+    fragments: int = 1
+    delay: int = 0
+
+    def __post_init__(self):
+        s = self.settings()  # the planner's checks, one sentence each
+        object.__setattr__(self, "compress", None if s.compress == "none" else s.compress)
+        for name in ("every", "fragments", "delay"):
+            object.__setattr__(self, name, getattr(s, name))
+        object.__setattr__(self, "lr", float(self.lr))
+        object.__setattr__(self, "momentum", float(self.momentum))
+        object.__setattr__(self, "nesterov", bool(self.nesterov))
+
+    def settings(self):
+        """The same outer loop as the planner takes it (:class:`zerodp.plan.diloco.DiLoCoSettings`)."""
+        from zerodp.plan.diloco import DiLoCoSettings
+
+        return DiLoCoSettings(every=self.every, fragments=self.fragments,
+                              compress="none" if self.compress is None else self.compress, delay=self.delay,
+                              lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+
+
+@dataclass(frozen=True)
 class Dtypes:
     """The engine's mixed-precision policy, resolved once at construction (guide §1, §9): the one
     source every part reads (``engine.dtypes``). ``param``: what the model computes in (parameters,
@@ -220,6 +262,9 @@ class EngineConfig:
     # precision; otherwise the model's own dtype, as torch's optimizers step it (an fp64 model in
     # fp64, a model cast to bf16 in bf16). "fp32" keeps an fp32 master of a bf16 model (+4 B/param).
     master_dtype: "str | torch.dtype | None" = None
+    # Replica groups that talk rarely (guide §16): a DiLoCo outer loop over the shard groups of
+    # shard_size ranks (zerodp.engine.outer); None: every step reduces across the replicas.
+    outer: DiLoCo | None = None
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -253,6 +298,8 @@ class EngineConfig:
         if (self.quantize_params or self.quantize_grads) and self.stage == 0:
             raise ValueError("quantize_params / quantize_grads compress the AllGather and ReduceScatter of "
                              "stages 1-3; stage 0 has neither: use reduce_dtype='bf16' to halve its AllReduce")
+        if self.outer is not None and not isinstance(self.outer, DiLoCo):
+            raise ValueError(f"outer={self.outer!r}: give zerodp.DiLoCo(every=H, ...) (guide §16), or None")
         if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or self.quant_block < 1:
             raise ValueError(f"quant_block={self.quant_block!r}: give a positive number of elements per scale")
         if not ((self.bucket_mb == AUTO or self.bucket_mb > 0) and self.first_bucket_mb > 0):

@@ -163,6 +163,7 @@ class FSDPEngine(StageEngine):
         self.last_peak_gathered_bytes = 0
         self.hooks = UnitHooks(self)  # the module's hooks and what they keep between calls
         self.hooks.install()
+        self.bind_outer()
         self.construction.start_clock()
 
     def _materialize(self, u: Unit) -> None:

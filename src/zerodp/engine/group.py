@@ -91,6 +91,9 @@ class FlatGroup:
         self.master_start = 0  # where ``master`` starts in the layout
         self.param_state = ParamState.SHARDED  # GATHERED from init_values where parameters are not sharded
         self._gather_work: Pending | None = None  # the AllGather in flight, while GATHERING
+        # The outer loop (zerodp.engine.outer) rewrites this group's master right after the inner
+        # step: publish waits for it, so the parameters are gathered once, with the outer update.
+        self.held = False
         self.grads = GradBuffers(  # the gradient half: buffers, reductions, GradState
             label, self.layout, policy, comm, replicas=replicas, params=self.params, trainable=self.trainable,
             bwd=self.bwd, dtypes=dtypes, quant_grads=quant_grads)
@@ -261,7 +264,10 @@ class FlatGroup:
     def publish(self) -> Pending | None:
         """After the optimizer step: ``param_shard`` ← master (a cast where dtypes differ), then
         at stages 1-2 the AllGather that brings every rank the whole updated bucket (guide §9.1
-        step 5). Stage 0 updated ``full`` itself; stage 3 gathers at the next use."""
+        step 5). Stage 0 updated ``full`` itself; stage 3 gathers at the next use. Nothing while
+        ``held`` (the outer loop publishes after its update)."""
+        if self.held:
+            return None
         self.wait_gather()  # the previous step's AllGather still writes into ``full``
         dst = self.param_shard if self.policy.shard_master else self.full
         if dst.data_ptr() != self.master.data_ptr():  # same storage when the dtypes agree

@@ -76,6 +76,7 @@ class BucketEngine(StageEngine):
         frozen = [p for p in module.parameters() if not p.requires_grad]
         self.construction.init_groups(extra_broadcast=frozen + [b for b in module.buffers()])
         self.hooks = BucketHooks(self)  # the gradient hooks and the backward's bucket state
+        self.bind_outer()
         self.construction.start_clock()
 
     def _local_used(self) -> list[bool] | None:

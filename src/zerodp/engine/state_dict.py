@@ -52,6 +52,7 @@ class EngineLike(Protocol):
     param_group_of: list[int]
     buffers: list
     control: Any  # zerodp.engine.comm.Control: user calls, named and bounded
+    outer: Any  # zerodp.engine.outer.OuterLoop, or None
 
     checkpoint: Any  # Checkpoint, below
 
@@ -287,6 +288,8 @@ def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
 
     _load_frozen(engine, {n: values[n] for n in names.frozen if n in values})
     engine.checkpoint.load_state_pieces(read)
+    if engine.outer is not None:  # new weights: the outer loop starts again from them (guide §16)
+        engine.outer.restart()
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -539,6 +542,9 @@ class Checkpoint:
         together they cover every element of every parameter (padding excluded)."""
         self.engine.machine.finish_grad_sync()
         pieces = self.engine.master.pieces(ranges=self._owned_range)
+        outer = self.engine.outer
+        if outer is not None:  # each replica group's own inner state, and the outer state (guide §16)
+            pieces = outer.replica_pieces(pieces) + outer.pieces()
         if self.engine.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
             for name, sub, local in self.engine.state_buffers:
                 buf = getattr(sub, local)
@@ -551,7 +557,10 @@ class Checkpoint:
         self.engine.machine.finish_grad_sync()
         self.engine._take_module_values(fold=True)  # a rebound p.data is taken back before it is overwritten
         self.engine.machine.wait_params()
-        self.engine.master.load_pieces(read)
+        outer = self.engine.outer
+        self.engine.master.load_pieces(read if outer is None else outer.replica_read(read))
+        if outer is not None:
+            outer.load_pieces(read)  # θ_outer, momentum, step count: when the scalars loaded held them
         self.engine.machine.publish_params()
         self.engine.machine.wait_params()
         self._load_buffers(read)
@@ -610,9 +619,16 @@ class Checkpoint:
                     if key in other:
                         for name, value in other[key].items():
                             mine.setdefault(key, {}).setdefault(name, value)
+        if self.engine.outer is not None:
+            mine["outer"] = self.engine.outer.scalars()
         return {"stage": self.engine.stage, **mine}
 
     def load_scalar_state(self, scalars: dict) -> None:
+        """The optimizer's scalars (and the outer loop's, checked before anything is loaded)."""
+        scalars = dict(scalars)
+        outer = scalars.pop("outer", None)
+        if outer is not None and self.engine.outer is not None:
+            self.engine.outer.load_scalars(outer)
         self.engine.master.load_scalar_state(scalars)
 
     def _owned_range(self, target: Target) -> tuple[int, int]:
@@ -620,7 +636,7 @@ class Checkpoint:
         replicas, everything a sharded rank holds — on the first replica only under hybrid
         sharding (the others hold the same shards), so that saved pieces are disjoint."""
         if not self.engine.policy.shard_master:
-            return target.layout.shard_range(self.engine.rank)
+            return target.layout.shard_range(self.engine.shard_comm.rank)
         if self.engine.replica_comm is not None and self.engine.replica_comm.rank > 0:
             return target.flat_start, target.flat_start
         return target.flat_start, target.flat_start + target.tensor.numel()

@@ -37,6 +37,8 @@ from zerodp.engine.trace import COMM, COMPUTE
 #: guide §1: what each kind of tensor is, for ``stats()``; the first four are the "model states".
 MEMORY_KINDS = ("params", "grads", "master", "optimizer_states", "gathered", "comm_buffers")
 MODEL_STATE_KINDS = MEMORY_KINDS[:4]
+#: θ_outer and momentum of the DiLoCo outer loop (guide §16.3), listed only where there is one
+OUTER_KIND = "outer_states"
 
 
 @dataclass
@@ -68,6 +70,10 @@ class EngineStats:
     # The optimizer's placement and its price over every flat group (Checkpoint.layout_cost):
     # "flat" or "owner", padding elements and bytes, elements each rank owns, imbalance bytes.
     layout: dict = field(default_factory=dict)
+    # The DiLoCo outer loop (guide §16; zerodp.engine.outer): its settings, step, state and the
+    # bytes of θ_outer and momentum this rank holds against 8Ψ/g ({} without one). Those bytes are
+    # memory["outer_states"] too (not a model state of the stage's ledger: on top of it, guide §16.3).
+    outer: dict = field(default_factory=dict)
 
     @property
     def model_state_bytes(self) -> int:
@@ -83,7 +89,7 @@ class EngineStats:
         lines = [f"stage {self.stage}, rank {self.rank}/{self.world_size}, Ψ = {self.num_params:,} "
                  f"params ({self.param_dtype}), step {self.step}",
                  f"{'memory kind':<18}{'bytes':>14}{'per param':>11}"]
-        for kind in MEMORY_KINDS:
+        for kind in MEMORY_KINDS + ((OUTER_KIND,) if OUTER_KIND in self.memory else ()):
             v = self.memory.get(kind, 0)
             lines.append(f"  {kind:<16}{fmt_bytes(v):>14}{v / self.num_params:>11.3f}")
         lines.append(f"  {'model states':<16}{fmt_bytes(self.model_state_bytes):>14}"
@@ -139,6 +145,9 @@ def engine_memory(engine) -> dict[str, int]:
     # Gradient shards are freed by zero_grad() until the next reduction: report what the last
     # step's gradients held.
     out["grads"] = max(out.get("grads", 0), getattr(engine, "last_grad_bytes", 0))
+    outer = getattr(engine, "outer", None)
+    if outer is not None:
+        out[OUTER_KIND] = sum(t.untyped_storage().nbytes() for t in outer.state_tensors())
     return out
 
 
@@ -167,6 +176,7 @@ def collect_stats(engine) -> EngineStats:
         step_time_s=engine.last_step_time_s,
         nonfinite=asdict(engine.guard.stats()) if getattr(engine, "guard", None) else {},
         layout=engine.checkpoint.layout_cost() if hasattr(engine, "checkpoint") else {},
+        outer=engine.outer.describe() if getattr(engine, "outer", None) is not None else {},
     )
 
 
