@@ -369,3 +369,15 @@ def test_fuzz_more_schedules_equal_the_update_rule():
     for r in spawn_once(_fuzz, WORLD, timeout=900):
         for key, got in r.items():
             assert got["error"] <= got["bound"], (key, got)
+
+
+def test_train_flags_give_the_outer_loop():
+    from zerodp.train.config import TrainConfig
+
+    cfg = TrainConfig(shard_size=2, diloco_every=50, diloco_fragments=2, diloco_compress="int8", diloco_delay=1)
+    assert cfg.outer() == zerodp.DiLoCo(every=50, fragments=2, compress="int8", delay=1)
+    assert TrainConfig(diloco_compress="none").outer() is None
+    for bad, words in ((dict(diloco_fragments=2), "--diloco-every"), (dict(diloco_every=4), "--shard-size"),
+                       (dict(shard_size=2, diloco_every=2, diloco_delay=2), "delay")):
+        with pytest.raises(ValueError, match=words):
+            TrainConfig(**bad)

@@ -76,6 +76,16 @@ def _add_train(sub) -> None:
     g.add_argument("--shard-size", type=int, default=None, metavar="G",
                    help="hybrid sharding (guide §14): stages 1-3 shard inside groups of G ranks and "
                         "replicate across them (default: one node, torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--diloco-every", type=int, default=None, metavar="H",
+                   help="DiLoCo (guide §16): the --shard-size groups train alone and average their "
+                        "pseudo-gradients every H steps (outer Nesterov SGD, lr 0.7, momentum 0.9); "
+                        "needs at least two groups")
+    g.add_argument("--diloco-fragments", type=int, default=_d("diloco_fragments"), metavar="F",
+                   help="Streaming DiLoCo: sync the model in F fragments at staggered steps (F <= H)")
+    g.add_argument("--diloco-compress", default="none", choices=["none", "int8"],
+                   help="the pseudo-gradients on the wire: fp32, or blockwise int8 (1 + 4/256 bytes each)")
+    g.add_argument("--diloco-delay", type=int, default=_d("diloco_delay"), metavar="TAU",
+                   help="a fragment's exchange runs behind TAU inner steps and its update lands then (TAU < H)")
     g.add_argument("--compress", default="none", choices=list(COMPRESS),
                    help="bytes on the wire, as zerodp plan names them (guide §15): bf16-reduce: "
                         "gradients travel and are reduced in bf16; int8-params / int8-grads / int8: "

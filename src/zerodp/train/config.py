@@ -165,6 +165,11 @@ class TrainConfig:
     shard_size: int | None = None  # hybrid sharding (guide §14): ranks per shard group; None: one node
     reduce_dtype: Precision | None = None  # bf16: gradients travel in bf16 (guide §15)
     quantize: Quantize | None = None  # params, grads or both: int8 collectives (guide §15)
+    # DiLoCo over the shard groups (guide §16, zerodp.engine.outer): sync every H inner steps
+    diloco_every: int | None = None
+    diloco_fragments: int = 1  # Streaming DiLoCo: F fragments at staggered steps
+    diloco_compress: str | None = None  # "int8": the pseudo-gradients in blockwise int8
+    diloco_delay: int = 0  # τ: a fragment's exchange applied τ inner steps after its sync step
     profile: str | None = None  # calibration profile (zerodp calibrate) for --bucket-mb auto
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -221,6 +226,40 @@ class TrainConfig:
         if not 1 <= self.grace_s <= 86400:
             raise ValueError(f"--grace-s must be a number of seconds from 1 to 86400, got {self.grace_s}")
         self._check_bucket()
+        self._check_diloco()
+
+    def _check_diloco(self) -> None:
+        """``--diloco-*`` (guide §16): the planner's checks (F ≤ H, τ < H), and no half outer loop."""
+        if self.diloco_compress == "none":
+            object.__setattr__(self, "diloco_compress", None)
+        if self.diloco_every is None:
+            given = [f"--diloco-{k}" for k, v in (("fragments", self.diloco_fragments != 1),
+                                                   ("compress", self.diloco_compress is not None),
+                                                   ("delay", self.diloco_delay != 0)) if v]
+            if given:
+                raise ValueError(f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} DiLoCo's "
+                                 "outer loop: add --diloco-every H "
+                                 "(inner steps between syncs) and --shard-size G (the replica groups)")
+            return
+        from zerodp.plan.diloco import DiLoCoSettings
+
+        try:
+            DiLoCoSettings(every=self.diloco_every, fragments=self.diloco_fragments,
+                           compress=self.diloco_compress or "none", delay=self.diloco_delay)
+        except ValueError as e:
+            raise ValueError(f"--diloco-*: {e}") from None
+        if self.shard_size is None:
+            raise ValueError("--diloco-every needs --shard-size G: the replica groups of G ranks that sync every "
+                             f"{self.diloco_every} steps (at least two groups: G at most half the ranks)")
+
+    def outer(self):
+        """The engine's ``outer=`` for this run (``zerodp.DiLoCo``), or None without ``--diloco-every``."""
+        if self.diloco_every is None:
+            return None
+        from zerodp.engine.config import DiLoCo
+
+        return DiLoCo(every=self.diloco_every, fragments=self.diloco_fragments, compress=self.diloco_compress,
+                      delay=self.diloco_delay)
 
     def _parse_modes(self) -> None:
         """The settings given as words, as :class:`Mode` members (the one place they are parsed)."""

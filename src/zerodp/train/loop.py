@@ -179,7 +179,7 @@ def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
         units=list(model.blocks) if cfg.stage == 3 else None,
         max_nonfinite_skips=cfg.max_skipped_steps, shard_size=cfg.shard_size, reduce_dtype=cfg.reduce_dtype,
         quantize_params=cfg.quantize is not None and cfg.quantize.params,
-        quantize_grads=cfg.quantize is not None and cfg.quantize.grads)
+        quantize_grads=cfg.quantize is not None and cfg.quantize.grads, outer=cfg.outer())
     return engine, n_params
 
 
