@@ -4,7 +4,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # torch first and pinned: pip then takes the CPU wheel on disk instead of a CUDA build. The
-# planner alone needs no torch (pip install .); training, tests and the demo use the train extra.
+# planner alone needs no torch (pip install .); training, tests and the demo use the train extra,
+# the fault-tolerant replica groups (tests/test_ft_*.py) the ft extra (torchft).
 TORCH   ?= torch==2.13.0
 
 .PHONY: setup demo test test-fast fuzz chaos browser clean gpu-check compat
@@ -14,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev,train]'
+	$(BIN)/pip install -q -e '.[dev,train,ft]'
 	touch $(STAMP)
 
 # Debian's Chromium for the browser tests (never a browser that a tool downloads itself).
