@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import GlobalNormSGD, Net, spawn_once, trajectory_tolerance
+from _engine_common import GlobalNormSGD, Net, regression_batch, shard, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD, ROWS, STEPS = 2, 3, 3
@@ -33,12 +33,25 @@ STAGES = (0, 1, 2, 3)
 
 
 def batch(step: int):
-    g = torch.Generator().manual_seed(900 + step)
-    return torch.randn(WORLD * ROWS, 5, generator=g), torch.randn(WORLD * ROWS, 3, generator=g)
+    return regression_batch(900 + step, WORLD * ROWS)
 
 
 def mine(t: torch.Tensor, rank: int) -> torch.Tensor:
-    return t[rank * ROWS:(rank + 1) * ROWS]
+    return shard(t, rank, ROWS)
+
+
+def train_both(engine, step_engine, ref: nn.Module, ref_opt, rank: int, after=None) -> None:
+    """STEPS steps of the engine (``step_engine()`` steps and zeroes it) and of the reference on
+    the same batches; ``after(step)`` runs the habit between steps."""
+    for step in range(STEPS):
+        x, y = batch(step)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        step_engine()
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if after is not None:
+            after(step)
 
 
 def distance(engine, ref: nn.Module, steps: int) -> str | None:
@@ -104,14 +117,7 @@ def optimizer_reading_across_tensors_is_refused_at_stages_1_to_3(rank, stage):
     if stage > 0:
         return "accepted at a sharded stage: each rank would clip by the norm of its own tensors only"
     ref_opt = GlobalNormSGD(ref.parameters())
-    for step in range(STEPS):
-        x, y = batch(step)
-        engine(mine(x, rank), mine(y, rank)).backward()
-        engine.step()
-        engine.zero_grad()
-        ref(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_both(engine, lambda: (engine.step(), engine.zero_grad()), ref, ref_opt, rank)
     return distance(engine, ref, STEPS)
 
 
@@ -122,18 +128,13 @@ def rebinding_p_data_read_at_rest(rank, stage):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = zerodp.parallelize(model, optimizer=opt, stage=stage, find_unused_parameters=stage < 3)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    def rebind(step):
+        for m in (model, ref):
+            for p in m.parameters():
+                p.data = p.data.clone()
+
     try:
-        for step in range(STEPS):
-            x, y = batch(step)
-            engine(mine(x, rank), mine(y, rank)).backward()
-            opt.step()
-            opt.zero_grad()
-            ref(x, y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            for m in (model, ref):
-                for p in m.parameters():
-                    p.data = p.data.clone()
+        train_both(engine, lambda: (opt.step(), opt.zero_grad()), ref, ref_opt, rank, rebind)
     except RuntimeError as e:
         if stage == 3 and "rebound" in str(e) and "engine.gathered(writeback=True)" in str(e):
             return None
@@ -163,14 +164,7 @@ def module_shared_across_units(rank, stage):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     engine = zerodp.parallelize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
     try:
-        for step in range(STEPS):
-            x, y = batch(step)
-            engine(mine(x, rank), mine(y, rank)).backward()
-            engine.step()
-            engine.zero_grad()
-            ref(x, y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+        train_both(engine, lambda: (engine.step(), engine.zero_grad()), ref, ref_opt, rank)
     except RuntimeError as e:
         if stage == 3 and "'blocks.0.0'" in str(e) and "units=" in str(e):
             return None
