@@ -56,8 +56,8 @@ from pathlib import Path
 from zerodp.plan._common import InputError, ToDict, check_count, check_positive
 from zerodp.plan.collectives import bus_factor, network_cost, ring_steps
 from zerodp.plan.hardware import Hardware, get_hardware, sustained
-from zerodp.plan.hybrid import QUANT_BLOCK, check_placement, int8_bytes, step_bytes_per_leg, step_comm
-from zerodp.plan.memory import PRECISIONS, check_shard_size
+from zerodp.plan.hybrid import QUANT_BLOCK, check_groups, int8_bytes, step_bytes_per_leg, step_comm
+from zerodp.plan.memory import check_shard_size
 from zerodp.plan.units import STAGE_NAMES, STAGES
 
 #: bytes per element of the fp32 pseudo-gradient, outer parameters and momentum
@@ -564,16 +564,10 @@ def diloco_plan(model, hardware: Hardware | str = "H100", n: int = 4, shard_size
     m, name, params = _model_numel(model)
     psi = params if numel is None else check_positive("numel", numel)
     n = check_count("n (GPUs)", n)
-    g = check_shard_size(n, shard_size)
-    r = n // g
     if stage not in STAGES:
         raise InputError(f"stage must be one of 0, 1, 2, 3; got {stage!r}", "stage")
-    if g < n:
-        check_placement(hw, g)
-    if precision not in PRECISIONS:
-        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}",
-                         "precision")
-    prec = PRECISIONS[precision]
+    g, prec = check_groups(hw, n, shard_size, precision)
+    r = n // g
     link = group_link(hw, n, g, inter_group_bw, inter_group_latency)
     by = diloco_bytes(psi, n, g, s, stage, param_bytes=prec["param_bytes"],
                       grad_bytes=prec["grad_bytes"], gathers_per_step=gathers_per_step,

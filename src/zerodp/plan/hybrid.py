@@ -297,6 +297,18 @@ def _on_hardware(c: StepCollective, hw: Hardware, n: int, g: int) -> CollectiveL
                           times[slow], slow if len(legs) > 1 else legs[0][0])
 
 
+def check_groups(hw: Hardware, n: int, shard_size: int | None, precision: str) -> tuple[int, dict]:
+    """The shard-group size g for ``n`` GPUs of ``hw`` (checked to divide n and to sit on the
+    nodes, :func:`check_placement`) and the byte sizes of ``precision``, or one sentence saying what is wrong."""
+    g = check_shard_size(n, shard_size)
+    if g < n:
+        check_placement(hw, g)
+    if precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}",
+                         "precision")
+    return g, PRECISIONS[precision]
+
+
 def step_comm(hardware: Hardware | str, n: int, stage: int, params: float,
               shard_size: int | None = None, precision: str = "bf16", compress: str = "none",
               block: int = QUANT_BLOCK, gathers_per_step: int = 2) -> StepComm:
@@ -306,13 +318,7 @@ def step_comm(hardware: Hardware | str, n: int, stage: int, params: float,
     check_positive("params", params)
     n = check_count("n (data-parallel GPUs)", n)
     network_cost(hw, n)  # one sentence when n does not fit this hardware's network
-    g = check_shard_size(n, shard_size)
-    if g < n:
-        check_placement(hw, g)
-    if precision not in PRECISIONS:
-        raise InputError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}",
-                         "precision")
-    prec = PRECISIONS[precision]
+    g, prec = check_groups(hw, n, shard_size, precision)
     wire = wire_bytes(compress, prec["param_bytes"], prec["grad_bytes"], block)
     ops = step_collectives(stage, params, n, g, param_bytes=wire.wire_param_bytes,
                            grad_bytes=wire.wire_grad_bytes, gathers_per_step=gathers_per_step,
