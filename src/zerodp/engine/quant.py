@@ -21,6 +21,11 @@ below covers; below a narrow dtype's normal range it is half its subnormal step 
 - :func:`reduce_scatter_int8` on ``N`` ranks: ``|y − (1/N)·Σ_r x_r| ≤ (1/N)·Σ_r m_r/254·(1 + 2^-15)
   + 2^-23·Σ_r m_r + 2^-147 + u·|y|``, ``m_r`` the block maximum of rank ``r``'s contribution. Each
   contribution is quantized exactly once; the sum is taken in fp32 (the ``2^-23`` term).
+- the int8 AllReduce (guide §14.4; the DiLoCo outer loop's, :mod:`zerodp.engine.outer`):
+  :func:`reduce_scatter_int8` then :func:`all_gather_int8` of the reduced chunks, fp32 out, the
+  blocks of both aligned: ``|y − (1/N)·Σ_r x_r| ≤ M/127·(1 + 2^-7) + 2^-22·N·M + 2^-146`` with
+  ``M = (1/N)·Σ_r m_r`` — the all-to-all's bound, plus half a step of the mean's own block
+  maximum, which is at most ``M`` plus that bound.
 
 Non-finite input is not hidden: a block holding inf or NaN gets an inf or NaN scale, so every
 element of it dequantizes to inf or NaN and a non-finite check after the collective still fires.
