@@ -19,7 +19,7 @@ import zerodp
 from _engine_common import (ALL_WORLDS, FEW_BUCKETS, NANO, PER_RANK, SMALL_BUCKETS, TRAJECTORY, adamw, gpt_batch,
                             make_gpt, make_odd, max_rel, norm_rel, odd_batch, shard, spawn_once, sum_tolerance,
                             trajectory_tolerance, worst)
-from zerodp.engine.buckets import MB
+from zerodp.plan._common import MIB
 from zerodp.plan.units import plan_buckets
 
 pytestmark = pytest.mark.dist
@@ -332,7 +332,7 @@ def test_chrome_trace_has_every_rank_and_both_lanes(world):
 def test_bucket_plan_is_reverse_small_first_and_never_mixes_groups():
     sizes = [1000, 10, 2000, 10, 3000, 10, 4000, 10]
     groups = [0, 1, 0, 1, 0, 1, 0, 1]
-    plan = plan_buckets(sizes, groups, 4, "bucketed", bucket_mb=8000 * 4 / MB, first_bucket_mb=3000 * 4 / MB)
+    plan = plan_buckets(sizes, groups, 4, "bucketed", bucket_mb=8000 * 4 / MIB, first_bucket_mb=3000 * 4 / MIB)
     assert sorted(i for b in plan for i in b) == list(range(8))
     for b in plan:
         assert len({groups[i] for i in b}) == 1

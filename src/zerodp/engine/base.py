@@ -16,7 +16,7 @@ public API a training script calls (``engine(x, y)``, ``no_sync``,
 - ``engine.machine`` (:class:`~zerodp.engine.step.StepMachine`): the step's state and everything
   that moves it — backward start and end, the queue of collectives in flight, the gradient sync,
   the master step, publishing, zeroing, torch's ``.grad is None`` rule;
-- ``engine.checkpoint`` (:class:`~zerodp.engine.state_dict.Checkpoint`): checkpoint pieces,
+- ``engine.checkpoint`` (:class:`~zerodp.engine.state_dict.CheckpointContract`): checkpoint pieces,
   scalars, full tensors, the layout as data;
 - ``engine.hooks``, the stage's: :class:`~zerodp.engine.reducer.BucketHooks` (stages 0-2) or
   :class:`~zerodp.engine.fsdp.UnitHooks` (stage 3), with the state of the forward and backward in
@@ -67,7 +67,7 @@ from zerodp.engine.master import MasterOptimizer, OptimizerFactory
 from zerodp.engine.nest import cast_floats, grad_tensors
 from zerodp.engine.optim import EngineOptimizer, from_built, is_built
 from zerodp.engine.outer import OuterLoop, outer_shard_size
-from zerodp.engine.state_dict import (BUFFER, Checkpoint, load_optimizer_state_dict,  # noqa: F401 - BUFFER: hf reads it here
+from zerodp.engine.state_dict import (BUFFER, CheckpointContract, load_optimizer_state_dict,  # noqa: F401 - BUFFER: hf reads it here
                                      load_state_dict, optimizer_state_dict, state_dict)
 from zerodp.engine.stats import collect_stats, measured_bytes
 from zerodp.engine.states import StepState
@@ -250,7 +250,7 @@ class StageEngine(nn.Module):
                                 OPTIMIZER_STATE_DICT: lambda: this().optimizer_state_dict(),
                                 FULL_STATE_DICT: lambda: this().full_state_dict(),
                                 EVAL_FORWARD: lambda: this().hooks.serve_evaluation()}
-        self.checkpoint = Checkpoint(self)  # pieces, scalars, full tensors, the layout as data
+        self.checkpoint = CheckpointContract(self)  # pieces, scalars, full tensors, the layout as data
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self.last_comm_peak = 0
         self.last_grad_bytes = 0
@@ -356,7 +356,7 @@ class StageEngine(nn.Module):
             t.register_hook(self.machine.on_output_grad)
         if not torch.is_grad_enabled() or outputs:
             # torch keeps .grad across a forward: the reduced gradients go back on the parameters
-            # (a backward from this output takes them off first, in _on_output_grad), so that
+            # (a backward from this output takes them off first, in StepMachine.on_output_grad), so that
             # model.zero_grad() between this forward and the step is seen (guide §12.9)
             self.machine.attach_sharded_grads()
         return out
@@ -598,7 +598,7 @@ class StageEngine(nn.Module):
         return self.checkpoint.full_grad_dict()
 
     def layout(self) -> list[dict]:
-        """The flat groups as data (:meth:`zerodp.engine.state_dict.Checkpoint.layout`)."""
+        """The flat groups as data (:meth:`zerodp.engine.state_dict.CheckpointContract.layout`)."""
         return self.checkpoint.layout()
 
 

@@ -259,7 +259,6 @@ class UnitHooks:
         self.fwd_order: list[Unit] = []
         self.post_order: list[Unit] = []
         self.deferred: Unit | None = None  # finished forward, not yet freed (maybe the last one)
-        self.kept: Unit | None = None  # the last forward unit, kept gathered into backward
         self.forwarding = False
         self.reduce_this_pass = True
         self.peak_units = 0
@@ -322,7 +321,6 @@ class UnitHooks:
         for u in self.engine.groups:  # e.g. the kept unit of a forward that had no backward
             if u.gathered:
                 self.free(u)
-        self.kept = None
         self.fwd_order = []
         self.post_order = []
         # u.bwd.pending_inputs is NOT reset here: a graph of an earlier forward of this step (two
@@ -411,10 +409,8 @@ class UnitHooks:
         if torch.is_grad_enabled():
             self.watching = False
         if last is not None:
-            if torch.is_grad_enabled() and grad_tensors(out):
-                self.kept = last  # guide §9.3: used first by backward, so never freed: 2L − 1
-            else:
-                self.free(last)
+            if not (torch.is_grad_enabled() and grad_tensors(out)):
+                self.free(last)  # else kept gathered: backward uses it first (guide §9.3: 2L − 1 gathers)
         if not torch.is_grad_enabled():
             self.engine.machine.attach_sharded_grads()  # an evaluation forward of the module keeps .grad, as torch's
         self.close_evaluation()
@@ -510,8 +506,6 @@ class UnitHooks:
                 self.engine.machine.launch_reduce(u)
             else:
                 u.grads.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
-        if self.kept is u:
-            self.kept = None
         self.free(u)
 
     def backward_end(self) -> None:
@@ -523,7 +517,6 @@ class UnitHooks:
         for u in self.engine.groups:
             if u.gathered:
                 self.free(u)
-        self.kept = None
         self.engine.machine.inflight.wait_all()
         for u in self.engine.groups:
             u.reset_backward()
@@ -540,7 +533,7 @@ class UnitHooks:
                 with stack:
                     if self.engine.control.routed:
                         self.engine.control.end_routed()
-        self.deferred = self.kept = None
+        self.deferred = None
         for u in self.engine.groups:
             for ev in (u.bwd.fwd_event, u.bwd.bwd_event):
                 if ev is not None:
@@ -615,7 +608,7 @@ class UnitHooks:
     def free_all(self) -> None:
         for u in self.engine.groups:
             self.free(u)
-        self.kept = self.deferred = None
+        self.deferred = None
 
     def take_peak(self) -> tuple[int, int]:
         """The most units (and bytes) gathered at once since the last call; the count starts again

@@ -343,7 +343,7 @@ class GradBuffers:
     def read(self) -> torch.Tensor | None:
         """The gradient the master reads (same range as ``master``): None in ``GradState.NONE``,
         zeros in ``ZEROS``, the mean over ranks in ``REDUCED``. Local gradients are reduced before
-        anything reads them (``StageEngine._finish_grad_sync``)."""
+        anything reads them (:meth:`~zerodp.engine.step.StepMachine.finish_grad_sync`)."""
         if self.state is GradState.NONE:
             return None
         if self.has_local:

@@ -4,7 +4,7 @@ Guide §3: a parameter's gradient is final as soon as its post-accumulate-grad h
 communication can start right away while backward computes earlier layers. Guide §4: the hooks
 only count down a bucket; when the bucket's last gradient arrived, one collective is launched
 for the whole bucket. A bucket is a :class:`~zerodp.engine.group.FlatGroup` and the collective is
-its :meth:`~zerodp.engine.group.FlatGroup.reduce` — an AllReduce at stage 0, a ReduceScatter at
+its gradients' :meth:`~zerodp.engine.gradbuf.GradBuffers.reduce` — an AllReduce at stage 0, a ReduceScatter at
 stages 1-2, chosen by the stage's :class:`~zerodp.engine.config.Policy` (guide §12.2).
 
 Rules that keep every rank in step (a mismatch would hang, guide §12):
@@ -139,14 +139,15 @@ class BucketHooks:
         if not self.reducing:
             g.grads.end_local()
             return
-        self.ready[g.index] = True
         if self.engine.config.sync != "naive":  # naive (guide §2.5): everything waits for the end of backward
             self.launch_ready()
 
     def launch_ready(self) -> None:
-        ready, n = self.ready, len(self.engine.groups)
-        while self.next < n and ready[self.next]:
-            g = self.engine.groups[self.next]
+        """Launch, in index order, the buckets whose backward is done (while reducing, a bucket's
+        ``Phase.DONE`` is what makes it ready), up to the first one still filling."""
+        groups = self.engine.groups
+        while self.next < len(groups) and groups[self.next].bwd.phase is Phase.DONE:
+            g = groups[self.next]
             self.next += 1
             self.engine.machine.launch_reduce(g)
 
@@ -158,7 +159,6 @@ class BucketHooks:
                 for g in self.engine.groups:
                     if g.bwd.phase is not Phase.DONE:
                         missing += [g.names[g.trainable[j]] for j in g.post_backward()]
-                        self.ready[g.index] = True
                 self.launch_ready()
                 self.engine.machine.inflight.wait_all()
                 if missing and not self.engine.config.find_unused_parameters:
@@ -188,18 +188,16 @@ class BucketHooks:
         the results."""
         if self.reducing:
             for g in self.engine.groups[self.next:]:
-                if not self.ready[g.index]:
+                if g.bwd.phase is not Phase.DONE:
                     self.engine.machine.bound_in_flight(g)
                     g.post_backward()
-                    self.ready[g.index] = True
                 self.launch_ready()
         self.reset_backward()
 
     def reset_backward(self) -> None:
         for g in self.engine.groups:
             g.reset_backward()
-        self.ready = [False] * len(self.engine.groups)
-        self.next = 0
+        self.next = 0  # the next bucket to launch, in index order
         self.reducing = False
 
     def abort_forward(self) -> None:

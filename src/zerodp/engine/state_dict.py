@@ -54,7 +54,7 @@ class EngineLike(Protocol):
     control: Any  # zerodp.engine.comm.Control: user calls, named and bounded
     outer: Any  # zerodp.engine.outer.OuterLoop, or None
 
-    checkpoint: Any  # Checkpoint, below
+    checkpoint: Any  # CheckpointContract, below
 
     @property
     def module(self) -> torch.nn.Module: ...
@@ -527,7 +527,7 @@ def _check_optimizer_state(names: _Names, group_of: dict[str, int], n_groups: in
 
 
 # ---- the engine's side of the contract ------------------------------------------------------------
-class Checkpoint:
+class CheckpointContract:
     """The checkpoint contract of a stage engine, one part of it (``engine.checkpoint``): the
     pieces each rank saves and loads, the optimizer's scalars, full tensors gathered from the
     shards, the flat layout as data. The standard state dicts by name (the functions above) are

@@ -67,7 +67,7 @@ class EngineStats:
     compute_s: dict[str, float] = field(default_factory=dict)  # forward / backward / step spans
     step_time_s: float | None = None
     nonfinite: dict = field(default_factory=dict)  # the skip guard's counters (engine.guard)
-    # The optimizer's placement and its price over every flat group (Checkpoint.layout_cost):
+    # The optimizer's placement and its price over every flat group (CheckpointContract.layout_cost):
     # "flat" or "owner", padding elements and bytes, elements each rank owns, imbalance bytes.
     layout: dict = field(default_factory=dict)
     # The DiLoCo outer loop (guide §16; zerodp.engine.outer): its settings, step, state and the

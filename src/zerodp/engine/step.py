@@ -89,7 +89,7 @@ class StepMachine:
         """zero_grad after a raised backward: the stage completes the collectives the backward
         would have launched, so that every rank has issued the same ones whatever its data did
         before the raise; wait for them, reset every group's backward state, and leave the
-        gradients to ``_zero_grad``, which drops them."""
+        gradients to ``zero_grads``, which drops them."""
         if self.backward_event is not None:
             self.engine.recorder.end(self.backward_event)
             self.backward_event = None

@@ -16,7 +16,7 @@ How a gradient travels (:meth:`zerodp.engine.reducer.BucketHooks.grad_ready`, th
 
 1. autograd produces ``param.grad``; its hook copies it into the bucket's ``grad_full`` (allocated
    by the bucket's first gradient, in the reduce dtype) and drops ``param.grad``;
-2. when the bucket's last gradient arrived, :meth:`FlatGroup.reduce` issues the ReduceScatter —
+2. when the bucket's last gradient arrived, :meth:`~zerodp.engine.gradbuf.GradBuffers.reduce` issues the ReduceScatter —
    straight into the bucket's gradient shard on the first reduction of a step, into a
    shard-sized scratch on later micro-batches (then added to the shard);
 3. when it completes, ``grad_full`` is released: its storage waits in the engine's small pool for
