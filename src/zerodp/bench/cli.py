@@ -4,6 +4,7 @@ step from it, and check the predictions against it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -70,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     runconfig.add_alias(b, "--stage", stages)  # one stage is a list of one: --stage 3
     b.add_argument("--regimes", default="compute,comm",
                    help="comma-separated: compute (8×256 tokens/rank), comm (1×32), or a number of "
-                        "tokens per rank (default compute,comm)")
+                        "tokens per rank (default compute,comm); diloco: DiLoCo against DDP and hybrid "
+                        "ZeRO on a simulated slow link (its options below)")
     b.add_argument("--steps", type=int, default=None,
                    help="timed steps per contender in the costliest regime; cheaper regimes "
                         "time proportionally more, up to 5x (default 6)")
@@ -123,6 +125,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the fresh memory groups' allocator: glibc as it comes (default), or its mmap threshold "
                         "fixed at 128 KiB (mmap: freed buffers leave the resident set, RSS follows the live tensors)")
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    g = b.add_argument_group("the diloco regime (--regimes diloco, guide §16): DDP, hybrid ZeRO and DiLoCo "
+                             "over it, cross-group bytes per step and step times on a simulated link")
+    g.add_argument("--diloco-every", type=int, default=100, metavar="H", help="inner steps between syncs")
+    g.add_argument("--diloco-fragments", type=int, default=1, metavar="F", help="Streaming DiLoCo's fragments")
+    g.add_argument("--diloco-compress", default="none", choices=["none", "int8"],
+                   help="the pseudo-gradients on the wire")
+    g.add_argument("--diloco-delay", type=int, default=0, metavar="TAU", help="inner steps an exchange runs behind")
+    g.add_argument("--inter-group-bw", default=None, metavar="W[,W...]",
+                   help="simulated bandwidths between the groups, bytes/s per rank (e.g. 50MB,200MB): one "
+                        "timed phase each; the collectives across the groups complete no sooner than "
+                        "latency x ring steps + bytes sent / W after their launch (a throttle in the bench only)")
+    g.add_argument("--inter-group-latency", default="0", metavar="S",
+                   help="the simulated link's latency per ring step (e.g. 20us)")
     runconfig.add_config_options(b, "zerodp bench")
     b.set_defaults(func=run_bench_cmd, _config_out="out")  # OUT/config.toml: the resolved settings
 
@@ -364,6 +379,55 @@ def bench_command_line(args) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+def _seconds(text: str) -> float:
+    """``--inter-group-latency``: seconds, or a number with s, ms, us or µs."""
+    t = str(text).strip().lower()
+    for suffix, scale in (("µs", 1e-6), ("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if t.endswith(suffix):
+            return float(t[:-len(suffix)]) * scale
+    return float(t)
+
+
+def run_diloco_regime(args, model: str) -> int:
+    """``--regimes diloco`` (:mod:`zerodp.bench.diloco`): per stage of ``--stages``, the table and
+    OUT/diloco-s<stage>.json."""
+    import os
+
+    from zerodp.bench import diloco
+    from zerodp.plan._common import parse_quantity
+
+    bws = tuple(parse_quantity(w, "--inter-group-bw") for w in args.inter_group_bw.split(",")) \
+        if args.inter_group_bw else ()
+    g = args.shard_size or args.nproc // 2
+    os.makedirs(args.out, exist_ok=True)
+    for stage in _int_list("stages", args.stages):
+        spec = diloco.DiLoCoBenchSpec(
+            model=model, world_size=args.nproc, shard_size=g, stage=stage, every=args.diloco_every,
+            fragments=args.diloco_fragments, delay=args.diloco_delay,
+            compress=None if args.diloco_compress == "none" else args.diloco_compress,
+            steps=args.steps or 0, warmup=args.warmup if args.warmup is not None else 2, bandwidths=bws,
+            latency=_seconds(args.inter_group_latency))
+        ranks = diloco.run(spec)
+        path = os.path.join(args.out, f"diloco-s{stage}.json")
+        out = {"spec": dataclasses.asdict(spec), "ranks": ranks, "planned": diloco.predicted_bytes(spec, ranks[0])}
+        if len(bws) >= 2:
+            out["crossover"] = diloco.crossover(spec, ranks)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        if args.json:
+            print(json.dumps(out, indent=1))
+            continue
+        print(diloco.table(spec, ranks))
+        cross = out.get("crossover")
+        if cross and cross["measured_bytes_per_s"] and cross["planned_bytes_per_s"]:
+            print(f"crossover: DiLoCo's step is the shorter below {cross['measured_bytes_per_s'] / 1e6:.1f} MB/s "
+                  f"measured, {cross['planned_bytes_per_s'] / 1e6:.1f} MB/s planned (diloco_plan with the measured "
+                  f"inner step {cross['inner_step_s'] * 1e3:.1f} ms and outer work "
+                  f"{cross['outer_local_s_per_sync'] * 1e3:.2f} ms per sync)")
+        print(f"wrote {path}\n")
+    return 0
+
+
 def run_bench_cmd(args) -> int:
     import os
 
@@ -371,6 +435,15 @@ def run_bench_cmd(args) -> int:
     from zerodp.bench.spec import BenchSpec
     from zerodp.train.model import PRESETS
 
+    names = [v.strip() for v in args.regimes.split(",") if v.strip()]
+    if "diloco" in names:  # the DiLoCo regime (guide §16): its own contenders and table
+        model = args.model or ("nano" if args.quick else "tiny")
+        trainer_model(model, PRESETS)
+        run_diloco_regime(args, model)
+        names.remove("diloco")
+        if not names:
+            return 0
+        args.regimes = ",".join(names)
     model = args.model or ("nano" if args.quick else "small")
     trainer_model(model, PRESETS)
     stages = tuple(_int_list("stages", args.stages))

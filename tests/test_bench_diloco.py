@@ -1,0 +1,49 @@
+"""``zerodp bench --regimes diloco`` (``zerodp.bench.diloco``): the bytes it reports are the engine's and
+the planner's, and its simulated link holds each cross-group collective for bytes / bandwidth.
+
+4 gloo ranks, the nano GPT at stage 1 in 2 groups of 2, DiLoCo at H = 2 with int8, one phase on
+this machine's link and one at 20 MB/s. Timings are not asserted (a loaded CI machine); what the
+throttle added is: each of hybrid ZeRO's replica AllReduces is held until ``bytes / W`` after the
+moment its transfer began (its real transfer on this machine counts towards it), so over the phase
+at most ``steps × bytes / W``, and most of it (a loopback transfer of a few kB takes well under
+a millisecond).
+"""
+
+import pytest
+
+from _engine_common import spawn_once
+from zerodp.bench import diloco
+
+pytestmark = pytest.mark.dist
+SPEC = diloco.DiLoCoBenchSpec(model="nano", world_size=4, shard_size=2, stage=1, every=2, compress="int8", steps=4,
+                              warmup=1, bandwidths=(20e6,))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn_once(diloco.run_rank, 4, SPEC, timeout=300)
+
+
+def test_cross_group_bytes_equal_the_planner(ranks):
+    for r in ranks:
+        planned = diloco.predicted_bytes(SPEC, r)
+        for name, run in r.items():
+            mean = sum(run["cross_bytes"]) / len(run["cross_bytes"])
+            assert mean == pytest.approx(planned[name], rel=1e-12), name
+    d = ranks[0]["diloco"]
+    assert d["outer_state_bytes"] == d["expected_outer_state_bytes"] > 0
+
+
+def test_the_simulated_link_holds_the_cross_group_bytes(ranks):
+    for r in ranks:
+        slow = [p for p in r["hybrid"]["phases"] if p["bandwidth"] == 20e6][0]
+        per_step = sum(r["hybrid"]["cross_bytes"]) / len(r["hybrid"]["cross_bytes"])
+        cost = SPEC.steps * per_step / 20e6
+        assert 0.5 * cost <= slow["throttled_s"] <= cost * (1 + 1e-6)
+        assert all(p["throttled_s"] == 0 for p in r["hybrid"]["phases"] if p["bandwidth"] is None)
+
+
+def test_the_table_names_every_contender(ranks):
+    text = diloco.table(SPEC, ranks)
+    for words in ("DDP", "hybrid stage 1", "DiLoCo over stage 1 (H = 2, int8)", "step @ 20 MB/s"):
+        assert words in text

@@ -1,0 +1,239 @@
+"""DiLoCo over hybrid ZeRO, measured on this machine and set beside the planner (guide §16; docs/diloco.md).
+
+    python tools/diloco_report.py                      # everything (tens of minutes on 2 CPU cores)
+    python tools/diloco_report.py --parts bytes,crossover
+    python tools/diloco_report.py --parts loss --loss-every 50,100,500 --write-loss-table
+
+Four parts, each printed as a table with its acceptance figure (issue 51):
+
+* ``bytes``: cross-group bytes per step of DDP, hybrid ZeRO-3 and DiLoCo at H = 100 (int8 and fp32),
+  counted by the engine over a whole round (``zerodp bench --regimes diloco``,
+  :mod:`zerodp.bench.diloco`) and predicted by :func:`zerodp.plan.diloco.diloco_bytes`; the ratio to
+  DDP's (≥ 400× int8, ≥ 100× fp32); the outer state per rank against 8Ψ/g;
+* ``crossover``: hybrid ZeRO-3 and DiLoCo (H = 1, int8: the one setting whose crossover lies where
+  a 2-core machine can time it — the difference of the two steps is the outer step's own work,
+  milliseconds) on the simulated link at several bandwidths; the bandwidth where their steps are
+  equal, fitted, against ``diloco_plan``'s from the measured inner-step and outer times;
+* ``loss``: ``zerodp train`` runs of the ``tiny`` GPT on the bundled corpus at equal tokens, 4 ranks:
+  DDP (stage 0), and DiLoCo over ZeRO-3 in 2 groups of 2 at each H of ``--loss-every``; the final
+  validation loss (after a sync: the run's steps are a multiple of every H) and its ratio to DDP's
+  (≤ 1.03× at H = 50); ``--write-loss-table`` puts the rows into ``plan/diloco_loss.json`` and
+  ``--plot`` draws the validation curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("bytes", "crossover", "loss")
+
+
+def _mb(x: float) -> str:
+    from zerodp.plan._common import fmt_bytes
+
+    return fmt_bytes(x)
+
+
+def part_bytes(args) -> dict:
+    """DDP, hybrid ZeRO-3 and DiLoCo at H = args.every (int8), then DiLoCo fp32, over one round each."""
+    from zerodp.bench import diloco
+
+    out = {}
+    for compress, who in (("int8", ("ddp", "hybrid", "diloco")), (None, ("diloco",))):
+        spec = diloco.DiLoCoBenchSpec(model=args.model, world_size=4, shard_size=2, stage=3, every=args.every,
+                                      compress=compress, steps=args.every, warmup=1, contenders=who)
+        ranks = diloco.run(spec)
+        out[compress or "fp32"] = {"spec": spec, "ranks": ranks, "planned": diloco.predicted_bytes(spec, ranks[0])}
+    ddp = out["int8"]["ranks"][0]["ddp"]
+    ddp_bytes = sum(ddp["cross_bytes"]) / len(ddp["cross_bytes"])
+    rows, checks = [], []
+    from zerodp.plan._common import table
+
+    for key, name, label in (("int8", "ddp", "DDP (stage 0 over 4 ranks)"),
+                             ("int8", "hybrid", "hybrid ZeRO-3 (2 groups of 2)"),
+                             ("int8", "diloco", f"DiLoCo over ZeRO-3, H = {args.every}, int8"),
+                             ("fp32", "diloco", f"DiLoCo over ZeRO-3, H = {args.every}, fp32")):
+        run = out[key]["ranks"][0][name]
+        per_rank = [sum(r[name]["cross_bytes"]) / len(r[name]["cross_bytes"]) for r in out[key]["ranks"]]
+        got, want = per_rank[0], out[key]["planned"][name]
+        state = (f"{run['outer_state_bytes']:,} B / {run['expected_outer_state_bytes']:,} B"
+                 if name == "diloco" else "-")
+        rows.append([label, _mb(got), _mb(want), "yes" if all(abs(p - want) <= 1e-9 * want for p in per_rank)
+                     else "NO", f"{ddp_bytes / got:,.0f}x", state])
+        if name == "diloco":
+            need = 400 if key == "int8" else 100
+            checks.append((f"DDP / DiLoCo {key} >= {need}x", ddp_bytes / got >= need))
+            checks.append((f"DiLoCo {key} bytes equal the planner's on every rank",
+                           all(abs(p - want) <= 1e-9 * want for p in per_rank)))
+            checks.append((f"DiLoCo {key} outer state = 8Ψ/g bytes",
+                           run["outer_state_bytes"] == run["expected_outer_state_bytes"]))
+    print(table(["method", "cross-group B/step (measured)", "planner", "equal", "DDP / this", "outer state / 8Ψ/g"],
+                rows, title=f"cross-group bytes per step and outer state per rank ({args.model}, 4 ranks, "
+                            f"counted over {args.every} steps by the engine's accounting)"))
+    _checks(checks)
+    return {"rows": rows, "checks": checks}
+
+
+def part_crossover(args) -> dict:
+    """Hybrid ZeRO-3 against DiLoCo (H = 1, int8) on the simulated link: measured vs planned crossover."""
+    from zerodp.bench import diloco
+    from zerodp.plan._common import parse_quantity, table
+
+    bws = tuple(parse_quantity(w) for w in args.bandwidths.split(","))
+    spec = diloco.DiLoCoBenchSpec(model=args.model, world_size=4, shard_size=2, stage=3, every=1,
+                                  compress="int8", steps=args.crossover_steps, warmup=2, bandwidths=bws,
+                                  contenders=("hybrid", "diloco"))
+    ranks = diloco.run(spec)
+    cross = diloco.crossover(spec, ranks)
+    print(diloco.table(spec, ranks))
+    rows = [[f"{1 / x / 1e6:,.0f} MB/s", f"{y * 1e3:+.2f} ms"] for x, y in cross["points"]]
+    print(table(["bandwidth", "hybrid − DiLoCo step"], rows, title="the step-time difference on the simulated link"))
+    m, p = cross["measured_bytes_per_s"], cross["planned_bytes_per_s"]
+    nan = float("nan")
+    print(f"crossover: measured {m / 1e6 if m else nan:.1f} MB/s, planner {p / 1e6 if p else nan:.1f} MB/s "
+          f"(inner step {cross['inner_step_s'] * 1e3:.1f} ms, outer work "
+          f"{cross['outer_local_s_per_sync'] * 1e3:.2f} ms per sync, measured)")
+    ok = bool(m and p and abs(m / p - 1) <= 0.2)
+    _checks([("measured crossover within 20% of the planner's", ok)])
+    return {"crossover": cross, "ok": ok}
+
+
+def _train(args, name: str, extra: list[str]) -> dict:
+    out = Path(args.out) / name
+    cmd = [sys.executable, "-m", "zerodp.cli", "train", "--model", args.model, "--nproc", "4",
+           "--steps", str(args.loss_steps), "--global-batch-tokens", str(args.tokens_per_step),
+           "--micro-batch", str(args.tokens_per_step // 4 // 128), "--seq-len", "128",
+           "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
+           "--ckpt-every", "0", "--no-progress", "--seed", str(args.seed), "--out", str(out), *extra]
+    if not (out / "metrics.jsonl").exists() or args.rerun:
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        t0 = time.time()
+        print(f"$ {' '.join(cmd[2:])}", flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+        print(f"  ({time.time() - t0:.0f} s)", flush=True)
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [(e["step"], e["val_loss"]) for e in evals if e.get("event") == "eval"]
+    return {"name": name, "evals": evals, "final": evals[-1][1], "command": "zerodp " + " ".join(cmd[3:])}
+
+
+def part_loss(args) -> dict:
+    """DDP against DiLoCo at each H, equal tokens, final validation loss."""
+    from zerodp.plan._common import table
+
+    everys = [int(h) for h in args.loss_every.split(",")]
+    if any(args.loss_steps % h for h in everys):
+        raise SystemExit(f"--loss-steps {args.loss_steps} must be a multiple of every H in --loss-every")
+    ddp = _train(args, "ddp", ["--stage", "0"])
+    runs = [ddp]
+    rows = [["DDP (stage 0, 4 ranks)", f"{ddp['final']:.4f}", "1.000"]]
+    checks, table_rows = [], []
+    tokens = args.loss_steps * args.tokens_per_step
+    for h in everys:
+        r = _train(args, f"diloco-h{h}", ["--stage", "3", "--shard-size", "2", "--diloco-every", str(h)])
+        runs.append(r)
+        ratio = r["final"] / ddp["final"]
+        rows.append([f"DiLoCo H = {h} over ZeRO-3 (2 groups of 2)", f"{r['final']:.4f}", f"{ratio:.3f}"])
+        if h == 50:
+            checks.append(("DiLoCo H = 50 final validation loss <= 1.03x DDP's", ratio <= 1.03))
+        table_rows.append({"model": args.model, "H": h, "compress": "none", "fragments": 1,
+                           "loss_ratio_vs_ddp": round(ratio, 4), "tokens": tokens, "replicas": 2, "shard_size": 2,
+                           "stage": 3, "delay": 0, "ddp_val_loss": round(ddp["final"], 4),
+                           "val_loss": round(r["final"], 4), "steps": args.loss_steps,
+                           "source": f"python tools/diloco_report.py --parts loss --loss-steps {args.loss_steps} "
+                                     f"--loss-every {args.loss_every} (zerodp train, bundled corpus, seed {args.seed}, "
+                                     f"{args.tokens_per_step} tokens per step, 4 CPU ranks)",
+                           "date": datetime.date.today().isoformat()})
+    print(table(["run", "final validation loss", "/ DDP's"], rows,
+                title=f"{args.model} at equal tokens ({tokens:,} tokens, {args.loss_steps} steps of "
+                      f"{args.tokens_per_step:,}), bundled corpus"))
+    _checks(checks)
+    if args.write_loss_table:
+        path = ROOT / "src/zerodp/plan/diloco_loss.json"
+        doc = json.loads(path.read_text())
+        keep = [r for r in doc.get("measurements", []) if not (r.get("model") == args.model and any(
+            r.get("H") == t["H"] and r.get("compress", "none") == "none" and r.get("fragments", 1) == 1
+            for t in table_rows))]
+        doc["measurements"] = keep + table_rows
+        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        print(f"wrote {len(table_rows)} rows into {path.relative_to(ROOT)}")
+    if args.plot:
+        _plot(runs, Path(args.plot), tokens)
+    return {"rows": rows, "runs": runs, "checks": checks}
+
+
+def _plot(runs: list[dict], path: Path, tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for r in runs:
+        label = "DDP" if r["name"] == "ddp" else f"DiLoCo H = {r['name'].split('h')[-1]}"
+        ax.plot(*zip(*r["evals"]), "o-" if r["name"] == "ddp" else ".-", lw=1.3, ms=3, label=label)
+    ax.set_xlabel("step (equal tokens per step)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(f"tiny GPT, 4 CPU ranks: DDP vs DiLoCo over ZeRO-3 (2 groups of 2), {tokens:,} tokens")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
+def _checks(checks) -> None:
+    for what, ok in checks:
+        print(f"  [{'PASS' if ok else 'FAIL'}] {what}")
+    print()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: bytes, crossover, loss")
+    p.add_argument("--model", default="tiny", help="GPT preset (default tiny)")
+    p.add_argument("--every", type=int, default=100, help="H of the bytes part (default 100)")
+    p.add_argument("--bandwidths", default="40MB,60MB,90MB,130MB,200MB,300MB",
+                   help="simulated inter-group bandwidths of the crossover part, bytes/s per rank")
+    p.add_argument("--crossover-steps", type=int, default=30, help="timed steps per bandwidth and contender")
+    p.add_argument("--loss-every", default="50,100,500", help="the H of the loss part's DiLoCo runs")
+    p.add_argument("--loss-steps", type=int, default=500, help="steps of every loss run (a multiple of each H)")
+    p.add_argument("--tokens-per-step", type=int, default=4096,
+                   help="global batch in tokens (4 ranks x 128-token rows)")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default="runs/diloco-report", help="where the loss runs go (reused unless --rerun)")
+    p.add_argument("--rerun", action="store_true", help="train the loss runs again even if their metrics exist")
+    p.add_argument("--write-loss-table", action="store_true", help="put the loss rows into plan/diloco_loss.json")
+    p.add_argument("--plot", default=None,
+                   help="draw the loss part's validation curves here (e.g. docs/diloco_loss.png)")
+    p.add_argument("--json", default=None, help="also write everything measured to this file")
+    args = p.parse_args(argv)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    done = {}
+    for part in parts:
+        done[part] = {"bytes": part_bytes, "crossover": part_crossover, "loss": part_loss}[part](args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(done, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
