@@ -242,6 +242,9 @@ class StageEngine(nn.Module):
         # With the outer loop the inner step is plain ZeRO inside the shard group (no replica
         # reduction); only the outer loop's syncs cross the groups (zerodp.engine.outer).
         self.replica_comm = replicas if config.outer is None else None
+        if config.replicas is not None:  # each replica group a job of its own (zerodp.ft): torchft's groups
+            self.replica_comm = config.replicas.bind(self.recorder, comm=self.comm, shard=self.shard_comm,
+                                                     outer=config.outer)
         self.outer: OuterLoop | None = None if config.outer is None else OuterLoop(
             config.outer, stage=self.stage, shard=self.shard_comm, replicas=replicas)
         # what a rank waiting in the step's collectives runs to serve a call another rank makes alone
@@ -463,7 +466,10 @@ class StageEngine(nn.Module):
             # the exchange says whether any rank's backward gave it a gradient again since
             unused = self._step_unused()
             self._unused = unused | self.machine.dropped if self._local_used() is None else unused
-            if self.guard is not None and self.guard.should_skip(self):  # collective
+            skip = self.guard is not None and self.guard.should_skip(self)  # collective
+            if self.config.replicas is not None and not self.config.replicas.should_commit():
+                skip = True  # zerodp.ft: the quorum of replica groups did not commit this step
+            if skip:
                 self.machine.zero_grads()  # inf/NaN somewhere: apply nothing, on every rank
                 self.machine.reset_used()
             elif self.outer is None:

@@ -265,6 +265,10 @@ class EngineConfig:
     # Replica groups that talk rarely (guide §16): a DiLoCo outer loop over the shard groups of
     # shard_size ranks (zerodp.engine.outer); None: every step reduces across the replicas.
     outer: DiLoCo | None = None
+    # Replica groups that are jobs of their own and heal from a live peer (zerodp.ft.ReplicaGroups,
+    # issue 52): the gradient reduction across the groups runs through torchft's managed process
+    # group (the mean over the live groups), and a step commits only when the quorum agrees.
+    replicas: "object | None" = None
 
     def __post_init__(self):
         if self.stage not in STAGES:

@@ -283,6 +283,8 @@ class GradBuffers:
             back = src is self._cast
 
             def finish_all_reduce() -> None:
+                if self._hybrid:  # replica groups that are jobs of their own (zerodp.ft): then across them
+                    self.replicas.all_reduce_mean(src, f"{self.label} replicas", async_op=False)
                 if back:
                     (self.acc_full if self.acc_full is not None else self.grad_full).copy_(src)
                 self._cast = None

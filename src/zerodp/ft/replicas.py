@@ -1,0 +1,235 @@
+"""The replica-group side of hybrid sharding when each replica group is a job of its own.
+
+A :class:`ReplicaGroups` is what ``parallelize(model, ..., replicas=ReplicaGroups(...))`` talks to
+across the groups; inside the group (this job's ``torch.distributed`` world of g ranks) the engine
+runs its stage as always (flat ZeRO over the group). One object per rank, built before the engine:
+
+* **communication**: the engine calls :meth:`all_reduce_mean` where hybrid sharding averages a
+  gradient shard across the replicas (``zerodp.engine.gradbuf``: stages 1-3 the ReduceScatter's
+  shard, stage 0 the AllReduced bucket). It goes through ``torchft.Manager.allreduce`` on a
+  reconfigurable ``torchft.ProcessGroupGloo`` that joins the ranks with this rank's shard index
+  in every live group: the sum divided by the number of groups in the quorum, so the step is
+  data parallelism over the live groups. An error there (a peer died) is swallowed by the
+  manager and makes the step not commit.
+* **commit**: the engine calls :meth:`should_commit` in ``step()`` after the gradients are final
+  and before the optimizer; False (an error in this group, too few groups) skips the step on
+  every rank of the group, as a non-finite gradient does (no parameter, optimizer state or step
+  count changes). torchft's step count then stays behind; a group behind the quorum's
+  ``max_step`` heals at the next quorum.
+* **quorum and healing**: the training loop calls :meth:`start_step` before each step's forward
+  (``Manager.start_quorum``, synchronous). A group that joins (restarted after a failure, or
+  behind) receives, on every rank, the state of the rank with the same shard index in a live
+  group — torchft's checkpoint transport (HTTP) carrying the engine's own pieces: master values
+  and optimizer states of everything the rank holds (its shard at stages 1-3, the whole model at
+  stage 0), the optimizer's scalars, the module's buffers, the CPU RNG, torchft's step and
+  committed-batch count, and what the loop registered with :meth:`attach` (data position, LR
+  scheduler). The group loads it with ``engine.checkpoint`` (collective inside the group: every
+  rank of a healing group heals in the same quorum) before its forward, and steps on bitwise
+  equal to its peers.
+
+**Data.** :meth:`batch_index` is the global index of the batch this group takes this step:
+torchft's committed-batch count (the same in every live group, carried to a healing group) plus
+this group's rank among the participants. A committed step advances the count by the number of
+groups that took part, so over the committed steps every batch index is taken exactly once —
+none twice, none skipped; a step that does not commit is taken again with the same indices.
+
+The engine's hook receives its collaborators only (:meth:`bind`: the recorder, the group's comm);
+the healing state is read through the engine given to :meth:`attach`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from zerodp.engine.comm import ALL_REDUCE, ring_sent_bytes
+from zerodp.engine.state_dict import BUFFER
+from zerodp.engine.trace import COMM
+
+#: the state-dict key zerodp's healing state is registered under in the torchft manager
+STATE_KEY = "zerodp"
+
+
+def _torchft():
+    try:
+        import torchft
+    except ImportError as exc:  # pragma: no cover - the ft extra is in make setup
+        raise ImportError("fault-tolerant replica groups need torchft: pip install 'zerodp[ft]' "
+                          f"(torchft>=0.2) ({exc})") from None
+    return torchft
+
+
+class ReplicaGroups:
+    """This rank's view of R replica groups that are jobs of their own (module docstring).
+
+    ``group``: this group's index (0..R-1, fixed for the group across restarts); ``groups``: R;
+    ``lighthouse``: the torchft lighthouse's address (default ``$TORCHFT_LIGHTHOUSE``). ``rank``,
+    ``world_size``, ``store_addr``, ``store_port``: this rank in its group and the group's own
+    TCPStore (default: torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+    ``timeout_s``: the cross-group collectives and the checkpoint transfer; ``quorum_timeout_s``:
+    how long a quorum may take to form; ``min_replicas``: the fewest groups a step commits with.
+    ``init_sync``: torchft's first-quorum sync, off: every group builds its model from the same
+    seed (torchft would otherwise pick the source per shard index, and a group whose ranks do not
+    all heal together cannot load its shards collectively); a group that is behind heals on every
+    rank at once.
+    """
+
+    leg = "inter"  # the engine's trace: across replica groups
+    rank = 0  # every group saves a complete checkpoint of its own (no replica skips its pieces)
+
+    def __init__(self, group: int, groups: int, lighthouse: str | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, store_addr: str | None = None, store_port: int | None = None,
+                 timeout_s: float = 30.0, quorum_timeout_s: float = 300.0, connect_timeout_s: float = 60.0,
+                 min_replicas: int = 1, init_sync: bool = False):
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
+            raise ValueError(f"groups={groups!r}: replica groups that heal from a peer need at least 2")
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
+            raise ValueError(f"group={group!r}: this group's index, 0 to {groups - 1}")
+        ft = _torchft()
+        self.group, self.groups = group, groups
+        self.pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        self.manager = ft.Manager(
+            pg=self.pg, min_replica_size=min_replicas, load_state_dict=None, state_dict=None,
+            replica_id=f"zerodp_group{group}", store_addr=store_addr, store_port=store_port, rank=rank,
+            world_size=world_size, lighthouse_addr=lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
+            use_async_quorum=False, init_sync=init_sync, timeout=timedelta(seconds=timeout_s),
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timedelta(seconds=connect_timeout_s))
+        self.manager.register_state_dict_fn(STATE_KEY, self._load, self._save)
+        self.recorder = None
+        self._engine = None
+        self._extra: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._in_step = False
+        self.heals = 0  # states received from a peer
+        self.last_heal_s: float | None = None
+        self.last_quorum_s: float | None = None
+        self.commits = self.aborted = 0  # steps this group committed / did not
+
+    # ---- the engine's hook ------------------------------------------------------------------------
+    def bind(self, recorder, *, comm, shard, outer=None) -> "ReplicaGroups":
+        """Called by the engine at construction with its collaborators: the recorder its trace
+        goes to, the group's comm and the shard comm (the same: ZeRO over the whole job)."""
+        if outer is not None:
+            raise ValueError("replicas=ReplicaGroups(...) with outer=DiLoCo(...): the outer loop's own "
+                             "replica syncs are not routed through torchft yet; use one of the two")
+        if shard is not comm:
+            raise ValueError("replicas=ReplicaGroups(...): each replica group is a job of its own, so the engine "
+                             "shards over this job's whole process group; drop shard_size (or set it to the "
+                             "job's world size)")
+        self.recorder = recorder
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """R, the groups the job was laid out for (the live count varies: :attr:`participants`)."""
+        return self.groups
+
+    def all_reduce_mean(self, tensor: torch.Tensor, label: str, async_op: bool = False) -> None:
+        """Average ``tensor`` in place over the live replica groups (torchft's managed allreduce)."""
+        if not self._in_step:
+            raise RuntimeError("ReplicaGroups: call replicas.start_step() at the start of every step, before "
+                               "its forward (it joins the quorum and heals this group if it is behind)")
+        nbytes = tensor.numel() * tensor.element_size()
+        ev = mark = None
+        if self.recorder is not None:
+            ev = self.recorder.begin(ALL_REDUCE, COMM, kind=ALL_REDUCE, label=label, bytes=nbytes,
+                                     sent_bytes=ring_sent_bytes(ALL_REDUCE, nbytes, max(self.participants, 1)),
+                                     leg=self.leg)
+            mark = self.recorder.mark()
+        self.manager.allreduce(tensor).wait()
+        if ev is not None:
+            self.recorder.end_wait(ev, mark)
+
+    def should_commit(self) -> bool:
+        """The quorum's word on this step (every rank of the group gets the same answer)."""
+        self._in_step = False
+        ok = bool(self.manager.should_commit())
+        if ok:
+            self.commits += 1
+        else:
+            self.aborted += 1
+        return ok
+
+    # ---- the training loop's side -----------------------------------------------------------------
+    def attach(self, engine, state: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] | None = None) -> None:
+        """The engine whose state a healing peer fetches, and the loop's own state by name:
+        ``{"data": (save, load)}`` (what save returns must be picklable or tensors)."""
+        if engine.config.replicas is not self:
+            raise ValueError("attach(engine): the engine was built with another replicas= object")
+        self._engine = engine
+        self._extra = dict(state or {})
+
+    def start_step(self) -> None:
+        """Join this step's quorum (synchronous); a group behind the quorum heals here."""
+        if self._engine is None:
+            raise RuntimeError("ReplicaGroups: call replicas.attach(engine) before the first step")
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        self.last_quorum_s = time.perf_counter() - t0
+        errored = self.manager.errored()
+        if errored is not None:
+            raise RuntimeError(f"the quorum or the heal failed: {errored}") from None
+        self._in_step = True
+
+    @property
+    def step(self) -> int:
+        """Committed steps (torchft's count, the same in every live group)."""
+        return self.manager.current_step()
+
+    @property
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    @property
+    def batches_committed(self) -> int:
+        """Batches committed over all groups and steps (torchft's count: the data position)."""
+        return self.manager.batches_committed()
+
+    def batch_index(self) -> int:
+        """The global index of the batch this group takes this step (module docstring)."""
+        rank = self.manager.participating_rank()
+        return self.manager.batches_committed() + (rank or 0)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # ---- healing ----------------------------------------------------------------------------------
+    def _save(self) -> dict:
+        """What a healing peer with this rank's shard index receives (torchft's quorum thread; the
+        tensors are the live ones: nothing changes them until the healing group has joined this
+        step's reduction)."""
+        e = self._engine
+        pieces = [(p.name, p.kind, p.start, p.stop, p.tensor) for p in e.master.pieces()]
+        buffers = {name: getattr(sub, local).detach().reshape(-1) for name, sub, local in e.state_buffers}
+        return {"scalars": e.master.scalar_state(), "pieces": pieces, "buffers": buffers,
+                "rng": torch.get_rng_state(), "extra": {k: save() for k, (save, _) in self._extra.items()}}
+
+    def _load(self, state: dict) -> None:
+        """Load a peer's state (the main thread, inside start_step; collective in the group)."""
+        t0 = time.perf_counter()
+        e = self._engine
+        index: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
+        for name, kind, start, stop, tensor in state["pieces"]:
+            index.setdefault((name, kind), []).append((start, stop, tensor))
+        buffers = state["buffers"]
+
+        def read(name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+            if kind == BUFFER:
+                return buffers[name]
+            for a, b, t in index.get((name, kind), ()):
+                if a <= start and stop <= b:
+                    return t[start - a:stop - a]
+            raise KeyError(f"the peer sent no {kind} of {name}[{start}:{stop}]: the groups' layouts differ "
+                           "(same model, stage, optimizer and group size in every group?)")
+
+        e.checkpoint.load_scalar_state(state["scalars"])
+        e.checkpoint.load_state_pieces(read)
+        torch.set_rng_state(state["rng"])
+        for key, (_, load) in self._extra.items():
+            load(state["extra"][key])
+        self.heals += 1
+        self.last_heal_s = time.perf_counter() - t0
