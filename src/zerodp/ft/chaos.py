@@ -39,6 +39,9 @@ def problems(recs: list[dict], stall_s: float) -> list[str]:
     out = []
     by_step: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)  # (step, rank) -> group -> digest
     for (g, a), grp in _by_attempt(recs).items():
+        start = min((x["step"] for x in grp), default=0)
+        if a > 0 and start == 0:
+            out.append(f"group {g} attempt {a} started from step 0: no live group to heal from")
         for r in sorted({x["rank"] for x in grp}):
             steps = [x["step"] for x in _committed(grp, rank=r)]
             if steps and steps != list(range(steps[0], steps[0] + len(steps))):
@@ -113,12 +116,20 @@ def heal_once(log_dir: str, stage: int = 1, groups: int = 2, ranks: int = 2, pre
     return dict(records=c.records(), codes=codes, times=t, dead=dead, killed_after=killed_after)
 
 
+def goodput(recs: list[dict], t0: float, t1: float) -> float:
+    """Committed batches per second between ``t0`` and ``t1`` (each committed step counted once,
+    with the groups that took part in it)."""
+    steps = {r["step"]: r["participants"] for r in _committed(recs, rank=0) if t0 <= r["t"] <= t1}
+    return sum(steps.values()) / (t1 - t0)
+
+
 def run_schedule(log_dir: str, seed: int = 0, duration_s: float = 600.0, every_s: float = 60.0,
                  down_s: float = 5.0, stage: int = 1, groups: int = 2, ranks: int = 2,
-                 preset: str = "tiny", out=print) -> tuple[list[dict], list[str]]:
+                 preset: str = "tiny", faults_on: bool = True, out=print) -> dict:
     """A fault every ``every_s`` seconds (a whole group or one rank, drawn from ``seed``) for
-    ``duration_s``; the failed group is started again ``down_s`` later. Returns the records and
-    the faults."""
+    ``duration_s``; the failed group is started again ``down_s`` later and healed before the
+    schedule goes on. ``faults_on=False``: the same run without faults (the reference). Returns
+    the records, the faults and the schedule's start and end times."""
     rng = random.Random(seed)
     c = LocalGroups(TARGET, groups, ranks, dict(stage=stage, preset=preset, digest=True), log_dir)
     faults = []
@@ -126,8 +137,10 @@ def run_schedule(log_dir: str, seed: int = 0, duration_s: float = 600.0, every_s
         c.start_all()
         c.wait_for(lambda: all(_committed(c.records(g), rank=0) for g in range(groups)), 300, "every group stepping")
         t0 = time.time()
-        while time.time() - t0 < duration_s:
-            time.sleep(every_s)
+        at = t0 + every_s  # the faults' times: every every_s from the start, whatever a heal took
+        while faults_on and at < t0 + duration_s:
+            time.sleep(max(0.0, at - time.time()))
+            at += every_s
             g = rng.randrange(groups)
             whole = rng.random() < 0.5
             rank = None if whole else rng.randrange(ranks)
@@ -140,11 +153,17 @@ def run_schedule(log_dir: str, seed: int = 0, duration_s: float = 600.0, every_s
             out(f"{time.time() - t0:7.1f} s  {what}")
             time.sleep(down_s)
             c.start(g)
+            attempt = c.attempts[g]
+            c.wait_for(lambda: any(r["attempt"] == attempt and r["participants"] == groups
+                                   for r in _committed(c.records(g), rank=0)), 300, f"group {g} healed")
+            out(f"{time.time() - t0:7.1f} s  group {g} healed and stepping with the others")
+        time.sleep(max(0.0, t0 + duration_s - time.time()))
+        t1 = time.time()
         codes = c.stop()
         out(f"exit codes {codes}")
     finally:
         c.close()
-    return c.records(), faults
+    return dict(records=c.records(), faults=faults, t0=t0, t1=t1)
 
 
 def main(argv=None) -> int:
@@ -159,17 +178,23 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks per group")
     p.add_argument("--model", default="tiny")
     p.add_argument("--out", help="log folder (default: a temporary one)")
+    p.add_argument("--no-reference", action="store_true", help="skip the fault-free run of the same length")
     a = p.parse_args(argv)
     log_dir = a.out or tempfile.mkdtemp(prefix="zerodp-ft-chaos-")
-    recs, faults = run_schedule(log_dir, a.seed, a.duration_s, a.every_s, stage=a.stage, groups=a.groups,
-                                ranks=a.nproc, preset=a.model)
-    bad = problems(recs, stall_s=60.0)
-    committed = sorted({r["step"] for r in _committed(recs, rank=0)})
-    tokens = sum(x["participants"] for x in {r["step"]: r for r in _committed(recs, rank=0)}.values())
-    print(f"{len(faults)} faults; {len(committed)} committed steps, {tokens} committed batches; logs in {log_dir}")
+    kw = dict(stage=a.stage, groups=a.groups, ranks=a.nproc, preset=a.model)
+    ref = None
+    if not a.no_reference:
+        ref = run_schedule(log_dir + "/reference", a.seed, a.duration_s, a.every_s, faults_on=False, **kw)
+    run = run_schedule(log_dir + "/faults", a.seed, a.duration_s, a.every_s, **kw)
+    bad = problems(run["records"], stall_s=60.0)
+    got = goodput(run["records"], run["t0"], run["t1"])
+    line = f"{len(run['faults'])} faults; goodput {got:.2f} committed batches/s"
+    if ref is not None:
+        base = goodput(ref["records"], ref["t0"], ref["t1"])
+        line += f", fault-free {base:.2f}: {got / base:.3f}x"
+    print(f"{line}; logs in {log_dir}")
     print("\n".join(bad) if bad else "PASS")
     return 1 if bad else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
