@@ -154,6 +154,12 @@ def part_loss(args) -> dict:
                                      f"--loss-every {args.loss_every} (zerodp train, bundled corpus, seed {args.seed}, "
                                      f"{args.tokens_per_step} tokens per step, 4 CPU ranks)",
                            "date": datetime.date.today().isoformat()})
+    for h in [int(x) for x in args.loss_average_every.split(",") if x.strip()]:
+        r = _train(args, f"average-h{h}", ["--stage", "3", "--shard-size", "2", "--diloco-every", str(h),
+                                           "--diloco-lr", "1", "--diloco-momentum", "0"])
+        runs.append(r)
+        rows.append([f"the groups' mean every {h} steps (outer lr 1, momentum 0)", f"{r['final']:.4f}",
+                     f"{r['final'] / ddp['final']:.3f}"])
     print(table(["run", "final validation loss", "/ DDP's"], rows,
                 title=f"{args.model} at equal tokens ({tokens:,} tokens, {args.loss_steps} steps of "
                       f"{args.tokens_per_step:,}), bundled corpus"))
@@ -180,7 +186,9 @@ def _plot(runs: list[dict], path: Path, tokens: int) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for r in runs:
-        label = "DDP" if r["name"] == "ddp" else f"DiLoCo H = {r['name'].split('h')[-1]}"
+        h = r["name"].split("-h")[-1]
+        label = {"ddp": "DDP"}.get(r["name"], f"DiLoCo H = {h}" if r["name"].startswith("diloco")
+                                   else f"the groups' mean every {h} (lr 1, momentum 0)")
         ax.plot(*zip(*r["evals"]), "o-" if r["name"] == "ddp" else ".-", lw=1.3, ms=3, label=label)
     ax.set_xlabel("step (equal tokens per step)")
     ax.set_ylabel("validation loss (nats/token)")
@@ -210,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--crossover-steps", type=int, default=30, help="timed steps per bandwidth and contender")
     p.add_argument("--loss-every", default="50,100,500", help="the H of the loss part's DiLoCo runs")
     p.add_argument("--loss-steps", type=int, default=500, help="steps of every loss run (a multiple of each H)")
+    p.add_argument("--loss-average-every", default="",
+                   help="also these H with outer lr 1 and momentum 0 (the groups' mean: local SGD), e.g. 50")
     p.add_argument("--tokens-per-step", type=int, default=4096,
                    help="global batch in tokens (4 ranks x 128-token rows)")
     p.add_argument("--eval-every", type=int, default=50)

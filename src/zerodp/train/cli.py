@@ -86,6 +86,10 @@ def _add_train(sub) -> None:
                    help="the pseudo-gradients on the wire: fp32, or blockwise int8 (1 + 4/256 bytes each)")
     g.add_argument("--diloco-delay", type=int, default=_d("diloco_delay"), metavar="TAU",
                    help="a fragment's exchange runs behind TAU inner steps and its update lands then (TAU < H)")
+    g.add_argument("--diloco-lr", type=float, default=_d("diloco_lr"), metavar="LR",
+                   help="the outer SGD's learning rate")
+    g.add_argument("--diloco-momentum", type=float, default=_d("diloco_momentum"), metavar="MU",
+                   help="the outer SGD's Nesterov momentum (0 with --diloco-lr 1: the groups' mean, local SGD)")
     g.add_argument("--compress", default="none", choices=list(COMPRESS),
                    help="bytes on the wire, as zerodp plan names them (guide §15): bf16-reduce: "
                         "gradients travel and are reduced in bf16; int8-params / int8-grads / int8: "

@@ -170,6 +170,8 @@ class TrainConfig:
     diloco_fragments: int = 1  # Streaming DiLoCo: F fragments at staggered steps
     diloco_compress: str | None = None  # "int8": the pseudo-gradients in blockwise int8
     diloco_delay: int = 0  # τ: a fragment's exchange applied τ inner steps after its sync step
+    diloco_lr: float = 0.7  # the outer SGD (DiLoCo's values)
+    diloco_momentum: float = 0.9  # Nesterov momentum of the outer SGD; 0: plain averaging at lr 1
     profile: str | None = None  # calibration profile (zerodp calibrate) for --bucket-mb auto
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -235,7 +237,9 @@ class TrainConfig:
         if self.diloco_every is None:
             given = [f"--diloco-{k}" for k, v in (("fragments", self.diloco_fragments != 1),
                                                    ("compress", self.diloco_compress is not None),
-                                                   ("delay", self.diloco_delay != 0)) if v]
+                                                   ("delay", self.diloco_delay != 0),
+                                                   ("lr", self.diloco_lr != 0.7),
+                                                   ("momentum", self.diloco_momentum != 0.9)) if v]
             if given:
                 raise ValueError(f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} DiLoCo's "
                                  "outer loop: add --diloco-every H "
@@ -245,7 +249,8 @@ class TrainConfig:
 
         try:
             DiLoCoSettings(every=self.diloco_every, fragments=self.diloco_fragments,
-                           compress=self.diloco_compress or "none", delay=self.diloco_delay)
+                           compress=self.diloco_compress or "none", delay=self.diloco_delay, lr=self.diloco_lr,
+                           momentum=self.diloco_momentum)
         except ValueError as e:
             raise ValueError(f"--diloco-*: {e}") from None
         if self.shard_size is None:
@@ -259,7 +264,7 @@ class TrainConfig:
         from zerodp.engine.config import DiLoCo
 
         return DiLoCo(every=self.diloco_every, fragments=self.diloco_fragments, compress=self.diloco_compress,
-                      delay=self.diloco_delay)
+                      delay=self.diloco_delay, lr=self.diloco_lr, momentum=self.diloco_momentum)
 
     def _parse_modes(self) -> None:
         """The settings given as words, as :class:`Mode` members (the one place they are parsed)."""
