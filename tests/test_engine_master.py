@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.master import (ELEMENTWISE_OPTIMIZERS, PER_TENSOR_OPTIMIZERS, MasterOptimizer, Target,
-                                  check_elementwise, choose_layout, probe_factory, whole_targets)
+from zerodp.engine.master import MasterOptimizer, Target, whole_targets
+from zerodp.engine.optimizer_plan import (ELEMENTWISE_OPTIMIZERS, PER_TENSOR_OPTIMIZERS, check_elementwise,
+                                          choose_layout, probe_factory)
 from zerodp.plan.units import OwnerLedger
 
 

@@ -203,7 +203,7 @@ def _trajectories(rank, world, out):
             ref, ref_opt = reference(name, [(s, world) for s in range(STEPS)])
             out[f"{key}/param"] = (param_error(engine.full_state_dict(), ref),
                                    trajectory_tolerance(world * ROWS, STEPS))
-            out[f"{key}/placement"] = engine.construction.placement
+            out[f"{key}/placement"] = engine.optimizer_plan.placement
             if stage > 0:
                 out[f"{key}/layout"] = layout_problems(engine, rank, stage, name)
             out[f"{key}/cost"] = engine.stats().layout
@@ -276,7 +276,7 @@ def _refusals(rank, world, out):
     train(flat, rank, world, 2)
     train(owner, rank, world, 2)
     a, b = flat.full_state_dict(), owner.full_state_dict()
-    out["adamw/placements"] = (flat.construction.placement, owner.construction.placement)
+    out["adamw/placements"] = (flat.optimizer_plan.placement, owner.optimizer_plan.placement)
     out["adamw/owner_vs_flat"] = max((a[n] - b[n]).abs().max().item() / b[n].abs().max().item() for n in a)
 
 

@@ -236,8 +236,7 @@ class Bound:
 def bound_terms(params: int, unit_params: int, n: int, cfg=None, param_bytes: int = 2) -> Bound:
     """The planner's model states for stage 3 with AdamW (k = 12), its activations for one
     sequence of ``cfg`` (0 without it), and the engine's transients (module docstring)."""
-    from zerodp.engine.construct import CPU_OPTIMIZER_CHUNK
-    from zerodp.engine.master import STEP_BATCH_BYTES
+    from zerodp.engine.master import CPU_OPTIMIZER_CHUNK, STEP_BATCH_BYTES
     from zerodp.engine.step import MAX_REDUCE_IN_FLIGHT
     from zerodp.plan.memory import activations, model_states
 

@@ -335,7 +335,7 @@ def planned_state_numel(ref: Reference) -> int | None:
 def planned_exchange_numel(ref: Reference) -> int:
     """Elements of the tensors a per-tensor optimizer steps whole (Ψ_m): what stage 3's owner
     exchange brings to their owners and back (guide §12.3)."""
-    from zerodp.engine.master import PER_TENSOR_OPTIMIZERS
+    from zerodp.engine.optimizer_plan import PER_TENSOR_OPTIMIZERS
 
     return sum(p.numel() for opt in getattr(ref.opt, "optimizers", [ref.opt]) if type(opt) in PER_TENSOR_OPTIMIZERS
                for g in opt.param_groups for p in g["params"] if p.requires_grad)

@@ -10,6 +10,7 @@ Entry point: :func:`parallelize`. Every module, one concept each (docs/layout.md
 - ``group`` / ``gradbuf``  FlatGroup (one bucket or unit) and its gradient buffers (guide §12.1-§12.2)
 - ``buckets`` / ``unit`` / ``layout``  the bucket plan, the unit plan, the flat layout as data
 - ``comm``         the recorded collectives and the queue in flight;  ``control``  calls a script makes
+- ``optimizer_plan``  what the optimizer is and where it runs, decided once (guide §12.3)
 - ``master`` / ``exchange`` / ``optim`` / ``adopt``  fp32 master and optimizer, owner exchange,
                    torch's optimizer API, the script's optimizer taken over (guide §12.3, §12.9)
 - ``grads``        ShardedGrad for torch's clipping;  ``guard``  skip non-finite steps

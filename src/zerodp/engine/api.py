@@ -18,7 +18,7 @@ import torch.nn as nn
 from zerodp.engine.base import StageEngine
 from zerodp.engine.compiled import unwrap_compiled
 from zerodp.engine.config import EngineConfig, MixedPrecision
-from zerodp.engine.master import OptimizerFactory
+from zerodp.engine.optimizer_plan import OptimizerFactory
 
 
 def engine_class(stage: int) -> type[StageEngine]:

@@ -58,12 +58,13 @@ from zerodp.engine.control import (CHROME_TRACE, CLIP_GRAD_NORM, EVAL_FORWARD, F
                                    STATE_DICT, Control, user_call)
 from zerodp.engine.compiled import activate, host_only
 from zerodp.engine.config import Dtypes, EngineConfig, MixedPrecision, Policy, parse_dtype
-from zerodp.engine.construct import Construction, resolve_param_groups
+from zerodp.engine.construct import Construction
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.guard import NonFiniteGuard
-from zerodp.engine.master import MasterOptimizer, OptimizerFactory
+from zerodp.engine.master import MasterOptimizer
+from zerodp.engine.optimizer_plan import OptimizerFactory, plan_optimizer
 from zerodp.engine.nest import cast_floats, grad_tensors
 from zerodp.engine.optim import EngineOptimizer, from_built, is_built
 from zerodp.engine.outer import OuterLoop, outer_shard_size
@@ -268,13 +269,14 @@ class StageEngine(nn.Module):
         self._modules["module"] = module  # the child, as DDP's: named_modules(), apply(), a parent's parameters()
         self.__dict__["_module"] = module  # the same model, read without the wait of the property below
         self.register_load_state_dict_post_hook(_restore_child)
-        self._factory = optimizer_factory
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self.named_params:
             raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
         _check_sparse(module, self.stage)
-        self.group_options, self.param_group_of = resolve_param_groups(self.named_params, config.param_groups)
-        self._group_by_name = {n: g for (n, _), g in zip(self.named_params, self.param_group_of)}
+        # What the optimizer is, where it runs, each parameter's group: decided once (guide §12.3)
+        self.optimizer_plan = plan_optimizer(optimizer_factory, self.named_params, config.param_groups, self.device,
+                                             self.policy.shard_master, config.elementwise_optimizer,
+                                             config.optimizer_layout)
         self.state_buffers = persistent_buffers(module)  # (fqn, owner, local name) of each persistent buffer
         self._unused: set[str] = set()  # parameters no rank used in the last step (None grads)
         self.master: MasterOptimizer | None = None

@@ -70,7 +70,7 @@ from zerodp.engine.config import EngineConfig
 from zerodp.engine.control import EVAL_FORWARD
 from zerodp.engine.deferred import materialize_buffers, materialize_params, owners
 from zerodp.engine.group import FlatGroup
-from zerodp.engine.master import OptimizerFactory
+from zerodp.engine.optimizer_plan import OptimizerFactory
 from zerodp.engine.module_view import restore_class, shard_view_class
 from zerodp.engine.nest import cast_floats, grad_tensors, replace, tensors
 from zerodp.engine.schedule import UnitSchedule
@@ -127,7 +127,7 @@ class FSDPEngine(StageEngine):
                  units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):
         super().__init__(module, optimizer_factory, config, units=units, group=group)
         mp = self.mixed_precision  # the policy asked for (reduce_dtype folded in); self.dtypes resolves it
-        group_index = {id(p): g for (_, p), g in zip(self.named_params, self.param_group_of)}
+        group_index = {id(p): g for (_, p), g in zip(self.named_params, self.optimizer_plan.group_of)}
         specs = plan_units(module, units, lambda fqn, p: group_index[id(p)])
         dtypes = sorted({str(p.dtype) for spec in specs for _, p, _ in spec.params})
         if mp is None and len(dtypes) > 1:

@@ -1,4 +1,4 @@
-"""fp32 master shards and the stock ``torch.optim`` optimizer that updates them.
+"""fp32 master shards and the stock ``torch.optim`` optimizer that updates them: the optimizer part.
 
 Guide §1, §9.1: with bf16 mixed precision each parameter carries an fp32 master copy plus the
 optimizer's states (Adam: m and v), k = 12 bytes per parameter. ZeRO shards exactly this part:
@@ -7,15 +7,15 @@ updates only that slice. Because the update of Adam, AdamW, SGD and friends is *
 running the stock optimizer on a 1-D slice gives bit-for-bit the same numbers as running it on
 the whole tensor — which is why sharding is exact (the *flat* path, the default for them).
 Optimizers that read whole tensors (Muon's Newton–Schulz orthogonalisation of a matrix,
-Adafactor's factored row/column moments; :data:`PER_TENSOR_OPTIMIZERS`, or any optimizer declared
-with ``optimizer_layout="owner"``) take the *tensor-ownership* path instead: the flat buffers are
+Adafactor's factored row/column moments, or any optimizer declared with
+``optimizer_layout="owner"``) take the *tensor-ownership* path instead: the flat buffers are
 laid out owner-aligned (:meth:`zerodp.engine.layout.FlatLayout.owned`), so slice r holds whole
 tensors, and rank r steps them with their real shapes; the tensors of an elementwise optimizer
-beside it (AdamW in ``[Muon(matrices), AdamW(the rest)]``) stay flat at stages 1-2
-(:func:`whole_groups`). Stage 3 keeps its units flat and steps such tensors as *proxies*: whole
-tensors that the owner exchange (:mod:`zerodp.engine.exchange`) fills on their owner for the
-step, the optimizer's state living on them. LBFGS (closure-based, global) and
-SparseAdam (sparse gradients) are refused (:data:`REFUSED_OPTIMIZERS`).
+beside it (AdamW in ``[Muon(matrices), AdamW(the rest)]``) stay flat at stages 1-2. Stage 3
+keeps its units flat and steps such tensors as *proxies*: whole tensors that the owner exchange
+(:mod:`zerodp.engine.exchange`) fills on their owner for the step, the optimizer's state living
+on them. Which path, which groups are read whole, and what is refused is the optimizer plan's
+(:mod:`zerodp.engine.optimizer_plan`), decided once before any buffer exists.
 
 Each :class:`Target` is one fp32 tensor the optimizer updates: elements
 ``[flat_start, flat_start + numel)`` of a flat buffer (its full extent for stage 0, the rank's
@@ -29,55 +29,31 @@ loads at any other.
 
 from __future__ import annotations
 
-import copy
-
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
+from zerodp.engine.config import ALIGNED, EXCHANGE, Policy
+from zerodp.engine.exchange import OwnerExchange
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.optim import RebuildError, members
-from zerodp.plan.ownership import state_numel
+from zerodp.engine.optim import members
+from zerodp.engine.optimizer_plan import (FLAT, OWNER, OptimizerFactory, OptimizerPlan, check_elementwise,
+                                          check_refused, state_cost)
+
+#: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
+#: chunks of this many elements (512 KiB of fp32) those passes stay in cache, where over one flat
+#: buffer of millions of elements each pass goes to memory (AdamW on 11M elements: ~2-3x faster).
+CPU_OPTIMIZER_CHUNK = 1 << 17
 
 PARAM = "param"
-
-# Optimizers whose update of element i reads only element i of the parameter, its gradient and
-# its states (plus scalars shared by the whole tensor, such as the step count).
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
-    getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta")
-    if hasattr(torch.optim, name)
-)
-
-# Optimizers whose update of a tensor reads that whole tensor (and its gradient and states) but
-# no other tensor: exact on the tensor-ownership path, where each rank steps whole tensors.
-PER_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
-    getattr(torch.optim, name) for name in ("Adafactor", "Muon", "Rprop", "ASGD") if hasattr(torch.optim, name))
 
 #: the most fp32 gradient bytes cast at once for the optimizer step (:meth:`MasterOptimizer.step_on`)
 STEP_BATCH_BYTES = 16 * 1024 * 1024
 
-# Optimizers no data-parallel layout runs, and why (one line each).
-REFUSED_OPTIMIZERS: dict[str, str] = {
-    "LBFGS": "LBFGS is refused: its step() re-evaluates the loss through a closure and line-searches over all "
-             "parameters at once (closure-based and global), which no sharded layout runs exactly; use a first-order "
-             "optimizer (AdamW, SGD, Adafactor, Muon)",
-    "SparseAdam": "SparseAdam is refused: it needs sparse gradients (nn.Embedding(sparse=True)), and the engine's "
-                  "gradients are dense flat buffers; use Adam or AdamW",
-}
-
-#: ``optimizer_layout`` values (EngineConfig): "auto" picks "flat" for an elementwise optimizer,
-#: "owner" (tensor ownership) for a per-tensor one.
-OPTIMIZER_LAYOUTS = ("auto", "flat", "owner")
-FLAT, OWNER = "flat", "owner"
 #: Separator of a whole-tensor state's piece name: ``"fc.weight::row_var"`` (Adafactor's factors,
 #: shaped unlike their parameter, are saved whole by the parameter's owner).
 WHOLE_SEP = "::"
-
-OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
-
 
 def whole_name(name: str, kind: str) -> str:
     """The piece name of parameter ``name``'s whole-tensor state ``kind``."""
@@ -165,173 +141,68 @@ class Piece:
     tensor: torch.Tensor  # 1-D view of stop - start elements
 
 
-def check_refused(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse, in one line, the optimizers no layout runs (:data:`REFUSED_OPTIMIZERS`), their
-    subclasses included (each member of an :class:`~zerodp.engine.optim.OptimizerSet`)."""
-    for member in members(optimizer):
-        for cls in type(member).__mro__:
-            if cls.__module__.startswith("torch.optim") and cls.__name__ in REFUSED_OPTIMIZERS:
-                why = REFUSED_OPTIMIZERS[cls.__name__]
-                raise ValueError(why if cls is type(member) else f"{type(member).__name__} subclasses {why}")
+def build_master(plan: OptimizerPlan, groups: list, policy: Policy, shard_comm, master_dtype: torch.dtype,
+                 device: torch.device, per_param: bool = False,
+                 declared_elementwise: bool = False) -> "MasterOptimizer":
+    """The optimizer part over every flat group's master (guide §12.3): its targets — the held
+    range of each group's master, by :func:`group_targets` — the slice of each group's gradient
+    each target reads, and at stage 3 the owner exchange of the tensors read whole."""
+    targets, slices = [], []
+    for g in groups:
+        for t in group_targets(plan, policy, g.master, g.layout, g.master_start, device, per_param):
+            lo = t.flat_start - g.master_start
+            targets.append(t)
+            slices.append((g, lo, lo + t.tensor.numel()))
+    master = MasterOptimizer(plan.factory, targets, list(plan.group_options), declared_elementwise,
+                             placement=plan.placement, exchange=owner_exchange(plan, policy, groups, shard_comm,
+                                                                                 master_dtype, device),
+                             built=plan.built)
+    master.target_slices = slices
+    return master
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool = False,
-                      per_tensor_ok: bool = False) -> None:
-    """Refuse optimizers not known to be elementwise on the flat path: their sharded update would be wrong.
+def owner_exchange(plan: OptimizerPlan, policy: Policy, groups: list, shard_comm, master_dtype: torch.dtype,
+                   device: torch.device) -> OwnerExchange | None:
+    """Stage 3 on the ownership path: the owner exchange of the tensors read whole, their
+    owners balanced by the optimizer state each costs (:mod:`zerodp.engine.exchange`)."""
+    whole = plan.whole_groups
+    if policy.whole_tensors != EXCHANGE or not whole:
+        return None
+    group_of, kinds = plan.group_by_name, plan.state_kinds
 
-    Known means one of the stock classes themselves (``type(optimizer) in ELEMENTWISE_OPTIMIZERS``):
-    a subclass may couple elements (LARS over SGD scales by a per-tensor trust ratio, and a target
-    here spans several parameters), so it is trusted only when declared with
-    ``parallelize(..., elementwise_optimizer=True)``; one that reads whole tensors can be declared
-    per-tensor instead, with ``optimizer_layout="owner"``. Each member of a set is checked; on
-    the ownership path (``per_tensor_ok``) the stock per-tensor classes pass too."""
-    known_ok = ELEMENTWISE_OPTIMIZERS + (PER_TENSOR_OPTIMIZERS if per_tensor_ok else ())
-    for member in members(optimizer):
-        if not (declared or type(member) in known_ok):
-            _refuse_not_elementwise(member)
+    def exchanged(name: str) -> int | None:
+        g = group_of.get(name, -1)
+        return g if g in whole else None
 
+    def cost(name: str, shape: tuple[int, ...]) -> int:
+        g = group_of.get(name, -1)  # (frozen: no state)
+        return 0 if g < 0 else state_cost(kinds[g] if g < len(kinds) else None, shape)
 
-def check_reads_alone(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse, in one line, an optimizer whose update of one tensor reads another tensor's gradient
-    (a global gradient-norm clip inside ``step()``, a trust ratio over all parameters: LAMB's and
-    LARS's global forms). At stages 1-3 each rank steps only its shards or owned tensors (guide
-    §9.1, §12.3), so such a step would see a partial norm and be quietly wrong.
-
-    Learned, not guessed, for every member that is not one of torch's own classes: the optimizer
-    built over the stand-ins (:func:`probe_factory`) is stepped twice from the same state, the
-    first tensor's gradient the same both times and every other gradient 10⁶ times larger the
-    second time; an update that reads each tensor alone moves the first tensor identically."""
-    for member in members(optimizer):
-        if type(member).__module__.startswith("torch.optim"):
-            continue
-        params = [p for g in member.param_groups for p in g["params"]]
-        if len(params) < 2:
-            continue
-        saved, first = copy.deepcopy(member.state_dict()), []
-        for other in (1e-3, 1e3):
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    p.fill_(0.5 + 0.25 * (i == 0))
-                    p.grad = torch.full_like(p, 0.1 if i == 0 else other)
-            member.step()
-            first.append(params[0].detach().clone())
-            member.load_state_dict(saved)
-        for p in params:
-            p.grad = None
-        if not torch.equal(first[0], first[1]):
-            raise ValueError(
-                f"{type(member).__name__}'s step() reads across tensors (its update of one tensor changes with another "
-                "tensor's gradient: a global gradient-norm clip or a trust ratio over all parameters), which stages "
-                "1-3 cannot give it exactly — each rank steps only its shard of the model: use stage=0, or the "
-                "optimizer's per-tensor form with engine.clip_grad_norm_(max_norm) for the global clip (e.g. timm's "
-                "Lamb(max_grad_norm=None))")
+    return OwnerExchange(groups, exchanged, cost, shard_comm, master_dtype, device)
 
 
-def _refuse_not_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    known = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
-    base = next((c.__name__ for c in ELEMENTWISE_OPTIMIZERS if isinstance(optimizer, c)), None)
-    what = (f"{type(optimizer).__name__} subclasses {base}, and a subclass may read whole tensors"
-            if base else f"{type(optimizer).__name__} is not known to be elementwise")
-    raise ValueError(
-        f"{what}: ZeRO runs the optimizer on 1/N slices of flattened parameters, which is exact only when each "
-        f"element's update depends on that element alone (factored or matrix-wise optimizers such as Adafactor, "
-        f"Muon or LARS read whole rows, tensors or matrices). Use one of: {known}; if its update is elementwise, "
-        f"declare it with parallelize(..., elementwise_optimizer=True); if it reads each tensor whole but no "
-        f"other tensor, declare it with parallelize(..., optimizer_layout='owner') (each rank steps whole tensors).")
+def group_targets(plan: OptimizerPlan, policy: Policy, tensor: torch.Tensor, layout: FlatLayout, flat_start: int,
+                  device: torch.device, per_param: bool) -> list[Target]:
+    """Optimizer targets over a held range of a flat buffer, in cache-sized chunks on CPU (see
+    :func:`param_targets`): per parameter where a parameter may go unused in a step
+    (``per_param``: stage 3, ``find_unused_parameters=True``, an adopted optimizer), so that the
+    optimizer can skip it whole; otherwise across parameters, fewer tensors for the optimizer's
+    per-tensor work. On the ownership path each parameter this rank holds is one target, whole,
+    with its shape — in an owner-aligned layout or a full replica (stage 0) — and a flat bucket of
+    an elementwise optimizer beside it (the plan's ``whole_groups``) gives per-parameter pieces."""
+    by_name = plan.group_by_name
 
+    def group_of(name: str) -> int:
+        return by_name.get(name, -1)
 
-def choose_layout(optimizer: torch.optim.Optimizer, declared_elementwise: bool = False,
-                  requested: str = "auto") -> str:
-    """``"flat"`` or ``"owner"``: the path ``optimizer`` runs on, for ``optimizer_layout=requested``.
-
-    ``"auto"``: flat for an elementwise optimizer (the stock list, or ``elementwise_optimizer=True``),
-    owner for a stock per-tensor one (:data:`PER_TENSOR_OPTIMIZERS`: Muon, Adafactor, ...); any
-    other is refused with what to declare. ``"owner"`` declares the optimizer per-tensor (exact for
-    elementwise ones too); ``"flat"`` insists on flat shards (refused unless elementwise).
-    LBFGS and SparseAdam are refused whatever is asked."""
-    if requested not in OPTIMIZER_LAYOUTS:
-        raise ValueError(f"optimizer_layout={requested!r}: use one of {', '.join(OPTIMIZER_LAYOUTS)}")
-    check_refused(optimizer)
-    if requested == OWNER:
-        return OWNER
-    if requested == "auto" and not declared_elementwise \
-            and any(type(m) in PER_TENSOR_OPTIMIZERS for m in members(optimizer)):
-        check_elementwise(optimizer, per_tensor_ok=True)  # the others: stock elementwise or per-tensor
-        return OWNER
-    check_elementwise(optimizer, declared_elementwise)
-    return FLAT
-
-
-def whole_groups(optimizer: torch.optim.Optimizer, placement: str, requested: str = "auto") -> frozenset[int]:
-    """The param groups (indices into ``optimizer.param_groups``) whose tensors the optimizer
-    reads whole, on ``placement`` (:func:`choose_layout`): none on the flat path; every group when
-    declared per-tensor (``requested="owner"``); otherwise those of the members that are not
-    elementwise — under ``[Muon(matrices), AdamW(the rest)]`` Muon's, while AdamW's tensors stay
-    in flat buckets sharded evenly (guide §12.3)."""
-    if placement != OWNER:
-        return frozenset()
-    if requested == OWNER:
-        return frozenset(range(len(optimizer.param_groups)))
-    out, first = set(), 0
-    for member in members(optimizer):
-        count = len(member.param_groups)
-        if type(member) not in ELEMENTWISE_OPTIMIZERS:
-            out.update(range(first, first + count))
-        first += count
-    return frozenset(out)
-
-
-#: The stock classes whose optimizer state the planner counts (zerodp.plan.ownership.state_numel),
-#: by the planner's name: what owners balance (:func:`state_cost`).
-PRICED_OPTIMIZERS: dict[type, str] = {getattr(torch.optim, name): priced for name, priced in (
-    ("Adafactor", "adafactor"), ("Muon", "muon"), ("AdamW", "adamw"), ("Adam", "adam"), ("SGD", "sgd"))
-    if hasattr(torch.optim, name)}
-
-
-def group_state_kinds(optimizer: torch.optim.Optimizer) -> list[str | None]:
-    """Per param group, the planner's name of the class that steps it (None: one it does not
-    price), for :func:`state_cost`."""
-    return [PRICED_OPTIMIZERS.get(type(member)) for member in members(optimizer) for _ in member.param_groups]
-
-
-def state_cost(kind: str | None, shape: tuple[int, ...]) -> int:
-    """Elements + step scalars of a tensor's optimizer state (the planner's count), or its
-    elements for a class the planner does not price: what the owners of whole tensors balance
-    (:meth:`zerodp.plan.units.OwnerLedger.assign`)."""
-    if kind is None:
-        return math.prod(shape)
-    return sum(state_numel(kind, shape))
-
-
-def probe_factory(factory: OptimizerFactory, group_options: list[dict],
-                  params: list[tuple[str, tuple[int, ...], int]], device: torch.device) -> torch.optim.Optimizer:
-    """Build the user's optimizer once over stand-ins — one element per parameter, of the
-    parameter's number of dimensions — to learn its class before the flat buffers are laid out.
-
-    ``params``: (name, shape, param-group index) of the trainable parameters. When the optimizer
-    refuses them (Muon takes 2-D parameters only), the parameter it refuses is named, found by
-    building it over that one parameter's stand-in."""
-    def build(chosen):
-        groups = [{"params": [torch.zeros((1,) * len(shape), device=device) for _, shape, g2 in chosen if g2 == g],
-                   **opts} for g, opts in enumerate(group_options)]
-        return factory(groups)
-
-    try:
-        return build(params)
-    except RebuildError:
-        raise  # the class itself cannot be rebuilt: no parameter to name
-    except (ValueError, RuntimeError, TypeError) as e:
-        for name, shape, g in params:
-            try:
-                build([(name, shape, g)])
-            except (ValueError, RuntimeError, TypeError) as one:
-                hint = ""
-                if "2D" in str(one) or "2-D" in str(one):
-                    hint = (" — Muon steps 2-D matrices only: give the rest to another optimizer, "
-                            "optimizer=[Muon(matrices), AdamW(the rest)], or freeze it (requires_grad=False)")
-                raise ValueError(f"the optimizer refuses parameter {name!r} of shape {tuple(shape)}: {one}{hint}") \
-                    from None
-        raise e
+    if plan.placement == OWNER and (layout.aligned or not policy.shard_master):
+        return whole_targets(tensor, layout, flat_start, group_of)
+    if plan.placement == OWNER and policy.whole_tensors == ALIGNED \
+            and any(group_of(s.name) in plan.whole_groups for s in layout.slots):
+        raise ValueError("a tensor of a per-tensor optimizer lies in a flat bucket, cut across ranks (zerodp "
+                         "internal error: please report it)")
+    chunk = CPU_OPTIMIZER_CHUNK if device.type == "cpu" else None
+    return param_targets(tensor, layout, flat_start, group_of, chunk, per_param=per_param or plan.placement == OWNER)
 
 
 def _repoint(optimizer: torch.optim.Optimizer, param_groups: list[dict]) -> bool:
@@ -381,6 +252,7 @@ class MasterOptimizer:
                  declared_elementwise: bool = False, placement: str = FLAT, exchange=None,
                  built: torch.optim.Optimizer | None = None):
         self.targets = targets
+        self.target_slices: list[tuple] = []  # (group, lo, hi): the gradient each target reads (build_master)
         self.placement = placement  # "flat" (1-D slices) or "owner" (whole tensors, their shapes)
         # Stage 3's owner exchange (zerodp.engine.exchange): the tensors it brings whole are stepped
         # as proxies on their owner; their pieces among the targets hold values only.

@@ -39,7 +39,7 @@ from zerodp.engine.compiled import host_only
 from zerodp.engine.config import AUTO, EngineConfig, resolve_auto_bucket
 from zerodp.engine.deferred import materialize_module
 from zerodp.engine.group import FlatGroup
-from zerodp.engine.master import OptimizerFactory
+from zerodp.engine.optimizer_plan import OptimizerFactory
 from zerodp.engine.states import Phase, StepState
 
 
@@ -70,7 +70,7 @@ class BucketEngine(StageEngine):
                         p.data = p.data.to(self.dtypes.param)
         self.groups: list[FlatGroup] = [
             self.construction.new_group(b, f"bucket {b}", [(self.named_params[i][0], self.named_params[i][1],
-                                                self.param_group_of[i]) for i in idx])
+                                                self.optimizer_plan.group_of[i]) for i in idx])
             for b, idx in enumerate(plan)]
         self.construction.check_consistency(self._description())
         frozen = [p for p in module.parameters() if not p.requires_grad]
@@ -103,8 +103,8 @@ class BucketEngine(StageEngine):
             "sync": self.config.sync,
             "param_dtype": str(self.dtypes.param),
             "params": {n: {"shape": list(p.shape), "dtype": str(p.dtype),
-                           "options": sorted(map(str, self.group_options[g].items()))}
-                       for (n, p), g in zip(self.named_params, self.param_group_of)},
+                           "options": sorted(map(str, self.optimizer_plan.group_options[g].items()))}
+                       for (n, p), g in zip(self.named_params, self.optimizer_plan.group_of)},
             "param_order": [n for n, _ in self.named_params],
             "buckets": [g.describe() for g in self.groups],
         }

@@ -49,7 +49,7 @@ class EngineLike(Protocol):
     device: torch.device
     master: Any  # zerodp.engine.master.MasterOptimizer
     named_params: list
-    param_group_of: list[int]
+    optimizer_plan: Any  # zerodp.engine.optimizer_plan.OptimizerPlan
     buffers: list
     control: Any  # zerodp.engine.comm.Control: user calls, named and bounded
     outer: Any  # zerodp.engine.outer.OuterLoop, or None
@@ -357,7 +357,7 @@ def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
 
     per_param = scalars.get("params")
     group_scalars = scalars.get("groups", [])
-    group_of = dict(zip((n for n, _ in engine.named_params), engine.param_group_of))
+    group_of = engine.optimizer_plan.group_by_name
     state: dict[str, dict[str, torch.Tensor]] = {}
     for name, _ in engine.named_params:
         if name not in stepped:
@@ -413,7 +413,7 @@ def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
                          "engine.optimizer_state_dict() returns")
     names = _Names(engine)
     optimizer = engine.master.optimizer
-    group_of = dict(zip(names.trainable, engine.param_group_of))
+    group_of = dict(zip(names.trainable, engine.optimizer_plan.group_of))
     listed = [n for g in state["param_groups"] if isinstance(g, Mapping) for n in g.get("params", [])]
     renamed = match_names(list(state["state"]) + [n for n in listed if isinstance(n, str)], names.canonical)
     saved_state = {names.canonical.get(renamed[k], renamed[k]): v for k, v in state["state"].items()}  # tied: any name
@@ -748,7 +748,7 @@ class CheckpointContract:
             d = g.layout.to_dict()
             trainable = [grp for grp in g.groups if grp != FROZEN]
             d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
-                     options=self.engine.group_options[trainable[0]] if trainable else None,
+                     options=self.engine.optimizer_plan.group_options[trainable[0]] if trainable else None,
                      dtype=str(g.dtypes.param), sharded=self.engine.policy.shard_master,
                      owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)],
                      cost={**g.layout.cost(g.dtypes.param.itemsize),
@@ -773,7 +773,7 @@ class CheckpointContract:
             else:
                 owned[0] += g.layout.numel
         mean = sum(owned) / len(owned)
-        out = {"placement": self.engine.construction.placement, "padding": padding, "padding_bytes": padding_bytes,
+        out = {"placement": self.engine.optimizer_plan.placement, "padding": padding, "padding_bytes": padding_bytes,
                "owned_numel": owned, "max_owned_numel": max(owned),
                "imbalance_bytes": round((max(owned) - mean) * 4, 3)}
         exchange = getattr(self.engine.master, "exchange", None)
@@ -788,5 +788,5 @@ class CheckpointContract:
         if isinstance(rule, UserGroups):
             by_id = {id(p): n for n, p in self.engine.named_params}
             return [by_id[i] for i in rule.order if i in by_id]
-        group_of = self.engine.param_group_of
-        return [n for g in range(len(self.engine.group_options)) for n, gi in zip(names, group_of) if gi == g]
+        plan = self.engine.optimizer_plan
+        return [n for g in range(len(plan.group_options)) for n, gi in zip(names, plan.group_of) if gi == g]

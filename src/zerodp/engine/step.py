@@ -163,7 +163,7 @@ class StepMachine:
 
     def master_grads(self) -> list[torch.Tensor | None]:
         grads = {id(g): g.grads.read() for g in self.engine.groups}
-        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self.engine._target_slices]
+        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self.engine.master.target_slices]
 
     def optimizer_step(self) -> None:
         """The optimizer part steps the master on the step's fp32 gradients
