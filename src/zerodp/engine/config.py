@@ -232,7 +232,7 @@ class EngineConfig:
     # steps it with its real shape — exact for any per-tensor optimizer (Muon, Adafactor, or one
     # of your own that reads each tensor whole), at the price of padding between the slices
     # (engine.layout(), engine.stats().layout). "auto": flat for elementwise optimizers, owner for
-    # the stock per-tensor ones (zerodp.engine.master.PER_TENSOR_OPTIMIZERS).
+    # the stock per-tensor ones (zerodp.engine.optimizer_plan.PER_TENSOR_OPTIMIZERS).
     optimizer_layout: str = "auto"
     # A collective of the engine that other ranks never issue (a stage-3 forward on rank 0 only)
     # ends this rank with CollectiveTimeout after this many seconds, not the backend's 30 minutes.
