@@ -1,7 +1,7 @@
 """Spike: torchft's lighthouse and two replica groups of one rank each, one SIGKILLed mid-run.
 
     RUST_LOG=error python tools/ft_spike.py   # each group's steps; exit 0 when the survivor
-                                        # went on alone and the restarted group healed
+                                              # went on alone and the restarted group healed
 
 The parent starts a torchft ``LighthouseServer`` in-process and two groups as separate processes,
 each with its own TCPStore (its own rendezvous), a ``torchft.Manager`` and a reconfigurable
