@@ -192,7 +192,9 @@ def _plot(runs: list[dict], path: Path, tokens: int) -> None:
         ax.plot(*zip(*r["evals"]), "o-" if r["name"] == "ddp" else ".-", lw=1.3, ms=3, label=label)
     ax.set_xlabel("step (equal tokens per step)")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(f"tiny GPT, 4 CPU ranks: DDP vs DiLoCo over ZeRO-3 (2 groups of 2), {tokens:,} tokens")
+    ax.set_title(f"tiny GPT, 4 CPU ranks, {tokens:,} tokens: DDP vs DiLoCo (2 groups of 2)", fontsize=10)
+    low = min(v for r in runs for _, v in r["evals"])
+    ax.set_ylim(low - 0.1, min(3.0, max(v for r in runs for _, v in r["evals"])))  # step 0 (5.6) is off the top
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -213,9 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help="comma-separated: bytes, crossover, loss")
     p.add_argument("--model", default="tiny", help="GPT preset (default tiny)")
     p.add_argument("--every", type=int, default=100, help="H of the bytes part (default 100)")
-    p.add_argument("--bandwidths", default="40MB,60MB,90MB,130MB,200MB,300MB",
+    p.add_argument("--bandwidths", default="50MB,100MB,200MB,400MB,800MB",
                    help="simulated inter-group bandwidths of the crossover part, bytes/s per rank")
-    p.add_argument("--crossover-steps", type=int, default=30, help="timed steps per bandwidth and contender")
+    p.add_argument("--crossover-steps", type=int, default=120, help="timed steps per bandwidth and contender")
     p.add_argument("--loss-every", default="50,100,500", help="the H of the loss part's DiLoCo runs")
     p.add_argument("--loss-steps", type=int, default=500, help="steps of every loss run (a multiple of each H)")
     p.add_argument("--loss-average-every", default="",

@@ -89,12 +89,21 @@ class Phase:
 
     bandwidth: float | None
     step_s: list[float] = field(default_factory=list)
-    outer_local_s: float = 0.0
+    outer_local_s: float = 0.0  # per step, mean over the phase
+    outer_steps: list[float] = field(default_factory=list)  # each step's outer work
     throttled_s: float = 0.0
+    cross_wait_s: float = 0.0  # the host's waits for the cross-group collectives, over the phase
 
     @property
     def mean_s(self) -> float:
         return statistics.fmean(self.step_s) if self.step_s else 0.0
+
+
+def round_median(step_s: list[float], every: int) -> float:
+    """The median over the phase's rounds of the mean step of each round (H steps: a sync's cost
+    shared out): robust to the spikes of a loaded machine, and a whole round's average."""
+    rounds = [statistics.fmean(step_s[i:i + every]) for i in range(0, len(step_s) - every + 1, every)]
+    return statistics.median(rounds) if rounds else 0.0
 
 
 @dataclass
@@ -117,37 +126,33 @@ class ContenderRun:
 
 
 class _Late:
-    """A launched collective on the simulated link (:class:`SlowLink`): its transfer takes ``cost``
-    seconds from when every rank of the group has joined — taken as its launch here when the real
-    collective had completed before anyone waited for it (it ran behind compute: DDP's buckets in
-    backward, a fragment's exchange under a delay τ), else as the moment the wait saw it complete
-    (a collective waited at once, hybrid ZeRO's replica AllReduce: the peers joined just then)."""
+    """A launched collective on the simulated link (:class:`SlowLink`): it completes no sooner than
+    ``cost`` seconds after its launch. The real transfer on this machine and the wait for the peers
+    to join count towards that time (the simulated link stands for the real one: a collective takes
+    max(real, cost)); one launched behind compute and waited for later (DDP's buckets in backward, a
+    fragment's exchange under a delay τ) hides what of it the compute covered."""
 
     def __init__(self, work, launched: float, cost: float, link: "SlowLink"):
         self.work, self.launched, self.cost, self.link = work, launched, cost, link
 
-    def _done(self) -> bool:
-        inner = getattr(self.work, "work", None)  # the int8 collectives' own transfer
-        return (inner if inner is not None else self.work).is_completed()
-
     def wait(self, timeout=None) -> bool:
-        early = self._done()
         self.work.wait() if timeout is None else self.work.wait(timeout)
-        now = time.perf_counter()
-        left = (self.launched if early else now) + self.cost - now
+        left = self.launched + self.cost - time.perf_counter()
         if left > 0:
             time.sleep(left)
             self.link.slept += left
         return True
 
     def is_completed(self) -> bool:
-        return self._done() and time.perf_counter() >= self.launched + self.cost
+        inner = getattr(self.work, "work", None)  # the int8 collectives' own transfer
+        done = (inner if inner is not None else self.work).is_completed()
+        return done and time.perf_counter() >= self.launched + self.cost
 
 
 class SlowLink:
     """The simulated link between replica groups, around one :class:`~zerodp.engine.comm.Collectives`
     (module docstring): each collective issued through it completes no sooner than
-    ``latency · ring steps + bytes sent per rank / bandwidth`` after every rank joined it
+    ``latency · ring steps + bytes sent per rank / bandwidth`` after its launch
     (:class:`_Late`). ``bandwidth``
     None: no throttle. The bench's own wrapper of the instance's issue method — the engine's
     classes are untouched."""
@@ -266,8 +271,10 @@ class _Contender:
     def timed_step(self, count_bytes: bool) -> None:
         self.phase.step_s.append(self.step())
         cross, intra, waits = _sent(self.engine, self.name == "ddp")
+        self.phase.cross_wait_s += waits
         if self.name == "diloco":
-            self.phase.outer_local_s += max(0.0, _outer_s(self.engine) - waits)
+            self.phase.outer_steps.append(max(0.0, _outer_s(self.engine) - waits))
+            self.phase.outer_local_s += self.phase.outer_steps[-1]
         if count_bytes:
             self.run.cross_bytes.append(cross)
             self.run.intra_bytes.append(intra)
@@ -315,8 +322,8 @@ def predicted_bytes(spec: DiLoCoBenchSpec, measured: dict) -> dict[str, float]:
 
 def table(spec: DiLoCoBenchSpec, ranks: list[dict]) -> str:
     """The regime's table (rank 0's clock; bytes are every rank's alike): cross-group bytes per step
-    measured and planned, the ratio to DDP's, the outer state against 8Ψ/g, and the mean step time
-    on this machine's link and at each simulated bandwidth."""
+    measured and planned, the ratio to DDP's, the outer state against 8Ψ/g, and the step time
+    (:func:`round_median`) on this machine's link and at each simulated bandwidth."""
     from zerodp.plan._common import fmt_bytes, fmt_time
     from zerodp.plan._common import table as text_table
 
@@ -336,7 +343,7 @@ def table(spec: DiLoCoBenchSpec, ranks: list[dict]) -> str:
                  if name == "diloco" else "-")
         rows.append([labels[name], fmt_bytes(mean), fmt_bytes(planned[name]),
                      f"{ddp_mean / mean:,.0f}x" if ddp_mean and mean else "-", state]
-                    + [fmt_time(statistics.fmean(p["step_s"])) for p in run["phases"]])
+                    + [fmt_time(round_median(p["step_s"], spec.every)) for p in run["phases"]])
     title = (f"DiLoCo regime (guide §16): {spec.model}, {spec.micro_batch} sequence(s) per rank per step, "
              f"{spec.world_size} ranks in {spec.world_size // spec.shard_size} groups of {spec.shard_size}; "
              f"{spec.steps} timed steps per link, simulated link latency {fmt_time(spec.latency)} per ring step")
@@ -344,15 +351,16 @@ def table(spec: DiLoCoBenchSpec, ranks: list[dict]) -> str:
 
 
 def crossover(spec: DiLoCoBenchSpec, ranks: list[dict]) -> dict:
-    """The bandwidth where hybrid ZeRO's and DiLoCo's mean steps are equal: measured (a least-squares
-    line through hybrid − DiLoCo against 1/W over the throttled phases, rank 0's clock) and the
+    """The bandwidth where hybrid ZeRO's and DiLoCo's steps (:func:`round_median`) are equal:
+    measured (a least-squares line through hybrid − DiLoCo against 1/W over the throttled phases,
+    rank 0's clock) and the
     planner's (:func:`zerodp.plan.diloco.diloco_plan` given the measured compute, intra-group and
     outer times, the link's latency and no overlap, as the throttle runs)."""
     from zerodp.plan.diloco import diloco_plan
 
     r0 = ranks[0]
-    hyb = {p["bandwidth"]: statistics.fmean(p["step_s"]) for p in r0["hybrid"]["phases"]}
-    dil = {p["bandwidth"]: statistics.fmean(p["step_s"]) for p in r0["diloco"]["phases"]}
+    hyb = {p["bandwidth"]: round_median(p["step_s"], spec.every) for p in r0["hybrid"]["phases"]}
+    dil = {p["bandwidth"]: round_median(p["step_s"], spec.every) for p in r0["diloco"]["phases"]}
     points = sorted((1 / w, hyb[w] - dil[w]) for w in spec.bandwidths)
     measured = None
     if len(points) >= 2:
@@ -364,7 +372,10 @@ def crossover(spec: DiLoCoBenchSpec, ranks: list[dict]) -> dict:
         measured = slope / -icept if icept < 0 < slope else None
     # compute + intra: DiLoCo's unthrottled non-sync steps are the inner step alone
     free = [p for p in r0["diloco"]["phases"] if p["bandwidth"] is None][0]
-    outer_local = statistics.fmean(p["outer_local_s"] for p in r0["diloco"]["phases"])  # per step
+    # the outer work of a round (H steps), the median over every phase's rounds, per step
+    rounds = [sum(p["outer_steps"][i:i + spec.every]) for p in r0["diloco"]["phases"]
+              for i in range(0, len(p["outer_steps"]) - spec.every + 1, spec.every)]
+    outer_local = statistics.median(rounds) / spec.every
     inner = statistics.median(free["step_s"])
     numels = r0["diloco"]["fragment_numels"]
     plan = diloco_plan(sum(numels), "H100", spec.world_size, spec.shard_size, spec.stage, every=spec.every,
