@@ -127,11 +127,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true", help="print JSON instead of tables")
     g = b.add_argument_group("the diloco regime (--regimes diloco, guide §16): DDP, hybrid ZeRO and DiLoCo "
                              "over it, cross-group bytes per step and step times on a simulated link")
-    g.add_argument("--diloco-every", type=int, default=100, metavar="H", help="inner steps between syncs (default 100)")
-    g.add_argument("--diloco-fragments", type=int, default=1, metavar="F", help="Streaming DiLoCo's fragments (default 1)")
+    g.add_argument("--diloco-every", type=int, default=100, metavar="H",
+                   help="inner steps between syncs (default 100)")
+    g.add_argument("--diloco-fragments", type=int, default=1, metavar="F",
+                   help="Streaming DiLoCo's fragments (default 1)")
     g.add_argument("--diloco-compress", default="none", choices=["none", "int8"],
                    help="the pseudo-gradients on the wire (default none: fp32)")
-    g.add_argument("--diloco-delay", type=int, default=0, metavar="TAU", help="inner steps an exchange runs behind (default 0)")
+    g.add_argument("--diloco-delay", type=int, default=0, metavar="TAU",
+                   help="inner steps an exchange runs behind (default 0)")
     g.add_argument("--inter-group-bw", default=None, metavar="W[,W...]",
                    help="simulated bandwidths between the groups, bytes/s per rank (e.g. 50MB,200MB): one "
                         "timed phase each; the collectives across the groups complete no sooner than "

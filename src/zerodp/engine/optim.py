@@ -41,8 +41,9 @@ _PARAMS = "params"
 class UserGroups:
     """The param groups of an optimizer the user built before ``parallelize``: each group's
     options (what differs from the defaults is kept as torch keeps it: every key) and, per
-    parameter, its group. Serves as the engine's ``param_groups`` rule (:func:`zerodp.engine.optimizer_plan.resolve_param_groups`)
-    and gives ``state_dict()`` its index order."""
+    parameter, its group. Serves as the engine's ``param_groups`` rule
+    (:func:`zerodp.engine.optimizer_plan.resolve_param_groups`) and gives ``state_dict()`` its
+    index order."""
 
     options: tuple[dict, ...]
     group_of: Mapping[int, int]  # id(parameter) -> group index
