@@ -4,8 +4,8 @@ the planner's, and its simulated link holds each cross-group collective for byte
 4 gloo ranks, the nano GPT at stage 1 in 2 groups of 2, DiLoCo at H = 2 with int8, one phase on
 this machine's link and one at 20 MB/s. Timings are not asserted (a loaded CI machine); the
 throttle's own accounting is: each of hybrid ZeRO's replica AllReduces (waited for at once) is held
-until ``bytes / W`` after its launch — the host waits at least that long for it, and the throttle
-slept at most that long (the real transfer and the peers' arrival count towards it).
+until ``bytes / W`` after its launch — it lasts at least that long from issue to end, and the
+throttle slept at most that long (the real transfer and the peers' arrival count towards it).
 """
 
 import pytest
@@ -39,7 +39,7 @@ def test_the_simulated_link_holds_the_cross_group_bytes(ranks):
         per_step = sum(r["hybrid"]["cross_bytes"]) / len(r["hybrid"]["cross_bytes"])
         cost = SPEC.steps * per_step / 20e6
         assert 0 < slow["throttled_s"] <= cost * (1 + 1e-6)
-        assert slow["cross_wait_s"] >= cost * (1 - 1e-6)
+        assert slow["cross_s"] >= cost * (1 - 1e-6)
         assert all(p["throttled_s"] == 0 for p in r["hybrid"]["phases"] if p["bandwidth"] is None)
 
 

@@ -93,6 +93,7 @@ class Phase:
     outer_steps: list[float] = field(default_factory=list)  # each step's outer work
     throttled_s: float = 0.0
     cross_wait_s: float = 0.0  # the host's waits for the cross-group collectives, over the phase
+    cross_s: float = 0.0  # their durations, issue to end, over the phase
 
     @property
     def mean_s(self) -> float:
@@ -197,9 +198,10 @@ def _build(name: str, spec: DiLoCoBenchSpec):
     return engine, cfg, engine.outer.replicas if outer is not None else engine.replica_comm
 
 
-def _sent(engine, crosses_all: bool) -> tuple[float, float, float]:
-    """(cross-group bytes, intra-group bytes, the outer exchange's waits) this rank sent in the last step."""
-    cross = intra = waits = 0.0
+def _sent(engine, crosses_all: bool) -> tuple[float, float, float, float]:
+    """This rank's last step: (cross-group bytes sent, intra-group bytes sent, the host's waits for the
+    cross-group collectives, their durations from issue to end)."""
+    cross = intra = waits = spans = 0.0
     for e in engine.recorder.step_events(engine.recorder.step - 1):
         if e.lane != "comm":
             continue
@@ -207,9 +209,10 @@ def _sent(engine, crosses_all: bool) -> tuple[float, float, float]:
         if crosses_all or leg == "inter":
             cross += e.args["sent_bytes"]
             waits += float(e.args.get("wait_s", 0.0))
+            spans += e.duration if e.end is not None else 0.0
         elif leg == "intra":
             intra += e.args["sent_bytes"]
-    return cross, intra, waits
+    return cross, intra, waits, spans
 
 
 def _outer_s(engine) -> float:
@@ -270,8 +273,9 @@ class _Contender:
 
     def timed_step(self, count_bytes: bool) -> None:
         self.phase.step_s.append(self.step())
-        cross, intra, waits = _sent(self.engine, self.name == "ddp")
+        cross, intra, waits, spans = _sent(self.engine, self.name == "ddp")
         self.phase.cross_wait_s += waits
+        self.phase.cross_s += spans
         if self.name == "diloco":
             self.phase.outer_steps.append(max(0.0, _outer_s(self.engine) - waits))
             self.phase.outer_local_s += self.phase.outer_steps[-1]
