@@ -397,14 +397,19 @@ class GradBuffers:
         for buf, a, b in self._ranges(j):
             buf[a:b].zero_()
 
-    @torch.no_grad()
-    def write(self, j: int, grad: torch.Tensor) -> None:
-        """The script assigned ``param.grad = grad`` (the parameter's whole gradient, the same on every
-        rank, as DDP's would be): the engine takes it as the reduced gradient for the next step."""
+    def _assigned_slot(self, j: int, grad: torch.Tensor):
+        """Trainable parameter ``j``'s slot, once ``grad`` (assigned to its ``.grad``) has its shape."""
         slot = self.layout.slots[self.trainable[j]]
         if tuple(grad.shape) != tuple(slot.shape):
             raise RuntimeError(f"{slot.name}.grad was assigned a tensor of shape {tuple(grad.shape)}; the parameter's "
                                f"shape is {tuple(slot.shape)}")
+        return slot
+
+    @torch.no_grad()
+    def write(self, j: int, grad: torch.Tensor) -> None:
+        """The script assigned ``param.grad = grad`` (the parameter's whole gradient, the same on every
+        rank, as DDP's would be): the engine takes it as the reduced gradient for the next step."""
+        slot = self._assigned_slot(j, grad)
         flat = grad.detach().reshape(-1)
         for buf, a, b in self._ranges(j):
             base = self.shard_range[0] if buf is self.grad_shard else 0  # buffer index + base = flat index
@@ -417,10 +422,7 @@ class GradBuffers:
         reduction averages, as a ``no_sync`` backward's would be (``LOCAL``, or ``REDUCED_LOCAL``
         after a reduction — the reduction is linear, so it adds their mean to what is reduced)."""
         for j, grad in own:
-            slot = self.layout.slots[self.trainable[j]]
-            if tuple(grad.shape) != tuple(slot.shape):
-                raise RuntimeError(f"{slot.name}.grad was assigned a tensor of shape {tuple(grad.shape)}; the "
-                                   f"parameter's shape is {tuple(slot.shape)}")
+            self._assigned_slot(j, grad)
         kept = self.has_local or (self.policy.full_grads and self.state is not GradState.NONE)
         self._ensure_storage()
         target = self.acc_full if self.acc_full is not None else self.grad_full
