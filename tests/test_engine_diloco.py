@@ -17,7 +17,8 @@ cross flat groups), fp32:
 (d) int8: the averaged pseudo-gradient within the bound of the engine's int8 AllReduce
     (``zerodp.engine.quant``, guide §15: an int8 all-to-all then an int8 AllGather of the mean);
 (e) a checkpoint in the middle of a round (an exchange in flight included) and a resume from it,
-    bitwise equal to the uninterrupted run; a changed number of replica groups is refused;
+    bitwise equal to the uninterrupted run; a changed number of replica groups is refused; a
+    checkpoint saved without the outer loop (a warm-up) restarts it from the loaded weights;
 and the bytes: inner steps send nothing across the groups, a sync sends exactly what
 ``plan.diloco`` predicts, at stages 0-2 the intra-group bytes are the planner's too, and the outer
 state is 8Ψ/g bytes.
@@ -283,6 +284,30 @@ def check_reshard(rank: int, folder: str, saved_at: int = 3, loaded_at: int = 1,
             "bound": trajectory_tolerance(WORLD * ROWS, at + 2) * 0.7 * 1.9 / 0.1}
 
 
+def check_plain_checkpoint(rank: int, stage: int, folder: str) -> dict:
+    """A checkpoint saved without the outer loop (plain hybrid sharding: a data-parallel warm-up)
+    loaded into a DiLoCo engine — whose ``state_pieces()`` was read first, as ``zerodp train
+    --resume`` checks what it will load: θ_outer restarts from the loaded weights (not from the
+    values the engine had before the load), and the first sync (lr 1, momentum 0) gives the groups'
+    mean from there."""
+    from zerodp.train import checkpoint as ckpt
+
+    where = f"{folder}/plain-s{stage}"
+    a = build(stage, None)
+    train(a, rank, range(2))
+    ckpt.save(a.checkpoint.state_pieces(), where, 2, {"scalars": a.checkpoint.scalar_state()})
+    ck = ckpt.Checkpoint.open(ckpt.find(where, log=lambda m: None))
+    b = build(stage, zerodp.DiLoCo(every=2, lr=1.0, momentum=0.0), seed=1)
+    b.checkpoint.state_pieces()  # takes θ_outer from the values before the load (the case that was wrong)
+    b.checkpoint.load_scalar_state(ck.manifest["scalars"])
+    b.checkpoint.load_state_pieces(ck.read)
+    state = b.outer.state.value
+    b.outer.start()
+    outer = [p for p in b.outer.pieces() if p.kind == "outer"]
+    same = all(torch.equal(p.tensor, ck.read(p.name, "param", p.start, p.stop)) for p in outer)
+    return {"state": state, "outer_is_loaded": same, "pieces": len(outer)}
+
+
 def check_refusals(rank: int, stage: int) -> list[str]:
     """Refused in one line: one replica group, F > H, τ ≥ H, a checkpoint of another R."""
     said = []
@@ -316,6 +341,8 @@ def _run(rank: int, world: int, folder: str) -> dict:
         out["resume", stage] = check_resume(rank, stage, folder)
     out["resume int8", 2] = check_resume(rank, 2, folder, compress="int8", every=4, count=1, delay=2, at=5, steps=9)
     out["reshard", 3] = check_reshard(rank, folder)
+    for stage in (0, 3):
+        out["plain checkpoint", stage] = check_plain_checkpoint(rank, stage, folder)
     out["refused", 1] = check_refusals(rank, 1)
     return out
 
@@ -392,6 +419,14 @@ def test_checkpoint_loads_at_another_stage(results):
         got = r["reshard", 3]
         assert got["same"] and got["step"][0] == got["step"][1], got
         assert got["after"] <= got["bound"], got
+
+
+@pytest.mark.parametrize("stage", (0, 3))
+def test_a_checkpoint_without_the_outer_loop_restarts_it_from_its_weights(results, stage):
+    for rank, r in enumerate(results):
+        got = r["plain checkpoint", stage]
+        assert got["state"] == "fresh" and got["outer_is_loaded"], got
+        assert (got["pieces"] > 0) == (rank < G)  # replica 0 holds the outer pieces
 
 
 def test_refused_in_one_line(results):

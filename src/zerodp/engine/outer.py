@@ -450,9 +450,12 @@ class OuterLoop:
     @torch.no_grad()
     def load_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """θ_outer, momentum, exchanges in flight and the step count from a checkpoint whose outer
-        scalars :meth:`load_scalars` took (every replica reads replica 0's)."""
+        scalars :meth:`load_scalars` took (every replica reads replica 0's). A checkpoint with no
+        outer scalars (saved without the outer loop) restarts it from the loaded weights
+        (:meth:`restart`), as ``engine.load_state_dict`` does."""
         saved, self.loading = self.loading, None
-        if saved is None:
+        if saved is None:  # a checkpoint without an outer loop (a plain run's: a data-parallel warm-up)
+            self.restart()  # θ_outer from the weights just loaded, not from any taken before the load
             return
         self.pending.clear()
         if self.state is not OuterState.FRESH:

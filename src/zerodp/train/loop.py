@@ -183,6 +183,22 @@ def build_engine(cfg: TrainConfig, mc: GPTConfig, ctx: RankContext):
     return engine, n_params
 
 
+def _expected_pieces(engine, ck: "ckpt.Checkpoint") -> list:
+    """The pieces this rank will read from ``ck``: its own state pieces, except that a run with
+    the DiLoCo outer loop resuming a checkpoint saved without one (a data-parallel warm-up, guide
+    §16) reads the plain inner state in every replica group and no outer state (it restarts from
+    the loaded weights)."""
+    import dataclasses
+
+    from zerodp.engine.outer import DELTA, MOMENTUM, OUTER
+
+    pieces = engine.checkpoint.state_pieces()
+    if engine.outer is None or "outer" in ck.manifest.get("scalars", {}):
+        return pieces
+    return [dataclasses.replace(p, kind=p.kind.split("@replica")[0]) for p in pieces
+            if p.kind not in (OUTER, MOMENTUM, DELTA)]
+
+
 def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
     """Apply a validated checkpoint on every rank, or on none (it never half-applies).
 
@@ -196,7 +212,7 @@ def load_into(engine, ck: "ckpt.Checkpoint", ctx: RankContext) -> None:
 
     problem, cache, rng = "", {}, {}
     try:
-        ck.check_pieces(engine.checkpoint.state_pieces())
+        ck.check_pieces(_expected_pieces(engine, ck))
         scalars = ck.manifest.get("scalars", {})
         kinds, per_param = scalars.get("kinds", []), scalars.get("param_kinds", {})
         for p in engine.master.pieces(kinds=[]):  # the ranges this rank holds (parameters only)
