@@ -49,7 +49,8 @@ test-fast: setup
 # zerodp check on its three acceptance models, exact and perturbed (make test: a small model); and
 # the long end-to-end runs (tests marked in_make_fuzz, each naming what make test keeps): the
 # short chaos run, SIGTERM preemption with its bitwise resume, the two-launcher hybrid run, the
-# quick bench, train --bucket-mb auto, and a corpus smaller than one global batch at world 3; the
+# quick bench, train --bucket-mb auto, a corpus smaller than one global batch at world 3, the replica
+# groups' heal at stages 0 and 3 and zerodp train --replica-groups with a killed group; the
 # four ported scripts at worlds 2 and 3 with twice the steps (make test: world 2); and the compat tier
 # on the oldest (2.9.1) and newest (2.15.0) torch (make compat).
 fuzz: setup
@@ -61,7 +62,8 @@ fuzz: setup
 	  tests/test_engine_zero.py tests/test_engine_stage0.py tests/test_engine_correctness.py tests/test_plan_ownership.py \
 	  tests/test_bench_compressed.py tests/test_engine_matrix.py tests/test_train_resume.py tests/test_check_models.py \
 	  tests/test_chaos_short.py tests/test_preempt.py tests/test_multinode.py tests/test_bench_compare.py \
-	  tests/test_auto_bucket.py tests/test_reliability_data.py tests/test_porting_scripts.py
+	  tests/test_auto_bucket.py tests/test_reliability_data.py tests/test_porting_scripts.py \
+	  tests/test_ft_heal.py tests/test_ft_train.py
 
 # The compatibility tier on another torch (docs/engine.md, "Supported torch versions"): a venv of
 # its own per version under .venv-compat (built once: a CUDA build of several GB from the index),

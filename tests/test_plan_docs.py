@@ -13,7 +13,9 @@ _spec.loader.exec_module(regen)
 
 #: console blocks of other commands, which the test does not re-run: (file, command)
 NOT_RERUN = {("docs/planner.md", "zerodp train --plan auto --out /tmp/ap/default2 --no-progress"),
-             ("docs/planner.md", "zerodp plan-auto-regret --out /tmp/par50")}
+             ("docs/planner.md", "zerodp plan-auto-regret --out /tmp/par50"),
+             ("docs/reliability.md", "zerodp train --replica-groups 2 --nproc 2 --model nano --seq-len 32 "
+                                     "--global-batch-tokens 512 \\")}
 
 
 def test_every_plan_console_block_prints_what_the_doc_shows():

@@ -75,7 +75,9 @@ class ReplicaGroups:
     ``init_sync``: torchft's first-quorum sync, off: every group builds its model from the same
     seed (torchft would otherwise pick the source per shard index, and a group whose ranks do not
     all heal together cannot load its shards collectively); a group that is behind heals on every
-    rank at once.
+    rank at once. ``start_groups``: the groups the first committed step needs (default
+    ``min_replicas``): jobs started apart (one ``torchrun`` per group) take their first step
+    together instead of the first one training alone; after it, ``min_replicas``.
     """
 
     leg = "inter"  # the engine's trace: across replica groups
@@ -84,16 +86,20 @@ class ReplicaGroups:
     def __init__(self, group: int, groups: int, lighthouse: str | None = None, *, rank: int | None = None,
                  world_size: int | None = None, store_addr: str | None = None, store_port: int | None = None,
                  timeout_s: float = 30.0, quorum_timeout_s: float = 300.0, connect_timeout_s: float = 60.0,
-                 min_replicas: int = 1, init_sync: bool = False):
+                 min_replicas: int = 1, init_sync: bool = False, start_groups: int | None = None):
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 2:
             raise ValueError(f"groups={groups!r}: replica groups that heal from a peer need at least 2")
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
             raise ValueError(f"group={group!r}: this group's index, 0 to {groups - 1}")
         ft = _torchft()
         self.group, self.groups = group, groups
+        if start_groups is not None and not min_replicas <= start_groups <= groups:
+            raise ValueError(f"start_groups={start_groups!r}: from min_replicas ({min_replicas}) to groups ({groups})")
+        self.min_replicas = min_replicas
+        self._starting = start_groups is not None and start_groups > min_replicas
         self.pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.manager = ft.Manager(
-            pg=self.pg, min_replica_size=min_replicas, load_state_dict=None, state_dict=None,
+            pg=self.pg, min_replica_size=start_groups or min_replicas, load_state_dict=None, state_dict=None,
             replica_id=f"zerodp_group{group}", store_addr=store_addr, store_port=store_port, rank=rank,
             world_size=world_size, lighthouse_addr=lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
             use_async_quorum=False, init_sync=init_sync, timeout=timedelta(seconds=timeout_s),
@@ -150,6 +156,9 @@ class ReplicaGroups:
         ok = bool(self.manager.should_commit())
         if ok:
             self.commits += 1
+            if self._starting:  # the first step committed with start_groups: from now on min_replicas
+                self._starting = False
+                self.manager._min_replica_size = self.min_replicas  # torchft reads it at each commit
         else:
             self.aborted += 1
         return ok

@@ -76,6 +76,10 @@ def _add_train(sub) -> None:
     g.add_argument("--shard-size", type=int, default=None, metavar="G",
                    help="hybrid sharding (guide §14): stages 1-3 shard inside groups of G ranks and "
                         "replicate across them (default: one node, torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                   help="R replica groups of --nproc ranks that survive a failure (zerodp.ft, torchft): each "
+                        "group a job of its own; a killed group is started again (--max-restarts) and heals "
+                        "from a live peer while the others step on (docs/reliability.md)")
     g.add_argument("--diloco-every", type=int, default=None, metavar="H",
                    help="DiLoCo (guide §16): the --shard-size groups train alone and average their "
                         "pseudo-gradients every H steps (outer Nesterov SGD, lr 0.7, momentum 0.9); "
@@ -217,6 +221,12 @@ def run_train(args) -> int:
     cfg = config_from_args(args)
     if cfg.out is None and not launched_by_torchrun():
         cfg = replace(cfg, out=default_out())
+    if cfg.replica_groups is not None:  # zerodp.ft: the lighthouse and R groups, or one rank of one
+        from zerodp.ft.app import run
+
+        if cfg.out is not None:
+            keep_config(args, cfg)
+        return run(cfg)
     if cfg.plan == "auto":
         cfg = _plan_auto(args, cfg, launched_by_torchrun())
         if cfg is None:

@@ -198,6 +198,7 @@ class TrainConfig:
     tensorboard: bool = False  # also TensorBoard events in OUT/tensorboard (the tensorboard extra)
     compile: bool = False  # model.compile() before parallelize: inductor on CUDA, aot_eager on CPU (docs/engine.md)
     plan: str | None = None  # "auto": the layout from a short trial of the planner's top 3 (train.autoplan)
+    replica_groups: int | None = None  # R groups of nproc ranks that survive a failure (zerodp.ft.app)
 
     def __post_init__(self):
         if self.preset not in PRESET_NAMES:
@@ -229,6 +230,25 @@ class TrainConfig:
             raise ValueError(f"--grace-s must be a number of seconds from 1 to 86400, got {self.grace_s}")
         self._check_bucket()
         self._check_diloco()
+        self._check_replica_groups()
+
+    def _check_replica_groups(self) -> None:
+        """``--replica-groups R`` (zerodp.ft.app): R >= 2, and none of the settings it does not run."""
+        if self.replica_groups is None:
+            return
+        if isinstance(self.replica_groups, bool) or not isinstance(self.replica_groups, int) or self.replica_groups < 2:
+            raise ValueError(f"--replica-groups must be >= 2, got {self.replica_groups} (groups that heal from "
+                             "each other)")
+        given = [flag for flag, on in (
+            ("--shard-size (each group of --nproc ranks is sharded whole)", self.shard_size is not None),
+            ("--diloco-every (DiLoCo's outer loop is not routed through torchft yet)", self.diloco_every is not None),
+            ("--plan auto", self.plan is not None), ("--resume (a restarted group heals from a live peer)",
+                                                      self.resume is not None),
+            ("--stop-after", self.stop_after is not None), ("--compile", self.compile), ("--trace", self.trace),
+            ("--tensorboard", self.tensorboard), ("--backend nccl (the groups run on CPU, gloo)",
+                                                  self.backend is Backend.NCCL)) if on]
+        if given:
+            raise ValueError(f"--replica-groups does not run with {given[0]}: leave it out")
 
     def _check_diloco(self) -> None:
         """``--diloco-*`` (guide §16): the planner's checks (F ≤ H, τ < H), and no half outer loop."""
