@@ -870,11 +870,274 @@ def run_cases_lr_off(rank: int, world: int, cases: list[Case], factor: float) ->
         globals()["engine_optimizer"] = exact
 
 
+# ---- DiLoCo (guide §16): the outer loop over replica groups, against its update rule -------------
+# ``parallelize(..., shard_size=g, outer=DiLoCo(...))`` makes R = W/g replica groups that train
+# alone and sync every H steps; no single-process data-parallel run computes that, so these cases
+# have a reference of their own, written here from the update rule (as tests/test_engine_diloco.py's):
+# R copies of the model (a :class:`Reference` each: fp32 master, compute in the case's dtype), each
+# stepped by the stock SGD on its group's rows (the mean over its g ranks' per-shard losses, each
+# rank's backwards as the engine's: micro-batches under no_sync or not, clipped by the *group's*
+# gradient norm — the groups share nothing between syncs); fragment f of the outer loop synced after
+# the inner steps k with (k − ⌊f·H/F⌋) mod H = 0 (the fragment of each element read from the engine):
+# Δ = mean_r(θ_outer − θ_r) there, applied τ steps later by torch.optim.SGD's rule (m ← μ·m + Δ;
+# θ_outer ← θ_outer − lr·(Δ + μ·m) with Nesterov, − lr·m without), θ_r ← θ_outer on the fragment.
+#
+# Tolerances, as the flat cases' (:func:`_compare_final`) and for the same reason — the group's
+# gradient sums its n terms (g ranks × micro-batches, every step so far) in another order:
+# rtol = tolerance(dtype, n) and atol = lr·k²·rtol·(largest reference gradient) after k SGD steps;
+# the outer step turns an error of Δ into one of θ_outer of at most lr_o·(1 + μ)/(1 − μ) times it
+# (the momentum's geometric sum, Nesterov's look-ahead), the *gain*, which multiplies that atol;
+# and each inner step and outer update rounds every element of θ once or twice in fp32:
+# 4·(steps + syncs)·ε₃₂·max|θ|. Checked after every step, on every rank, against its group's copy;
+# the replicas' parameters must agree bitwise after a sync of the whole model (F = 1, τ = 0).
+
+DILOCO_USAGES = ("plain", "no_sync", "accumulate", "clip", "bf16")
+#: the outer optimizer: (lr, momentum, nesterov) — DiLoCo's Nesterov, heavy-ball momentum, and the
+#: plain mean of the groups (lr 1, momentum 0: local SGD)
+DILOCO_OUTERS = {"nesterov": (0.7, 0.9, True), "heavy": (0.5, 0.5, False), "average": (1.0, 0.0, False)}
+#: shard-group size g per world size: 2 groups of 1 rank, 3 groups of 1, 2 groups of 2
+DILOCO_G = {2: 1, 3: 1, 4: 2}
+
+
+@dataclass(frozen=True)
+class DiLoCoStep:
+    """One inner step of a DiLoCo sequence: each backward's mode ("sync", "no_sync" — inside
+    ``engine.no_sync()`` — or "attr": ``require_backward_grad_sync = False``), the clip norm (None:
+    no clipping), the inner learning rate's factor set before the step (None: unchanged), and
+    ``zero_grad``'s ``set_to_none``."""
+
+    micros: tuple[str, ...]
+    clip: float | None = None
+    lr: float | None = None
+    to_none: bool = True
+
+
+@dataclass(frozen=True)
+class DiLoCoCase:
+    stage: int
+    world: int
+    every: int
+    fragments: int = 1
+    delay: int = 0
+    outer: str = "nesterov"
+    usage: str = "plain"
+
+    def __str__(self) -> str:
+        return (f"diloco stage={self.stage} world={self.world} every={self.every} fragments={self.fragments} "
+                f"delay={self.delay} outer={self.outer} usage={self.usage}")
+
+    @classmethod
+    def parse(cls, text: str) -> "DiLoCoCase":
+        words = text.split()
+        if not words or words[0] != "diloco":
+            raise ValueError(f"{text!r}: a DiLoCo case starts with 'diloco'")
+        kv = dict(w.split("=", 1) for w in words[1:])
+        case = cls(int(kv["stage"]), int(kv["world"]), int(kv["every"]), int(kv.get("fragments", 1)),
+                   int(kv.get("delay", 0)), kv.get("outer", "nesterov"), kv.get("usage", "plain"))
+        if (case.usage not in DILOCO_USAGES or case.outer not in DILOCO_OUTERS or case.world not in DILOCO_G
+                or case.stage not in STAGES or not 1 <= case.fragments <= case.every
+                or not 0 <= case.delay < case.every):
+            raise ValueError(f"{text!r}: usage in {DILOCO_USAGES}, outer in {sorted(DILOCO_OUTERS)}, world in "
+                             f"{sorted(DILOCO_G)}, 1 <= fragments <= every, 0 <= delay < every")
+        return case
+
+    @property
+    def ranks_needed(self) -> int:
+        return self.world
+
+    @property
+    def bf16(self) -> bool:
+        return self.usage == "bf16"
+
+    def steps(self) -> list[DiLoCoStep]:
+        """Two rounds, and the delay for the last update to land; each step's backwards by usage."""
+        micros = {"plain": ("sync",), "no_sync": ("no_sync", "attr", "sync"), "accumulate": ("sync", "sync"),
+                  "clip": ("no_sync", "sync"), "bf16": ("no_sync", "sync")}[self.usage]
+        clip = CLIP if self.usage in ("clip", "bf16") else None
+        return [DiLoCoStep(micros, clip) for _ in range(2 * self.every + self.delay)]
+
+
+def diloco_cases() -> list[DiLoCoCase]:
+    """make test's DiLoCo cases (one spawned group of 4 ranks): every stage, every usage, every
+    outer optimizer, fragments and delays; the world sizes 2 and 3 are the fuzzer's
+    (tests/test_engine_fuzz.py)."""
+    return [DiLoCoCase(0, 4, 2, 1, 0, "average", "no_sync"), DiLoCoCase(1, 4, 3, 3, 1, "nesterov", "clip"),
+            DiLoCoCase(2, 4, 2, 2, 1, "heavy", "accumulate"), DiLoCoCase(3, 4, 3, 2, 2, "nesterov", "bf16"),
+            DiLoCoCase(1, 4, 1, 1, 0, "average", "bf16"), DiLoCoCase(3, 4, 2, 1, 0, "heavy", "no_sync"),
+            DiLoCoCase(0, 4, 3, 2, 1, "nesterov", "plain")]
+
+
+def random_diloco_cases(n: int, seed: int) -> list[DiLoCoCase]:
+    rng = random.Random(f"diloco:{seed}")
+    out = []
+    for _ in range(n):
+        every = rng.randint(1, 5)
+        out.append(DiLoCoCase(rng.choice(STAGES), rng.choice(sorted(DILOCO_G)), every, rng.randint(1, every),
+                              rng.choice([0, 0, rng.randint(0, every - 1)]), rng.choice(sorted(DILOCO_OUTERS)),
+                              rng.choice(DILOCO_USAGES)))
+    return out
+
+
+def diloco_fragment_map(engine) -> dict[str, torch.Tensor]:
+    """Collective: per parameter, the fragment of each element, from every rank's outer shard."""
+    spans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(spans, engine.outer.fragment_spans())
+    shapes = {n: p.shape for n, p in engine.module.named_parameters()}
+    out = {n: torch.full((s.numel(),), -1, dtype=torch.long) for n, s in shapes.items()}
+    for name, a, b, f in (x for r in spans for x in r):
+        out[name][a:b] = f
+    missing = [n for n, v in out.items() if bool((v < 0).any())]
+    if missing:
+        raise AssertionError(f"elements of {missing} in no fragment of any rank's outer shard")
+    return {n: v.view(shapes[n]) for n, v in out.items()}
+
+
+def run_diloco(label: str, rank: int, *, stage: int, world: int, every: int, fragments: int, delay: int,
+               outer: str, bf16: bool, steps: list[DiLoCoStep], device: str | None = None) -> None:
+    """Train the engine with DiLoCo through ``steps`` and the reference of the section's comment
+    beside it, on this rank; raise, naming ``label``, where they part."""
+    import zerodp
+
+    dev = matrix_device(rank, device)
+    g = DILOCO_G[world]
+    R, me = world // g, rank // g
+    lr_o, mu, nesterov = DILOCO_OUTERS[outer]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    torch.manual_seed(123)
+    model = MatrixModel(frozenset()).to(dev)
+    engine = zerodp.parallelize(
+        model, optimizer=make_optimizer, stage=stage, shard_size=g, mixed_precision="bf16" if bf16 else None,
+        outer=zerodp.DiLoCo(every=every, lr=lr_o, momentum=mu, nesterov=nesterov, fragments=fragments, delay=delay),
+        units=list(model.blocks) if stage == 3 else None, bucket_mb=0.0002, first_bucket_mb=0.0001, timeout_s=60)
+    where = diloco_fragment_map(engine)
+    refs = []
+    for _ in range(R):
+        torch.manual_seed(123)
+        refs.append(Reference(MatrixModel(frozenset()).to(dev), dtype, False))
+    theta = {n: p.detach().clone() for n, p in refs[0].master.named_parameters()}
+    mom = {n: torch.zeros_like(p) for n, p in theta.items()}
+    offsets = [f * every // fragments for f in range(fragments)]
+    gain = max(1.0, lr_o * (1 + mu) / (1 - mu))
+    pending: list[tuple[int, int, dict]] = []
+    terms = syncs = 0
+    grad_scale = 0.0
+    for k, plan in enumerate(steps, start=1):
+        if plan.lr is not None:
+            for opt in [engine.optimizer] + [ref.opt for ref in refs]:
+                for grp in opt.param_groups:
+                    grp["lr"] = LR * plan.lr
+        scale = 1.0 / len(plan.micros)
+        for i, mode in enumerate(plan.micros):
+            x, y = batch(k, i)
+            x, y = x.to(dev), y.to(dev)
+            ctx = engine.no_sync() if mode == "no_sync" else _nullcontext()
+            engine.require_backward_grad_sync = mode != "attr"
+            try:
+                with ctx:
+                    (engine(shard(x, rank, world), shard(y, rank, world)) * scale).backward()
+            finally:
+                engine.require_backward_grad_sync = True
+            for r, ref in enumerate(refs):
+                if i == 0:
+                    ref.sync_compute()
+                total = sum(ref.compute(shard(x, q, world), shard(y, q, world)) for q in range(r * g, (r + 1) * g))
+                (total * (scale / g)).backward()
+        terms += g * len(plan.micros)
+        rtol = tolerance(dtype, terms)
+        norms = []
+        for ref in refs:
+            ref.grads_to_master()
+            grad_scale = max([grad_scale] + [p.grad.abs().max().item() for p in ref.master.parameters()
+                                             if p.grad is not None])
+            if plan.clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_([p for p in ref.master.parameters() if p.grad is not None],
+                                                            plan.clip))
+        problems: list[str] = []  # this step's mismatches, raised on every rank together (the ranks stay in step)
+        if plan.clip is not None:
+            norm = engine.clip_grad_norm_(plan.clip)
+            _noted(problems, lambda: torch.testing.assert_close(
+                norm.float().cpu(), norms[me].float().cpu(), rtol=rtol, atol=0.0,
+                msg=lambda m: f"[{label}] step {k}: the group's gradient norm: {m}"))
+        engine.step()
+        engine.zero_grad(set_to_none=plan.to_none)
+        for ref in refs:
+            ref.opt.step()
+            ref.opt.zero_grad(set_to_none=plan.to_none)
+        local = [dict(ref.master.named_parameters()) for ref in refs]
+        with torch.no_grad():
+            for f in range(fragments):
+                if (k - offsets[f]) % every == 0:
+                    delta = {n: sum(theta[n] - local[r][n].detach() for r in range(R)) / R for n in theta}
+                    pending.append((k + delay, f, delta))
+            for _, f, delta in sorted((p for p in pending if p[0] == k), key=lambda p: p[1]):
+                syncs += 1
+                for n in theta:
+                    mask = where[n].to(dev) == f
+                    d = delta[n][mask]
+                    mom[n][mask] = mu * mom[n][mask] + d
+                    theta[n][mask] -= lr_o * (d + mu * mom[n][mask] if nesterov else mom[n][mask])
+                    for r in range(R):
+                        local[r][n][mask] = theta[n][mask]
+        pending = [p for p in pending if p[0] != k]
+        full = engine.full_state_dict()
+        want = refs[me].master
+        theta_scale = max(p.detach().abs().max().item() for p in want.parameters())
+        atol = gain * LR * k * k * rtol * grad_scale + 4 * (k + syncs) * torch.finfo(torch.float32).eps * theta_scale
+        for name, p in want.named_parameters():
+            _noted(problems, lambda name=name, p=p: torch.testing.assert_close(
+                full[name].float().cpu(), p.detach().float().cpu(), rtol=rtol, atol=atol,
+                msg=lambda m: f"[{label}] step {k}: parameter {name} of replica group {me}: {m}"))
+        if fragments == 1 and delay == 0 and k % every == 0:
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, {n: t.cpu() for n, t in full.items()})
+            for r in range(1, R):
+                differ = [n for n in full if not torch.equal(everyone[0][n], everyone[r * g][n])]
+                if differ:
+                    problems.append(f"[{label}] step {k}: replica groups 0 and {r} differ after a sync in {differ}")
+        said: list = [None] * world
+        dist.all_gather_object(said, problems)
+        if any(said):
+            raise AssertionError("\n".join(f"rank {r}: {p}" for r, ps in enumerate(said) for p in ps[:2]))
+
+
+def _noted(problems: list[str], check) -> None:
+    """Run ``check``; a failed assertion is noted in ``problems`` instead of raised."""
+    try:
+        check()
+    except AssertionError as e:
+        problems.append(str(e))
+
+
+def run_diloco_case(case: DiLoCoCase, rank: int, device: str | None = None) -> None:
+    run_diloco(str(case), rank, stage=case.stage, world=case.world, every=case.every, fragments=case.fragments,
+               delay=case.delay, outer=case.outer, bf16=case.bf16, steps=case.steps(), device=device)
+
+
+def run_diloco_cases(rank: int, world: int, cases: list[DiLoCoCase]) -> list[tuple[str, str | None]]:
+    """:func:`run_cases` for DiLoCo cases (all on ``world`` ranks)."""
+    import traceback
+
+    out = []
+    for case in cases:
+        try:
+            run_diloco_case(case, rank)
+            out.append((str(case), None))
+        except Exception as e:  # noqa: BLE001 - reported with the case, which can be rerun alone
+            out.append((str(case), f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+        dist.barrier()
+    return out
+
+
 if __name__ == "__main__":
     from zerodp.spawn import run_local
 
-    one = Case.parse(" ".join(sys.argv[1:]))
-    results = run_local(run_cases, one.ranks_needed, [one], timeout=300, backend=matrix_backend())
+    text = " ".join(sys.argv[1:])
+    if text.startswith("diloco"):
+        one = DiLoCoCase.parse(text)
+        results = run_local(run_diloco_cases, one.ranks_needed, [one], timeout=300)
+    else:
+        one = Case.parse(text)
+        results = run_local(run_cases, one.ranks_needed, [one], timeout=300, backend=matrix_backend())
     errors = {err for rank_results in results for _, err in rank_results if err}
     print(f"{one}: " + ("ok" if not errors else "FAILED\n" + "\n".join(sorted(errors))))
     sys.exit(1 if errors else 0)

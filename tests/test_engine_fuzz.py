@@ -24,6 +24,11 @@ transient buffer may outlive its step. ``make test`` runs a few seeded cases per
 sequence, and the command that reruns it alone::
 
     ZERODP_FUZZ_CASE=SEED:STAGE:WORLD pytest -q -s tests/test_engine_fuzz.py::test_replay
+
+DiLoCo's outer loop over replica groups (guide §16) has sequences of its own, against its update
+rule (the section below ``test_replay``): one case per stage at world 3 in ``make test``,
+``ZERODP_ENGINE_FUZZ // 10`` (500) at worlds 2-4 in ``make fuzz``; a failure prints the case and
+``ZERODP_DILOCO_CASE=SEED:STAGE:WORLD pytest -q -s tests/test_engine_fuzz.py::test_diloco_replay``.
 """
 
 from __future__ import annotations
@@ -667,6 +672,118 @@ def test_replay():
     print(describe(seed, stage, world))
     problem = verdict(world, [(seed, stage)], timeout=240)
     assert problem is None, problem
+
+
+# ---- DiLoCo (guide §16): generated sequences of the outer loop over replica groups ---------------
+# The engine with ``outer=DiLoCo(...)`` on W ranks as R = W/g replica groups (world 2: 2 groups of
+# 1 rank, 3: 3 of 1, 4: 2 of 2) against a reference written from DiLoCo's update rule — R model
+# copies, the stock SGD each, the outer SGD over the mean pseudo-gradient — in every rank's process:
+# ``tests/_matrix.py``'s ``run_diloco``, whose tolerances come from the dtype, the number of terms
+# each gradient sums and the largest gradient, times the outer step's gain lr·(1 + μ)/(1 − μ).
+# A case ``(seed, stage, world)`` draws H, F ≤ H, τ < H, the outer optimizer, fp32 or bf16 mixed
+# precision, and the steps: 1-3 backwards each (inside ``no_sync``, with
+# ``require_backward_grad_sync = False``, or synchronizing — the last one too, or not: the step
+# reduces what no_sync left), clipping by the group's norm, an inner learning-rate change, and
+# ``zero_grad(set_to_none=True/False)``. Parameters are checked after every step on every rank.
+DILOCO_REPLAY = "ZERODP_DILOCO_CASE=%d:%d:%d pytest -q -s tests/test_engine_fuzz.py::test_diloco_replay"
+DILOCO_CI_SEEDS = 1  # cases per stage in make test (world 3); make fuzz: ZERODP_ENGINE_FUZZ // 10 in all
+
+
+def generate_diloco(seed: int, stage: int, world: int) -> tuple[dict, list]:
+    """The engine's outer loop and the inner steps of a DiLoCo case (see above)."""
+    from _matrix import DILOCO_OUTERS, DiLoCoStep
+
+    rng = random.Random(f"diloco:{seed}:{stage}:{world}")
+    every = rng.randint(1, 4)
+    opts = dict(stage=stage, world=world, every=every, fragments=rng.choice([1, rng.randint(1, every)]),
+                delay=rng.choice([0, rng.randint(0, every - 1)]), outer=rng.choice(sorted(DILOCO_OUTERS)),
+                bf16=rng.random() < 0.3)
+    steps = []
+    for _ in range(rng.randint(every, 2 * every + opts["delay"] + 1)):
+        n = rng.randint(1, 3)
+        micros = tuple(rng.choices(["sync", "no_sync", "attr"], weights=[3, 3, 1])[0] for _ in range(n - 1))
+        micros += (rng.choices(["sync", "no_sync"], weights=[9, 1])[0],)
+        steps.append(DiLoCoStep(micros, clip=rng.choice([None, None, 0.05, 0.5, 100.0]),
+                                lr=rng.choice([None] * 8 + [0.5, 1.5]), to_none=rng.random() < 0.7))
+    return opts, steps
+
+
+def describe_diloco(seed: int, stage: int, world: int) -> str:
+    opts, steps = generate_diloco(seed, stage, world)
+    lines = [f"DiLoCo case {seed}:{stage}:{world} — {opts}"] + [f"  {i + 1:>2}  {s}" for i, s in enumerate(steps)]
+    return "\n".join(lines + ["rerun alone: " + DILOCO_REPLAY % (seed, stage, world)])
+
+
+def run_diloco_cases(rank: int, world: int, cases: list[tuple[int, int]]) -> dict:
+    """Every ``(seed, stage)`` DiLoCo case on this rank; stops at the first divergence (raised on
+    every rank together, so the ranks agree on what ran)."""
+    from _matrix import run_diloco
+
+    torch.use_deterministic_algorithms(True)
+    start = time.monotonic()
+    for n, (seed, stage) in enumerate(cases):
+        opts, steps = generate_diloco(seed, stage, world)
+        try:
+            run_diloco(f"DiLoCo case {seed}:{stage}:{world}", rank, steps=steps, **opts)
+        except AssertionError as e:
+            return {"ran": n + 1, "failed": (seed, stage, str(e)), "seconds": time.monotonic() - start}
+    return {"ran": len(cases), "failed": None, "seconds": time.monotonic() - start}
+
+
+def diloco_verdict(world: int, cases: list[tuple[int, int]], timeout: float) -> str | None:
+    results = spawn_once(run_diloco_cases, world, cases, timeout=timeout)
+    for r in results:
+        if r["failed"]:
+            seed, stage, why = r["failed"]
+            return f"{why}\n{describe_diloco(seed, stage, world)}"
+    print(f"world {world}: {results[0]['ran']} DiLoCo sequences, 0 divergences, {results[0]['seconds']:.1f} s")
+    return None
+
+
+def test_diloco_sequences_match_the_update_rule():
+    """make test: one case per stage at world 3 (3 replica groups of 1 rank; the matrix's DiLoCo
+    cases take 2 groups of 2); make fuzz adds worlds 2 and 4."""
+    problem = diloco_verdict(3, [(seed, stage) for stage in (0, 1, 2, 3) for seed in range(DILOCO_CI_SEEDS)],
+                             timeout=240)
+    assert problem is None, problem
+
+
+@pytest.mark.skipif(FUZZ_CASES == 0, reason="make fuzz sets ZERODP_ENGINE_FUZZ (a tenth of it as DiLoCo sequences)")
+@pytest.mark.timeout(300 + 3 * FUZZ_CASES)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_hundreds_of_diloco_sequences(world):
+    n = FUZZ_CASES // 10
+    per_world = n // 3 + (world - 1 <= n % 3)
+    cases = [(1000 + i // 4, i % 4) for i in range(per_world)]
+    problem = diloco_verdict(world, cases, timeout=120 + 2.0 * world * len(cases))
+    assert problem is None, problem
+
+
+@pytest.mark.skipif("ZERODP_DILOCO_CASE" not in os.environ,
+                    reason="ZERODP_DILOCO_CASE=SEED:STAGE:WORLD reruns one DiLoCo case")
+def test_diloco_replay():
+    seed, stage, world = (int(v) for v in os.environ["ZERODP_DILOCO_CASE"].split(":"))
+    print(describe_diloco(seed, stage, world))
+    problem = diloco_verdict(world, [(seed, stage)], timeout=240)
+    assert problem is None, problem
+
+
+def test_generated_diloco_sequences_cover_every_variant():
+    seen = set()
+    for stage in (0, 1, 2, 3):
+        for seed in range(40):
+            opts, steps = generate_diloco(seed, stage, 2)
+            seen |= {("outer", opts["outer"]), ("bf16", opts["bf16"]), ("fragments>1", opts["fragments"] > 1),
+                     ("delay>0", opts["delay"] > 0)}
+            for s in steps:
+                seen |= {("micro", m) for m in s.micros} | {("last", s.micros[-1]), ("clip", s.clip is not None),
+                                                           ("lr", s.lr is not None), ("to_none", s.to_none),
+                                                           ("accumulate", len(s.micros) > 1)}
+    want = {("outer", o) for o in ("nesterov", "heavy", "average")} | {("bf16", True), ("fragments>1", True),
+                                                                       ("delay>0", True), ("last", "no_sync")} | \
+        {("micro", m) for m in ("sync", "no_sync", "attr")} | {(k, True) for k in ("clip", "lr", "accumulate")} | \
+        {("to_none", False)}
+    assert want <= seen, want - seen
 
 
 def _zeroed_through_the_module(stage: int, count: int) -> list[tuple[int, int]]:

@@ -2,7 +2,9 @@
 hybrid) × compression (none, bf16 reduction, int8 qwZ + qgZ) × optimizer (SGD, Adafactor, Muon +
 AdamW, LARS declared per-tensor) × model features × usage, against a
 single-process reference with dtype-derived tolerances, widened in compressed cases by each
-option's documented bound (guide §15), computed per element from every rank's own gradient.
+option's documented bound (guide §15), computed per element from every rank's own gradient; and
+DiLoCo over hybrid ZeRO (guide §16: stage × H × fragments × delay × outer optimizer × usage —
+no_sync, accumulation, clipping, bf16) against a reference written from its update rule.
 
 ``make test`` runs a pairwise covering table (every value of every dimension meets every value
 of every other dimension at least once), seeded so that it is the same list on every machine;
@@ -18,19 +20,20 @@ import time
 import pytest
 
 from _engine_common import ALL_WORLDS, spawn_once
-from _matrix import (COMPRESS, OPTIMIZERS, STAGES, USAGES, WORLDS, Case, pairwise_cases, random_cases, run_cases,
-                     run_cases_lr_off, run_cases_miscaled, valid)
+from _matrix import (COMPRESS, DILOCO_OUTERS, DILOCO_USAGES, OPTIMIZERS, STAGES, USAGES, WORLDS, Case, DiLoCoCase,
+                     diloco_cases, pairwise_cases, random_cases, random_diloco_cases, run_cases, run_cases_lr_off,
+                     run_cases_miscaled, run_diloco_cases, valid)
 
 pytestmark = pytest.mark.dist
 
 
-def _run(cases: list[Case]) -> tuple[list[str], int]:
+def _run(cases: list[Case], runner=run_cases) -> tuple[list[str], int]:
     failures, ran = [], 0
     by_world: dict[int, list[Case]] = {}
     for c in cases:
         by_world.setdefault(c.ranks_needed, []).append(c)
     for world, group in sorted(by_world.items()):
-        results = spawn_once(run_cases, world, group, timeout=120 + 20 * len(group))
+        results = spawn_once(runner, world, group, timeout=120 + 20 * len(group))
         for i, case in enumerate(group):
             errors = {rank_results[i][1] for rank_results in results if rank_results[i][1]}
             ran += 1
@@ -149,3 +152,66 @@ def test_matrix_random():
     failures, ran = _run(random_cases(n, seed))
     print(f"matrix: {ran} random cases (seed {seed}) in {time.perf_counter() - t:.0f} s")
     assert not failures, f"{len(failures)} of {ran} matrix cases failed:\n" + "\n".join(failures)
+
+
+# ---- DiLoCo (guide §16) ----------------------------------------------------------------------------
+def test_diloco_cases_cover_stages_usages_and_outers():
+    cases = diloco_cases()
+    assert {c.stage for c in cases} == set(STAGES) and {c.usage for c in cases} == set(DILOCO_USAGES)
+    assert {c.outer for c in cases} == set(DILOCO_OUTERS)
+    assert any(c.fragments > 1 for c in cases) and any(c.delay > 0 for c in cases)
+    assert all(DiLoCoCase.parse(str(c)) == c for c in cases)
+
+
+def test_matrix_diloco():
+    """make test: seven cases on 2 groups of 2 ranks (the fuzzer's sequences take worlds 2 and 3)."""
+    failures, ran = _run(diloco_cases(), run_diloco_cases)
+    assert not failures, f"{len(failures)} of {ran} DiLoCo cases failed:\n" + "\n".join(failures)
+
+
+@EXTRA
+def test_diloco_checks_fail_on_an_outer_lr_a_hundredth_off():
+    """The bound is tight enough to matter: with the engine's outer learning rate 1% off (the
+    reference's exact), a case fails."""
+    case = DiLoCoCase(1, 2, 2, 1, 0, "nesterov", "plain")
+    results = spawn_once(_outer_lr_off, 2, [case], 1.01, timeout=180)
+    errors = [rank_results[0][1] for rank_results in results if rank_results[0][1]]
+    assert errors and all(str(case) in e for e in errors), (str(case), errors[:1])
+
+
+def _outer_lr_off(rank: int, world: int, cases: list, factor: float):
+    import _matrix
+
+    real = _matrix.run_diloco
+
+    def off(label, rank, **kw):
+        import zerodp
+
+        make = zerodp.DiLoCo
+
+        def diloco(**options):  # the engine's outer lr off, the reference's exact
+            return make(**{**options, "lr": options["lr"] * factor})
+        zerodp.DiLoCo = diloco
+        try:
+            return real(label, rank, **kw)
+        finally:
+            zerodp.DiLoCo = make
+    _matrix.run_diloco = off
+    try:
+        return run_diloco_cases(rank, world, cases)
+    finally:
+        _matrix.run_diloco = real
+
+
+@pytest.mark.fuzz
+@pytest.mark.skipif("ZERODP_MATRIX_RANDOM" not in os.environ,
+                    reason="make fuzz sets ZERODP_MATRIX_RANDOM (a tenth of it as random DiLoCo cases)")
+def test_matrix_diloco_random():
+    """ZERODP_MATRIX_RANDOM // 10 (make fuzz: 52) random DiLoCo cases: any stage, world 2-4, H 1-5,
+    F ≤ H, τ < H, outer optimizer and usage."""
+    n = max(1, int(os.environ["ZERODP_MATRIX_RANDOM"]) // 10)
+    seed = int(os.environ.get("ZERODP_MATRIX_SEED", "0"))
+    t = time.perf_counter()
+    failures, ran = _run(random_diloco_cases(n, seed), run_diloco_cases)
+    print(f"matrix: {ran} random DiLoCo cases (seed {seed}) in {time.perf_counter() - t:.0f} s")
+    assert not failures, f"{len(failures)} of {ran} DiLoCo cases failed:\n" + "\n".join(failures)
