@@ -37,8 +37,9 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not dist and not browser"
 
 # Property-based tests with many more generated cases than make test runs (profile "fuzz"),
-# 520 random combinations of the engine's differential matrix, and 5,000 generated call
-# sequences of the engine vs single-process torch (tests/test_engine_fuzz.py); the three
+# 520 random combinations of the engine's differential matrix (and 52 of its DiLoCo cases), and
+# 5,000 generated call sequences of the engine vs single-process torch (tests/test_engine_fuzz.py;
+# and 500 of DiLoCo vs its update rule at 2-4 ranks, make test: one per stage at 3); the three
 # torch.compile forms at every stage on 2 and 3 ranks (make test: stages 0 and 3, 2 ranks), the
 # per-tensor optimizers on 1 to 4 ranks (make test: 2), and the stage 0, ZeRO-1/2, stage 3
 # and correctness suites at world sizes 2-4 (make test: 2 — the matrix covers 1-4 there) and the
