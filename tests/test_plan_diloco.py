@@ -233,6 +233,18 @@ def test_loss_only_from_measured_rows(tmp_path):
     assert diloco_plan("tiny", "H100", 4, 2, 3, s, loss_table=str(path)).loss == table[:2]
 
 
+def test_rows_after_a_warmup_are_quoted_apart():
+    """A row whose DiLoCo started from a data-parallel warm-up ("warmup": W steps) is another
+    setting: never quoted as the plain one, named with its W beside it."""
+    table = [dict(model="tiny", H=50, compress="none", fragments=1, loss_ratio_vs_ddp=1.19, tokens=2e6),
+             dict(model="tiny", H=50, compress="none", fragments=1, warmup=100, loss_ratio_vs_ddp=1.05, tokens=2e6)]
+    assert [r["loss_ratio_vs_ddp"] for r in measured_loss("tiny", 50, table=table)] == [1.19]
+    assert [r["loss_ratio_vs_ddp"] for r in measured_loss("tiny", 50, table=table, warmup=100)] == [1.05]
+    rows, note = loss_figure("tiny", DiLoCoSettings(every=50), table)
+    assert rows == table[:1] and "1.190x DDP's" in note and "1.050x after 100 data-parallel steps" in note
+    assert loss_figure("tiny", DiLoCoSettings(every=50), table[1:])[0] == []
+
+
 def _run(*argv):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

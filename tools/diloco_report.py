@@ -3,6 +3,7 @@
     python tools/diloco_report.py                      # everything (tens of minutes on 2 CPU cores)
     python tools/diloco_report.py --parts bytes,crossover
     python tools/diloco_report.py --parts loss --loss-every 50,100,500 --write-loss-table
+    python tools/diloco_report.py --parts loss --loss-every 50 --loss-warmup 100,250 --loss-warmup-every 50,100
 
 Four parts, each printed as a table with its acceptance figure (issue 51):
 
@@ -17,8 +18,11 @@ Four parts, each printed as a table with its acceptance figure (issue 51):
 * ``loss``: ``zerodp train`` runs of the ``tiny`` GPT on the bundled corpus at equal tokens, 4 ranks:
   DDP (stage 0), and DiLoCo over ZeRO-3 in 2 groups of 2 at each H of ``--loss-every``; the final
   validation loss (after a sync: the run's steps are a multiple of every H) and its ratio to DDP's
-  (≤ 1.03× at H = 50); ``--write-loss-table`` puts the rows into ``plan/diloco_loss.json`` and
-  ``--plot`` draws the validation curves.
+  (≤ 1.03× at H = 50); ``--loss-warmup W`` adds DiLoCo runs that start from the DDP run's
+  checkpoint after W steps (``zerodp train --resume`` of it with ``--diloco-every H``: the same
+  batches and learning-rate schedule after it); ``--write-loss-table`` puts the rows into
+  ``plan/diloco_loss.json`` (a warm-up's with ``"warmup": W``) and ``--plot`` draws the
+  validation curves.
 """
 
 from __future__ import annotations
@@ -113,14 +117,25 @@ def part_crossover(args) -> dict:
     return {"crossover": cross, "ok": ok, "own_link_s_per_step": real}
 
 
-def _train(args, name: str, extra: list[str]) -> dict:
+def _warmups(args) -> list[int]:
+    return [int(w) for w in args.loss_warmup.split(",") if w.strip()]
+
+
+def _train(args, name: str, extra: list[str], need: Path | None = None) -> dict:
+    """One ``zerodp train`` run into ``--out``/``name`` (reused when its metrics exist, unless
+    ``--rerun``; ``need``: a file the reused run must also have left, else it runs again). The
+    DDP run keeps a checkpoint at every evaluation when ``--loss-warmup`` asks for any: the
+    warm-ups' starting points."""
     out = Path(args.out) / name
+    ckpt = ["--ckpt-every", "0"]
+    if name == "ddp" and _warmups(args):
+        ckpt = ["--ckpt-every", str(args.eval_every), "--keep-checkpoints", str(args.loss_steps // args.eval_every)]
     cmd = [sys.executable, "-m", "zerodp.cli", "train", "--model", args.model, "--nproc", "4",
            "--steps", str(args.loss_steps), "--global-batch-tokens", str(args.tokens_per_step),
            "--micro-batch", str(args.tokens_per_step // 4 // 128), "--seq-len", "128",
            "--eval-every", str(args.eval_every), "--eval-batches", str(args.eval_batches),
-           "--ckpt-every", "0", "--no-progress", "--seed", str(args.seed), "--out", str(out), *extra]
-    if not (out / "metrics.jsonl").exists() or args.rerun:
+           *ckpt, "--no-progress", "--seed", str(args.seed), "--out", str(out), *extra]
+    if not (out / "metrics.jsonl").exists() or args.rerun or (need is not None and not need.exists()):
         if out.exists():
             import shutil
 
@@ -141,7 +156,13 @@ def part_loss(args) -> dict:
     everys = [int(h) for h in args.loss_every.split(",")]
     if any(args.loss_steps % h for h in everys):
         raise SystemExit(f"--loss-steps {args.loss_steps} must be a multiple of every H in --loss-every")
-    ddp = _train(args, "ddp", ["--stage", "0"])
+    warmups = _warmups(args)
+    for w in warmups:
+        if w % args.eval_every or not 0 < w < args.loss_steps:
+            raise SystemExit(f"--loss-warmup {w}: a multiple of --eval-every (the DDP run's checkpoints) below "
+                             "--loss-steps")
+    first = Path(args.out) / "ddp" / "checkpoints" / f"step_{min(warmups):08d}" if warmups else None
+    ddp = _train(args, "ddp", ["--stage", "0"], need=first)
     runs = [ddp]
     rows = [["DDP (stage 0, 4 ranks)", f"{ddp['final']:.4f}", "1.000"]]
     checks, table_rows = [], []
@@ -161,6 +182,32 @@ def part_loss(args) -> dict:
                                      f"--loss-every {args.loss_every} (zerodp train, bundled corpus, seed {args.seed}, "
                                      f"{args.tokens_per_step} tokens per step, 4 CPU ranks)",
                            "date": datetime.date.today().isoformat()})
+    warm_everys = [int(h) for h in (args.loss_warmup_every or args.loss_every).split(",")]
+    for w in warmups:  # DiLoCo from DDP's checkpoint after w steps (the same data order and schedule after it)
+        start = Path(args.out) / "ddp" / "checkpoints" / f"step_{w:08d}"
+        for h in warm_everys:
+            if (args.loss_steps - w) % h:  # the run must end on a sync
+                print(f"(no H = {h} run after {w} DDP steps: {args.loss_steps - w} steps are not a multiple of it)")
+                continue
+            r = _train(args, f"diloco-h{h}-warmup{w}", ["--stage", "3", "--shard-size", "2", "--diloco-every", str(h),
+                                                       "--resume", str(start)])
+            runs.append(r)
+            ratio = r["final"] / ddp["final"]
+            rows.append([f"DiLoCo H = {h} after {w} DDP steps", f"{r['final']:.4f}", f"{ratio:.3f}"])
+            if h == 50:
+                checks.append((f"DiLoCo H = 50 after a {w}-step DDP warm-up: final validation loss <= 1.03x DDP's",
+                               ratio <= 1.03))
+            table_rows.append({"model": args.model, "H": h, "compress": "none", "fragments": 1, "warmup": w,
+                               "loss_ratio_vs_ddp": round(ratio, 4), "tokens": tokens, "replicas": 2,
+                               "shard_size": 2, "stage": 3, "delay": 0, "ddp_val_loss": round(ddp["final"], 4),
+                               "val_loss": round(r["final"], 4), "steps": args.loss_steps,
+                               "source": f"python tools/diloco_report.py --parts loss --loss-steps {args.loss_steps} "
+                                         f"--loss-every {args.loss_every} --loss-warmup {args.loss_warmup} "
+                                         f"--loss-warmup-every {args.loss_warmup_every or args.loss_every} (zerodp "
+                                         f"train, bundled corpus, seed {args.seed}, {args.tokens_per_step} tokens per "
+                                         f"step, 4 CPU ranks; the first {w} steps DDP's, then --resume of its "
+                                         "checkpoint with --diloco-every H)",
+                               "date": datetime.date.today().isoformat()})
     for h in [int(x) for x in args.loss_average_every.split(",") if x.strip()]:
         r = _train(args, f"average-h{h}", ["--stage", "3", "--shard-size", "2", "--diloco-every", str(h),
                                            "--diloco-lr", "1", "--diloco-momentum", "0"])
@@ -176,7 +223,7 @@ def part_loss(args) -> dict:
         doc = json.loads(path.read_text())
         keep = [r for r in doc.get("measurements", []) if not (r.get("model") == args.model and any(
             r.get("H") == t["H"] and r.get("compress", "none") == "none" and r.get("fragments", 1) == 1
-            for t in table_rows))]
+            and r.get("warmup", 0) == t.get("warmup", 0) for t in table_rows))]
         doc["measurements"] = keep + table_rows
         path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
         print(f"wrote {len(table_rows)} rows into {path.relative_to(ROOT)}")
@@ -193,9 +240,10 @@ def _plot(runs: list[dict], path: Path, tokens: int) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     for r in runs:
-        h = r["name"].split("-h")[-1]
-        label = {"ddp": "DDP"}.get(r["name"], f"DiLoCo H = {h}" if r["name"].startswith("diloco")
-                                   else f"the groups' mean every {h} (lr 1, momentum 0)")
+        h, _, w = r["name"].split("-h")[-1].partition("-warmup")
+        label = "DDP" if r["name"] == "ddp" else (
+            f"DiLoCo H = {h}" + (f" after {w} DDP steps" if w else "") if r["name"].startswith("diloco")
+            else f"the groups' mean every {h} (lr 1, momentum 0)")
         ax.plot(*zip(*r["evals"]), "o-" if r["name"] == "ddp" else ".-", lw=1.3, ms=3, label=label)
     ax.set_xlabel("step (equal tokens per step)")
     ax.set_ylabel("validation loss (nats/token)")
@@ -227,6 +275,11 @@ def main(argv=None) -> int:
     p.add_argument("--crossover-steps", type=int, default=120, help="timed steps per bandwidth and contender")
     p.add_argument("--loss-every", default="50,100,500", help="the H of the loss part's DiLoCo runs")
     p.add_argument("--loss-steps", type=int, default=500, help="steps of every loss run (a multiple of each H)")
+    p.add_argument("--loss-warmup", default="",
+                   help="also DiLoCo started from the DDP run's checkpoint after these steps (a data-parallel "
+                        "warm-up, as DiLoCo is used from a pretrained model), e.g. 100,250: multiples of "
+                        "--eval-every")
+    p.add_argument("--loss-warmup-every", default=None, help="the H of the --loss-warmup runs (default --loss-every)")
     p.add_argument("--loss-average-every", default="",
                    help="also these H with outer lr 1 and momentum 0 (the groups' mean: local SGD), e.g. 50")
     p.add_argument("--tokens-per-step", type=int, default=4096,

@@ -664,15 +664,16 @@ def load_loss_table(path=None) -> list[dict]:
 
 
 def measured_loss(model: str, every: int, compress: str = "none", fragments: int = 1,
-                  table=None) -> list[dict]:
+                  table=None, warmup: int = 0) -> list[dict]:
     """The measured rows for ``model`` at H = ``every`` with this compression and F, most tokens
     first: nothing here predicts a loss (guide §16). ``table``: rows, or a path (default the
-    shipped ``diloco_loss.json``)."""
+    shipped ``diloco_loss.json``). ``warmup``: the rows whose DiLoCo started after so many
+    data-parallel steps (a row's ``"warmup"``, 0 when absent: from the first step)."""
     rows = table if isinstance(table, list) else load_loss_table(table)
-    key = (str(model).lower(), int(every), compress or "none", int(fragments))
+    key = (str(model).lower(), int(every), compress or "none", int(fragments), int(warmup))
     hits = [r for r in rows
             if (str(r.get("model", "")).lower(), int(r.get("H", -1)), r.get("compress") or "none",
-                int(r.get("fragments", 1))) == key]
+                int(r.get("fragments", 1)), int(r.get("warmup", 0))) == key]
     return sorted(hits, key=lambda r: -float(r.get("tokens", 0)))
 
 
@@ -686,8 +687,14 @@ def loss_figure(model: str, settings: DiLoCoSettings, table=None) -> tuple[list[
         return [], (f"no measured loss figure for {what}: {LOSS_TABLE.name} holds none, so what "
                     "this H costs in loss is unknown here (guide §16)")
     r = rows[0]
-    return rows, (f"measured for {what}: final validation loss {float(r['loss_ratio_vs_ddp']):.3f}x "
-                  f"DDP's at equal tokens ({float(r['tokens']):,.0f} tokens)")
+    note = (f"measured for {what}: final validation loss {float(r['loss_ratio_vs_ddp']):.3f}x "
+            f"DDP's at equal tokens ({float(r['tokens']):,.0f} tokens)")
+    table_rows = table if isinstance(table, list) else load_loss_table(table)
+    warm = sorted({int(x["warmup"]) for x in table_rows if int(x.get("warmup", 0)) > 0})
+    found = [(w, measured_loss(model, settings.every, settings.compress, settings.fragments, table_rows, w))
+             for w in warm]
+    after = [f"{float(hits[0]['loss_ratio_vs_ddp']):.3f}x after {w} data-parallel steps" for w, hits in found if hits]
+    return rows, note + (f"; started from a data-parallel warm-up: {', '.join(after)}" if after else "")
 
 
 __all__ = ["DiLoCoSettings", "DiLoCoBytes", "DiLoCoPlan", "GroupLink", "MethodStep",
