@@ -464,3 +464,22 @@ def test_train_flags_give_the_outer_loop():
                        (dict(shard_size=2, diloco_every=2, diloco_delay=2), "delay")):
         with pytest.raises(ValueError, match=words):
             TrainConfig(**bad)
+
+
+def test_train_resumes_a_plain_checkpoint_into_the_outer_loop():
+    """zerodp train --resume of a checkpoint saved without the outer loop (a data-parallel warm-up)
+    with --diloco-every: it checks for the plain inner state in every replica group and no outer
+    state; a checkpoint of an outer loop is checked for everything the engine saves."""
+    from types import SimpleNamespace
+
+    from zerodp.engine.master import Piece
+    from zerodp.train.loop import _expected_pieces
+
+    t = torch.zeros(2)
+    mine = [Piece("w", "param@replica1", 0, 2, (2,), t), Piece("w", "exp_avg@replica1", 0, 2, (2,), t),
+            Piece("w", "outer", 0, 2, (2,), t), Piece("w", "outer_momentum", 0, 2, (2,), t)]
+    engine = SimpleNamespace(outer=object(), checkpoint=SimpleNamespace(state_pieces=lambda: mine))
+    plain = SimpleNamespace(manifest={"scalars": {"kinds": ["exp_avg"]}})
+    assert [p.kind for p in _expected_pieces(engine, plain)] == ["param", "exp_avg"]
+    outer = SimpleNamespace(manifest={"scalars": {"outer": {"replicas": 2}}})
+    assert _expected_pieces(engine, outer) == mine
