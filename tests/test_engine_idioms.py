@@ -625,3 +625,45 @@ def test_stage3_forward_on_one_rank_ends_with_a_message_within_timeout_s():
     assert message, out
     assert "(an evaluation) was called on rank 0 only, and waited 1 s" in message and "every rank" in message, message
     assert float(waited) < 10, waited
+
+
+def _engines_collected_inside_a_step(rank, world):
+    """Engines dropped by the script are freed by the cycle collector, which may run inside any
+    optimizer's ``step()`` while torch iterates over the global step hooks the engines added."""
+    import gc
+
+    from torch.optim import optimizer as torch_optimizer
+
+    def adoption_hooks() -> int:
+        return sum(getattr(h, "_zerodp_adoption", False) for d in (torch_optimizer._global_optimizer_pre_hooks,
+                                                                  torch_optimizer._global_optimizer_post_hooks)
+                   for h in d.values())
+
+    armed = []
+
+    def collect(*args) -> None:
+        if armed:
+            gc.collect()
+
+    handle = torch_optimizer.register_optimizer_step_pre_hook(collect)  # runs before the engines' hooks
+    gc.disable()
+    try:
+        for seed in range(3):  # parallelize(optimizer=None): each engine watches every optimizer's step
+            torch.manual_seed(seed)
+            zerodp.parallelize(nn.Linear(4, 4), stage=0)
+        armed.append(True)
+        other = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+        other.step()  # the collector frees the three engines inside this step's loop over the hooks
+    finally:
+        handle.remove()
+        gc.enable()
+    gc.collect()
+    engine = zerodp.parallelize(nn.Linear(4, 4), stage=0)  # construction sweeps the gone engines' hooks
+    return adoption_hooks() if engine is not None else None
+
+
+def test_engines_collected_inside_another_optimizers_step():
+    from zerodp.spawn import run_local
+
+    after = run_local(_engines_collected_inside_a_step, 1)[0]
+    assert after == 2, f"{after} adoption hooks with one live engine (2 expected: its pre and post hooks)"

@@ -10,11 +10,13 @@ Entry point: :func:`parallelize`. Every module, one concept each (docs/layout.md
 - ``group`` / ``gradbuf``  FlatGroup (one bucket or unit) and its gradient buffers (guide §12.1-§12.2)
 - ``buckets`` / ``unit`` / ``layout``  the bucket plan, the unit plan, the flat layout as data
 - ``comm``         the recorded collectives and the queue in flight;  ``control``  calls a script makes
-- ``optimizer_plan``  what the optimizer is and where it runs, decided once (guide §12.3)
+- ``optimizer_plan``  what the optimizer is (a factory, or the script's built ones) and where it runs,
+                   decided once (guide §12.3)
 - ``master`` / ``exchange`` / ``optim`` / ``adopt``  fp32 master and optimizer, owner exchange,
                    torch's optimizer API, the script's optimizer taken over (guide §12.3, §12.9)
 - ``grads``        ShardedGrad for torch's clipping;  ``guard``  skip non-finite steps
-- ``state_dict`` / ``hf`` / ``dcp`` / ``durable``  state dicts, safetensors, DCP, durable writes
+- ``state_dict`` / ``hf`` / ``dcp`` / ``durable``  state dicts by name and the checkpoint part,
+                   safetensors, DCP, durable writes
 - ``deferred`` / ``devices`` / ``module_view`` / ``nest`` / ``compiled``  meta models, device checks,
                    stage 3's module view, nested inputs, host bookkeeping kept out of compiled graphs
 - ``quant``        blockwise int8, ZeRO++ qwZ and qgZ (guide §15);  ``schedule``  stage 3's unit schedule

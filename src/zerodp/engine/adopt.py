@@ -8,7 +8,7 @@ watches every stock optimizer's ``step()`` (torch's global step hooks, removed w
 
 - a ``parallelize`` given no optimizer **adopts** the first one that steps its parameters: its
   class, defaults and param groups are rebuilt over the master (as a built optimizer given to
-  ``parallelize`` is, :func:`zerodp.engine.optim.from_built`), state it loaded before its first
+  ``parallelize`` is, :func:`zerodp.engine.optimizer_plan.from_built`), state it loaded before its first
   step goes in with it, and from then on its ``step()`` is ``engine.step()`` (its own hyper-
   parameters — an LR set by a scheduler — copied to the master first; the stock body then runs
   over no parameters), its ``zero_grad`` ``engine.zero_grad``, its ``state_dict`` and
@@ -38,29 +38,31 @@ def is_adoption_hook(hook) -> bool:
 class Adoption:
     """One engine's watch over the stock optimizers stepped in its process (module docstring)."""
 
-    def __init__(self, engine, pending: bool, given: list = ()):
+    def __init__(self, module, engine, pending: bool, given: list = ()):
         self.pending = pending  # parallelize got no optimizer: adopt the first that steps the module
         self._given = {id(o) for o in given}  # built optimizers given to parallelize (take_given)
         self._given_list = list(given)
         self.adopted: torch.optim.Optimizer | None = None
-        ref = weakref.ref(engine)
-        self._param_ids = {id(p) for p in engine._module.parameters()}
+        ref, me = weakref.ref(engine), weakref.ref(self)  # weak: the hooks outlive both (see _sweep)
+        self._param_ids = {id(p) for p in module.parameters()}
         self._emptied: dict[int, list] = {}
 
         def pre(optimizer, args, kwargs):
-            eng = ref()
-            return None if eng is None else self.before_step(eng, optimizer, args, kwargs)
+            eng, adoption = ref(), me()
+            return None if eng is None or adoption is None else adoption.before_step(eng, optimizer, args, kwargs)
 
         def post(optimizer, args, kwargs):
-            saved = self._emptied.pop(id(optimizer), None)
+            adoption = me()
+            saved = None if adoption is None else adoption._emptied.pop(id(optimizer), None)
             if saved is not None:
                 for group, params in zip(optimizer.param_groups, saved):
                     group[_PARAMS] = params
 
         pre._zerodp_adoption = post._zerodp_adoption = True
-        self._handles = [torch_optimizer.register_optimizer_step_pre_hook(pre),
-                         torch_optimizer.register_optimizer_step_post_hook(post)]
-        weakref.finalize(engine, _remove, list(self._handles))
+        pre._zerodp_gone = post._zerodp_gone = lambda: ref() is None
+        _sweep()
+        torch_optimizer.register_optimizer_step_pre_hook(pre)
+        torch_optimizer.register_optimizer_step_post_hook(post)
 
     def _holds_module_params(self, optimizer) -> bool:
         return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g[_PARAMS])
@@ -115,7 +117,7 @@ class Adoption:
     def adopt(self, engine, optimizer: torch.optim.Optimizer) -> None:
         """Rebuild ``optimizer`` over the engine's master and route its calls to the engine."""
         saved = _take_state(optimizer)
-        engine.construction.rebuild_optimizer(optimizer)
+        engine.adopt_optimizer(optimizer)
         self._route(engine, optimizer, saved)
 
     def _route(self, engine, optimizer: torch.optim.Optimizer, saved: dict | None) -> None:
@@ -187,6 +189,13 @@ def _call(ref, method: str, *args):
     return None
 
 
-def _remove(handles: list) -> None:
-    for h in handles:
-        h.remove()
+def _sweep() -> None:
+    """Remove the global step hooks of engines that are gone. Not from the engine's finalizer: the
+    garbage collector may run it inside another optimizer's ``step()``, while torch iterates over
+    these hooks (a dict changed during that iteration raises); an engine's construction is a safe
+    point, and a gone engine's hooks return at once until then."""
+    for hooks in (getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}),
+                  getattr(torch_optimizer, "_global_optimizer_post_hooks", {})):
+        for key, hook in list(hooks.items()):
+            if getattr(hook, "_zerodp_adoption", False) and hook._zerodp_gone():
+                del hooks[key]

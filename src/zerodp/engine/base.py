@@ -31,13 +31,14 @@ Constructor (every stage)::
 optimizer over the engine's fp32 master tensors (see :mod:`zerodp.engine.master`). ``units`` is
 used by stage 3 only (FSDP units, guide §10.3); stages 0-2 ignore it.
 
-A stage subclass sets ``stage``, then in ``__init__`` (after ``super().__init__``) sets the
-dtypes (``construction.set_dtypes``), builds ``self.groups`` with ``construction.new_group``, runs
-``construction.check_consistency`` and ``construction.init_groups()``, builds its ``hooks`` (which
-call ``GradBuffers.take`` and ``machine.launch_reduce``), calls ``bind_outer()`` (the DiLoCo outer
-loop takes the groups, :mod:`zerodp.engine.outer`) and ``construction.start_clock()``;
-it defines ``_local_used`` and ``_step_unused`` (torch's ``.grad is None`` rule at ``step()``):
-:mod:`zerodp.engine.reducer` (stages 0-2) and :mod:`zerodp.engine.fsdp` (stage 3) are the two.
+A stage subclass sets ``stage``, then in ``__init__`` (after ``super().__init__``, which resolved
+``self.dtypes`` and ``self.optimizer_plan``) builds ``self.groups`` with ``construction.new_group``,
+runs ``construction.check_consistency`` and ``construction.init_groups``, builds its ``hooks``
+(which call ``GradBuffers.take`` and ``machine.launch_reduce``) and calls
+``finish_construction()`` last (the optimizer part, the machine and the DiLoCo outer loop bound
+to the groups); it defines ``_local_used`` and ``_step_unused`` (torch's ``.grad is None`` rule at
+``step()``): :mod:`zerodp.engine.reducer` (stages 0-2) and :mod:`zerodp.engine.fsdp` (stage 3) are
+the two.
 """
 
 from __future__ import annotations
@@ -57,16 +58,16 @@ from zerodp.engine.comm import Collectives
 from zerodp.engine.control import (CHROME_TRACE, CLIP_GRAD_NORM, EVAL_FORWARD, FULL_STATE_DICT, OPTIMIZER_STATE_DICT,
                                    STATE_DICT, Control, user_call)
 from zerodp.engine.compiled import activate, host_only
-from zerodp.engine.config import Dtypes, EngineConfig, MixedPrecision, Policy, parse_dtype
-from zerodp.engine.construct import Construction
+from zerodp.engine.config import Dtypes, EngineConfig, Policy
+from zerodp.engine.construct import Construction, shard_group_size
 from zerodp.engine.deferred import init_device
 from zerodp.engine.devices import check_devices
 from zerodp.engine.group import FlatGroup
 from zerodp.engine.guard import NonFiniteGuard
-from zerodp.engine.master import MasterOptimizer
-from zerodp.engine.optimizer_plan import OptimizerFactory, plan_optimizer
+from zerodp.engine.master import MasterOptimizer, build_master
 from zerodp.engine.nest import cast_floats, grad_tensors
-from zerodp.engine.optim import EngineOptimizer, from_built, is_built
+from zerodp.engine.optim import EngineOptimizer
+from zerodp.engine.optimizer_plan import OptimizerFactory, from_built, is_built, plan_optimizer
 from zerodp.engine.outer import OuterLoop, outer_shard_size
 from zerodp.engine.state_dict import (BUFFER, CheckpointContract, load_optimizer_state_dict,  # noqa: F401 - BUFFER: hf reads it here
                                      load_state_dict, optimizer_state_dict, state_dict)
@@ -225,14 +226,14 @@ class StageEngine(nn.Module):
         timeout_s = config.timeout_s if self.device.type == "cpu" else None
         self.comm = Collectives(self.recorder, group, timeout_s=timeout_s)
         self.policy = Policy.of(self.stage, config.reduce_every_microbatch)
-        self.shard_comm = self.comm  # where parameters and gradients are sharded
-        self.replica_comm: Collectives | None = None  # hybrid sharding: across the replicas
-        self.construction = Construction(self)  # building the flat groups, once (zerodp.engine.construct)
-        self.machine = StepMachine(self)  # the step's state and what moves it (zerodp.engine.step)
-        self.shard_size = self.construction.shard_size()
+        # the step's state and what moves it (zerodp.engine.step); bound to the groups once built
+        self.machine = StepMachine(self.recorder, self.comm, self.policy, self.device, self.world_size,
+                                   config.average_by_tokens)
+        self.shard_size = shard_group_size(config.shard_size, self.policy, self.world_size)
         if config.outer is not None:  # DiLoCo (guide §16): replica groups that talk only in its syncs
             self.shard_size = outer_shard_size(config.outer, self.world_size, self.shard_size, self.stage,
                                                config.shard_size)
+        self.shard_comm = self.comm  # where parameters and gradients are sharded
         replicas = None
         if self.shard_size < self.world_size:
             shard_pg, replica_pg = hybrid_groups(self.world_size, self.shard_size, group)
@@ -240,9 +241,10 @@ class StageEngine(nn.Module):
             replicas = Collectives(self.recorder, replica_pg, leg="inter", timeout_s=timeout_s)
             self.comm.leg = "world"  # control values (flags, token counts) cross every rank
         self.control = Control(self.recorder, group, config.timeout_s, (self.comm, self.shard_comm, replicas))
-        # With the outer loop the inner step is plain ZeRO inside the shard group (no replica
-        # reduction); only the outer loop's syncs cross the groups (zerodp.engine.outer).
-        self.replica_comm = replicas if config.outer is None else None
+        # Hybrid sharding: across the replicas. With the outer loop the inner step is plain ZeRO
+        # inside the shard group (no replica reduction); only the outer loop's syncs cross the
+        # groups (zerodp.engine.outer).
+        self.replica_comm: Collectives | None = replicas if config.outer is None else None
         if config.replicas is not None:  # each replica group a job of its own (zerodp.ft): torchft's groups
             self.replica_comm = config.replicas.bind(self.recorder, comm=self.comm, shard=self.shard_comm,
                                                      outer=config.outer)
@@ -254,18 +256,9 @@ class StageEngine(nn.Module):
                                 OPTIMIZER_STATE_DICT: lambda: this().optimizer_state_dict(),
                                 FULL_STATE_DICT: lambda: this().full_state_dict(),
                                 EVAL_FORWARD: lambda: this().hooks.serve_evaluation()}
-        self.checkpoint = CheckpointContract(self)  # pieces, scalars, full tensors, the layout as data
         self.groups: list[FlatGroup] = []  # the flat groups: buckets (stages 0-2) or units (stage 3)
         self.last_comm_peak = 0
         self.last_grad_bytes = 0
-        # The policy asked for, reduce_dtype folded in; the stage resolves it into self.dtypes
-        # (zerodp.engine.config.Dtypes), which every part reads from then on.
-        self.mixed_precision = config.mixed_precision
-        self.dtypes: Dtypes | None = None
-        if config.reduce_dtype is not None:  # gradients on the wire in another dtype (guide §15)
-            self.mixed_precision = dataclasses.replace(
-                self.mixed_precision or MixedPrecision(param_dtype=torch.float32),
-                reduce_dtype=parse_dtype(config.reduce_dtype, "reduce_dtype"))
         self._modules["module"] = module  # the child, as DDP's: named_modules(), apply(), a parent's parameters()
         self.__dict__["_module"] = module  # the same model, read without the wait of the property below
         self.register_load_state_dict_post_hook(_restore_child)
@@ -273,15 +266,26 @@ class StageEngine(nn.Module):
         if not self.named_params:
             raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
         _check_sparse(module, self.stage)
+        # The mixed-precision policy asked for, resolved once: every part reads it (guide §1, §9)
+        self.dtypes = Dtypes.of(config, [p for _, p in self.named_params])
         # What the optimizer is, where it runs, each parameter's group: decided once (guide §12.3)
         self.optimizer_plan = plan_optimizer(optimizer_factory, self.named_params, config.param_groups, self.device,
                                              self.policy.shard_master, config.elementwise_optimizer,
                                              config.optimizer_layout)
         self.state_buffers = persistent_buffers(module)  # (fqn, owner, local name) of each persistent buffer
-        self._unused: set[str] = set()  # parameters no rank used in the last step (None grads)
-        self.master: MasterOptimizer | None = None
-        self._sync = True  # False inside no_sync(): gradients accumulate locally (guide §5)
-        self._sync_at_forward = True
+        # building the flat groups, once (zerodp.engine.construct)
+        self.construction = Construction(module, self.named_params, config, self.policy, group=group,
+                                         device=self.device, deferred=self.deferred, comm=self.comm,
+                                         shard_comm=self.shard_comm, replica_comm=self.replica_comm,
+                                         control=self.control, grad_pool=self.machine.grad_pool,
+                                         state_buffers=self.state_buffers)
+        # pieces, scalars, full tensors, the layout as data (zerodp.engine.state_dict)
+        self.checkpoint = CheckpointContract(module, self.named_params, stage=self.stage, policy=self.policy,
+                                             dtypes=self.dtypes, device=self.device, control=self.control,
+                                             shard_comm=self.shard_comm, replica_comm=self.replica_comm,
+                                             machine=self.machine, outer=self.outer, construction=self.construction,
+                                             state_buffers=self.state_buffers, take_values=self.take_module_values)
+        self.master: MasterOptimizer | None = None  # the optimizer part, built by finish_construction
         self._buffers_stale = True  # DDP's require_forward_param_sync (see forward)
         self._facade: EngineOptimizer | None = None
         self._last_step_end: float | None = None
@@ -289,7 +293,42 @@ class StageEngine(nn.Module):
         # Non-finite gradients: skip the step on every rank alike (see zerodp.engine.guard).
         skips = getattr(config, "max_nonfinite_skips", None)
         self.guard = None if skips is None else NonFiniteGuard(skips)
-        self.adoption = Adoption(self, pending=adopt, given=given)
+        self.adoption = Adoption(module, self, pending=adopt, given=given)
+
+    def finish_construction(self) -> None:
+        """The stage built its groups and hooks (each stage calls this last): the optimizer part
+        over every group's master, from the optimizer plan (guide §12.3,
+        :func:`zerodp.engine.master.build_master`); the step machine and the DiLoCo outer loop
+        (guide §16) bound to them; the optimizer given to ``parallelize`` becomes the engine's, with
+        any state it loaded (:meth:`Adoption.take_given`); trace time zero aligned across ranks
+        (right after a collective such as the start-up check)."""
+        self.build_master(per_param=False)
+        self.machine.bind(self.groups, self.master, self.hooks, list(self.optimizer_plan.names), self.dtypes.master)
+        if self.outer is not None:
+            self.outer.bind(self.groups, self.machine.param_gathers, self.dtypes.master)
+        self.adoption.take_given(self)
+        self.recorder.t0 = self.recorder.clock()
+        self._last_step_end = None
+
+    def build_master(self, per_param: bool) -> None:
+        """The optimizer part over every group's master (``per_param``: one target per parameter,
+        for an optimizer adopted after the wrap); the step machine steps it."""
+        plan = self.optimizer_plan
+        self.optimizer_plan = dataclasses.replace(plan, built=None)  # the stand-in build is pointed at the master once
+        per_param = per_param or self.policy.shard_params or self.config.find_unused_parameters
+        self.master = build_master(plan, self.groups, self.policy, self.shard_comm, self.dtypes.master, self.device,
+                                   per_param=per_param, declared_elementwise=self.config.elementwise_optimizer)
+        self.machine.master = self.master
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer the script built over the module's parameters after the wrap
+        (:mod:`zerodp.engine.adopt`): its class, defaults and param groups over the master, one
+        target per parameter (a bucket may mix its groups), the engine's optimizer from now on."""
+        self.optimizer_plan = self.optimizer_plan.adopted(optimizer, self._module, self.named_params, self.groups,
+                                                          self.policy, self.config)
+        self.config = dataclasses.replace(self.config, param_groups=self.optimizer_plan.rule)
+        self.build_master(per_param=True)
+        self._facade = None
 
     @property
     def module(self) -> nn.Module:
@@ -311,11 +350,11 @@ class StageEngine(nn.Module):
     def require_backward_grad_sync(self) -> bool:
         """DDP's flag: False makes the next forward's backward accumulate locally, as inside
         ``no_sync()`` (guide §5); True again synchronizes."""
-        return self._sync
+        return self.machine.sync
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._sync = bool(value)
+        self.machine.sync = bool(value)
 
     def forward(self, *args, **kwargs):
         # Traced by torch.compile(engine): only the model's call is; the engine's entry and exit
@@ -333,19 +372,19 @@ class StageEngine(nn.Module):
         self.machine.check_not_failed("forward")
         if torch.is_grad_enabled():
             self.construction.check_requires_grad()
-        self._sync_at_forward = self._sync  # as DDP: no_sync applies to the forward it wraps
+        self.machine.sync_at_forward = self.machine.sync  # as DDP: no_sync applies to the forward it wraps
         # DDP's rule for buffers (BatchNorm statistics): rank 0's are broadcast at a forward that
         # follows a grad-enabled, synchronizing forward (and at the first), so the first evaluation
         # forward after training sees rank 0's, and further no_grad forwards communicate nothing:
         # ranks may run different numbers of them.
         if self._buffers_stale and self.config.broadcast_buffers and self.state_buffers and self.world_size > 1:
             self.construction.broadcast_buffers()
-        self._buffers_stale = torch.is_grad_enabled() and self._sync
+        self._buffers_stale = torch.is_grad_enabled() and self.machine.sync
         if self.dtypes.cast_inputs:  # floating inputs compute in the param dtype, every stage
             args, kwargs = cast_floats((args, kwargs), self.dtypes.param)
         self.machine.reconcile_grads()  # the module's .grad read back; the next backward accumulates as before
         self.machine.wait_params()  # stages 1-2: the step's parameter AllGathers, overlapped until here
-        self._take_module_values(fold=False)
+        self.take_module_values(fold=False)
         return args, kwargs, self.recorder.begin("forward", COMPUTE)
 
     @host_only
@@ -400,12 +439,12 @@ class StageEngine(nn.Module):
         it a no-op. (Stage 2 by default still reduces every micro-batch — memory first — unless
         ``reduce_every_microbatch=False``; see :mod:`zerodp.engine.zero2`.)
         """
-        previous = self._sync
-        self._sync = previous and not enabled
+        previous = self.machine.sync
+        self.machine.sync = previous and not enabled
         try:
             yield
         finally:
-            self._sync = previous
+            self.machine.sync = previous
 
     def count_tokens(self, n: int | float) -> None:
         """With ``average_by_tokens=True``: add this micro-batch's token count on this rank, before
@@ -460,14 +499,14 @@ class StageEngine(nn.Module):
                                "over model.parameters() yet: pass optimizer=lambda groups: torch.optim.AdamW(groups, "
                                "lr=...) to parallelize, or build one over model.parameters() and call its step()")
         self.machine.reconcile_grads()
-        self._take_module_values(fold=True)
+        self.take_module_values(fold=True)
         self.adoption.options_in(self)
         with self.recorder.span("step", COMPUTE):
             self.machine.finish_grad_sync()
             # Collective where parameters may go unused: a dropped gradient's used-flag was reset, so
             # the exchange says whether any rank's backward gave it a gradient again since
             unused = self._step_unused()
-            self._unused = unused | self.machine.dropped if self._local_used() is None else unused
+            self.machine.unused = unused | self.machine.dropped if self._local_used() is None else unused
             skip = self.guard is not None and self.guard.should_skip(self)  # collective
             if self.config.replicas is not None and not self.config.replicas.should_commit():
                 skip = True  # zerodp.ft: the quorum of replica groups did not commit this step
@@ -491,11 +530,6 @@ class StageEngine(nn.Module):
             self.last_step_time_s = now - self._last_step_end
         self._last_step_end = now
         self.recorder.next_step()
-
-    def bind_outer(self) -> None:
-        """The stage built its flat groups: the outer loop, if any, takes them (guide §16)."""
-        if self.outer is not None:
-            self.outer.bind(self.groups, self.machine.param_gathers, self.dtypes.master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients for the next step. ``param.grad`` becomes None; with ``set_to_none``
@@ -521,7 +555,7 @@ class StageEngine(nn.Module):
         if not set_to_none:
             self.machine.attach_sharded_grads()  # torch: every .grad is a zero tensor, which p.grad = None drops
 
-    def _take_module_values(self, fold: bool) -> None:
+    def take_module_values(self, fold: bool) -> None:
         """The module's parameters are the truth (guide §12.9): rebound ``.data`` taken back, and
         with ``fold`` values written into them since the last step folded into a separate master."""
         for g in self.groups:
@@ -538,7 +572,7 @@ class StageEngine(nn.Module):
         self.machine.wait_params()
         yield self._module
         if writeback:
-            self._take_module_values(fold=True)
+            self.take_module_values(fold=True)
 
     def stats(self):
         """Measured bytes per rank by kind, the last step's collectives, exposed comm, step time."""
@@ -649,7 +683,7 @@ def remove_hooks(handles: list) -> None:
 
 
 def grad_hook(hooks: Any, method: str, group: int, j: int) -> Callable[[nn.Parameter], None]:
-    """The post-accumulate-grad hook of trainable parameter ``j`` of ``hooks.engine.groups[group]``:
+    """The post-accumulate-grad hook of trainable parameter ``j`` of ``hooks.groups[group]``:
     calls ``hooks.<method>(that group, j, param)`` (``hooks``: the stage's hooks part). It holds
     the hooks by a weak reference and the group by its index: a parameter's hooks are held from C++,
     where Python's garbage collector cannot see a cycle back through them, so a hook holding the
@@ -661,5 +695,5 @@ def grad_hook(hooks: Any, method: str, group: int, j: int) -> Callable[[nn.Param
     def hook(param: nn.Parameter) -> None:
         hooks = ref()
         if hooks is not None:
-            getattr(hooks, method)(hooks.engine.groups[group], j, param)
+            getattr(hooks, method)(hooks.groups[group], j, param)
     return hook

@@ -124,6 +124,22 @@ class Dtypes:
     cast_inputs: bool
 
     @classmethod
+    def of(cls, config: "EngineConfig", params: list[torch.Tensor]) -> "Dtypes":
+        """The policy ``parallelize`` was asked for (``mixed_precision``, ``reduce_dtype``,
+        ``master_dtype``) resolved against the trainable parameters: one dtype among them unless
+        mixed precision casts them (refused in one line otherwise)."""
+        mp = config.mixed_precision
+        if config.reduce_dtype is not None:  # gradients on the wire in another dtype (guide §15)
+            mp = dataclasses.replace(mp or MixedPrecision(param_dtype=torch.float32),
+                                     reduce_dtype=parse_dtype(config.reduce_dtype, "reduce_dtype"))
+        found = sorted({str(p.dtype) for p in params})
+        if mp is None and len(found) > 1:
+            raise ValueError(f"parameters have several dtypes {found}: convert the model to one dtype, "
+                             "or pass mixed_precision='bf16' to compute in bf16 with fp32 masters")
+        return cls.resolve(mp, mp.param_dtype if mp else params[0].dtype,
+                           parse_dtype(config.master_dtype, "master_dtype"))
+
+    @classmethod
     def resolve(cls, mp: MixedPrecision | None, param: torch.dtype, master: torch.dtype | None) -> "Dtypes":
         """From the policy asked for (``mp``, with ``reduce_dtype`` folded in), the compute dtype and
         ``master_dtype=``: gradients accumulate in fp32 when parameters are fp32, with

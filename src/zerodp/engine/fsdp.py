@@ -126,22 +126,17 @@ class FSDPEngine(StageEngine):
     def __init__(self, module: nn.Module, optimizer_factory: OptimizerFactory, config: EngineConfig,
                  units: list[nn.Module] | None = None, group: dist.ProcessGroup | None = None):
         super().__init__(module, optimizer_factory, config, units=units, group=group)
-        mp = self.mixed_precision  # the policy asked for (reduce_dtype folded in); self.dtypes resolves it
         group_index = {id(p): g for (_, p), g in zip(self.named_params, self.optimizer_plan.group_of)}
         specs = plan_units(module, units, lambda fqn, p: group_index[id(p)])
-        dtypes = sorted({str(p.dtype) for spec in specs for _, p, _ in spec.params})
-        if mp is None and len(dtypes) > 1:
-            raise ValueError(f"parameters have several dtypes {dtypes}: convert the model to one dtype, "
-                             "or pass mixed_precision='bf16' to compute in bf16 with fp32 masters")
-        self.construction.set_dtypes(mp.param_dtype if mp else specs[0].params[0][1].dtype)
         # Check before the first broadcast, so that mismatched ranks fail with words, not a hang.
         self.construction.check_consistency({
             "stage": self.stage, "world_size": self.world_size,
-            "mixed_precision": repr(mp), "prefetch": config.prefetch,
+            "dtypes": repr(self.dtypes), "prefetch": config.prefetch,
             "units": [{"name": s.label, "params": [[f, list(p.shape), str(p.dtype), g]
                                                    for f, p, g in s.params]} for s in specs],
         })
-        self.groups = [self.construction.new_group(i, spec.label, list(spec.params)) for i, spec in enumerate(specs)]
+        self.groups = [self.construction.new_group(i, spec.label, list(spec.params), self.optimizer_plan, self.dtypes)
+                       for i, spec in enumerate(specs)]
         for u, spec in zip(self.groups, specs):
             u.module = spec.module
         if self.deferred:  # buffers now; each unit's parameters one unit at a time, in construction.init_groups
@@ -153,9 +148,10 @@ class FSDPEngine(StageEngine):
                     self._init_modules[unit_of[id(first)].index].append((name, m))
             materialize_buffers(module, self.device, config.init_fn, config.init_seed,
                                 {id(m) for ms in self._init_modules for _, m in ms})
-        if mp is not None:  # floating-point buffers compute in the param dtype, as at stages 0-2
-            cast_floating_buffers(module, mp.param_dtype)
-        self.construction.init_groups(extra_broadcast=[b for b in module.buffers()], materialize=self._materialize)
+        if self.dtypes.cast_inputs:  # floating-point buffers compute in the param dtype, as at stages 0-2
+            cast_floating_buffers(module, self.dtypes.param)
+        self.construction.init_groups(self.groups, self.dtypes.master, extra_broadcast=[b for b in module.buffers()],
+                                      materialize=self._materialize)
         self.schedule = UnitSchedule(self.comm, self.group, self.world_size, self.device)
         self.machine.on_launch = functools.partial(self.schedule.log, "RS")  # every ReduceScatter, in order
 
@@ -163,8 +159,7 @@ class FSDPEngine(StageEngine):
         self.last_peak_gathered_bytes = 0
         self.hooks = UnitHooks(self)  # the module's hooks and what they keep between calls
         self.hooks.install()
-        self.bind_outer()
-        self.construction.start_clock()
+        self.finish_construction()
 
     def _materialize(self, u: Unit) -> None:
         """Deferred initialization of one unit, just before it is packed and sharded (§9.3)."""
@@ -172,12 +167,12 @@ class FSDPEngine(StageEngine):
                            self.config.init_seed)
 
     # ---- the module's own values (guide §12.9) ----------------------------------------------
-    def _take_module_values(self, fold: bool) -> None:
+    def take_module_values(self, fold: bool) -> None:
         """Between calls, a unit still gathered (the last unit of a forward whose graph was dropped)
         is freed first: what the script wrote into it meanwhile goes into the shard (``free``)."""
         if not self.hooks.forwarding and self.machine.state is not StepState.BACKWARD:
             self.hooks.free_all()
-        super()._take_module_values(fold)
+        super().take_module_values(fold)
 
     @contextlib.contextmanager
     def gathered(self, writeback: bool = False):
@@ -185,7 +180,7 @@ class FSDPEngine(StageEngine):
         the block wrote into the parameters goes into the shards at its end (see the base class)."""
         self.machine.check_not_failed("gathered")
         self.machine.inflight.wait_all()
-        self._take_module_values(fold=False)
+        self.take_module_values(fold=False)
         for u in self.groups:
             self.hooks.ensure_gathered(u)
         ok = False
@@ -252,6 +247,7 @@ class UnitHooks:
 
     def __init__(self, engine: FSDPEngine):
         self.engine = engine
+        self.groups = engine.groups  # the units (grad_hook finds a unit here by its index)
         # Prefetch order: registration order until a forward has been seen, then the recorded one.
         order = list(engine.groups)
         self.next_fwd: dict[int, Unit] = {a.index: b for a, b in zip(order, order[1:])}
@@ -273,7 +269,7 @@ class UnitHooks:
     def install(self) -> None:
         """The module's hooks hold the engine weakly (a module outlives its engine: ``del engine``
         frees the engine and its buffers), and are removed when the engine is collected."""
-        root, ref = self.engine._module, weakref.ref(self)
+        root, ref = self.engine.module, weakref.ref(self)
 
         def call(method: str):
             return functools.partial(_engine_hook, ref, method)
@@ -313,7 +309,7 @@ class UnitHooks:
         if self.forwarding:
             return None
         self.engine.machine.reconcile_grads()
-        self.engine._take_module_values(fold=False)
+        self.engine.take_module_values(fold=False)
         if not torch.is_grad_enabled() and self.engine.world_size > 1:
             self.open_evaluation()
         self.forwarding = True
@@ -325,7 +321,7 @@ class UnitHooks:
         self.post_order = []
         # u.bwd.pending_inputs is NOT reset here: a graph of an earlier forward of this step (two
         # forwards, one backward) still counts on its units while it is alive.
-        self.reduce_this_pass = self.engine._sync or self.engine.config.reduce_every_microbatch
+        self.reduce_this_pass = self.engine.machine.sync or self.engine.config.reduce_every_microbatch
         return None
 
     @host_only

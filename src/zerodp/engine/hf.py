@@ -228,7 +228,7 @@ def _param_shapes(engine: StageEngine) -> dict[str, tuple[int, ...]]:
     for layout in engine.layout():
         for slot in layout["slots"]:
             shapes[slot["name"]] = tuple(slot["shape"])
-    for name, p in engine._module.named_parameters():
+    for name, p in engine.checkpoint.module.named_parameters():
         shapes.setdefault(name, tuple(p.shape))
     return shapes
 
@@ -247,7 +247,7 @@ def load_hf(engine: StageEngine, directory: str | os.PathLike, *, strict: bool =
         raise TypeError(f"load_hf needs an engine from zerodp.parallelize, got {type(engine).__name__}; for a "
                         "plain model, load_hf_state_dict(directory) gives the tensors to load_state_dict")
     index = open_hf(directory)
-    module = engine._module
+    module = engine.checkpoint.module
     aliases = _aliases(module)
     shapes = _param_shapes(engine)
     key_of: dict[str, str] = {}

@@ -29,7 +29,7 @@ loads at any other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
@@ -37,8 +37,7 @@ import torch
 from zerodp.engine.config import ALIGNED, EXCHANGE, Policy
 from zerodp.engine.exchange import OwnerExchange
 from zerodp.engine.layout import FlatLayout
-from zerodp.engine.optim import members
-from zerodp.engine.optimizer_plan import (FLAT, OWNER, OptimizerFactory, OptimizerPlan, check_elementwise,
+from zerodp.engine.optimizer_plan import (FLAT, OWNER, OptimizerFactory, OptimizerPlan, check_elementwise, members,
                                           check_refused, state_cost)
 
 #: On CPU the stock optimizer's per-tensor path makes ~8 passes over each tensor it updates; over
@@ -158,6 +157,7 @@ def build_master(plan: OptimizerPlan, groups: list, policy: Policy, shard_comm, 
                                                                                  master_dtype, device),
                              built=plan.built)
     master.target_slices = slices
+    master.plan = replace(plan, built=None)
     return master
 
 
@@ -253,6 +253,7 @@ class MasterOptimizer:
                  built: torch.optim.Optimizer | None = None):
         self.targets = targets
         self.target_slices: list[tuple] = []  # (group, lo, hi): the gradient each target reads (build_master)
+        self.plan: OptimizerPlan | None = None  # what it was built from (build_master)
         self.placement = placement  # "flat" (1-D slices) or "owner" (whole tensors, their shapes)
         # Stage 3's owner exchange (zerodp.engine.exchange): the tensors it brings whole are stepped
         # as proxies on their owner; their pieces among the targets hold values only.

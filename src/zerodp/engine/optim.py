@@ -16,171 +16,21 @@ the master on no gradients. :class:`EngineOptimizer` is a ``torch.optim.Optimize
   engine's name-keyed one. Both are collective at stages 1-3: every rank calls them (rank 0 then
   saves), as with FSDP2's ``get_optimizer_state_dict``.
 
-It also turns an optimizer the user already built over ``model.parameters()`` into the engine's
-factory (:func:`from_built`): same class, defaults and param groups, rebuilt over the master — or
-several, over disjoint parameters (``optimizer=[Muon(matrices), AdamW(the rest)]``, the way Muon
-is used), rebuilt as one :class:`OptimizerSet` that steps them together.
+An optimizer the user built before the wrap becomes the engine's factory in
+:mod:`zerodp.engine.optimizer_plan` (:func:`~zerodp.engine.optimizer_plan.from_built`).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections import OrderedDict, defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
+
+from zerodp.engine.optimizer_plan import members
 
 #: Keys of a param group that are its parameters, not its options.
 _PARAMS = "params"
-
-
-@dataclass(frozen=True)
-class UserGroups:
-    """The param groups of an optimizer the user built before ``parallelize``: each group's
-    options (what differs from the defaults is kept as torch keeps it: every key) and, per
-    parameter, its group. Serves as the engine's ``param_groups`` rule
-    (:func:`zerodp.engine.optimizer_plan.resolve_param_groups`) and gives ``state_dict()`` its
-    index order."""
-
-    options: tuple[dict, ...]
-    group_of: Mapping[int, int]  # id(parameter) -> group index
-    order: tuple[int, ...]  # id(parameter) in the order the optimizer lists them
-
-    def __call__(self, name: str, p: nn.Parameter) -> dict:
-        return dict(self.options[self.group_of[id(p)]])
-
-
-def is_built(optimizer: Any) -> bool:
-    """An optimizer the script built (``configure_optimizers()``), or a list of them."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return True
-    return (isinstance(optimizer, Sequence) and not isinstance(optimizer, str) and len(optimizer) > 0
-            and all(isinstance(o, torch.optim.Optimizer) for o in optimizer))
-
-
-def from_built(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-               model: nn.Module, with_state: bool = False) -> tuple[Callable[[list[dict]], Any], UserGroups]:
-    """A built optimizer (or several over disjoint parameters) → (factory, param-groups rule)
-    that rebuild it over the master.
-
-    The factory builds ``type(optimizer)(groups, **defaults)`` — for several, each class over its
-    own groups, in one :class:`OptimizerSet`; the rule gives each parameter the options of the
-    group it was in (groups numbered across the optimizers, in the order given). A trainable
-    parameter no optimizer holds, one held twice, or one the model does not own is refused in one
-    line: torch would leave the first untrained, step the second twice, and the third is not this
-    model's. ``with_state``: state the optimizer loaded before the wrap (a resume) is the caller's
-    to carry over (:meth:`zerodp.engine.adopt.Adoption.take_given`); else it is refused."""
-    built = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    owned = {id(p) for p in model.parameters()}
-    options, group_of, order, spans = [], {}, [], []
-    for opt in built:
-        what = type(opt).__name__
-        if opt.state and not with_state:
-            raise ValueError(
-                f"the {what} given to parallelize in a list holds state: zerodp rebuilds the list over its fp32 "
-                "master as one optimizer, so pass them before their first step and load a saved state with "
-                "engine.optimizer.load_state_dict(...) afterwards (a single optimizer given brings its state along)")
-        first = len(options)
-        for g, group in enumerate(opt.param_groups):
-            options.append({k: v for k, v in group.items() if k != _PARAMS})
-            for p in group[_PARAMS]:
-                if id(p) not in owned:
-                    raise ValueError(
-                        f"param group {g} of the given {what} holds a tensor of shape {tuple(p.shape)} that is not "
-                        "a parameter of this model: build the optimizer over model.parameters() of the model you "
-                        "parallelize")
-                if id(p) in group_of:
-                    raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} is in two of the given optimizers' param groups "
-                        "(torch would step it twice): give each parameter to one optimizer, e.g. the matrices to "
-                        "Muon and the rest to AdamW")
-                group_of[id(p)] = first + g
-                order.append(id(p))
-        spans.append((first, len(options)))
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in group_of:
-            held = " or ".join(type(o).__name__ for o in built)
-            raise ValueError(
-                f"parameter {name!r} requires grad but is in none of the given {held}'s param groups, so nothing "
-                "would train it: add it to an optimizer, or set requires_grad=False before parallelize")
-    builders = [_rebuilder(opt) for opt in built]
-
-    def factory(groups: list[dict]) -> torch.optim.Optimizer:
-        if len(builders) == 1:
-            return builders[0](groups)
-        return OptimizerSet([b(groups[lo:hi]) for b, (lo, hi) in zip(builders, spans)])
-
-    return factory, UserGroups(tuple(options), group_of, tuple(order))
-
-
-class RebuildError(TypeError):
-    """A built optimizer whose class cannot be called again over the master's param groups."""
-
-
-def _rebuilder(optimizer: torch.optim.Optimizer) -> Callable[[list[dict]], torch.optim.Optimizer]:
-    cls = type(optimizer)
-    # The defaults the constructor takes (AdamW's defaults also hold Adam's decoupled_weight_decay,
-    # which AdamW's constructor fixes itself); every group carries its full options anyway.
-    accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-    def rebuild(groups: list[dict]) -> torch.optim.Optimizer:
-        try:
-            return cls(groups, **defaults)
-        except (TypeError, AttributeError, ValueError) as e:  # a wrapper of another optimizer (Lookahead, SAM)
-            raise RebuildError(
-                f"{cls.__name__} cannot be rebuilt over zerodp's fp32 master from its param groups and defaults "
-                f"({cls.__name__}(groups, **defaults) raised {type(e).__name__}: {e}) — an optimizer that wraps "
-                f"another, such as Lookahead or SAM, is built from its inner one: pass a factory that builds both, "
-                f"optimizer=lambda groups: {cls.__name__}(torch.optim.AdamW(groups, lr=...), ...)") from None
-    return rebuild
-
-
-def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The stock optimizers an optimizer stands for: an :class:`OptimizerSet`'s, else itself."""
-    return list(optimizer.optimizers) if isinstance(optimizer, OptimizerSet) else [optimizer]
-
-
-class OptimizerSet(torch.optim.Optimizer):
-    """Stock optimizers over disjoint parameters, stepped as one (Muon for the matrices and AdamW
-    for the rest, as Muon is used): their param groups in the order given, one ``state`` mapping
-    shared by all of them (its keys are tensors, each held by one member), and ``step()`` /
-    ``zero_grad()`` of each in turn. The engine's master optimizer when ``parallelize`` is given a
-    list of built optimizers (:func:`from_built`)."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):  # noqa: D107 - groups are the members'
-        self.optimizers = list(optimizers)
-        self.state = defaultdict(dict)
-        for opt in self.optimizers:
-            self.state.update(opt.state)
-            opt.state = self.state
-        self.defaults = dict(self.optimizers[0].defaults)
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for opt in self.optimizers for g in opt.param_groups]
-
-    def step(self, closure: Callable[[], Any] | None = None):
-        if closure is not None:
-            raise ValueError("an OptimizerSet steps its members without a closure")
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            hook(self, (), {})
-        for opt in self.optimizers:
-            opt.step()
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none)
-
-    def __repr__(self) -> str:
-        return "OptimizerSet(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
 
 
 class EngineOptimizer(torch.optim.Optimizer):

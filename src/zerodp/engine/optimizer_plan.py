@@ -10,22 +10,24 @@ master (:class:`~zerodp.engine.master.MasterOptimizer`), so the optimizer is con
 and returns a frozen :class:`OptimizerPlan`: the factory, each param group's options, the group of
 each parameter by name, the placement (flat or owner), the groups read whole and the state kinds
 the owners balance. The engine's parts read the plan; an optimizer adopted after the wrap gets a
-new plan (:meth:`OptimizerPlan.rebuilt`).
+new plan (:meth:`OptimizerPlan.adopted`).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
-from collections.abc import Mapping
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from zerodp.engine.optim import RebuildError, UserGroups, members
+from zerodp.engine.config import ALIGNED
 from zerodp.plan.ownership import state_numel
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and
@@ -56,6 +58,155 @@ OPTIMIZER_LAYOUTS = ("auto", "flat", "owner")
 FLAT, OWNER = "flat", "owner"
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+#: Keys of a param group that are its parameters, not its options.
+_PARAMS = "params"
+
+
+@dataclass(frozen=True)
+class UserGroups:
+    """The param groups of an optimizer the user built before ``parallelize``: each group's
+    options (what differs from the defaults is kept as torch keeps it: every key) and, per
+    parameter, its group. Serves as the engine's ``param_groups`` rule
+    (:func:`zerodp.engine.optimizer_plan.resolve_param_groups`) and gives ``state_dict()`` its
+    index order."""
+
+    options: tuple[dict, ...]
+    group_of: Mapping[int, int]  # id(parameter) -> group index
+    order: tuple[int, ...]  # id(parameter) in the order the optimizer lists them
+
+    def __call__(self, name: str, p: nn.Parameter) -> dict:
+        return dict(self.options[self.group_of[id(p)]])
+
+
+def is_built(optimizer: Any) -> bool:
+    """An optimizer the script built (``configure_optimizers()``), or a list of them."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return True
+    return (isinstance(optimizer, Sequence) and not isinstance(optimizer, str) and len(optimizer) > 0
+            and all(isinstance(o, torch.optim.Optimizer) for o in optimizer))
+
+
+def from_built(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+               model: nn.Module, with_state: bool = False) -> tuple[Callable[[list[dict]], Any], UserGroups]:
+    """A built optimizer (or several over disjoint parameters) → (factory, param-groups rule)
+    that rebuild it over the master.
+
+    The factory builds ``type(optimizer)(groups, **defaults)`` — for several, each class over its
+    own groups, in one :class:`OptimizerSet`; the rule gives each parameter the options of the
+    group it was in (groups numbered across the optimizers, in the order given). A trainable
+    parameter no optimizer holds, one held twice, or one the model does not own is refused in one
+    line: torch would leave the first untrained, step the second twice, and the third is not this
+    model's. ``with_state``: state the optimizer loaded before the wrap (a resume) is the caller's
+    to carry over (:meth:`zerodp.engine.adopt.Adoption.take_given`); else it is refused."""
+    built = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    owned = {id(p) for p in model.parameters()}
+    options, group_of, order, spans = [], {}, [], []
+    for opt in built:
+        what = type(opt).__name__
+        if opt.state and not with_state:
+            raise ValueError(
+                f"the {what} given to parallelize in a list holds state: zerodp rebuilds the list over its fp32 "
+                "master as one optimizer, so pass them before their first step and load a saved state with "
+                "engine.optimizer.load_state_dict(...) afterwards (a single optimizer given brings its state along)")
+        first = len(options)
+        for g, group in enumerate(opt.param_groups):
+            options.append({k: v for k, v in group.items() if k != _PARAMS})
+            for p in group[_PARAMS]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"param group {g} of the given {what} holds a tensor of shape {tuple(p.shape)} that is not "
+                        "a parameter of this model: build the optimizer over model.parameters() of the model you "
+                        "parallelize")
+                if id(p) in group_of:
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is in two of the given optimizers' param groups "
+                        "(torch would step it twice): give each parameter to one optimizer, e.g. the matrices to "
+                        "Muon and the rest to AdamW")
+                group_of[id(p)] = first + g
+                order.append(id(p))
+        spans.append((first, len(options)))
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in group_of:
+            held = " or ".join(type(o).__name__ for o in built)
+            raise ValueError(
+                f"parameter {name!r} requires grad but is in none of the given {held}'s param groups, so nothing "
+                "would train it: add it to an optimizer, or set requires_grad=False before parallelize")
+    builders = [_rebuilder(opt) for opt in built]
+
+    def factory(groups: list[dict]) -> torch.optim.Optimizer:
+        if len(builders) == 1:
+            return builders[0](groups)
+        return OptimizerSet([b(groups[lo:hi]) for b, (lo, hi) in zip(builders, spans)])
+
+    return factory, UserGroups(tuple(options), group_of, tuple(order))
+
+
+class RebuildError(TypeError):
+    """A built optimizer whose class cannot be called again over the master's param groups."""
+
+
+def _rebuilder(optimizer: torch.optim.Optimizer) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    cls = type(optimizer)
+    # The defaults the constructor takes (AdamW's defaults also hold Adam's decoupled_weight_decay,
+    # which AdamW's constructor fixes itself); every group carries its full options anyway.
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+    def rebuild(groups: list[dict]) -> torch.optim.Optimizer:
+        try:
+            return cls(groups, **defaults)
+        except (TypeError, AttributeError, ValueError) as e:  # a wrapper of another optimizer (Lookahead, SAM)
+            raise RebuildError(
+                f"{cls.__name__} cannot be rebuilt over zerodp's fp32 master from its param groups and defaults "
+                f"({cls.__name__}(groups, **defaults) raised {type(e).__name__}: {e}) — an optimizer that wraps "
+                f"another, such as Lookahead or SAM, is built from its inner one: pass a factory that builds both, "
+                f"optimizer=lambda groups: {cls.__name__}(torch.optim.AdamW(groups, lr=...), ...)") from None
+    return rebuild
+
+
+def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The stock optimizers an optimizer stands for: an :class:`OptimizerSet`'s, else itself."""
+    return list(optimizer.optimizers) if isinstance(optimizer, OptimizerSet) else [optimizer]
+
+
+class OptimizerSet(torch.optim.Optimizer):
+    """Stock optimizers over disjoint parameters, stepped as one (Muon for the matrices and AdamW
+    for the rest, as Muon is used): their param groups in the order given, one ``state`` mapping
+    shared by all of them (its keys are tensors, each held by one member), and ``step()`` /
+    ``zero_grad()`` of each in turn. The engine's master optimizer when ``parallelize`` is given a
+    list of built optimizers (:func:`from_built`)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):  # noqa: D107 - groups are the members'
+        self.optimizers = list(optimizers)
+        self.state = defaultdict(dict)
+        for opt in self.optimizers:
+            self.state.update(opt.state)
+            opt.state = self.state
+        self.defaults = dict(self.optimizers[0].defaults)
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self, closure: Callable[[], Any] | None = None):
+        if closure is not None:
+            raise ValueError("an OptimizerSet steps its members without a closure")
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        for opt in self.optimizers:
+            opt.step()
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none)
+
+    def __repr__(self) -> str:
+        return "OptimizerSet(" + ", ".join(type(o).__name__ for o in self.optimizers) + ")"
 
 
 def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
@@ -268,21 +419,41 @@ class OptimizerPlan:
     state_kinds: tuple[str | None, ...]  # per param group: the planner's name of its class (state_cost)
     sharded: bool  # stages 1-3: the master is sharded, whole tensors need owners
     built: torch.optim.Optimizer | None = field(default=None, compare=False, repr=False)  # the stand-in build
+    #: the param-groups rule the groups came from (a built optimizer's :class:`UserGroups` gives
+    #: ``state_dict()`` its index order)
+    rule: object = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def group_by_name(self) -> Mapping[str, int]:
         """Each trainable parameter's param group, by name (read at every forward's check)."""
         return dict(zip(self.names, self.group_of))
 
-    def rebuilt(self, optimizer: torch.optim.Optimizer, factory: OptimizerFactory, rule: UserGroups,
-                named_params: list[tuple[str, nn.Parameter]], requested: str) -> "OptimizerPlan":
+    def adopted(self, optimizer: torch.optim.Optimizer, module: nn.Module, named_params: list[tuple[str, nn.Parameter]],
+                groups: list, policy, config) -> "OptimizerPlan":
         """The plan of an optimizer the script built over the module's parameters after the wrap
-        (:mod:`zerodp.engine.adopt`): its factory and groups; the placement stays (the buffers are
-        laid out), the groups read whole are the new optimizer's on the owner placement."""
+        (:mod:`zerodp.engine.adopt`): its factory, groups and param-groups rule; the
+        placement stays (the buffers are laid out), the groups read whole are the new optimizer's
+        on the owner placement. One that needs another layout than the one ``groups`` were laid
+        out for is refused in one line, naming ``parallelize(model, optimizer=...)``."""
+        if choose_layout(optimizer, config.elementwise_optimizer, config.optimizer_layout) != FLAT \
+                and self.placement == FLAT:
+            raise ValueError(f"{type(optimizer).__name__} steps whole tensors, and the engine laid its buffers out "
+                             "for flat shards at parallelize: pass it there, parallelize(model, optimizer=[...]), "
+                             "instead of building it after the wrap")
+        factory, rule = from_built(optimizer, module)
         options, group_of = resolve_param_groups(named_params, rule)
-        whole = whole_groups(optimizer, OWNER, requested) if self.sharded else frozenset()
-        return replace(self, factory=factory, group_options=tuple(options), group_of=tuple(group_of),
-                       whole_groups=whole, built=None)
+        whole = whole_groups(optimizer, OWNER, config.optimizer_layout) if self.sharded else frozenset()
+        new = replace(self, factory=factory, group_options=tuple(options), group_of=tuple(group_of),
+                      whole_groups=whole, built=None, rule=rule)
+        if new.placement == OWNER and policy.whole_tensors == ALIGNED:  # buckets laid out for the first optimizer
+            by_name = new.group_by_name
+            cut = [s.name for g in groups if not g.layout.aligned
+                   for s in g.layout.slots if by_name.get(s.name, -1) in whole]
+            if cut:
+                raise ValueError(f"{type(optimizer).__name__} reads {cut[0]!r} whole, and the engine laid it out in a "
+                                 "flat bucket for the optimizer given at parallelize: pass this one there, "
+                                 "parallelize(model, optimizer=[...]), instead of building it after the wrap")
+        return new
 
 
 def plan_optimizer(factory: OptimizerFactory, named_params: list[tuple[str, nn.Parameter]], rule,
@@ -303,4 +474,4 @@ def plan_optimizer(factory: OptimizerFactory, named_params: list[tuple[str, nn.P
             whole = whole_groups(probe, placement, requested)
         kinds, built = tuple(group_state_kinds(probe)), probe
     return OptimizerPlan(factory, tuple(options), tuple(n for n, _ in named_params), tuple(group_of),
-                         placement, whole, kinds, sharded, built)
+                         placement, whole, kinds, sharded, built, rule)

@@ -51,18 +51,12 @@ class BucketEngine(StageEngine):
         super().__init__(module, optimizer_factory, config, units=units, group=group)
         if self.deferred:  # every rank keeps every parameter: allocate and initialize the whole model
             materialize_module(module, self.device, config.init_fn, config.init_seed)
-        mp = self.mixed_precision
-        dtypes = sorted({str(p.dtype) for _, p in self.named_params})
-        if mp is None and len(dtypes) > 1:
-            raise ValueError(f"parameters have several dtypes {dtypes}: convert the model to one dtype, "
-                             "or pass mixed_precision='bf16' to compute in bf16 with fp32 masters")
-        self.construction.set_dtypes(mp.param_dtype if mp else self.named_params[0][1].dtype)
         # bucket_mb="auto" (guide §4): chosen once, here, before the buckets are planned.
         self.bucket_auto = config.bucket_mb == AUTO
         wire = torch.float32 if self.policy.full_grads and self.dtypes.accum == torch.float32 else self.dtypes.reduce
         config = self.config = resolve_auto_bucket(config, module, self.world_size, self.dtypes.param, wire)
-        plan = self.construction.buckets(config)
-        if mp is not None:  # buffers and frozen parameters compute in the param dtype too
+        plan = self.construction.buckets(config, self.optimizer_plan, self.dtypes.param)
+        if self.dtypes.cast_inputs:  # buffers and frozen parameters compute in the param dtype too
             cast_floating_buffers(module, self.dtypes.param)
             with torch.no_grad():
                 for p in module.parameters():
@@ -70,14 +64,17 @@ class BucketEngine(StageEngine):
                         p.data = p.data.to(self.dtypes.param)
         self.groups: list[FlatGroup] = [
             self.construction.new_group(b, f"bucket {b}", [(self.named_params[i][0], self.named_params[i][1],
-                                                self.optimizer_plan.group_of[i]) for i in idx])
+                                                            self.optimizer_plan.group_of[i]) for i in idx],
+                                        self.optimizer_plan, self.dtypes)
             for b, idx in enumerate(plan)]
         self.construction.check_consistency(self._description())
         frozen = [p for p in module.parameters() if not p.requires_grad]
-        self.construction.init_groups(extra_broadcast=frozen + [b for b in module.buffers()])
-        self.hooks = BucketHooks(self)  # the gradient hooks and the backward's bucket state
-        self.bind_outer()
-        self.construction.start_clock()
+        self.construction.init_groups(self.groups, self.dtypes.master,
+                                      extra_broadcast=frozen + [b for b in module.buffers()])
+        # the gradient hooks and the backward's bucket state
+        self.hooks = BucketHooks(self.groups, self.machine, self.policy, config.sync, config.find_unused_parameters,
+                                 owner=self)
+        self.finish_construction()
 
     def _local_used(self) -> list[bool] | None:
         """Per trainable parameter (``named_params`` order): did this rank compute a gradient for
@@ -115,22 +112,26 @@ class BucketHooks:
     :class:`BucketEngine`, ``engine.hooks``): a bucket counts its gradients down and, full, is
     launched in index order (guide §3: buckets in the order backward fills them)."""
 
-    def __init__(self, engine: BucketEngine):
-        self.engine = engine
-        # Hooks: trainable parameter j of bucket g calls grad_ready(g, j).
+    def __init__(self, groups: list[FlatGroup], machine, policy, sync: str, find_unused: bool, owner: object):
+        self.groups = groups  # the buckets, in index order
+        self.machine = machine  # the step machine: backward start, the queue in flight, the used-flags
+        self.keep_local = policy.keep_local
+        self.naive = sync == "naive"  # guide §2.5: everything waits for the end of backward
+        self.find_unused = find_unused
+        # Hooks: trainable parameter j of bucket g calls grad_ready(g, j); removed with ``owner``.
         handles = [p.register_post_accumulate_grad_hook(grad_hook(self, "grad_ready", i, j))
-                   for i, g in enumerate(engine.groups) for j, p in enumerate(g.trainable_params)]
-        weakref.finalize(engine, remove_hooks, handles)
+                   for i, g in enumerate(groups) for j, p in enumerate(g.trainable_params)]
+        weakref.finalize(owner, remove_hooks, handles)
         self.reset_backward()
 
     @host_only
     def grad_ready(self, g: FlatGroup, j: int, param: nn.Parameter) -> None:
         """Hook of trainable parameter ``j`` of bucket ``g``: take its gradient, count down."""
-        if self.engine.machine.state is not StepState.BACKWARD:
-            self.engine.machine.backward_started()
-            self.reducing = self.engine._sync_at_forward or not self.engine.policy.keep_local
+        if self.machine.state is not StepState.BACKWARD:
+            self.machine.backward_started()
+            self.reducing = self.machine.sync_at_forward or not self.keep_local
         if self.reducing and not g.policy.full_grads:
-            self.engine.machine.bound_in_flight(g)
+            self.machine.bound_in_flight(g)
         if g.grad_ready(j, param):
             self.bucket_full(g)
 
@@ -139,29 +140,29 @@ class BucketHooks:
         if not self.reducing:
             g.grads.end_local()
             return
-        if self.engine.config.sync != "naive":  # naive (guide §2.5): everything waits for the end of backward
+        if not self.naive:
             self.launch_ready()
 
     def launch_ready(self) -> None:
         """Launch, in index order, the buckets whose backward is done (while reducing, a bucket's
         ``Phase.DONE`` is what makes it ready), up to the first one still filling."""
-        groups = self.engine.groups
+        groups = self.groups
         while self.next < len(groups) and groups[self.next].bwd.phase is Phase.DONE:
             g = groups[self.next]
             self.next += 1
-            self.engine.machine.launch_reduce(g)
+            self.machine.launch_reduce(g)
 
     def backward_end(self) -> None:
-        self.engine.machine.record_used()
+        self.machine.record_used()
         try:
             if self.reducing:
                 missing = []
-                for g in self.engine.groups:
+                for g in self.groups:
                     if g.bwd.phase is not Phase.DONE:
                         missing += [g.names[g.trainable[j]] for j in g.post_backward()]
                 self.launch_ready()
-                self.engine.machine.inflight.wait_all()
-                if missing and not self.engine.config.find_unused_parameters:
+                self.machine.inflight.wait_all()
+                if missing and not self.find_unused:
                     raise RuntimeError(
                         f"parameters that require grad received no gradient in this backward: "
                         f"{missing}. Their buckets were still reduced so other ranks do not hang. If "
@@ -174,7 +175,7 @@ class BucketHooks:
                 # (zeros where this rank's data used none of its parameters, not stale memory), so
                 # that the reduction at step(), zero_grad() or a clip covers the same groups on
                 # every rank whatever each rank's data took (find_unused_parameters=True).
-                for g in self.engine.groups:
+                for g in self.groups:
                     if g.post_backward() is not None:
                         g.grads.end_local()
         finally:
@@ -187,15 +188,15 @@ class BucketHooks:
         arrived — every rank then issued every bucket's collective once, and ``zero_grad`` drops
         the results."""
         if self.reducing:
-            for g in self.engine.groups[self.next:]:
+            for g in self.groups[self.next:]:
                 if g.bwd.phase is not Phase.DONE:
-                    self.engine.machine.bound_in_flight(g)
+                    self.machine.bound_in_flight(g)
                     g.post_backward()
                 self.launch_ready()
         self.reset_backward()
 
     def reset_backward(self) -> None:
-        for g in self.engine.groups:
+        for g in self.groups:
             g.reset_backward()
         self.next = 0  # the next bucket to launch, in index order
         self.reducing = False

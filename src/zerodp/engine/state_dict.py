@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections import namedtuple
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -35,31 +35,9 @@ from zerodp.engine.control import (FULL_GRAD_DICT, FULL_STATE_DICT, LOAD_OPTIMIZ
                                 OPTIMIZER_STATE_DICT, SCALAR_STATE, STATE_DICT, user_call)
 from zerodp.engine.group import FROZEN
 from zerodp.engine.master import OWNER, PARAM, Piece, Target, whole_name
-from zerodp.engine.optim import UserGroups
+from zerodp.engine.optimizer_plan import UserGroups
+# "StageEngine" in the annotations below: zerodp.engine.base.StageEngine, which imports this module
 
-
-class EngineLike(Protocol):
-    """What this module uses of an engine (:class:`zerodp.engine.base.StageEngine`, which imports
-    this module, so it is described here rather than imported)."""
-
-    rank: int
-    world_size: int
-    stage: int
-    group: Any
-    device: torch.device
-    master: Any  # zerodp.engine.master.MasterOptimizer
-    named_params: list
-    optimizer_plan: Any  # zerodp.engine.optimizer_plan.OptimizerPlan
-    buffers: list
-    control: Any  # zerodp.engine.comm.Control: user calls, named and bounded
-    outer: Any  # zerodp.engine.outer.OuterLoop, or None
-
-    checkpoint: Any  # CheckpointContract, below
-
-    @property
-    def module(self) -> torch.nn.Module: ...
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
-    def layout(self) -> list[dict]: ...
 
 BUFFER = "buffer"  # the piece kind of a module buffer (zerodp.engine.base.BUFFER)
 
@@ -71,10 +49,10 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 class _Names:
     """The model's state-dict keys, which of them are tied aliases, and every expected shape."""
 
-    def __init__(self, engine: EngineLike):
+    def __init__(self, engine: "StageEngine"):
         # names, shapes and identities only: no wait for parameter gathers in flight (a rank serving
         # a call from inside one of them would wait on itself, zerodp.engine.control)
-        module = engine._module
+        module = engine.checkpoint.module
         first: dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             first.setdefault(id(p), name)
@@ -143,7 +121,7 @@ def match_names(keys, known) -> dict:
     return {k: k if k in known_set else plain.get(plain_name(k), k) for k in keys}
 
 
-def _agree(engine: EngineLike, problem: str | None, what: str) -> None:
+def _agree(engine: "StageEngine", problem: str | None, what: str) -> None:
     """Raise the same error on every rank when any rank found ``problem`` (a rank that raised
     alone would leave the others waiting in the next collective)."""
     problems = [problem]
@@ -161,7 +139,7 @@ def _listed(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(repr(n) for n in names[:limit]) + more
 
 
-def _held_pieces(engine: EngineLike) -> dict[tuple[str, str, int, int], torch.Tensor]:
+def _held_pieces(engine: "StageEngine") -> dict[tuple[str, str, int, int], torch.Tensor]:
     """This rank's master values and optimizer states as they are now, keyed like ``read``'s
     arguments (views: reading one back and copying it onto itself changes nothing)."""
     return {(p.name, p.kind, p.start, p.stop): p.tensor for p in engine.master.pieces()}
@@ -172,7 +150,7 @@ def _flat(value: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.
 
 
 @torch.no_grad()
-def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
+def _load_frozen(engine: "StageEngine", values: dict[str, torch.Tensor]) -> None:
     """Copy frozen parameters from ``values`` (full tensors by name) into what this rank holds:
     its part of a flat group's fp32 master where they live there (stage 3; published by
     ``load_state_pieces`` afterwards), else the module's own tensor (in its compute dtype)."""
@@ -188,7 +166,7 @@ def _load_frozen(engine: EngineLike, values: dict[str, torch.Tensor]) -> None:
 
 
 # ---- model state -------------------------------------------------------------------------------
-def replicated_model(engine: EngineLike) -> bool:
+def replicated_model(engine: "StageEngine") -> bool:
     """Every rank holds every value of the model's state dict, as it is saved: stage 0 (the fp32
     master replicated), and stages 1-2 whose parameters are the master's values (fp32 compute,
     no int8 parameter gathers) — so the model's state dict is local, as DDP's is."""
@@ -198,14 +176,14 @@ def replicated_model(engine: EngineLike) -> bool:
             and not engine.config.quantize_params)
 
 
-def replicated_optimizer(engine: EngineLike) -> bool:
+def replicated_optimizer(engine: "StageEngine") -> bool:
     """Every rank holds every optimizer state whole: stage 0 (as DDP's optimizer)."""
     return engine.stage == 0
 
 
 @user_call(STATE_DICT, local=replicated_model)
 @torch.no_grad()
-def state_dict(engine: EngineLike, *, rank0_only: bool = False, cpu_offload: bool = False,
+def state_dict(engine: "StageEngine", *, rank0_only: bool = False, cpu_offload: bool = False,
                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Collective: the model's parameters and persistent buffers by name, as full tensors.
 
@@ -238,7 +216,7 @@ def state_dict(engine: EngineLike, *, rank0_only: bool = False, cpu_offload: boo
 
 @user_call(LOAD_STATE_DICT)
 @torch.no_grad()
-def load_state_dict(engine: EngineLike, state: Mapping[str, torch.Tensor], *,
+def load_state_dict(engine: "StageEngine", state: Mapping[str, torch.Tensor], *,
                     strict: bool = True) -> IncompatibleKeys:
     """Collective: load parameters and buffers by name; each rank copies the part it holds.
 
@@ -301,7 +279,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 # ---- optimizer state ---------------------------------------------------------------------------
-def _stepped_names(engine: EngineLike) -> set[str]:
+def _stepped_names(engine: "StageEngine") -> set[str]:
     """Collective: the parameters with optimizer state on any rank (one never stepped has none)."""
     opt_state = engine.master.optimizer.state
     mine: set[str] = set()
@@ -328,7 +306,7 @@ def _group_options(group: dict) -> dict:
 
 @user_call(OPTIMIZER_STATE_DICT, local=replicated_optimizer)
 @torch.no_grad()
-def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
+def optimizer_state_dict(engine: "StageEngine", *, rank0_only: bool = False,
                          cpu_offload: bool = False) -> dict:
     """Collective: the optimizer's state by parameter name, in ``torch.optim``'s layout.
 
@@ -380,7 +358,7 @@ def optimizer_state_dict(engine: EngineLike, *, rank0_only: bool = False,
     return {"state": state, "param_groups": groups}
 
 
-def _gather_whole_states(engine: EngineLike) -> dict[str, dict[str, torch.Tensor]]:
+def _gather_whole_states(engine: "StageEngine") -> dict[str, dict[str, torch.Tensor]]:
     """Collective: every parameter's states kept whole by one rank (shaped unlike the parameter:
     Adafactor's ``row_var``/``col_var``; every state of a tensor stage 3 steps whole on its owner,
     :mod:`zerodp.engine.exchange`), by name, from that rank (the ownership path; {} on the flat
@@ -398,7 +376,7 @@ def _gather_whole_states(engine: EngineLike) -> dict[str, dict[str, torch.Tensor
 
 @user_call(LOAD_OPTIMIZER_STATE_DICT)
 @torch.no_grad()
-def load_optimizer_state_dict(engine: EngineLike, state: Mapping) -> None:
+def load_optimizer_state_dict(engine: "StageEngine", state: Mapping) -> None:
     """Collective: load an :func:`optimizer_state_dict` saved at any stage and world size.
 
     Every rank must pass the whole dict. The param groups must hold the same parameter names as
@@ -533,20 +511,31 @@ class CheckpointContract:
     shards, the flat layout as data. The standard state dicts by name (the functions above) are
     built on it; the engine's ``state_dict`` and friends call them."""
 
-    def __init__(self, engine: "EngineLike"):
-        self.engine = engine
-        self.control = engine.control  # user_call: the calls below are named and bounded
+    def __init__(self, module: torch.nn.Module, named_params: list, *, stage: int, policy, dtypes, device,
+                 control, shard_comm, replica_comm, machine, outer, construction, state_buffers: list,
+                 take_values: Callable[[bool], None]):
+        self.module = module  # the model, read without waiting for parameter gathers (see _Names)
+        self.named_params = named_params
+        self.stage, self.policy, self.dtypes, self.device = stage, policy, dtypes, device
+        self.control = control  # user_call: the calls below are named and bounded
+        self.rank, self.world_size = control.rank, control.world_size
+        self.shard_comm, self.replica_comm = shard_comm, replica_comm
+        self.machine = machine  # the step machine: the groups, the optimizer part (machine.master)
+        self.outer = outer  # the DiLoCo outer loop (zerodp.engine.outer), or None
+        self.construction = construction  # rank 0's values broadcast
+        self.state_buffers = state_buffers
+        self.take_values = take_values  # the module's own values taken back (the engine's take_module_values)
 
     def state_pieces(self) -> list[Piece]:
         """The master values and optimizer states this rank saves: disjoint across ranks, and
         together they cover every element of every parameter (padding excluded)."""
-        self.engine.machine.finish_grad_sync()
-        pieces = self.engine.master.pieces(ranges=self._owned_range)
-        outer = self.engine.outer
+        self.machine.finish_grad_sync()
+        pieces = self.machine.master.pieces(ranges=self._owned_range)
+        outer = self.outer
         if outer is not None:  # each replica group's own inner state, and the outer state (guide §16)
             pieces = outer.replica_pieces(pieces) + outer.pieces()
-        if self.engine.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
-            for name, sub, local in self.engine.state_buffers:
+        if self.rank == 0:  # buffers: rank 0's values, as broadcast to every rank
+            for name, sub, local in self.state_buffers:
                 buf = getattr(sub, local)
                 pieces.append(Piece(name, BUFFER, 0, buf.numel(), tuple(buf.shape), buf.detach().reshape(-1)))
         return pieces
@@ -554,15 +543,15 @@ class CheckpointContract:
     def load_state_pieces(self, read: Callable[[str, str, int, int], torch.Tensor]) -> None:
         """Fill master values and optimizer states from ``read(name, kind, start, stop)``, then
         publish the parameters (collective for sharded stages). Call ``load_scalar_state`` first."""
-        self.engine.machine.finish_grad_sync()
-        self.engine._take_module_values(fold=True)  # a rebound p.data is taken back before it is overwritten
-        self.engine.machine.wait_params()
-        outer = self.engine.outer
-        self.engine.master.load_pieces(read if outer is None else outer.replica_read(read))
+        self.machine.finish_grad_sync()
+        self.take_values(fold=True)  # a rebound p.data is taken back before it is overwritten
+        self.machine.wait_params()
+        outer = self.outer
+        self.machine.master.load_pieces(read if outer is None else outer.replica_read(read))
         if outer is not None:
             outer.load_pieces(read)  # θ_outer, momentum, step count: when the scalars loaded held them
-        self.engine.machine.publish_params()
-        self.engine.machine.wait_params()
+        self.machine.publish_params()
+        self.machine.wait_params()
         self._load_buffers(read)
 
     @torch.no_grad()
@@ -572,7 +561,7 @@ class CheckpointContract:
         ``read(name, start, stop)`` (flattened elements) for those in ``names``;
         ``load_state_pieces`` then publishes them. Returns the names so handled."""
         done: set[str] = set()
-        for g in self.engine.groups:
+        for g in self.machine.groups:
             if FROZEN not in g.groups:
                 continue
             lo = g.master_start
@@ -591,7 +580,7 @@ class CheckpointContract:
         """Every rank reads every buffer (checkpoints written before buffers were saved hold
         none: the model's buffers are then left as they are, with a warning)."""
         missing = []
-        for name, sub, local in self.engine.state_buffers:
+        for name, sub, local in self.state_buffers:
             buf = getattr(sub, local)
             try:
                 src = read(name, BUFFER, 0, buf.numel())
@@ -603,12 +592,12 @@ class CheckpointContract:
             warnings.warn(f"the checkpoint holds no values for the buffers {missing}; they keep "
                           "their current values", stacklevel=3)
 
-    @user_call(SCALAR_STATE, local=lambda checkpoint: replicated_optimizer(checkpoint.engine))
+    @user_call(SCALAR_STATE, local=lambda checkpoint: checkpoint.stage == 0)  # as replicated_optimizer
     def scalar_state(self) -> dict:
         """Collective: the optimizer's scalars (per parameter and per group) from every rank."""
-        mine = self.engine.master.scalar_state()
-        if self.engine.world_size > 1 and self.engine.stage > 0:
-            for other in self.engine.control.all_gather_object(mine):
+        mine = self.machine.master.scalar_state()
+        if self.world_size > 1 and self.stage > 0:
+            for other in self.control.all_gather_object(mine):
                 for name, scalars in other.get("params", {}).items():
                     mine["params"].setdefault(name, scalars)
                 for g, scalars in enumerate(other["groups"]):
@@ -619,25 +608,25 @@ class CheckpointContract:
                     if key in other:
                         for name, value in other[key].items():
                             mine.setdefault(key, {}).setdefault(name, value)
-        if self.engine.outer is not None:
-            mine["outer"] = self.engine.outer.scalars()
-        return {"stage": self.engine.stage, **mine}
+        if self.outer is not None:
+            mine["outer"] = self.outer.scalars()
+        return {"stage": self.stage, **mine}
 
     def load_scalar_state(self, scalars: dict) -> None:
         """The optimizer's scalars (and the outer loop's, checked before anything is loaded)."""
         scalars = dict(scalars)
         outer = scalars.pop("outer", None)
-        if outer is not None and self.engine.outer is not None:
-            self.engine.outer.load_scalars(outer)
-        self.engine.master.load_scalar_state(scalars)
+        if outer is not None and self.outer is not None:
+            self.outer.load_scalars(outer)
+        self.machine.master.load_scalar_state(scalars)
 
     def _owned_range(self, target: Target) -> tuple[int, int]:
         """Flat range of ``target.layout`` whose state this rank saves: slice r of stage 0's
         replicas, everything a sharded rank holds — on the first replica only under hybrid
         sharding (the others hold the same shards), so that saved pieces are disjoint."""
-        if not self.engine.policy.shard_master:
-            return target.layout.shard_range(self.engine.shard_comm.rank)
-        if self.engine.replica_comm is not None and self.engine.replica_comm.rank > 0:
+        if not self.policy.shard_master:
+            return target.layout.shard_range(self.shard_comm.rank)
+        if self.replica_comm is not None and self.replica_comm.rank > 0:
             return target.flat_start, target.flat_start
         return target.flat_start, target.flat_start + target.tensor.numel()
 
@@ -652,17 +641,17 @@ class CheckpointContract:
     def full_values(self, local: bool) -> dict[str, torch.Tensor]:
         """:meth:`full_state_dict`'s values; with ``local`` (``state_dict()`` where every rank holds
         them, :func:`replicated_model`) from this rank alone, its own buffers — as DDP's."""
-        control = self.engine.control
+        control = self.control
         if not local and not control.routed:  # a served call leaves the step's collectives alone
-            self.engine.machine.finish_grad_sync()
+            self.machine.finish_grad_sync()
         if not control.serving:
-            self.engine._take_module_values(fold=True)  # what the script wrote into the module since the step
-        if local and self.engine.stage > 0:  # stages 1-2, replicated parameters (replicated_model)
+            self.take_values(fold=True)  # what the script wrote into the module since the step
+        if local and self.stage > 0:  # stages 1-2, replicated parameters (replicated_model)
             return self._local_full()
-        out = self._gather_full([t.tensor for t in self.engine.master.targets], frozen_from_params=True)
-        for name, p in self.engine._module.named_parameters():  # frozen parameters outside the buffers
+        out = self._gather_full([t.tensor for t in self.machine.master.targets], frozen_from_params=True)
+        for name, p in self.module.named_parameters():  # frozen parameters outside the buffers
             if name not in out and p.numel() > 0:
-                out[name] = p.detach().to(self.engine.dtypes.master).clone()
+                out[name] = p.detach().to(self.dtypes.master).clone()
         out.update(self._buffer_dict())
         return out
 
@@ -671,32 +660,33 @@ class CheckpointContract:
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the averaged gradient the next ``step`` would apply, as
         fp32 tensors by parameter name (gathered from the shards; for inspection and tests)."""
-        self.engine.machine.finish_grad_sync()
-        grads = self.engine.machine.master_grads()
+        self.machine.finish_grad_sync()
+        grads = self.machine.master_grads()
         return self._gather_full([torch.zeros_like(t.tensor) if g is None else g
-                                  for t, g in zip(self.engine.master.targets, grads)])
+                                  for t, g in zip(self.machine.master.targets, grads)])
 
     def _local_full(self) -> dict[str, torch.Tensor]:
         """The full state dict from this rank's own replica (stages 1-2 with parameters in the
         master's dtype: the published parameters are the master values)."""
-        master = self.engine.dtypes.master
-        out = {name: p.detach().to(master).clone() for name, p in self.engine.module.named_parameters()}
+        master = self.dtypes.master
+        self.machine.wait_params()
+        out = {name: p.detach().to(master).clone() for name, p in self.module.named_parameters()}
         out.update(self._buffer_dict())
         return out
 
     @torch.no_grad()
     def _buffer_dict(self) -> dict[str, torch.Tensor]:
         out = {}
-        control = self.engine.control
-        for name, sub, local in self.engine.state_buffers:
+        control = self.control
+        for name, sub, local in self.state_buffers:
             buf = getattr(sub, local).detach().clone()
-            if not control.in_call or self.engine.world_size == 1:
+            if not control.in_call or self.world_size == 1:
                 pass  # a local state_dict(): this rank's buffers, as DDP's
             elif control.routed:
                 control.broadcast_from_rank0(buf)
             else:
-                self.engine.construction.broadcast_from_rank0([buf])
-            out[name] = buf.to(self.engine.dtypes.master) if buf.is_floating_point() else buf
+                self.construction.broadcast_from_rank0([buf])
+            out[name] = buf.to(self.dtypes.master) if buf.is_floating_point() else buf
         return out
 
     def _gather_full(self, values: list[torch.Tensor], frozen_from_params: bool = False) -> dict[str, torch.Tensor]:
@@ -707,15 +697,15 @@ class CheckpointContract:
         whether or not this rank's part holds a target."""
         out: dict[str, torch.Tensor] = {}
         by_group: dict[int, list[int]] = {}
-        for i, t in enumerate(self.engine.master.targets):
+        for i, t in enumerate(self.machine.master.targets):
             by_group.setdefault(id(t.layout), []).append(i)
-        sharded = self.engine.policy.shard_master
-        for g in self.engine.groups:
+        sharded = self.policy.shard_master
+        for g in self.machine.groups:
             layout = g.layout
             lo, hi = g.shard_range if sharded else (0, layout.padded_numel)
-            local = torch.zeros(hi - lo, dtype=self.engine.dtypes.master, device=self.engine.device)
+            local = torch.zeros(hi - lo, dtype=self.dtypes.master, device=self.device)
             for i in by_group.get(id(layout), []):
-                t = self.engine.master.targets[i]
+                t = self.machine.master.targets[i]
                 local[t.flat_start - lo:t.flat_start - lo + t.tensor.numel()].copy_(values[i].reshape(-1))
             if frozen_from_params:  # frozen parameters of a unit live in its master shard only
                 for slot, grp in zip(layout.slots, g.groups):
@@ -723,9 +713,9 @@ class CheckpointContract:
                     if grp == FROZEN and a < b:
                         local[a - lo:b - lo].copy_(g.master[a - lo:b - lo])
             if sharded and g.comm.world_size > 1:
-                flat = torch.empty(layout.padded_numel, dtype=self.engine.dtypes.master, device=self.engine.device)
-                if self.engine.control.routed:  # a served call: the servers' step collectives are in flight
-                    self.engine.control.all_gather_flat(flat, local, g.comm.group)
+                flat = torch.empty(layout.padded_numel, dtype=self.dtypes.master, device=self.device)
+                if self.control.routed:  # a served call: the servers' step collectives are in flight
+                    self.control.all_gather_flat(flat, local, g.comm.group)
                 else:
                     g.comm.all_gather(flat, local, "gather_full", async_op=False)
             else:
@@ -744,12 +734,12 @@ class CheckpointContract:
         parameter elements in each rank's slice, and the imbalance (largest slice over the mean)
         in elements and in fp32 master bytes."""
         out = []
-        for i, g in enumerate(self.engine.groups):
+        for i, g in enumerate(self.machine.groups):
             d = g.layout.to_dict()
             trainable = [grp for grp in g.groups if grp != FROZEN]
             d.update(index=i, label=g.label, group=trainable[0] if trainable else FROZEN, groups=list(g.groups),
-                     options=self.engine.optimizer_plan.group_options[trainable[0]] if trainable else None,
-                     dtype=str(g.dtypes.param), sharded=self.engine.policy.shard_master,
+                     options=self.machine.master.plan.group_options[trainable[0]] if trainable else None,
+                     dtype=str(g.dtypes.param), sharded=self.policy.shard_master,
                      owners=[list(g.layout.shard_range(r)) for r in range(g.comm.world_size)],
                      cost={**g.layout.cost(g.dtypes.param.itemsize),
                            "imbalance_bytes": g.layout.cost(4)["imbalance_bytes"]})
@@ -761,32 +751,31 @@ class CheckpointContract:
         elements and bytes (compute dtype), this rank's parameter elements and the most any rank
         owns, and the imbalance in fp32 master bytes (the most loaded rank's master over the
         mean's; optimizer states scale with it)."""
-        world = self.engine.shard_comm.world_size if self.engine.policy.shard_master else 1
+        world = self.shard_comm.world_size if self.policy.shard_master else 1
         owned = [0] * world
         padding = padding_bytes = 0
-        for g in self.engine.groups:
+        for g in self.machine.groups:
             c = g.layout.cost(g.dtypes.param.itemsize)
             padding += c["padding"]
             padding_bytes += c["padding_bytes"]
-            if self.engine.policy.shard_master:
+            if self.policy.shard_master:
                 owned = [a + b for a, b in zip(owned, c["owned_numel"])]
             else:
                 owned[0] += g.layout.numel
         mean = sum(owned) / len(owned)
-        out = {"placement": self.engine.optimizer_plan.placement, "padding": padding, "padding_bytes": padding_bytes,
+        out = {"placement": self.machine.master.plan.placement, "padding": padding, "padding_bytes": padding_bytes,
                "owned_numel": owned, "max_owned_numel": max(owned),
                "imbalance_bytes": round((max(owned) - mean) * 4, 3)}
-        exchange = getattr(self.engine.master, "exchange", None)
+        exchange = getattr(self.machine.master, "exchange", None)
         if exchange is not None:  # stage 3's owner exchange (zerodp.engine.exchange)
             out.update(exchange.cost())
         return out
 
     def optimizer_index_names(self) -> list[str]:
         """Trainable parameter names in torch's optimizer index order (:mod:`zerodp.engine.optim`)."""
-        rule = self.engine.config.param_groups
-        names = [n for n, _ in self.engine.named_params]
-        if isinstance(rule, UserGroups):
-            by_id = {id(p): n for n, p in self.engine.named_params}
-            return [by_id[i] for i in rule.order if i in by_id]
-        plan = self.engine.optimizer_plan
+        plan = self.machine.master.plan
+        names = [n for n, _ in self.named_params]
+        if isinstance(plan.rule, UserGroups):
+            by_id = {id(p): n for n, p in self.named_params}
+            return [by_id[i] for i in plan.rule.order if i in by_id]
         return [n for g in range(len(plan.group_options)) for n, gi in zip(names, plan.group_of) if gi == g]

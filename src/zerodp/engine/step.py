@@ -31,12 +31,28 @@ MAX_REDUCE_IN_FLIGHT = 2
 
 class StepMachine:
     """The step over the flat groups (module docstring): one part of every stage engine
-    (``engine.machine``), which owns the step's state and the queues below; the stage's hooks
-    (``engine.hooks.backward_end`` and friends) are called back through ``engine``."""
+    (``engine.machine``), which owns the step's state and the queues below. It is built before the
+    groups exist, from what it talks through (the recorder, the job's collectives, the policy);
+    :meth:`bind` gives it the groups, the optimizer part and the stage's hooks once the stage built
+    them, and the hooks' ``backward_end`` / ``backward_abandoned`` are called from here."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, recorder, comm, policy, device: torch.device, world_size: int, average_by_tokens: bool):
+        self.recorder = recorder
+        self.comm = comm  # the job's collectives: the token count crosses every rank
+        self.shard_master = policy.shard_master
+        self.device = device
+        self.world_size = world_size
+        self.average_by_tokens = average_by_tokens
+        self.groups: list[FlatGroup] = []
+        self.master = None  # the optimizer part (zerodp.engine.master.MasterOptimizer), set by bind
+        self.hooks = None  # the stage's: BucketHooks (stages 0-2) or UnitHooks (stage 3)
+        self.master_dtype: torch.dtype | None = None
+        self.used_index: list[list[int]] = []  # per group, per trainable parameter: its used-flag
+        self.n_params = 0
         self.state = StepState.IDLE
+        self.sync = True  # False inside no_sync(): gradients accumulate locally (guide §5)
+        self.sync_at_forward = True  # what sync was at the forward the backward belongs to
+        self.unused: set[str] = set()  # parameters no rank used in this step (their .grad is None)
         self.inflight = InFlight()  # gradient collectives issued, not yet waited for
         self.param_gathers = InFlight()  # stages 1-2: parameter AllGathers after the step
         self.grad_pool = StoragePool(MAX_REDUCE_IN_FLIGHT)  # released transient gradient buffers
@@ -49,6 +65,15 @@ class StepMachine:
         self.step_used: list[bool] = []  # per trainable parameter: a gradient in this step's backwards
         #: stage 3 logs each ReduceScatter in its unit schedule (zerodp.engine.schedule)
         self.on_launch: Callable[[FlatGroup], None] | None = None
+
+    def bind(self, groups: list[FlatGroup], master, hooks, names: list[str], master_dtype: torch.dtype) -> None:
+        """The stage built its groups, hooks and optimizer part: the machine steps them from now on.
+        ``names``: the trainable parameters in order; each group's used-flags index into them."""
+        self.groups, self.master, self.hooks, self.master_dtype = groups, master, hooks, master_dtype
+        position = {n: i for i, n in enumerate(names)}
+        self.used_index = [[position[g.names[i]] for i in g.trainable] for g in groups]
+        self.n_params = len(names)
+        self.reset_used()
 
     def move(self, to: StepState) -> None:
         self.state = moved(STEP_MOVES, self.state, to, "engine state")
@@ -74,15 +99,15 @@ class StepMachine:
         if self.grads_under_sharded and self.state is not StepState.BACKWARD:
             self.reconcile_grads()  # before autograd accumulates into any parameter's .grad
         if self.backward_event is None:
-            self.backward_event = self.engine.recorder.begin("backward", COMPUTE)
+            self.backward_event = self.recorder.begin("backward", COMPUTE)
         return None
 
     def backward_end(self) -> None:
         self.move(StepState.ACCUMULATED)
         if self.backward_event is not None:
-            self.engine.recorder.end(self.backward_event)
+            self.recorder.end(self.backward_event)
             self.backward_event = None
-        self.engine.hooks.backward_end()
+        self.hooks.backward_end()
         self.attach_sharded_grads()  # the module shows the reduced gradients after every backward
 
     def abandon_backward(self) -> None:
@@ -91,11 +116,11 @@ class StepMachine:
         before the raise; wait for them, reset every group's backward state, and leave the
         gradients to ``zero_grads``, which drops them."""
         if self.backward_event is not None:
-            self.engine.recorder.end(self.backward_event)
+            self.recorder.end(self.backward_event)
             self.backward_event = None
-        self.engine.hooks.backward_abandoned()
+        self.hooks.backward_abandoned()
         self.inflight.wait_all()
-        for g in self.engine.groups:
+        for g in self.groups:
             g.reset_backward()
         self.move(StepState.IDLE)
 
@@ -116,7 +141,7 @@ class StepMachine:
     def token_factor(self) -> float | None:
         """Guide §2.2: factor to pre-multiply local gradients with before a mean reduction, so that
         the mean over ranks becomes Σ_r n_r g_r / Σ_r n_r. None when averaging plainly."""
-        if not self.engine.config.average_by_tokens:
+        if not self.average_by_tokens:
             return None
         if self.token_factor_value is None:
             if self.tokens <= 0:
@@ -124,9 +149,9 @@ class StepMachine:
                     "average_by_tokens=True but this rank counted no tokens this step: call "
                     "engine.count_tokens(n) for every micro-batch before its backward"
                 )
-            total = self.engine.comm.all_reduce_sum(torch.tensor([self.tokens], dtype=torch.float64,
-                                                          device=self.engine.device), "token_count")
-            self.token_factor_value = self.tokens * self.engine.world_size / float(total[0])
+            total = self.comm.all_reduce_sum(torch.tensor([self.tokens], dtype=torch.float64,
+                                                          device=self.device), "token_count")
+            self.token_factor_value = self.tokens * self.world_size / float(total[0])
         return self.token_factor_value
 
     def bound_in_flight(self, g: FlatGroup) -> None:
@@ -141,7 +166,7 @@ class StepMachine:
         if self.on_launch is not None:
             self.on_launch(g)
         self.inflight.add(*g.grads.reduce(self.token_factor()))
-        held = (sum(t.untyped_storage().nbytes() for g in self.engine.groups for t in g.grads.comm_tensors())
+        held = (sum(t.untyped_storage().nbytes() for g in self.groups for t in g.grads.comm_tensors())
                 + sum(st.nbytes() for st in self.grad_pool.free))
         self.comm_peak = max(self.comm_peak, held)
 
@@ -152,46 +177,46 @@ class StepMachine:
         gradients and let them drift apart. Then the released gradient storages are freed: the
         optimizer step creates its states next, and nothing reduces again before the next backward.
         What the script did to ``.grad`` meanwhile (``model.zero_grad()``) is read back first."""
-        if any(g.grads.has_local for g in self.engine.groups):
+        if any(g.grads.has_local for g in self.groups):
             self.reconcile_grads()
         self.inflight.wait_all()
-        pending = [g for g in self.engine.groups if g.grads.has_local]
+        pending = [g for g in self.groups if g.grads.has_local]
         for g in pending:
             self.launch_reduce(g)
         self.inflight.wait_all()
         self.grad_pool.clear()
 
     def master_grads(self) -> list[torch.Tensor | None]:
-        grads = {id(g): g.grads.read() for g in self.engine.groups}
-        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self.engine.master.target_slices]
+        grads = {id(g): g.grads.read() for g in self.groups}
+        return [None if grads[id(g)] is None else grads[id(g)][lo:hi] for g, lo, hi in self.master.target_slices]
 
     def optimizer_step(self) -> None:
         """The optimizer part steps the master on the step's fp32 gradients
         (:meth:`zerodp.engine.master.MasterOptimizer.step_on`), then the compute parameters follow."""
-        self.engine.master.step_on(self.master_grads(), self.engine._unused, self.engine.dtypes.master)
+        self.master.step_on(self.master_grads(), self.unused, self.master_dtype)
         self.publish_params()
 
     def publish_params(self) -> None:
         """After the step, the compute parameters ← the master, in the order the next forward
         needs them (the last bucket holds the first layers; guide §9.1 step 5)."""
-        for g in reversed(self.engine.groups):
+        for g in reversed(self.groups):
             pending = g.publish()
             if pending is not None:
                 self.param_gathers.add(pending)
 
     def wait_params(self) -> None:
         self.param_gathers.wait_all()
-        for g in self.engine.groups:
+        for g in self.groups:
             g.wait_gather()  # GATHERING -> GATHERED (the work itself is done)
 
     def zero_grads(self, set_to_none: bool = True) -> None:
-        for g in self.engine.groups:
+        for g in self.groups:
             g.grads.zero(set_to_none)
 
     def record_used(self) -> None:
         """End of a backward: note which parameters got a gradient (for the step's used-flags)."""
         used = self.step_used
-        for g, index in zip(self.engine.groups, self.engine._used_index):
+        for g, index in zip(self.groups, self.used_index):
             for fired, i in zip(g.bwd.fired, index):
                 if fired:
                     used[i] = True
@@ -200,7 +225,7 @@ class StepMachine:
         self.dropped.clear()
 
     def reset_used(self) -> None:
-        self.step_used = [False] * len(self.engine.named_params)
+        self.step_used = [False] * self.n_params
 
     def attach_sharded_grads(self) -> None:
         """After a backward whose gradients were reduced (and on ``engine.parameters()``), the
@@ -209,15 +234,15 @@ class StepMachine:
         :class:`ShardedGrad` of this rank's slice, as FSDP2's DTensor gradient is. Local: nothing
         is attached while a group still holds unreduced gradients (that would need a collective)."""
         if self.state not in (StepState.ACCUMULATED, StepState.STEPPED, StepState.IDLE) \
-                or not self.engine.policy.shard_master or self.grads_under_sharded \
-                or any(g.grads.has_local for g in self.engine.groups):
+                or not self.shard_master or self.grads_under_sharded \
+                or any(g.grads.has_local for g in self.groups):
             return
         self.inflight.wait_all()
         with torch.inference_mode(False):  # (after a forward under inference_mode: normal tensors still)
             self.attach_shards()
 
     def attach_shards(self) -> None:
-        for g in self.engine.groups:
+        for g in self.groups:
             if g.grads.shard_in_full or g.grads.state not in (GradState.REDUCED, GradState.ZEROS):
                 continue
             lo, hi = g.shard_range
@@ -238,14 +263,14 @@ class StepMachine:
         come off the parameters again, so that the next backward accumulates as before."""
         attached, self.grads_under_sharded = self.grads_under_sharded, {}
         if self.state is StepState.BACKWARD:
-            for g in self.engine.groups:  # (a backward in progress: only put back what was under)
+            for g in self.groups:  # (a backward in progress: only put back what was under)
                 for p in g.trainable_params:
                     if id(p) in attached:
                         p.grad = attached[id(p)][0]
             return
-        for g in self.engine.groups:
+        for g in self.groups:
             g.take_rebound()  # a rebound p.data (of another dtype too) before .grad is set
-        for g, index in zip(self.engine.groups, self.engine._used_index):
+        for g, index in zip(self.groups, self.used_index):
             own = []  # gradients the script assigned where no backward put one (after torch.autograd.grad)
             for j, i in enumerate(g.trainable):
                 p = g.params[i]
@@ -292,9 +317,9 @@ class StepMachine:
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         out: dict[str, list[torch.Tensor]] = {}
-        for g in self.engine.groups:
+        for g in self.groups:
             for kind, tensors in g.memory().items():
                 out.setdefault(kind, []).extend(tensors)
-        out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.engine.device).set_(st)
+        out.setdefault("comm_buffers", []).extend(torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
                                                   for st in self.grad_pool.free)
         return out
