@@ -465,32 +465,25 @@ def memory_plan(model, n: int, hardware, precision: str = "bf16", k: float | Non
         d.update(n=n, shard_size=g, activation_bytes=act_bytes, total_bytes=total,
                  fits=v == "fits", verdict=v)
         rows.append(d)
-    includes = [f"parameters ({prec['param_bytes']:g} B)", f"gradients ({prec['grad_bytes']:g} B)",
-                f"optimizer states (k = {k:g} B)" if not owned else
-                f"{optimizer} states by tensor ownership (the fullest rank) + master "
-                f"({prec['master_bytes']:g} B)"]
-    if fp32_grad_acc:
-        includes.append("fp32 gradient accumulation (4 B)")
-    includes.append(("2 gathered blocks + the root unit (embedding, head) at ZeRO-3"
-                     if root else "2 gathered units at ZeRO-3")
-                    + (" (or the owner exchange's buffers at the step, if larger)" if owned else ""))
-    if act:
-        includes.append(f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute}, "
-                        f"{attention} attention)")
     zh_recompute = {"none": "不重计算", "selective": "选择性重计算", "full": "完全重计算",
                     "op": "按算子选择性重计算", "layer": "隔层完全重计算"}
-    includes_zh = [f"参数（{prec['param_bytes']:g} B）", f"梯度（{prec['grad_bytes']:g} B）",
-                   f"优化器状态（k = {k:g} B）" if not owned else
-                   f"{optimizer} 状态按张量分配（每个张量整块放在一张卡上，取最多的那张卡）+ fp32 参数"
-                   f"（{prec['master_bytes']:g} B）"]
+    pb, gb, mb = prec["param_bytes"], prec["grad_bytes"], prec["master_bytes"]
+    both = [(f"parameters ({pb:g} B)", f"参数（{pb:g} B）"), (f"gradients ({gb:g} B)", f"梯度（{gb:g} B）"),
+            (f"optimizer states (k = {k:g} B)", f"优化器状态（k = {k:g} B）") if not owned else
+            (f"{optimizer} states by tensor ownership (the fullest rank) + master ({mb:g} B)",
+             f"{optimizer} 状态按张量分配（每个张量整块放在一张卡上，取最多的那张卡）+ fp32 参数（{mb:g} B）")]
     if fp32_grad_acc:
-        includes_zh.append("fp32 梯度累积缓冲（4 B）")
-    includes_zh.append(("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root
-                        else "ZeRO-3 的 2 个聚合单元")
-                       + ("（或优化器一步中整块张量的通信缓冲，取其中大的）" if owned else ""))
+        both.append(("fp32 gradient accumulation (4 B)", "fp32 梯度累积缓冲（4 B）"))
+    exchange = (" (or the owner exchange's buffers at the step, if larger)",
+                "（或优化器一步中整块张量的通信缓冲，取其中大的）") if owned else ("", "")
+    both.append((("2 gathered blocks + the root unit (embedding, head) at ZeRO-3" if root
+                  else "2 gathered units at ZeRO-3") + exchange[0],
+                 ("ZeRO-3 的 2 个聚合块 + 根单元（嵌入、输出层）" if root else "ZeRO-3 的 2 个聚合单元") + exchange[1]))
     if act:
-        includes_zh.append(f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}，"
-                           f"{attention} 注意力）")
+        both.append((f"activations (seq {seq:,}, micro-batch {micro_batch}, recompute {recompute}, "
+                     f"{attention} attention)",
+                     f"激活值（序列 {seq:,}，微批次 {micro_batch}，{zh_recompute[recompute]}，{attention} 注意力）"))
+    includes, includes_zh = [en for en, _ in both], [zh for _, zh in both]
     if owned:
         covered = per_tensor[0].params / m.params
         if abs(covered - 1) > 1e-6:

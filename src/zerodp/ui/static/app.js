@@ -626,6 +626,10 @@ function wireLanguage() {
 }
 
 async function main() {
+  // One markup for the controls several forms share (the levers of guide §14): from its <template>.
+  for (const el of document.querySelectorAll("[data-template]")) {
+    el.replaceChildren(document.getElementById(el.dataset.template).content.cloneNode(true));
+  }
   applyLang();
   wireLanguage();
   [schema, presets] = await Promise.all([getJSON("/api/schema"), getJSON("/api/presets")]);
