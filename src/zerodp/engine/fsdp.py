@@ -58,6 +58,7 @@ import functools
 import itertools
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -157,7 +158,11 @@ class FSDPEngine(StageEngine):
 
         self.last_peak_gathered_units = 0
         self.last_peak_gathered_bytes = 0
-        self.hooks = UnitHooks(self)  # the module's hooks and what they keep between calls
+        # the module's hooks and what they keep between calls
+        self.hooks = UnitHooks(self.groups, module, self.machine, self.recorder, self.control, self.schedule,
+                               self.checkpoint, dtypes=self.dtypes, device=self.device, world_size=self.world_size,
+                               prefetch=config.prefetch, reduce_every_microbatch=config.reduce_every_microbatch,
+                               take_values=self.take_module_values, full_state=self.state_dict, owner=self)
         self.hooks.install()
         self.finish_construction()
 
@@ -245,11 +250,20 @@ class UnitHooks:
     ReduceScatter once its gradients are final — the order recorded for prefetching, the unit kept
     from forward into backward, and the module's own state-dict hooks (see the module docstring)."""
 
-    def __init__(self, engine: FSDPEngine):
-        self.engine = engine
-        self.groups = engine.groups  # the units (grad_hook finds a unit here by its index)
+    def __init__(self, groups: list[Unit], module: nn.Module, machine, recorder, control, schedule, checkpoint, *,
+                 dtypes, device: torch.device, world_size: int, prefetch: bool, reduce_every_microbatch: bool,
+                 take_values: Callable[[bool], None], full_state: Callable[[], dict], owner: object):
+        self.groups = groups  # the units (grad_hook finds a unit here by its index)
+        self.module = module  # the model, whose hooks these are
+        self.machine = machine  # the step machine: backward start and end, the queue in flight
+        self.recorder, self.control, self.schedule, self.checkpoint = recorder, control, schedule, checkpoint
+        self.dtypes, self.device, self.world_size = dtypes, device, world_size
+        self.prefetch, self.reduce_every_microbatch = prefetch, reduce_every_microbatch
+        self.take_values = take_values  # the module's own values taken back (the engine's take_module_values)
+        self.full_state = full_state  # the engine's state_dict(): model.state_dict()'s full values
+        self.owner = owner  # the hooks leave the module when it is collected
         # Prefetch order: registration order until a forward has been seen, then the recorded one.
-        order = list(engine.groups)
+        order = list(groups)
         self.next_fwd: dict[int, Unit] = {a.index: b for a, b in zip(order, order[1:])}
         self.next_bwd: dict[int, Unit] = {b.index: a for a, b in zip(order, order[1:])}
         self.fwd_order: list[Unit] = []
@@ -269,7 +283,7 @@ class UnitHooks:
     def install(self) -> None:
         """The module's hooks hold the engine weakly (a module outlives its engine: ``del engine``
         frees the engine and its buffers), and are removed when the engine is collected."""
-        root, ref = self.engine.module, weakref.ref(self)
+        root, ref = self.module, weakref.ref(self)
 
         def call(method: str):
             return functools.partial(_engine_hook, ref, method)
@@ -278,7 +292,7 @@ class UnitHooks:
             return functools.partial(_unit_hook, ref, method, index, skip)
 
         self.handles.append(root.register_forward_pre_hook(call("top_pre_forward"), prepend=True))
-        for u in self.engine.groups:
+        for u in self.groups:
             self.handles.append(u.module.register_forward_pre_hook(
                 unit_call("pre_forward", u.index, 1), with_kwargs=True))
             self.handles.append(u.module.register_forward_hook(
@@ -291,7 +305,7 @@ class UnitHooks:
         # below the unit's own module: one run while its unit is not gathered is shared across
         # units or called from outside the model (it would read the placeholders). The hooks stay
         # (removing them would make torch.compile recompile) and return at once afterwards.
-        unit_of = {id(p): u for u in self.engine.groups for p in u.params}
+        unit_of = {id(p): u for u in self.groups for p in u.params}
         for name, m in root.named_modules():
             owner = next((unit_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in unit_of), None)
             if owner is not None and m is not owner.module:
@@ -301,27 +315,27 @@ class UnitHooks:
         self.handles.append(root.register_state_dict_post_hook(call("module_state_dict")))
         self.handles.append(root.register_load_state_dict_pre_hook(call("module_load_state_dict")))
         self.handles.append(root.register_load_state_dict_post_hook(call("module_loaded")))
-        weakref.finalize(self.engine, remove_hooks, list(self.handles))
-        weakref.finalize(self.engine, restore_class, root, shard_view_class(root))
+        weakref.finalize(self.owner, remove_hooks, list(self.handles))
+        weakref.finalize(self.owner, restore_class, root, shard_view_class(root))
 
     @host_only
     def top_pre_forward(self, module, args):
         if self.forwarding:
             return None
-        self.engine.machine.reconcile_grads()
-        self.engine.take_module_values(fold=False)
-        if not torch.is_grad_enabled() and self.engine.world_size > 1:
+        self.machine.reconcile_grads()
+        self.take_values(fold=False)
+        if not torch.is_grad_enabled() and self.world_size > 1:
             self.open_evaluation()
         self.forwarding = True
-        self.engine.machine.inflight.wait_all()
-        for u in self.engine.groups:  # e.g. the kept unit of a forward that had no backward
+        self.machine.inflight.wait_all()
+        for u in self.groups:  # e.g. the kept unit of a forward that had no backward
             if u.gathered:
                 self.free(u)
         self.fwd_order = []
         self.post_order = []
         # u.bwd.pending_inputs is NOT reset here: a graph of an earlier forward of this step (two
         # forwards, one backward) still counts on its units while it is alive.
-        self.reduce_this_pass = self.engine.machine.sync or self.engine.config.reduce_every_microbatch
+        self.reduce_this_pass = self.machine.sync or self.reduce_every_microbatch
         return None
 
     @host_only
@@ -335,7 +349,7 @@ class UnitHooks:
             cast = self.cast_inputs(args, kwargs)
             if cast is not None:
                 args, kwargs = cast
-            if torch.is_grad_enabled() and self.engine.machine.state is StepState.BACKWARD:
+            if torch.is_grad_enabled() and self.machine.state is StepState.BACKWARD:
                 args, kwargs = self.watch_inputs(u, args, kwargs)
             return args, kwargs
         d = self.deferred
@@ -344,11 +358,11 @@ class UnitHooks:
             self.deferred = None
         self.fwd_order.append(u)
         self.ensure_gathered(u)
-        if self.engine.config.prefetch:
+        if self.prefetch:
             nxt = self.next_fwd.get(u.index)
             if nxt is not None and not nxt.gathered:
                 self.gather(nxt, async_op=True)
-        u.bwd.fwd_event = self.engine.recorder.begin(f"forward {u.label}", COMPUTE, unit=u.label)
+        u.bwd.fwd_event = self.recorder.begin(f"forward {u.label}", COMPUTE, unit=u.label)
         cast = self.cast_inputs(args, kwargs)
         if cast is not None:
             args, kwargs = cast
@@ -374,7 +388,7 @@ class UnitHooks:
     def post_forward(self, u: Unit, out):
         ev = u.bwd.fwd_event
         if ev is not None:
-            self.engine.recorder.end(ev)
+            self.recorder.end(ev)
             u.bwd.fwd_event = None
         if not self.forwarding:
             return None
@@ -395,8 +409,8 @@ class UnitHooks:
             return None
         self.forwarding = False
         last, self.deferred = self.deferred, None
-        if self.fwd_order and torch.is_grad_enabled() and self.engine.world_size > 1:
-            self.engine.schedule.check_forward_order(self.fwd_order)
+        if self.fwd_order and torch.is_grad_enabled() and self.world_size > 1:
+            self.schedule.check_forward_order(self.fwd_order)
         if self.fwd_order:
             seq = self.fwd_order
             self.next_fwd = {a.index: b for a, b in zip(seq, seq[1:])}
@@ -408,7 +422,7 @@ class UnitHooks:
             if not (torch.is_grad_enabled() and grad_tensors(out)):
                 self.free(last)  # else kept gathered: backward uses it first (guide §9.3: 2L − 1 gathers)
         if not torch.is_grad_enabled():
-            self.engine.machine.attach_sharded_grads()  # an evaluation forward of the module keeps .grad, as torch's
+            self.machine.attach_sharded_grads()  # an evaluation forward of the module keeps .grad, as torch's
         self.close_evaluation()
         return None
 
@@ -416,7 +430,7 @@ class UnitHooks:
     def module_runs(self, index: int, name: str, module, args) -> None:
         """A module holding unit ``index``'s parameters starts its forward (the first training
         forward only): its unit must be gathered — a gather in flight is waited for."""
-        u = self.engine.groups[index]
+        u = self.groups[index]
         if u.param_state is ParamState.GATHERING:
             u.wait_gather()
         elif u.param_state is ParamState.SHARDED:
@@ -433,7 +447,7 @@ class UnitHooks:
         (``if rank == 0: evaluate()``), the others serve its unit gathers from their next step's
         waits, over the control group (:meth:`serve_evaluation`)."""
         stack = contextlib.ExitStack()
-        stack.enter_context(self.engine.control.call(EVAL_FORWARD))
+        stack.enter_context(self.control.call(EVAL_FORWARD))
         self.evaluation = stack
 
     def close_evaluation(self) -> None:
@@ -441,14 +455,14 @@ class UnitHooks:
         if stack is None:
             return
         with stack:
-            if self.engine.control.routed:
-                self.engine.control.end_routed()
+            if self.control.routed:
+                self.control.end_routed()
 
     def serve_evaluation(self) -> None:
         """This rank, waiting in one of its step's collectives, serves another rank's evaluation:
         this rank's shard of each unit that forward gathers (its own units stay as they are)."""
-        control = self.engine.control
-        groups = self.engine.groups
+        control = self.control
+        groups = self.groups
         with control.call(EVAL_FORWARD):
             control.serve_gathers(lambda i: (groups[i].param_shard, groups[i].comm.group))
 
@@ -463,13 +477,13 @@ class UnitHooks:
         i = u.index
         if not u.pre_backward():
             return
-        self.engine.machine.backward_started()
+        self.machine.backward_started()
         self.ensure_gathered(u)
-        if self.engine.config.prefetch:
+        if self.prefetch:
             nxt = self.next_bwd.get(i)
             if nxt is not None and not nxt.gathered and nxt.bwd.phase is Phase.WAITING:
                 self.gather(nxt, async_op=True)
-        u.bwd.bwd_event = self.engine.recorder.begin(f"backward {u.label}", COMPUTE, unit=u.label)
+        u.bwd.bwd_event = self.recorder.begin(f"backward {u.label}", COMPUTE, unit=u.label)
 
     # A unit's backward is over when (a) every trainable parameter's gradient is accumulated and
     # (b) the gradient w.r.t. its inputs is computed — (b) matters when a parameter without
@@ -478,8 +492,8 @@ class UnitHooks:
     # callback catches whatever got no gradient at all.
     @host_only
     def grad_ready(self, u: Unit, j: int, param: nn.Parameter) -> None:
-        self.engine.machine.backward_started()
-        self.engine.machine.bound_in_flight(u)
+        self.machine.backward_started()
+        self.machine.bound_in_flight(u)
         if u.grad_ready(j, param):  # into the unit's gradient buffer; .grad is dropped at once
             self.post_backward(u)
 
@@ -495,26 +509,26 @@ class UnitHooks:
             return
         ev = u.bwd.bwd_event
         if ev is not None:
-            self.engine.recorder.end(ev)
+            self.recorder.end(ev)
             u.bwd.bwd_event = None
         if u.trainable:  # every rank reduces every unit that ran, used or not: same collectives
             if self.reduce_this_pass:
-                self.engine.machine.launch_reduce(u)
+                self.machine.launch_reduce(u)
             else:
                 u.grads.end_local()  # no_sync with reduce_every_microbatch=False: keep the local sum
         self.free(u)
 
     def backward_end(self) -> None:
         # Units whose parameters got no (or not every) gradient in this backward.
-        for u in self.engine.groups:
+        for u in self.groups:
             if u.bwd.phase is Phase.RUNNING or (u.bwd.phase is Phase.WAITING and u.bwd.remaining < len(u.trainable)):
                 self.post_backward(u)
-        self.engine.machine.record_used()
-        for u in self.engine.groups:
+        self.machine.record_used()
+        for u in self.groups:
             if u.gathered:
                 self.free(u)
-        self.engine.machine.inflight.wait_all()
-        for u in self.engine.groups:
+        self.machine.inflight.wait_all()
+        for u in self.groups:
             u.reset_backward()
 
     def backward_abandoned(self) -> None:
@@ -527,26 +541,26 @@ class UnitHooks:
         if stack is not None:
             with contextlib.suppress(Exception):  # the forward's own error is the one to see
                 with stack:
-                    if self.engine.control.routed:
-                        self.engine.control.end_routed()
+                    if self.control.routed:
+                        self.control.end_routed()
         self.deferred = None
-        for u in self.engine.groups:
+        for u in self.groups:
             for ev in (u.bwd.fwd_event, u.bwd.bwd_event):
                 if ev is not None:
-                    self.engine.recorder.end(ev)
+                    self.recorder.end(ev)
             u.bwd.fwd_event = u.bwd.bwd_event = None
             self.free(u)
 
     def module_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         """``model.state_dict()`` at stage 3: the module's entries are empty placeholders at rest, so
         they are replaced by the full values (``engine.state_dict()``: a collective, every rank)."""
-        if self.engine.__dict__.get("_raw_module_state"):
+        if self.checkpoint.raw_module_state:
             return
-        full = self.engine.state_dict()
+        full = self.full_state()
         for key in list(state_dict):
             name = key[len(prefix):]
             value = state_dict[key]
-            if name in full and torch.is_tensor(value) and any(u.holds_placeholder(value) for u in self.engine.groups):
+            if name in full and torch.is_tensor(value) and any(u.holds_placeholder(value) for u in self.groups):
                 state_dict[key] = full[name]
 
     def module_load_state_dict(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
@@ -554,7 +568,7 @@ class UnitHooks:
         """``model.load_state_dict(sd)`` at stage 3: each parameter's value goes into the shard this
         rank keeps, and its key leaves the dict torch loads from (a placeholder takes no copy);
         ``_module_loaded`` then takes those keys off torch's missing list."""
-        where = {id(p): (u, i) for u in self.engine.groups for i, p in enumerate(u.params)}
+        where = {id(p): (u, i) for u in self.groups for i, p in enumerate(u.params)}
         taken = self.loaded_keys
         for name, p in module.named_parameters(remove_duplicate=False):
             key = prefix + name
@@ -563,7 +577,7 @@ class UnitHooks:
             u, i = where[id(p)]
             value = state_dict[key]
             if u.holds_placeholder(p) and torch.is_tensor(value) and tuple(value.shape) == u.layout.slots[i].shape:
-                u.write_param(i, value.detach().to(self.engine.device))
+                u.write_param(i, value.detach().to(self.device))
                 del state_dict[key]
                 taken.add(key)
 
@@ -573,8 +587,8 @@ class UnitHooks:
 
     # ---- gather / free / reduce ---------------------------------------------------------------
     def gather(self, u: Unit, async_op: bool) -> None:
-        if not self.engine.control.routed:  # a served evaluation's gathers are not the step's
-            self.engine.schedule.log("AG", u)
+        if not self.control.routed:  # a served evaluation's gathers are not the step's
+            self.schedule.log("AG", u)
         u.gather(async_op=async_op)
         units, nbytes = self.gathered_now()
         self.peak_units = max(self.peak_units, units)
@@ -582,7 +596,7 @@ class UnitHooks:
 
     def gathered_now(self) -> tuple[int, int]:
         """Units gathered (or gathering) now and their bytes, measured from the storages."""
-        held = [u for u in self.engine.groups if u.gathered]
+        held = [u for u in self.groups if u.gathered]
         return len(held), sum(u.gathered_nbytes() for u in held)
 
     def ensure_gathered(self, u: Unit) -> None:
@@ -595,14 +609,14 @@ class UnitHooks:
         u.free()
 
     def cast_inputs(self, args, kwargs):
-        if not self.engine.dtypes.cast_inputs:
+        if not self.dtypes.cast_inputs:
             return None
-        dt = self.engine.dtypes.param
+        dt = self.dtypes.param
         return cast_floats(args, dt), cast_floats(kwargs, dt)
 
 
     def free_all(self) -> None:
-        for u in self.engine.groups:
+        for u in self.groups:
             self.free(u)
         self.deferred = None
 
@@ -628,14 +642,14 @@ class _InputsGradient(torch.autograd.Function):
     def backward(ctx, *grads):
         eng = ctx.engine()
         if eng is not None:
-            eng.inputs_grad(eng.engine.groups[ctx.unit], ctx.token)
+            eng.inputs_grad(eng.groups[ctx.unit], ctx.token)
         return (None, None, None) + grads
 
 
 def _drop_token(engine: "weakref.ref[UnitHooks]", unit: int, token: int) -> None:
     eng = engine()
     if eng is not None:
-        eng.engine.groups[unit].bwd.pending_inputs.discard(token)
+        eng.groups[unit].bwd.pending_inputs.discard(token)
 
 
 @host_only
@@ -663,4 +677,4 @@ def _unit_hook(ref: "weakref.ref[UnitHooks]", method: str, index: int, skip: int
     """A unit's forward hook: ``method(unit, *args[skip:])`` (the module and, after forward, its
     inputs left out), holding the engine weakly."""
     eng = ref()
-    return None if eng is None else getattr(eng, method)(eng.engine.groups[index], *args[skip:])
+    return None if eng is None else getattr(eng, method)(eng.groups[index], *args[skip:])

@@ -216,7 +216,7 @@ def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
     ``rule(name, param)`` returns the group's options; parameters with equal options share a
     group, and each group gets its own flat buffers (a bucket never mixes groups). Returns the
     option dicts and, per parameter, its group index. The groups of an optimizer the user built
-    (:class:`~zerodp.engine.optim.UserGroups`) are kept as they were, in their order.
+    (:class:`UserGroups`) are kept as they were, in their order.
     """
     if isinstance(rule, UserGroups):
         return [dict(o) for o in rule.options], [rule.group_of[id(p)] for _, p in named_params]
@@ -239,7 +239,7 @@ def resolve_param_groups(named_params: list[tuple[str, nn.Parameter]],
 
 def check_refused(optimizer: torch.optim.Optimizer) -> None:
     """Refuse, in one line, the optimizers no layout runs (:data:`REFUSED_OPTIMIZERS`), their
-    subclasses included (each member of an :class:`~zerodp.engine.optim.OptimizerSet`)."""
+    subclasses included (each member of an :class:`OptimizerSet`)."""
     for member in members(optimizer):
         for cls in type(member).__mro__:
             if cls.__module__.startswith("torch.optim") and cls.__name__ in REFUSED_OPTIMIZERS:
@@ -460,7 +460,7 @@ def plan_optimizer(factory: OptimizerFactory, named_params: list[tuple[str, nn.P
                    device: torch.device, sharded: bool, declared_elementwise: bool = False,
                    requested: str = "auto") -> OptimizerPlan:
     """The plan of ``factory`` over the trainable ``named_params`` grouped by ``rule`` (a
-    ``param_groups`` rule or :class:`~zerodp.engine.optim.UserGroups`): one build over stand-ins
+    ``param_groups`` rule or :class:`UserGroups`): one build over stand-ins
     gives its class — the placement (:func:`choose_layout`), at a ``sharded`` stage (1-3) the check
     that it reads each tensor alone (:func:`check_reads_alone`) and the groups it reads whole."""
     options, group_of = resolve_param_groups(named_params, rule)

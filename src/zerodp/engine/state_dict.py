@@ -25,9 +25,10 @@ world size: each rank copies the part it holds through ``engine.load_state_piece
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import namedtuple
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -65,11 +66,8 @@ class _Names:
             first.setdefault(id(getattr(sub, local)), name)
         # Every key of module.state_dict(), in its order, with the name it is stored under.
         self.canonical: dict[str, str] = {}
-        engine.__dict__["_raw_module_state"] = True  # the module's own entries, not the engine's (stage 3's hook)
-        try:
+        with engine.checkpoint.module_entries():  # the module's own entries, not the engine's (stage 3's hook)
             entries = module.state_dict(keep_vars=True)
-        finally:
-            engine.__dict__["_raw_module_state"] = False
         for key, value in entries.items():
             if torch.is_tensor(value):
                 self.canonical[key] = first.get(id(value), key)
@@ -525,6 +523,17 @@ class CheckpointContract:
         self.construction = construction  # rank 0's values broadcast
         self.state_buffers = state_buffers
         self.take_values = take_values  # the module's own values taken back (the engine's take_module_values)
+        self.raw_module_state = False  # module.state_dict() gives its own entries (module_entries)
+
+    @contextlib.contextmanager
+    def module_entries(self) -> Iterator[None]:
+        """Inside, ``module.state_dict()`` lists the module's own entries — stage 3's placeholders —
+        instead of the full values its hook puts there (:meth:`zerodp.engine.fsdp.UnitHooks.module_state_dict`)."""
+        self.raw_module_state = True
+        try:
+            yield
+        finally:
+            self.raw_module_state = False
 
     def state_pieces(self) -> list[Piece]:
         """The master values and optimizer states this rank saves: disjoint across ranks, and
