@@ -594,7 +594,7 @@ def _ignore_module_grads(machine) -> None:
     """A planted bug for the check of the checks: the engine takes its sharded gradients off the
     module without reading back what the script did to them (``model.zero_grad()`` is ignored)."""
     attached, machine.grads_under_sharded = machine.grads_under_sharded, {}
-    for g in machine.engine.groups:
+    for g in machine.groups:
         for p in g.trainable_params:
             if id(p) in attached:
                 p.grad = attached[id(p)][0]
