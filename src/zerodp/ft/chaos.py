@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from typing import Iterator
 
 from zerodp.ft.launch import LocalGroups
 
@@ -123,6 +124,16 @@ def goodput(recs: list[dict], t0: float, t1: float) -> float:
     return sum(steps.values()) / (t1 - t0)
 
 
+def fault_times(t0: float, every_s: float, duration_s: float) -> Iterator[float]:
+    """The schedule's clock: sleeps until each fault is due — every ``every_s`` seconds from ``t0``
+    whatever a heal took, up to ``duration_s`` — and yields its time."""
+    at = t0 + every_s
+    while at < t0 + duration_s:
+        time.sleep(max(0.0, at - time.time()))
+        yield at
+        at += every_s
+
+
 def run_schedule(log_dir: str, seed: int = 0, duration_s: float = 600.0, every_s: float = 60.0,
                  down_s: float = 5.0, stage: int = 1, groups: int = 2, ranks: int = 2,
                  preset: str = "tiny", faults_on: bool = True, out=print) -> dict:
@@ -137,10 +148,7 @@ def run_schedule(log_dir: str, seed: int = 0, duration_s: float = 600.0, every_s
         c.start_all()
         c.wait_for(lambda: all(_committed(c.records(g), rank=0) for g in range(groups)), 300, "every group stepping")
         t0 = time.time()
-        at = t0 + every_s  # the faults' times: every every_s from the start, whatever a heal took
-        while faults_on and at < t0 + duration_s:
-            time.sleep(max(0.0, at - time.time()))
-            at += every_s
+        for _ in fault_times(t0, every_s, duration_s if faults_on else 0.0):
             g = rng.randrange(groups)
             whole = rng.random() < 0.5
             rank = None if whole else rng.randrange(ranks)
@@ -166,17 +174,22 @@ def run_schedule(log_dir: str, seed: int = 0, duration_s: float = 600.0, every_s
     return dict(records=c.records(), faults=faults, t0=t0, t1=t1)
 
 
+def schedule_options(p: argparse.ArgumentParser) -> None:
+    """The kill schedule's options (this command's and ``python -m zerodp.ft.goodput``'s)."""
+    p.add_argument("--seed", type=int, default=0, help="draws which group or rank each fault kills")
+    p.add_argument("--duration-s", type=float, default=600.0, help="length of the schedule")
+    p.add_argument("--every-s", type=float, default=60.0, help="a fault every this many seconds")
+    p.add_argument("--stage", type=int, default=1, choices=[0, 1, 2, 3])
+    p.add_argument("--model", default="tiny", help="GPT preset")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m zerodp.ft.chaos",
                                 description="SIGKILL replica groups and single ranks of a fault-tolerant run on a "
                                             "schedule; check the survivors and the healed groups.")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--duration-s", type=float, default=600.0)
-    p.add_argument("--every-s", type=float, default=60.0)
-    p.add_argument("--stage", type=int, default=1, choices=[0, 1, 2, 3])
+    schedule_options(p)
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2, help="ranks per group")
-    p.add_argument("--model", default="tiny")
     p.add_argument("--out", help="log folder (default: a temporary one)")
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free run of the same length")
     a = p.parse_args(argv)

@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zerodp.ft.chaos import problems
+from zerodp.ft.chaos import fault_times, problems, schedule_options
 
 
 def _train_cmd(out: Path, a, *extra: str) -> list[str]:
@@ -211,13 +211,10 @@ def _run(run, a, faults_on: bool, say) -> dict:
     t0 = run.first_step_t()
     rng = random.Random(a.seed)
     faults = []
-    at = t0 + a.every_s
-    while faults_on and at < t0 + a.duration_s:
-        time.sleep(max(0.0, at - time.time()))
+    for _ in fault_times(t0, a.every_s, a.duration_s if faults_on else 0.0):
         what = run.fault(rng)
         faults.append(what)
         say(f"  {time.time() - t0:6.1f} s  {what}")
-        at += a.every_s
         if run.proc.poll() is not None:
             raise RuntimeError(f"{run.kind}: the run ended (exit {run.proc.returncode}); see {run.out}.out")
     time.sleep(max(0.0, t0 + a.duration_s - time.time()))
@@ -230,11 +227,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m zerodp.ft.goodput",
                                 description="Goodput under a kill schedule: replica groups that heal from a peer "
                                             "against restart from a checkpoint, beside a fault-free run.")
-    p.add_argument("--duration-s", type=float, default=600.0)
-    p.add_argument("--every-s", type=float, default=60.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--stage", type=int, default=1, choices=[0, 1, 2, 3])
+    schedule_options(p)
     p.add_argument("--global-batch-tokens", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank (4 ranks: grad_acc 1 at 4096 tokens)")
     p.add_argument("--ckpt-every", type=int, default=10,
