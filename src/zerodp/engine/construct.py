@@ -113,8 +113,8 @@ class Construction:
             layout = FlatLayout.owned([(n, tuple(p.shape)) for n, p, _ in entries], self.shard_comm.world_size,
                                       self._owners, costs)
         quant = self.config.quant_block
-        group = FlatGroup(index, label, entries, self.policy, self.shard_comm, dtypes=dtypes, replicas=self.replica_comm,
-                          quant_params=quant if self.config.quantize_params else 0,
+        group = FlatGroup(index, label, entries, self.policy, self.shard_comm, dtypes=dtypes,
+                          replicas=self.replica_comm, quant_params=quant if self.config.quantize_params else 0,
                           quant_grads=quant if self.config.quantize_grads else 0, layout=layout)
         group.grads.pool = self.grad_pool
         return group

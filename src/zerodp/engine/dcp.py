@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 
 from zerodp.engine.control import LOAD_DCP, SAVE_DCP
-# "StageEngine" in the annotations below: zerodp.engine.base.StageEngine, which imports this module
+
+#: The engine whose calls the functions below are: zerodp.engine.base.StageEngine, which imports this module
+Engine = Any
 
 _SINGLE_PROCESS_WARNING = ".*assuming the intent is to (save|load) in a single process.*"
 
@@ -78,7 +80,7 @@ def export_dcp(state: Mapping[str, torch.Tensor], path: str | os.PathLike) -> Pa
     return path
 
 
-def save_dcp(engine_or_state_dict: "StageEngine" | Mapping[str, torch.Tensor], path: str | os.PathLike) -> Path:
+def save_dcp(engine_or_state_dict: Engine | Mapping[str, torch.Tensor], path: str | os.PathLike) -> Path:
     """Collective: write the engine's state dict (or the given one) as a DCP checkpoint.
 
     With an engine every rank must call (the state dict is gathered, guide §12.1) and DCP
@@ -137,7 +139,7 @@ def _find_prefix(keys: set[str], names: list[str]) -> str | None:
     return None
 
 
-def load_dcp(engine: "StageEngine", path: str | os.PathLike, *, prefix: str | None = None,
+def load_dcp(engine: Engine, path: str | os.PathLike, *, prefix: str | None = None,
              strict: bool = True):
     """Collective: load a DCP checkpoint's model tensors into ``engine`` at any stage and size.
 
@@ -158,7 +160,7 @@ def load_dcp(engine: "StageEngine", path: str | os.PathLike, *, prefix: str | No
     return _load(engine, path, prefix, strict)
 
 
-def _load(engine: "StageEngine", path: str | os.PathLike, prefix: str | None, strict: bool):
+def _load(engine: Engine, path: str | os.PathLike, prefix: str | None, strict: bool):
     available = read_keys(path)
     wanted = list(engine.module.state_dict(keep_vars=True))
     if prefix is None:

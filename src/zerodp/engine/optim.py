@@ -27,8 +27,6 @@ from typing import Any, Callable
 
 import torch
 
-from zerodp.engine.optimizer_plan import members
-
 #: Keys of a param group that are its parameters, not its options.
 _PARAMS = "params"
 

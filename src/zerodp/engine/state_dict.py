@@ -37,7 +37,9 @@ from zerodp.engine.control import (FULL_GRAD_DICT, FULL_STATE_DICT, LOAD_OPTIMIZ
 from zerodp.engine.group import FROZEN
 from zerodp.engine.master import OWNER, PARAM, Piece, Target, whole_name
 from zerodp.engine.optimizer_plan import UserGroups
-# "StageEngine" in the annotations below: zerodp.engine.base.StageEngine, which imports this module
+
+#: The engine whose calls the functions below are: zerodp.engine.base.StageEngine, which imports this module
+Engine = Any
 
 
 BUFFER = "buffer"  # the piece kind of a module buffer (zerodp.engine.base.BUFFER)
@@ -50,7 +52,7 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 class _Names:
     """The model's state-dict keys, which of them are tied aliases, and every expected shape."""
 
-    def __init__(self, engine: "StageEngine"):
+    def __init__(self, engine: Engine):
         # names, shapes and identities only: no wait for parameter gathers in flight (a rank serving
         # a call from inside one of them would wait on itself, zerodp.engine.control)
         module = engine.checkpoint.module
@@ -119,7 +121,7 @@ def match_names(keys, known) -> dict:
     return {k: k if k in known_set else plain.get(plain_name(k), k) for k in keys}
 
 
-def _agree(engine: "StageEngine", problem: str | None, what: str) -> None:
+def _agree(engine: Engine, problem: str | None, what: str) -> None:
     """Raise the same error on every rank when any rank found ``problem`` (a rank that raised
     alone would leave the others waiting in the next collective)."""
     problems = [problem]
@@ -137,7 +139,7 @@ def _listed(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(repr(n) for n in names[:limit]) + more
 
 
-def _held_pieces(engine: "StageEngine") -> dict[tuple[str, str, int, int], torch.Tensor]:
+def _held_pieces(engine: Engine) -> dict[tuple[str, str, int, int], torch.Tensor]:
     """This rank's master values and optimizer states as they are now, keyed like ``read``'s
     arguments (views: reading one back and copying it onto itself changes nothing)."""
     return {(p.name, p.kind, p.start, p.stop): p.tensor for p in engine.master.pieces()}
@@ -148,7 +150,7 @@ def _flat(value: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.
 
 
 @torch.no_grad()
-def _load_frozen(engine: "StageEngine", values: dict[str, torch.Tensor]) -> None:
+def _load_frozen(engine: Engine, values: dict[str, torch.Tensor]) -> None:
     """Copy frozen parameters from ``values`` (full tensors by name) into what this rank holds:
     its part of a flat group's fp32 master where they live there (stage 3; published by
     ``load_state_pieces`` afterwards), else the module's own tensor (in its compute dtype)."""
@@ -164,7 +166,7 @@ def _load_frozen(engine: "StageEngine", values: dict[str, torch.Tensor]) -> None
 
 
 # ---- model state -------------------------------------------------------------------------------
-def replicated_model(engine: "StageEngine") -> bool:
+def replicated_model(engine: Engine) -> bool:
     """Every rank holds every value of the model's state dict, as it is saved: stage 0 (the fp32
     master replicated), and stages 1-2 whose parameters are the master's values (fp32 compute,
     no int8 parameter gathers) — so the model's state dict is local, as DDP's is."""
@@ -174,14 +176,14 @@ def replicated_model(engine: "StageEngine") -> bool:
             and not engine.config.quantize_params)
 
 
-def replicated_optimizer(engine: "StageEngine") -> bool:
+def replicated_optimizer(engine: Engine) -> bool:
     """Every rank holds every optimizer state whole: stage 0 (as DDP's optimizer)."""
     return engine.stage == 0
 
 
 @user_call(STATE_DICT, local=replicated_model)
 @torch.no_grad()
-def state_dict(engine: "StageEngine", *, rank0_only: bool = False, cpu_offload: bool = False,
+def state_dict(engine: Engine, *, rank0_only: bool = False, cpu_offload: bool = False,
                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Collective: the model's parameters and persistent buffers by name, as full tensors.
 
@@ -214,7 +216,7 @@ def state_dict(engine: "StageEngine", *, rank0_only: bool = False, cpu_offload: 
 
 @user_call(LOAD_STATE_DICT)
 @torch.no_grad()
-def load_state_dict(engine: "StageEngine", state: Mapping[str, torch.Tensor], *,
+def load_state_dict(engine: Engine, state: Mapping[str, torch.Tensor], *,
                     strict: bool = True) -> IncompatibleKeys:
     """Collective: load parameters and buffers by name; each rank copies the part it holds.
 
@@ -277,7 +279,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 # ---- optimizer state ---------------------------------------------------------------------------
-def _stepped_names(engine: "StageEngine") -> set[str]:
+def _stepped_names(engine: Engine) -> set[str]:
     """Collective: the parameters with optimizer state on any rank (one never stepped has none)."""
     opt_state = engine.master.optimizer.state
     mine: set[str] = set()
@@ -304,7 +306,7 @@ def _group_options(group: dict) -> dict:
 
 @user_call(OPTIMIZER_STATE_DICT, local=replicated_optimizer)
 @torch.no_grad()
-def optimizer_state_dict(engine: "StageEngine", *, rank0_only: bool = False,
+def optimizer_state_dict(engine: Engine, *, rank0_only: bool = False,
                          cpu_offload: bool = False) -> dict:
     """Collective: the optimizer's state by parameter name, in ``torch.optim``'s layout.
 
@@ -356,7 +358,7 @@ def optimizer_state_dict(engine: "StageEngine", *, rank0_only: bool = False,
     return {"state": state, "param_groups": groups}
 
 
-def _gather_whole_states(engine: "StageEngine") -> dict[str, dict[str, torch.Tensor]]:
+def _gather_whole_states(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
     """Collective: every parameter's states kept whole by one rank (shaped unlike the parameter:
     Adafactor's ``row_var``/``col_var``; every state of a tensor stage 3 steps whole on its owner,
     :mod:`zerodp.engine.exchange`), by name, from that rank (the ownership path; {} on the flat
@@ -374,7 +376,7 @@ def _gather_whole_states(engine: "StageEngine") -> dict[str, dict[str, torch.Ten
 
 @user_call(LOAD_OPTIMIZER_STATE_DICT)
 @torch.no_grad()
-def load_optimizer_state_dict(engine: "StageEngine", state: Mapping) -> None:
+def load_optimizer_state_dict(engine: Engine, state: Mapping) -> None:
     """Collective: load an :func:`optimizer_state_dict` saved at any stage and world size.
 
     Every rank must pass the whole dict. The param groups must hold the same parameter names as
