@@ -153,5 +153,12 @@ def test_timm_shape_equals_ddp_and_resumes_before_the_wrap(world, stage):
         assert resumed["loss"] and len(resumed["loss"]) < len(mine["loss"]), resumed
         _within(resumed["loss"], tail, lambda k: tol(k + len(mine["loss"]) - len(tail)),
                 f"rank {rank} stage {stage}: resumed before the wrap vs uninterrupted")
+        # DDP's own resume, the reference's: bitwise at 2 ranks (a sum of 2 is order-free). At 3 a
+        # fresh DDP's first step can reduce in other buckets than the uninterrupted run's, which
+        # rebuilt its buckets after step 1, and gloo's ring then adds the 3 terms in another order
+        # (1 ulp seen): within the same bound as ours
         ddp_resumed = r["timm resumed", "ddp", 0]
-        assert ddp_resumed["loss"] == ddp["loss"][len(ddp["loss"]) - len(ddp_resumed["loss"]):], "DDP's own resume"
+        ddp_tail = ddp["loss"][len(ddp["loss"]) - len(ddp_resumed["loss"]):]
+        if world == 2:
+            assert ddp_resumed["loss"] == ddp_tail, "DDP's own resume"
+        _within(ddp_resumed["loss"], ddp_tail, lambda k: tol(k + len(ddp["loss"]) - len(ddp_tail)), "DDP's own resume")
