@@ -174,20 +174,21 @@ def run_schedule(log_dir: str, seed: int = 0, duration_s: float = 600.0, every_s
     return dict(records=c.records(), faults=faults, t0=t0, t1=t1)
 
 
-def schedule_options(p: argparse.ArgumentParser) -> None:
-    """The kill schedule's options (this command's and ``python -m zerodp.ft.goodput``'s)."""
+def schedule_parser(module: str, description: str) -> argparse.ArgumentParser:
+    """``python -m <module>``'s parser with the kill schedule's options (this command's and
+    ``python -m zerodp.ft.goodput``'s)."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     p.add_argument("--seed", type=int, default=0, help="draws which group or rank each fault kills")
     p.add_argument("--duration-s", type=float, default=600.0, help="length of the schedule")
     p.add_argument("--every-s", type=float, default=60.0, help="a fault every this many seconds")
     p.add_argument("--stage", type=int, default=1, choices=[0, 1, 2, 3])
     p.add_argument("--model", default="tiny", help="GPT preset")
+    return p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zerodp.ft.chaos",
-                                description="SIGKILL replica groups and single ranks of a fault-tolerant run on a "
-                                            "schedule; check the survivors and the healed groups.")
-    schedule_options(p)
+    p = schedule_parser("zerodp.ft.chaos", "SIGKILL replica groups and single ranks of a fault-tolerant run on a "
+                                           "schedule; check the survivors and the healed groups.")
     p.add_argument("--groups", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2, help="ranks per group")
     p.add_argument("--out", help="log folder (default: a temporary one)")

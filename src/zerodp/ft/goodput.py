@@ -30,7 +30,6 @@ longer than 60 s). ``make chaos`` runs the 10-minute schedule (about 35 minutes 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -41,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zerodp.ft.chaos import fault_times, problems, schedule_options
+from zerodp.ft.chaos import fault_times, problems, schedule_parser
 
 
 def _train_cmd(out: Path, a, *extra: str) -> list[str]:
@@ -224,10 +223,8 @@ def _run(run, a, faults_on: bool, say) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zerodp.ft.goodput",
-                                description="Goodput under a kill schedule: replica groups that heal from a peer "
-                                            "against restart from a checkpoint, beside a fault-free run.")
-    schedule_options(p)
+    p = schedule_parser("zerodp.ft.goodput", "Goodput under a kill schedule: replica groups that heal from a peer "
+                                             "against restart from a checkpoint, beside a fault-free run.")
     p.add_argument("--global-batch-tokens", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank (4 ranks: grad_acc 1 at 4096 tokens)")
     p.add_argument("--ckpt-every", type=int, default=10,
