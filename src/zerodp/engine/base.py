@@ -285,7 +285,6 @@ class StageEngine(nn.Module):
                                              shard_comm=self.shard_comm, replica_comm=self.replica_comm,
                                              machine=self.machine, outer=self.outer, construction=self.construction,
                                              state_buffers=self.state_buffers, take_values=self.take_module_values)
-        self.master: MasterOptimizer | None = None  # the optimizer part, built by finish_construction
         self._buffers_stale = True  # DDP's require_forward_param_sync (see forward)
         self._facade: EngineOptimizer | None = None
         self._last_step_end: float | None = None
@@ -303,7 +302,7 @@ class StageEngine(nn.Module):
         any state it loaded (:meth:`Adoption.take_given`); trace time zero aligned across ranks
         (right after a collective such as the start-up check)."""
         self.build_master(per_param=False)
-        self.machine.bind(self.groups, self.master, self.hooks, list(self.optimizer_plan.names), self.dtypes.master)
+        self.machine.bind(self.groups, self.hooks, list(self.optimizer_plan.names), self.dtypes.master)
         if self.outer is not None:
             self.outer.bind(self.groups, self.machine.param_gathers, self.dtypes.master)
         self.adoption.take_given(self)
@@ -316,9 +315,9 @@ class StageEngine(nn.Module):
         plan = self.optimizer_plan
         self.optimizer_plan = dataclasses.replace(plan, built=None)  # the stand-in build is pointed at the master once
         per_param = per_param or self.policy.shard_params or self.config.find_unused_parameters
-        self.master = build_master(plan, self.groups, self.policy, self.shard_comm, self.dtypes.master, self.device,
-                                   per_param=per_param, declared_elementwise=self.config.elementwise_optimizer)
-        self.machine.master = self.master
+        self.machine.master = build_master(plan, self.groups, self.policy, self.shard_comm, self.dtypes.master,
+                                           self.device, per_param=per_param,
+                                           declared_elementwise=self.config.elementwise_optimizer)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer the script built over the module's parameters after the wrap
@@ -329,6 +328,12 @@ class StageEngine(nn.Module):
         self.config = dataclasses.replace(self.config, param_groups=self.optimizer_plan.rule)
         self.build_master(per_param=True)
         self._facade = None
+
+    @property
+    def master(self) -> MasterOptimizer | None:
+        """The optimizer part (:class:`~zerodp.engine.master.MasterOptimizer`), which the step
+        machine steps; built by :meth:`finish_construction`, rebuilt on adoption."""
+        return self.machine.master
 
     @property
     def module(self) -> nn.Module:

@@ -44,7 +44,7 @@ class StepMachine:
         self.world_size = world_size
         self.average_by_tokens = average_by_tokens
         self.groups: list[FlatGroup] = []
-        self.master = None  # the optimizer part (zerodp.engine.master.MasterOptimizer), set by bind
+        self.master = None  # the optimizer part (zerodp.engine.master.MasterOptimizer): StageEngine.build_master
         self.hooks = None  # the stage's: BucketHooks (stages 0-2) or UnitHooks (stage 3)
         self.master_dtype: torch.dtype | None = None
         self.used_index: list[list[int]] = []  # per group, per trainable parameter: its used-flag
@@ -66,10 +66,10 @@ class StepMachine:
         #: stage 3 logs each ReduceScatter in its unit schedule (zerodp.engine.schedule)
         self.on_launch: Callable[[FlatGroup], None] | None = None
 
-    def bind(self, groups: list[FlatGroup], master, hooks, names: list[str], master_dtype: torch.dtype) -> None:
+    def bind(self, groups: list[FlatGroup], hooks, names: list[str], master_dtype: torch.dtype) -> None:
         """The stage built its groups, hooks and optimizer part: the machine steps them from now on.
         ``names``: the trainable parameters in order; each group's used-flags index into them."""
-        self.groups, self.master, self.hooks, self.master_dtype = groups, master, hooks, master_dtype
+        self.groups, self.hooks, self.master_dtype = groups, hooks, master_dtype
         position = {n: i for i, n in enumerate(names)}
         self.used_index = [[position[g.names[i]] for i in g.trainable] for g in groups]
         self.n_params = len(names)
