@@ -62,7 +62,7 @@ from zerodp.engine.comm import Collectives, InFlight, Pending
 from zerodp.engine.config import DiLoCo
 from zerodp.engine.group import FROZEN, FlatGroup
 from zerodp.engine.master import Piece
-from zerodp.engine.states import moved
+from zerodp.engine.states import moved, transitions
 from zerodp.engine.trace import COMPUTE
 from zerodp.plan.diloco import fragments_due
 from zerodp.plan.hybrid import QUANT_BLOCK
@@ -84,12 +84,11 @@ class OuterState(enum.Enum):
     EXCHANGING = "exchanging"
 
 
-_O = OuterState
-OUTER_MOVES: dict[OuterState, frozenset[OuterState]] = {
-    _O.FRESH: frozenset({_O.FRESH, _O.LOCAL}),
-    _O.LOCAL: frozenset({_O.LOCAL, _O.EXCHANGING, _O.FRESH}),
-    _O.EXCHANGING: frozenset({_O.EXCHANGING, _O.LOCAL}),
-}
+OUTER_MOVES = transitions(OuterState, """
+    fresh      -> fresh local
+    local      -> local exchanging fresh
+    exchanging -> exchanging local
+""")
 
 
 def outer_shard_size(outer: DiLoCo, world: int, resolved: int, stage: int, asked: int | None) -> int:

@@ -15,6 +15,18 @@ import enum
 from dataclasses import dataclass, field
 
 
+def transitions(kind: type[enum.Enum], diagram: str) -> dict:
+    """The table :func:`moved` checks, read from ``diagram``: one line per state of ``kind``,
+    ``state -> next next ...`` by value. Every state has its line."""
+    table = {}
+    for line in diagram.strip().splitlines():
+        state, _, nexts = line.partition("->")
+        table[kind(state.strip())] = frozenset(kind(value) for value in nexts.split())
+    if set(table) != set(kind):
+        raise ValueError(f"{kind.__name__}: no line for {sorted(s.value for s in set(kind) - set(table))}")
+    return table
+
+
 def moved(table: dict, state: enum.Enum, to: enum.Enum, what: str) -> enum.Enum:
     """``to`` if ``table[state]`` lists it, else one line naming ``what`` and the transition."""
     if to not in table[state]:
@@ -39,13 +51,12 @@ class StepState(enum.Enum):
     STEPPED = "stepped"
 
 
-_S = StepState
-STEP_MOVES: dict[StepState, frozenset[StepState]] = {
-    _S.IDLE: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-    _S.BACKWARD: frozenset({_S.ACCUMULATED, _S.IDLE}),
-    _S.ACCUMULATED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-    _S.STEPPED: frozenset({_S.IDLE, _S.BACKWARD, _S.STEPPED}),
-}
+STEP_MOVES = transitions(StepState, """
+    idle        -> idle backward stepped
+    backward    -> accumulated idle
+    accumulated -> idle backward stepped
+    stepped     -> idle backward stepped
+""")
 
 
 class GradState(enum.Enum):
@@ -66,16 +77,15 @@ class GradState(enum.Enum):
     REDUCED_LOCAL = "reduced+local"
 
 
-_G = GradState
-GRAD_MOVES: dict[GradState, frozenset[GradState]] = {
-    _G.NONE: frozenset({_G.NONE, _G.LOCAL, _G.REDUCED}),
-    _G.ZEROS: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
-    _G.LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.LOCAL, _G.REDUCED}),
-    _G.REDUCED: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
-    _G.REDUCED_LOCAL: frozenset({_G.NONE, _G.ZEROS, _G.REDUCED, _G.REDUCED_LOCAL}),
-}
+GRAD_MOVES = transitions(GradState, """
+    none          -> none        local   reduced
+    zeros         -> none zeros  local   reduced
+    local         -> none zeros  local   reduced
+    reduced       -> none zeros  reduced reduced+local
+    reduced+local -> none zeros  reduced reduced+local
+""")
 #: the states in which ``grad_full`` holds gradients not yet reduced
-HOLDS_LOCAL = frozenset({_G.LOCAL, _G.REDUCED_LOCAL})
+HOLDS_LOCAL = frozenset({GradState.LOCAL, GradState.REDUCED_LOCAL})
 
 
 class ParamState(enum.Enum):
@@ -90,12 +100,11 @@ class ParamState(enum.Enum):
     GATHERED = "gathered"
 
 
-_R = ParamState
-PARAM_MOVES: dict[ParamState, frozenset[ParamState]] = {
-    _R.SHARDED: frozenset({_R.GATHERING, _R.GATHERED}),
-    _R.GATHERING: frozenset({_R.GATHERED}),
-    _R.GATHERED: frozenset({_R.GATHERING, _R.GATHERED, _R.SHARDED}),
-}
+PARAM_MOVES = transitions(ParamState, """
+    sharded   -> gathering gathered
+    gathering -> gathered
+    gathered  -> gathering gathered sharded
+""")
 
 
 class Phase(enum.Enum):
@@ -107,12 +116,11 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
-_P = Phase
-PHASE_MOVES: dict[Phase, frozenset[Phase]] = {
-    _P.WAITING: frozenset({_P.WAITING, _P.RUNNING}),
-    _P.RUNNING: frozenset({_P.WAITING, _P.DONE}),
-    _P.DONE: frozenset({_P.WAITING}),
-}
+PHASE_MOVES = transitions(Phase, """
+    waiting -> waiting running
+    running -> waiting done
+    done    -> waiting
+""")
 
 
 @dataclass
