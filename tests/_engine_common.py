@@ -125,6 +125,31 @@ class Net(nn.Module):
         return F.mse_loss(self.out(h), y)
 
 
+class Residual(nn.Module):
+    """``blocks`` residual blocks (LayerNorm, Linear) between an input and an output layer — stage
+    3: one unit per block and the root; ``width`` 7 pads every flat buffer. ``checkpoint``: each
+    block under activation checkpointing, "reentrant" or "non-reentrant"."""
+
+    def __init__(self, blocks: int = 2, width: int = 7, seed: int = 0, checkpoint: str = "none"):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.checkpoint = checkpoint
+        self.inp = nn.Linear(5, width)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width))
+                                     for _ in range(blocks)])
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            if self.checkpoint != "none":
+                b = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=self.checkpoint == "reentrant")
+            else:
+                b = b(h)
+            h = h + torch.tanh(b)
+        return F.mse_loss(self.out(h), y)
+
+
 # ---- optimizers -------------------------------------------------------------------------------
 #: AdamW of the trajectory tests (stages 0-3). lr 1e-3: at 1e-2 the tiny models on random tokens
 #: are so ill-conditioned that merely splitting a batch's sum in two *in one process* moves the

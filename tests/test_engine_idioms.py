@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import zerodp
-from _engine_common import (Boom, Counting, LARS, Net, decay_groups, regression_batch, run_checks, shard, spawn_once,
-                            trajectory_tolerance)
+from _engine_common import (Boom, Counting, LARS, Net, Residual, decay_groups, regression_batch, run_checks, shard,
+                            spawn_once, trajectory_tolerance)
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -553,34 +552,12 @@ def test_script_idiom(check, stage):
         assert r[(check, stage)] is None, f"rank {rank}, stage {stage}: {r[(check, stage)]}"
 
 
-class Deep(nn.Module):
-    """Six blocks (stage 3: seven units), optionally each under activation checkpointing."""
-
-    def __init__(self, checkpoint: str = "none"):
-        super().__init__()
-        torch.manual_seed(0)
-        self.checkpoint = checkpoint
-        self.inp = nn.Linear(5, 8)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(6)])
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x, y):
-        h = self.inp(x)
-        for b in self.blocks:
-            if self.checkpoint == "none":
-                h = h + torch.tanh(b(h))
-            else:
-                reentrant = self.checkpoint == "reentrant"
-                h = h + torch.tanh(torch.utils.checkpoint.checkpoint(b, h, use_reentrant=reentrant))
-        return F.mse_loss(self.out(h), y)
-
-
 def _peak_gathered_units(rank, world):
     """Stage 3's most units gathered at once in a step: plain, under reentrant and non-reentrant
     activation checkpointing, and after 20 grad-enabled forwards whose graphs were dropped."""
     out = {}
     for case in ("none", "reentrant", "non-reentrant", "dropped graphs"):
-        model = Deep("none" if case == "dropped graphs" else case)
+        model = Residual(blocks=6, width=8, checkpoint="none" if case == "dropped graphs" else case)
         engine = zerodp.parallelize(model, optimizer=lambda g: torch.optim.SGD(g, lr=0.1), stage=3)
         x, y = torch.randn(3, 5), torch.randn(3, 3)
         for _ in range(2):

@@ -24,30 +24,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerodp
-from _engine_common import regression_batch, run_checks, shard, spawn_once, trajectory_tolerance
+from _engine_common import Residual, regression_batch, run_checks, shard, spawn_once, trajectory_tolerance
 
 pytestmark = pytest.mark.dist
 WORLD = 2
 ROWS = 3
 STAGES = (0, 1, 2, 3)
 STEPS = 3
-
-
-class Small(nn.Module):
-    """Two blocks (stage 3: two units and the root), odd sizes (padding everywhere)."""
-
-    def __init__(self, seed: int = 0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(5, 7)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(7), nn.Linear(7, 7)) for _ in range(2)])
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x, y):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = h + torch.tanh(b(h))
-        return F.mse_loss(self.out(h), y)
 
 
 @dataclasses.dataclass
@@ -152,7 +135,7 @@ def torch_clip_grad_norm_on_module_parameters(rank, stage, **options):
     """``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` right after backward, no engine call
     first: the norm is the averaged gradient's and the clip applies (before: .grad None at stages 2-3,
     norm 0.0, nothing clipped)."""
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage, **options)
     ref_opt = sgd(ref.parameters())
     dtype = torch.bfloat16 if options.get("reduce_dtype") == "bf16" else torch.float32
@@ -181,7 +164,7 @@ def torch_clip_on_module_with_bf16_reduction(rank, stage):
 def model_zero_grad_and_grad_none(rank, stage):
     """``model.zero_grad()`` (and ``p.grad = None``) instead of the engine's zero_grad: gradients do not
     pile up across steps (before: 0.29 off after 4 SGD steps at stages 2-3)."""
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
 
     def zero(step, m):
@@ -196,7 +179,7 @@ def model_zero_grad_and_grad_none(rank, stage):
 
 def model_zero_grad_keeps_zeros(rank, stage):
     """``model.zero_grad(set_to_none=False)``: zeros the optimizer still applies (momentum)."""
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
     ref_opt = sgd(ref.parameters())
 
@@ -208,7 +191,7 @@ def model_zero_grad_keeps_zeros(rank, stage):
 
 
 def _write_check(rank, stage, write):
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
     try:
         train(model, engine, ref, rank, between=lambda step, m: write(m) if step == 1 else None)
@@ -226,7 +209,7 @@ def _bf16_write_check(rank, stage, write, want):
     """bf16 compute with an fp32 master: right after ``write`` the master holds ``want(before)`` —
     what the write means for the values held before it — within bf16's rounding of each element
     (the write went through bf16 parameters): |got − want| ≤ 2⁻⁸·|want|."""
-    model = Small()
+    model = Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage, mixed_precision="bf16")
     for step in range(2):
         x, y = batch(step)
@@ -257,7 +240,7 @@ def init_constant(m):
 
 
 def load_half(m):
-    m.load_state_dict({k: v * 0.5 for k, v in Small().state_dict().items()})
+    m.load_state_dict({k: v * 0.5 for k, v in Residual().state_dict().items()})
 
 
 def in_place_write_between_steps(rank, stage):
@@ -284,13 +267,13 @@ def writes_under_bf16_are_kept(rank, stage):
 
 def load_state_dict_under_bf16_is_kept(rank, stage):
     """bf16 mixed precision: ``model.load_state_dict`` reaches the fp32 master at every stage."""
-    fresh = Small().state_dict()
+    fresh = Residual().state_dict()
     return _bf16_write_check(rank, stage, load_half, lambda before: {k: v * 0.5 for k, v in fresh.items()})
 
 
 def writes_inside_gathered_writeback(rank, stage):
     """``with engine.gathered(writeback=True):`` then write: honoured at every stage."""
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
 
     def between(step, m):
@@ -308,7 +291,7 @@ def writes_inside_gathered_writeback(rank, stage):
 def rebinding_p_data(rank, stage):
     """``p.data = new_tensor`` between steps: the engine takes the value (before: the parameter
     detached from the engine silently, at every stage)."""
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
 
     def between(step, m):
@@ -323,7 +306,7 @@ def rebinding_p_data(rank, stage):
 def fp64_model_trains_in_fp64(rank, stage):
     """``model.double()``: master, state dict and the update in fp64 (before: an fp32 master,
     starting weights rounded, a float32 state dict), equal to torch's fp64 run."""
-    model, ref = Small().double(), Small().double()
+    model, ref = Residual().double(), Residual().double()
     engine = zerodp.parallelize(model, lambda g: torch.optim.AdamW(g, lr=1e-2), stage=stage)
     train(model, engine, ref, rank, dtype=torch.float64, opt=torch.optim.AdamW(ref.parameters(), lr=1e-2))
     return compare(engine.state_dict(), ref, STEPS, torch.float64)
@@ -333,7 +316,7 @@ def pure_bf16_model_steps_as_torch(rank, stage):
     """A model cast wholly to bf16, no mixed precision: it steps in bf16 as torch's optimizer does
     (before: an undocumented fp32 master, +4 B/param, and another result); ``master_dtype="fp32"``
     asks for the fp32 master."""
-    model, ref = Small().bfloat16(), Small().bfloat16()
+    model, ref = Residual().bfloat16(), Residual().bfloat16()
     engine = zerodp.parallelize(model, lambda g: torch.optim.SGD(g, lr=0.1), stage=stage)
     train(model, engine, ref, rank, dtype=torch.bfloat16, opt=torch.optim.SGD(ref.parameters(), lr=0.1))
     if engine.dtypes.master != torch.bfloat16:
@@ -341,7 +324,7 @@ def pure_bf16_model_steps_as_torch(rank, stage):
     problem = compare(engine.state_dict(), ref, STEPS, torch.bfloat16)
     if problem:
         return problem
-    kept = zerodp.parallelize(Small().bfloat16(), lambda g: torch.optim.SGD(g, lr=0.1), stage=stage,
+    kept = zerodp.parallelize(Residual().bfloat16(), lambda g: torch.optim.SGD(g, lr=0.1), stage=stage,
                               master_dtype="fp32")
     return None if kept.dtypes.master == torch.float32 else f"master_dtype='fp32' gave {kept.dtypes.master}"
 
@@ -390,7 +373,7 @@ def deepcopy_and_averaged_model(rank, stage):
     """``copy.deepcopy(model)`` / ``AveragedModel(model)`` (EMA): at stages 0-2 the copy holds the
     values; at stage 3 refused at the copy, in one line naming engine.state_dict() (before: a copy
     of empty parameters, an EMA averaging nothing)."""
-    model = Small()
+    model = Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
     try:
         ema = torch.optim.swa_utils.AveragedModel(model)
@@ -403,7 +386,7 @@ def deepcopy_and_averaged_model(rank, stage):
 
 
 def _as_module(values: dict) -> nn.Module:
-    m = Small()
+    m = Residual()
     m.load_state_dict(values)
     return m
 
@@ -411,7 +394,7 @@ def _as_module(values: dict) -> nn.Module:
 def del_engine_frees_it(rank, stage):
     """``del engine`` while the script keeps ``model``: the engine and its buffers are freed (before
     at stage 3: the module's hooks held it)."""
-    model = Small()
+    model = Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
     x, y = batch(0)
     engine(mine(x, rank), mine(y, rank)).backward()
@@ -426,7 +409,7 @@ def optimizer_built_after_the_wrap(rank, stage):
     """pytorch/examples' order: wrap, then ``torch.optim.X(model.parameters())``, its LR scheduler,
     ``optimizer.zero_grad()`` and ``optimizer.state_dict()``: adopted, it trains as the reference
     (before at stages 2-3: it stepped nothing, silently)."""
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     model = zerodp.parallelize(model, stage=stage)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
@@ -459,7 +442,7 @@ def optimizer_built_after_the_wrap(rank, stage):
 
 def second_optimizer_after_the_wrap_is_refused(rank, stage):
     """An engine given an optimizer, and another built over model.parameters(): refused at its step."""
-    model = Small()
+    model = Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
     other = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch(0)
@@ -475,14 +458,14 @@ def raw_model_state_dict(rank, stage):
     """``raw_model = model.module; raw_model.state_dict()`` on every rank (nanoGPT's checkpoint) holds
     the full values and loads back into a fresh model and into the engine (before at stage 3: 29
     tensors of shape (0,), saved without a word)."""
-    model, ref = Small(), Small()
+    model, ref = Residual(), Residual()
     engine = zerodp.parallelize(model, sgd, stage=stage)
     train(model, engine, ref, rank)
     saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
     problem = compare(saved, ref, STEPS)
     if problem:
         return problem
-    fresh = Small(seed=1)
+    fresh = Residual(seed=1)
     fresh.load_state_dict(saved)
     model.load_state_dict({k: torch.zeros_like(v) for k, v in saved.items()})
     model.load_state_dict(saved)
