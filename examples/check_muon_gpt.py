@@ -13,48 +13,17 @@ import sys
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import zerodp
+from zerodp.train.model import GPT, GPTConfig
 
-VOCAB, SEQ, D, LAYERS, HEADS = 512, 32, 128, 4, 4
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
-
-    def forward(self, h):
-        b, t, _ = h.shape
-        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.proj(a.transpose(1, 2).reshape(b, t, D))
-        return h + self.out(F.gelu(self.fc(self.ln2(h))))
-
-
-class GPT(nn.Module):
-    """About 0.9 M parameters; the forward takes tokens and targets and returns the loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, D), nn.Embedding(SEQ, D)
-        self.blocks = nn.ModuleList([Block() for _ in range(LAYERS)])
-        self.ln = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, idx, targets):
-        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for b in self.blocks:
-            h = b(h)
-        logits = self.head(self.ln(h))
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+#: about 0.9 M parameters: the package's GPT (zerodp.train.model) at a small size; any nn.Module
+#: whose forward returns the loss serves the same way
+CONFIG = GPTConfig(vocab_size=512, seq_len=32, n_layer=4, n_head=4, d_model=128)
 
 
 def build() -> nn.Module:
-    return GPT()
+    return GPT(CONFIG)
 
 
 def optimizers(model: GPT) -> list:
@@ -67,7 +36,7 @@ def optimizers(model: GPT) -> list:
 
 def batch(step: int, micro: int, rows: int):
     """Random tokens (the RNG is seeded by the check) and the next-token targets."""
-    x = torch.randint(0, VOCAB, (rows, SEQ + 1))
+    x = torch.randint(0, CONFIG.vocab_size, (rows, CONFIG.seq_len + 1))
     return x[:, :-1], x[:, 1:]
 
 
