@@ -13,6 +13,12 @@ from zerodp.bench import sweep
 from zerodp.bench.contenders import Compression
 
 
+def _stages(p) -> None:
+    """--stages (and --stage: one stage is a list of one, --stage 3)."""
+    stages = p.add_argument("--stages", default="0,1,2,3", help="comma-separated stages (default 0,1,2,3)")
+    runconfig.add_alias(p, "--stage", stages)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate",
@@ -46,9 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per rank per step (default 8)")
     q.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
-    stages = q.add_argument("--stages", default="0,1,2,3",
-                            help="comma-separated stages (default 0,1,2,3)")
-    runconfig.add_alias(q, "--stage", stages)  # one stage is a list of one: --stage 3
+    _stages(q)
     q.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size in MiB (default 25)")
     q.add_argument("--compress", default="none",
                    help="comma-separated compressions of the collectives, the planner's names: none, "
@@ -66,9 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "model, data and seed, alternated steps, medians, in a compute-bound and a "
                     "communication-bound regime. With --profile, predicted next to measured.",
     )
-    stages = b.add_argument("--stages", default="0,1,2,3",
-                            help="comma-separated stages (default 0,1,2,3)")
-    runconfig.add_alias(b, "--stage", stages)  # one stage is a list of one: --stage 3
+    _stages(b)
     b.add_argument("--regimes", default="compute,comm",
                    help="comma-separated: compute (8×256 tokens/rank), comm (1×32), or a number of "
                         "tokens per rank (default compute,comm); diloco: DiLoCo against DDP and hybrid "

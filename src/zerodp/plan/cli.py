@@ -153,8 +153,7 @@ def _cluster_options(p, gpus_default=None):
            type=_int_qty("nproc", 1, 100_000), default=REC["gpus_per_node"],
            help="GPUs (ranks) per node, as zerodp train --nproc (default: the hardware's, 8 on "
                 "H100)")
-    g.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=gpus_default,
-                   help="GPUs in all (default: nodes x GPUs per node)")
+    _gpus(g, gpus_default, "GPUs in all (default: nodes x GPUs per node)")
 
 
 def _shard_size_type(text):
@@ -185,6 +184,36 @@ def _levers(p, block=True):
     if block:
         g.add_argument("--block", type=_int_qty("block", 1, 1 << 20), default=QUANT_BLOCK,
                        help="elements per fp32 scale of int8 quantization (1 + 4/B bytes per element)")
+
+
+def _gpus(p, default, help, least=1):
+    """--gpus: the ranks N of a subcommand (at least ``least``)."""
+    p.add_argument("--gpus", type=_int_qty("gpus", least, **_GPUS), default=default, help=help)
+
+
+def _seq_len(p, default=None, help="sequence length"):
+    """--seq-len (hidden old name --seq), as ``zerodp train`` names it."""
+    _alias(p, "--seq-len", "--seq", dest="seq",
+           type=_int_qty("seq-len", 1, MAX_SEQ, "ten million tokens at most"), default=default, help=help)
+
+
+def _micro_batch(p, default=None, help="micro-batch size"):
+    """--micro-batch (hidden old name --mbs): sequences per GPU per micro-batch."""
+    _alias(p, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
+           default=default, help=help)
+
+
+def _efficiency(p, default, help="fraction of peak FLOP/s reached"):
+    """--efficiency: the fraction of peak FLOP/s the compute reaches."""
+    p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
+                   default=default, help=help)
+
+
+def _global_batch_tokens(p, old, default, help):
+    """--global-batch-tokens (hidden old name ``old``), as ``zerodp train`` names it."""
+    _alias(p, "--global-batch-tokens", old, dest="global_batch_tokens",
+           type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
+           default=default, help=help)
 
 
 def _precision(p, default):
@@ -263,13 +292,9 @@ def _diloco_options(p, compute=True):
                                                  allow_zero=True),
                        help="measured compute of one inner step per GPU, ms (default: the "
                             "compute model at --seq-len x --micro-batch tokens, or not counted)")
-        g.add_argument("--seq-len", dest="seq", type=_int_qty("seq-len", 1, MAX_SEQ,
-                                                              "ten million tokens at most"),
-                       help="sequence length of an inner step's micro-batch (default: none; "
-                            "the compute is then not counted unless --compute-ms)")
-        g.add_argument("--micro-batch", dest="mbs", type=_int_qty("micro-batch", 1,
-                                                                   MAX_MICRO_BATCH),
-                       default=1, help="micro-batch of an inner step (with --seq-len)")
+        _seq_len(g, help="sequence length of an inner step's micro-batch (default: none; "
+                         "the compute is then not counted unless --compute-ms)")
+        _micro_batch(g, 1, "micro-batch of an inner step (with --seq-len)")
         g.add_argument("--overlap", action="store_true",
                        help="DDP's and hybrid ZeRO's cross-group collectives hide behind "
                             "backward (default: exposed, as the bench's simulated link)")
@@ -775,8 +800,7 @@ def add_parser(subparsers) -> None:
                                    "'fits' compares their sum with the hardware's HBM.",
                        formatter_class=_Help)
     _common(p, model=True)
-    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=MEM["n"],
-                   help="data-parallel GPUs N")
+    _gpus(p, MEM["n"], "data-parallel GPUs N")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="one stage (default: all)")
     _precision(p, MEM["precision"])
     p.add_argument("--k", type=_qty("k", 0, MAX_K, "Adam with fp64 states needs 24",
@@ -784,11 +808,8 @@ def add_parser(subparsers) -> None:
                    help="optimizer bytes per parameter (default: the precision's, 12 for bf16)")
     p.add_argument("--fp32-grad-acc", action="store_true", help="add the fp32 gradient accumulation buffer")
     _optimizer(p, MEM["optimizer"])
-    _alias(p, "--seq-len", "--seq", dest="seq",
-           type=_int_qty("seq-len", 1, MAX_SEQ, "ten million tokens at most"),
-           help="sequence length: adds activations (default: none counted)")
-    _alias(p, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
-           default=MEM["micro_batch"], help="micro-batch size (with --seq-len)")
+    _seq_len(p, help="sequence length: adds activations (default: none counted)")
+    _micro_batch(p, MEM["micro_batch"], "micro-batch size (with --seq-len)")
     p.add_argument("--recompute", choices=RECOMPUTE, default=MEM["recompute"],
                    help="activation recomputation (with --seq-len): none; selective: the attention "
                         "core again in backward; full: only each block's input is kept")
@@ -818,7 +839,7 @@ def add_parser(subparsers) -> None:
     _common(p)
     p.add_argument("--bytes", type=_qty("bytes", 0, 1e15, "1 PB at most", allow_zero=True),
                    help="V of one collective, e.g. 16e9 or 25MB (or give --params/--model for a step)")
-    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=8, help="ranks N")
+    _gpus(p, 8, "ranks N")
     p.add_argument("--collective", default="all", choices=["all", *KINDS], help="which collective")
     ring_options(p)
     s = p.add_argument_group("a step's collectives instead of one (guide §14)")
@@ -844,8 +865,7 @@ def add_parser(subparsers) -> None:
                                    " use.",
                        formatter_class=_Help)
     _common(p)
-    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=ROOF["n"],
-                   help="devices (default: at scale, many nodes)")
+    _gpus(p, ROOF["n"], "devices (default: at scale, many nodes)")
     p.add_argument("--axes", type=_int_qty("axes", 1, 3, "a mesh has at most 3 axes"),
                    default=ROOF["axes"],
                    help="mesh axes doing DP (TPU v5p: up to 3)")
@@ -857,10 +877,8 @@ def add_parser(subparsers) -> None:
                    help="MoE: experts E (default 1: dense)")
     p.add_argument("--top-k", type=_int_qty("top-k", 1, 100_000),
                    help="MoE: experts per token k (default 1)")
-    _alias(p, "--global-batch-tokens", "--batch-tokens", dest="global_batch_tokens",
-           type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
-           default=ROOF["batch_tokens"], help="global batch: also the most devices it can use "
-                                               "(Llama 3's final 16M tokens)")
+    _global_batch_tokens(p, "--batch-tokens", ROOF["batch_tokens"],
+                         "global batch: also the most devices it can use (Llama 3's final 16M tokens)")
     _levers(p)
     p.set_defaults(func=cmd_roofline)
 
@@ -870,16 +888,10 @@ def add_parser(subparsers) -> None:
                                    "batch x grad_acc x dp; warns when grad_acc would be below 1 (GPU-rich).",
                        formatter_class=_Help)
     _common(p, hardware=False)
-    _alias(p, "--global-batch-tokens", "--tokens", dest="global_batch_tokens",
-           type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
-           default=BATCH["target_tokens"], help="target global batch, e.g. 4Mi")
-    _alias(p, "--seq-len", "--seq", dest="seq", type=_int_qty("seq-len", 1, MAX_SEQ,
-                                                            "ten million tokens at most"),
-           default=BATCH["seq"], help="sequence length")
-    _alias(p, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
-           default=BATCH["micro_batch"], help="largest micro-batch that fits")
-    p.add_argument("--gpus", type=_int_qty("gpus", 1, **_GPUS), default=BATCH["dp"],
-                   help="data-parallel GPUs dp")
+    _global_batch_tokens(p, "--tokens", BATCH["target_tokens"], "target global batch, e.g. 4Mi")
+    _seq_len(p, BATCH["seq"])
+    _micro_batch(p, BATCH["micro_batch"], "largest micro-batch that fits")
+    _gpus(p, BATCH["dp"], "data-parallel GPUs dp")
     p.add_argument("--no-round", action="store_true", help="do not round samples to a power of two")
     p.set_defaults(func=cmd_batch)
 
@@ -891,8 +903,7 @@ def add_parser(subparsers) -> None:
                                    "blocks plus its embedding and head.",
                        formatter_class=_Help)
     _common(p, model=True)
-    p.add_argument("--gpus", type=_int_qty("gpus", 2, **_GPUS), default=SIM["n"],
-                   help="data-parallel GPUs")
+    _gpus(p, SIM["n"], "data-parallel GPUs", least=2)
     _alias(p, "--tokens-per-rank", "--tokens-per-gpu", dest="tokens_per_gpu",
            type=_qty("tokens-per-rank", 1, 1e9, "a billion at most", count=True),
            default=SIM["tokens_per_gpu"], help="tokens each GPU (rank) runs per step")
@@ -902,8 +913,7 @@ def add_parser(subparsers) -> None:
                         f"bucket_cap_mb; at most {MAX_BUCKETS:,} buckets per simulation)")
     p.add_argument("--bucket", type=_qty("bucket", 1, 1e13, "10 TB at most"),
                    help=argparse.SUPPRESS)  # the old spelling, in bytes
-    p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
-                   default=1.0, help="fraction of peak FLOP/s reached")
+    _efficiency(p, 1.0)
     p.add_argument("--whole-layers", action="store_true", help="close buckets only at layer boundaries")
     p.add_argument("--sweep", action="store_true", help="also sweep bucket sizes")
     p.add_argument("--fsdp", action="store_true", help="ZeRO-3/FSDP: per-unit AllGather + ReduceScatter")
@@ -923,18 +933,13 @@ def add_parser(subparsers) -> None:
                        formatter_class=_Help)
     _common(p, model=True)
     _cluster_options(p)
-    _alias(p, "--global-batch-tokens", "--tokens", dest="global_batch_tokens",
-           type=_qty("global-batch-tokens", 1, 1e15, "a quadrillion at most", count=True),
-           default=REC["global_batch_tokens"], help="target global batch in tokens, e.g. 4M or 4Mi")
-    _alias(p, "--seq-len", "--seq", dest="seq", type=_int_qty("seq-len", 1, MAX_SEQ,
-                                                            "ten million tokens at most"),
-           default=REC["seq"], help="sequence length")
+    _global_batch_tokens(p, "--tokens", REC["global_batch_tokens"], "target global batch in tokens, e.g. 4M or 4Mi")
+    _seq_len(p, REC["seq"])
     _precision(p, MEM["precision"])
     _optimizer(p, REC["optimizer"])
     _attention(p, REC["attention"])
-    p.add_argument("--efficiency", type=_qty("efficiency", 0, 1, "a fraction of peak FLOP/s"),
-                   default=REC["efficiency"], help="fraction of peak FLOP/s the compute reaches "
-                   "(default: the hardware's compute model, docs/planner.md)")
+    _efficiency(p, REC["efficiency"], "fraction of peak FLOP/s the compute reaches (default: the "
+                "hardware's compute model, docs/planner.md)")
     p.add_argument("--power-limit", type=_qty("power-limit", 1, 10_000, "watts"), metavar="W",
                    help="board power limit in watts, below the part's TDP: the compute clock "
                         "scales by (W/TDP)^(1/3) (default: the preset's)")
@@ -949,8 +954,7 @@ def add_parser(subparsers) -> None:
     s.add_argument("--compress", choices=list(COMPRESSIONS), help="one compression (default: all)")
     s.add_argument("--bucket-mb", type=_qty("bucket-mb", 0.001, 1e6, "a TB at most"),
                    help="one bucket size in MiB (default: 25, 100, 400)")
-    _alias(s, "--micro-batch", "--mbs", dest="mbs", type=_int_qty("micro-batch", 1, MAX_MICRO_BATCH),
-           help="one micro-batch (default: powers of two up to 64)")
+    _micro_batch(s, help="one micro-batch (default: powers of two up to 64)")
     _diloco_options(p, compute=False)
     _inter_group(p)
     p.set_defaults(func=cmd_recommend)
