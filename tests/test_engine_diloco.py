@@ -189,6 +189,32 @@ def check_reference(rank: int, stage: int, every=3, count=1, delay=0, steps=6, m
             "bound": trajectory_tolerance(WORLD * ROWS * micro, steps) * 0.7 * 1.9 / 0.1}
 
 
+TOKEN_ROWS = (1, 3, 2, 6)  # rows per rank: the groups see 4 and 8 rows, unequal totals
+
+
+def check_tokens(rank: int, stage: int) -> float:
+    """``average_by_tokens`` between syncs weights a rank by its rows over its *group's* rows (guide
+    §2.2 inside the group): 2 inner steps against one process on the group's rows, their mean."""
+    model = Net(0)
+    engine = zerodp.parallelize(model, sgd, stage=stage, shard_size=G, outer=zerodp.DiLoCo(every=10),
+                                average_by_tokens=True, units=list(model.blocks) if stage == 3 else None, **OPTS)
+    ref = Net(0)
+    opt = sgd(ref.parameters())
+    first = sum(TOKEN_ROWS[:rank // G * G])
+    group_rows = slice(first, first + sum(TOKEN_ROWS[rank // G * G:rank // G * G + G]))
+    mine = slice(sum(TOKEN_ROWS[:rank]), sum(TOKEN_ROWS[:rank + 1]))
+    for k in range(2):
+        x, y = regression_batch(950 + k, sum(TOKEN_ROWS))
+        engine.count_tokens(TOKEN_ROWS[rank])
+        engine(x[mine], y[mine]).backward()
+        engine.step()
+        engine.zero_grad()
+        ref(x[group_rows], y[group_rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    return worst(engine.full_state_dict(), {n: p.detach() for n, p in ref.named_parameters()})
+
+
 def check_int8(rank: int, stage: int) -> dict:
     """(d): θ_0 − θ after the first sync (lr 1, momentum 0) is the int8 mean of the replicas' Δ;
     the replicas' Δ are read from an engine whose first sync comes later (H = 4), whose first
@@ -332,6 +358,7 @@ def _run(rank: int, world: int, folder: str) -> dict:
         out["same", stage] = check_same_rows_is_zero(rank, stage)
         out["ref", stage] = check_reference(rank, stage)
         out["bytes", stage] = check_bytes(rank, stage)
+        out["tokens", stage] = check_tokens(rank, stage)
     out["ref streaming", 1] = check_reference(rank, 1, every=4, count=3, delay=1, steps=9)
     out["ref streaming", 3] = check_reference(rank, 3, every=3, count=2, delay=2, steps=7)
     out["ref accumulated, clipped", 2] = check_reference(rank, 2, every=2, count=2, steps=4, micro=2, clip=0.05)
@@ -372,6 +399,13 @@ def test_engine_equals_the_update_rule(results, key):
         got = r[key]
         assert got["error"] <= got["bound"], got
         assert got["replicas_agree"] in (None, True), "replicas differ after a sync"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_average_by_tokens_weights_within_the_group(results, stage):
+    rows = max(sum(TOKEN_ROWS[i:i + G]) for i in range(0, WORLD, G))  # the terms a group's mean sums
+    for r in results:
+        assert r["tokens", stage] <= trajectory_tolerance(rows, 2), r["tokens", stage]
 
 
 @pytest.mark.parametrize("stage", (0, 3))

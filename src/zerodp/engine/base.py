@@ -227,8 +227,6 @@ class StageEngine(nn.Module):
         self.comm = Collectives(self.recorder, group, timeout_s=timeout_s)
         self.policy = Policy.of(self.stage, config.reduce_every_microbatch)
         # the step's state and what moves it (zerodp.engine.step); bound to the groups once built
-        self.machine = StepMachine(self.recorder, self.comm, self.policy, self.device, self.world_size,
-                                   config.average_by_tokens)
         self.shard_size = shard_group_size(config.shard_size, self.policy, self.world_size)
         if config.outer is not None:  # DiLoCo (guide §16): replica groups that talk only in its syncs
             self.shard_size = outer_shard_size(config.outer, self.world_size, self.shard_size, self.stage,
@@ -250,6 +248,12 @@ class StageEngine(nn.Module):
                                                      outer=config.outer)
         self.outer: OuterLoop | None = None if config.outer is None else OuterLoop(
             config.outer, stage=self.stage, shard=self.shard_comm, replicas=replicas)
+        # the step's state and what moves it (zerodp.engine.step); bound to the groups once built.
+        # Its token counts (average_by_tokens) cross the ranks a gradient is averaged over: the
+        # shard group under the outer loop, every rank otherwise.
+        averaged = (self.shard_comm, self.shard_size) if config.outer is not None else (self.comm, self.world_size)
+        self.machine = StepMachine(self.recorder, *averaged, policy=self.policy, device=self.device,
+                                   average_by_tokens=config.average_by_tokens)
         # what a rank waiting in the step's collectives runs to serve a call another rank makes alone
         this = weakref.ref(self)  # no cycle through the control: `del engine` frees it
         self.control.servers = {STATE_DICT: lambda: this().state_dict(),

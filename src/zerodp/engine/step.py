@@ -36,12 +36,12 @@ class StepMachine:
     :meth:`bind` gives it the groups, the optimizer part and the stage's hooks once the stage built
     them, and the hooks' ``backward_end`` / ``backward_abandoned`` are called from here."""
 
-    def __init__(self, recorder, comm, policy, device: torch.device, world_size: int, average_by_tokens: bool):
+    def __init__(self, recorder, comm, world_size: int, *, policy, device: torch.device, average_by_tokens: bool):
         self.recorder = recorder
-        self.comm = comm  # the job's collectives: the token count crosses every rank
+        self.comm = comm  # the ranks a gradient is averaged over: the token count crosses them
         self.shard_master = policy.shard_master
         self.device = device
-        self.world_size = world_size
+        self.world_size = world_size  # their number
         self.average_by_tokens = average_by_tokens
         self.groups: list[FlatGroup] = []
         self.master = None  # the optimizer part (zerodp.engine.master.MasterOptimizer): StageEngine.build_master
