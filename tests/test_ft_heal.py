@@ -52,3 +52,11 @@ def test_a_killed_group_heals_from_its_peer_at_stage_1(tmp_path):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_killed_group_heals_from_its_peer(tmp_path, stage):
     _check(tmp_path, stage)
+
+
+def test_average_by_tokens_with_replica_groups_is_refused_in_one_line():
+    from zerodp.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^average_by_tokens=True with replicas=ReplicaGroups\(\.\.\.\): .* "
+                                         r"average_by_tokens=False \(guide §2\.2\)$"):
+        EngineConfig(replicas=object(), average_by_tokens=True)

@@ -320,6 +320,11 @@ class EngineConfig:
                              "stages 1-3; stage 0 has neither: use reduce_dtype='bf16' to halve its AllReduce")
         if self.outer is not None and not isinstance(self.outer, DiLoCo):
             raise ValueError(f"outer={self.outer!r}: give zerodp.DiLoCo(every=H, ...) (guide §16), or None")
+        if self.replicas is not None and self.average_by_tokens:
+            raise ValueError("average_by_tokens=True with replicas=ReplicaGroups(...): a token count crosses one "
+                             "replica group only, and the mean across the live groups is uniform, so groups with "
+                             "unequal token totals would not be weighted by their tokens; give every rank the same "
+                             "tokens per step and average_by_tokens=False (guide §2.2)")
         if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or self.quant_block < 1:
             raise ValueError(f"quant_block={self.quant_block!r}: give a positive number of elements per scale")
         if not ((self.bucket_mb == AUTO or self.bucket_mb > 0) and self.first_bucket_mb > 0):
