@@ -54,11 +54,41 @@ class MixedPrecision:
         return self.reduce_dtype or self.param_dtype
 
     @classmethod
-    def parse(cls, value: "str | MixedPrecision | None") -> "MixedPrecision | None":
+    def parse(cls, value: "str | torch.dtype | MixedPrecision | object | None") -> "MixedPrecision | None":
+        """``"bf16"``, a dtype, this class, or torch's own policy object kept from a ported wrap line
+        (FSDP2's ``MixedPrecisionPolicy``, FSDP's and DDP's ``MixedPrecision``): see :meth:`of_torch`."""
         if value is None or isinstance(value, MixedPrecision):
             return value
+        if hasattr(value, "param_dtype"):
+            return cls.of_torch(value)
         dtype = parse_dtype(value, "mixed_precision")
         return None if dtype == torch.float32 else cls(param_dtype=dtype)
+
+    @classmethod
+    def of_torch(cls, policy) -> "MixedPrecision | None":
+        """torch's policy read as this one: ``param_dtype`` computes, ``reduce_dtype`` reduces, the
+        master stays fp32 (as FSDP2 keeps its sharded parameters). What has no counterpart here —
+        a cast output, low-precision buffers or gradients, uncast inputs — is refused in one line."""
+        name = type(policy).__name__
+        casts = [getattr(policy, f) for f in ("cast_forward_inputs", "cast_root_forward_inputs") if hasattr(policy, f)]
+        differs = [(f, getattr(policy, f)) for f, default in (("output_dtype", None), ("buffer_dtype", None),
+                                                             ("keep_low_precision_grads", False))
+                   if getattr(policy, f, default) != default
+                   and not (f == "buffer_dtype" and getattr(policy, f) == torch.float32)]
+        if casts and not any(casts):
+            differs.append(("cast_forward_inputs", False))
+        if differs:
+            field_name, value = differs[0]
+            raise ValueError(f"mixed_precision={name}(..., {field_name}={value!r}): no counterpart here (compute "
+                             "runs in param_dtype, float inputs are cast to it, buffers and the gradients handed to "
+                             f"the optimizer stay fp32); drop {field_name}")
+        param, reduce = policy.param_dtype, policy.reduce_dtype
+        if param in (None, torch.float32):
+            if reduce not in (None, torch.float32):
+                raise ValueError(f"mixed_precision={name}(reduce_dtype={reduce}) without a param_dtype: compute in "
+                                 f"fp32 and reduce in {reduce} with parallelize(..., reduce_dtype={reduce}) instead")
+            return None
+        return cls(param_dtype=param, reduce_dtype=reduce)
 
     def __post_init__(self):
         if torch.float16 in (self.param_dtype, self.reduce_dtype):
