@@ -41,6 +41,19 @@ def _train(wrapped, optimizer, rank: int, values) -> list[dict]:
     return out
 
 
+def _refusals(engine) -> list[str]:
+    """DDP's methods with no counterpart: each call's one line."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    out = []
+    for call in (lambda: engine.join(), lambda: engine.register_comm_hook(None, default_hooks.bf16_compress_hook)):
+        try:
+            call()
+        except NotImplementedError as e:
+            out.append(str(e))
+    return out
+
+
 def _keywords(rank: int, world: int) -> dict:
     torch.manual_seed(rank)  # different models per rank: every wrap starts from rank 0's, as DDP does
     reference = DDP(Net(rank), process_group=dist.group.WORLD, **DDP_KEYWORDS)
@@ -52,6 +65,7 @@ def _keywords(rank: int, world: int) -> dict:
         mine = _train(engine, torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9), rank,
                       engine.full_state_dict)  # stage 3's parameters at rest are placeholders
         out["bucket_mb", stage] = engine.config.bucket_mb  # bucket_cap_mb's value, under the engine's name
+        out["refusals", stage] = _refusals(engine)
         out[stage] = [max(((m[n] - r[n]).abs().max() / r[n].abs().max()).item() for n in r)
                       for m, r in zip(mine, ref)]
     return out
@@ -62,6 +76,10 @@ def _keywords(rank: int, world: int) -> dict:
 def test_ddp_keywords_in_the_wrap_line_mean_what_they_meant(stage):
     for rank, result in enumerate(spawn_once(_keywords, WORLD)):
         assert result["bucket_mb", stage] == DDP_KEYWORDS["bucket_cap_mb"]
+        join, hook = result["refusals", stage]
+        assert join.startswith("join() (DDP's uneven inputs) is not supported") and "drop_last=True" in join
+        assert hook == ("register_comm_hook(bf16_compress_hook): communication hooks are not supported; pass "
+                        "reduce_dtype='bf16' to zerodp.parallelize instead")
         for k, error in enumerate(result[stage]):
             assert error <= trajectory_tolerance(WORLD * ROWS, k + 1), (rank, k, error)
 

@@ -455,6 +455,27 @@ class StageEngine(nn.Module):
         finally:
             self.machine.sync = previous
 
+    def join(self, *args, **kwargs):
+        """torch DDP's ``join()`` for uneven inputs has no counterpart: refused in one line."""
+        raise NotImplementedError(
+            "join() (DDP's uneven inputs) is not supported: a rank out of batches would leave the others waiting "
+            "in their collectives; give every rank the same number of batches per epoch (DistributedSampler("
+            "..., drop_last=True), or drop the last uneven batch on every rank)")
+
+    def register_comm_hook(self, state, hook) -> None:
+        """torch DDP's communication hooks have no counterpart; the one line names the option that
+        does what torch's stock hook did (guide §15)."""
+        name = getattr(hook, "__name__", repr(hook))
+        instead = {"bf16_compress_hook": "reduce_dtype='bf16'", "bf16_compress_wrapper": "reduce_dtype='bf16'",
+                   "fp16_compress_hook": "reduce_dtype='bf16' (fp16 is refused: it needs loss scaling)",
+                   "fp16_compress_wrapper": "reduce_dtype='bf16' (fp16 is refused: it needs loss scaling)",
+                   "allreduce_hook": "nothing: it is what the engine does",
+                   "powerSGD_hook": "quantize_grads=True at stages 1-3 (int8, guide §15)",
+                   "batched_powerSGD_hook": "quantize_grads=True at stages 1-3 (int8, guide §15)"}
+        raise NotImplementedError(f"register_comm_hook({name}): communication hooks are not supported; pass "
+                                  f"{instead.get(name, 'reduce_dtype= or quantize_grads= (guide §15)')} to "
+                                  "zerodp.parallelize instead")
+
     def count_tokens(self, n: int | float) -> None:
         """With ``average_by_tokens=True``: add this micro-batch's token count on this rank, before
         its backward (guide §2.2; :meth:`zerodp.engine.step.StepMachine.count_tokens`)."""
