@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Mapping
 
 from zerodp.plan.hf import model_from_config, shape_model
 from zerodp.plan.model import (ASSUMED_HIDDEN_PER_LAYER, ASSUMED_PARAMS_PER_LAYER_PER_H2,  # noqa: F401
@@ -37,47 +38,23 @@ _ORDER = ["nano", "tiny", "small", "medium", "gpt2-small", "zero-7.5b", "qwen2-7
           "mixtral-8x7b", "llama3-70b", "gpt-oss-120b", "llama3-405b", "deepseek-v3"]
 
 
-class _Presets(dict):
-    """``PRESETS``: the preset dict, read lazily on first use."""
-
-    def _load(self):
-        if not dict.__len__(self):
-            dict.update(self, presets())
+class _Presets(Mapping):
+    """``PRESETS``: the preset table by name, read on first use (:func:`presets`)."""
 
     def __getitem__(self, k):
-        self._load()
-        return dict.__getitem__(self, k)
+        return presets()[k]
 
     def __iter__(self):
-        self._load()
-        return dict.__iter__(self)
+        return iter(presets())
 
     def __len__(self):
-        self._load()
-        return dict.__len__(self)
+        return len(presets())
 
-    def __contains__(self, k):
-        self._load()
-        return dict.__contains__(self, k)
-
-    def items(self):
-        self._load()
-        return dict.items(self)
-
-    def values(self):
-        self._load()
-        return dict.values(self)
-
-    def keys(self):
-        self._load()
-        return dict.keys(self)
-
-    def get(self, k, default=None):
-        self._load()
-        return dict.get(self, k, default)
+    def __repr__(self):
+        return repr(presets())
 
 
-PRESETS: dict[str, Model] = _Presets()
+PRESETS: Mapping[str, Model] = _Presets()
 
 
 def model_names(trainable: bool | None = None) -> list[str]:
