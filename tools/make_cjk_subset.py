@@ -32,7 +32,7 @@ FAMILY = "zerodp CJK"
 #: the characters the shipped font covers (the @font-face unicode-range in style.css)
 RANGES = [(0x2E80, 0x9FFF), (0xF900, 0xFAFF), (0xFE30, 0xFE4F), (0xFF00, 0xFFEF)]
 #: files whose text the page shows: its own, and the planner's Chinese messages the API sends
-SOURCES = [STATIC / "i18n.js", STATIC / "index.html", STATIC / "app.js",
+SOURCES = [STATIC / "i18n.json", STATIC / "i18n.js", STATIC / "index.html", STATIC / "app.js",
            *sorted((ROOT / "src" / "zerodp" / "ui").glob("*.py")),
            *sorted((ROOT / "src" / "zerodp" / "plan").glob("*.py"))]
 

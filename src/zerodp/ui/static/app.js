@@ -630,6 +630,7 @@ async function main() {
   for (const el of document.querySelectorAll("[data-template]")) {
     el.replaceChildren(document.getElementById(el.dataset.template).content.cloneNode(true));
   }
+  await loadWords();
   applyLang();
   wireLanguage();
   [schema, presets] = await Promise.all([getJSON("/api/schema"), getJSON("/api/presets")]);
