@@ -12,14 +12,15 @@ throttle slept at most that long (the real transfer and the peers' arrival count
 import pytest
 
 from _engine_common import spawn_once
+import zerodp
 from zerodp.bench import diloco
 from zerodp.plan._common import fmt_bytes
 
 pytestmark = pytest.mark.dist
 #: the simulated link: far below loopback gloo's own speed, so that the throttle always holds a collective
 SLOW = 2e6
-SPEC = diloco.DiLoCoBenchSpec(model="nano", world_size=4, shard_size=2, stage=1, every=2, compress="int8", steps=4,
-                              warmup=1, bandwidths=(SLOW,))
+SPEC = diloco.DiLoCoBenchSpec(model="nano", world_size=4, shard_size=2, stage=1,
+                              outer=zerodp.DiLoCo(every=2, compress="int8"), steps=4, warmup=1, bandwidths=(SLOW,))
 
 
 @pytest.fixture(scope="module")

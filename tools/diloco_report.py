@@ -49,11 +49,13 @@ def _mb(x: float) -> str:
 def part_bytes(args) -> dict:
     """DDP, hybrid ZeRO-3 and DiLoCo at H = args.every (int8), then DiLoCo fp32, over one round each."""
     from zerodp.bench import diloco
+    from zerodp.engine.config import DiLoCo
 
     out = {}
     for compress, who in (("int8", ("ddp", "hybrid", "diloco")), (None, ("diloco",))):
-        spec = diloco.DiLoCoBenchSpec(model=args.model, world_size=4, shard_size=2, stage=3, every=args.every,
-                                      compress=compress, steps=args.every, warmup=1, contenders=who)
+        spec = diloco.DiLoCoBenchSpec(model=args.model, world_size=4, shard_size=2, stage=3,
+                                      outer=DiLoCo(every=args.every, compress=compress), steps=args.every, warmup=1,
+                                      contenders=who)
         ranks = diloco.run(spec)
         out[compress or "fp32"] = {"spec": spec, "ranks": ranks, "planned": diloco.predicted_bytes(spec, ranks[0])}
     ddp = out["int8"]["ranks"][0]["ddp"]
@@ -89,12 +91,13 @@ def part_bytes(args) -> dict:
 def part_crossover(args) -> dict:
     """Hybrid ZeRO-3 against DiLoCo (H = 1, int8) on the simulated link: measured vs planned crossover."""
     from zerodp.bench import diloco
+    from zerodp.engine.config import DiLoCo
     from zerodp.plan._common import parse_quantity, table
 
     bws = tuple(parse_quantity(w) for w in args.bandwidths.split(","))
-    spec = diloco.DiLoCoBenchSpec(model=args.model, world_size=4, shard_size=2, stage=3, every=1,
-                                  compress="int8", steps=args.crossover_steps, warmup=2, bandwidths=bws,
-                                  contenders=("hybrid", "diloco"))
+    spec = diloco.DiLoCoBenchSpec(model=args.model, world_size=4, shard_size=2, stage=3,
+                                  outer=DiLoCo(every=1, compress="int8"), steps=args.crossover_steps, warmup=2,
+                                  bandwidths=bws, contenders=("hybrid", "diloco"))
     ranks = diloco.run(spec)
     cross = diloco.crossover(spec, ranks)
     print(diloco.table(spec, ranks))

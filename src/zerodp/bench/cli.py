@@ -399,6 +399,7 @@ def run_diloco_regime(args, model: str) -> int:
     import os
 
     from zerodp.bench import diloco
+    from zerodp.engine.config import DiLoCo
     from zerodp.plan._common import parse_quantity
 
     bws = tuple(parse_quantity(w, "--inter-group-bw") for w in args.inter_group_bw.split(",")) \
@@ -407,9 +408,9 @@ def run_diloco_regime(args, model: str) -> int:
     os.makedirs(args.out, exist_ok=True)
     for stage in _int_list("stages", args.stages):
         spec = diloco.DiLoCoBenchSpec(
-            model=model, world_size=args.nproc, shard_size=g, stage=stage, every=args.diloco_every,
-            fragments=args.diloco_fragments, delay=args.diloco_delay,
-            compress=None if args.diloco_compress == "none" else args.diloco_compress,
+            model=model, world_size=args.nproc, shard_size=g, stage=stage,
+            outer=DiLoCo(every=args.diloco_every, fragments=args.diloco_fragments, delay=args.diloco_delay,
+                         compress=None if args.diloco_compress == "none" else args.diloco_compress),
             steps=args.steps or 0, warmup=args.warmup if args.warmup is not None else 2, bandwidths=bws,
             latency=_seconds(args.inter_group_latency))
         ranks = diloco.run(spec)

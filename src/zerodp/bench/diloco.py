@@ -34,6 +34,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from zerodp.engine.config import DiLoCo
 from zerodp.plan.collectives import ring_steps
 
 CONTENDERS = ("ddp", "hybrid", "diloco")
@@ -49,10 +50,7 @@ class DiLoCoBenchSpec:
     world_size: int = 4
     shard_size: int = 2
     stage: int = 3
-    every: int = 100
-    fragments: int = 1
-    compress: str | None = None
-    delay: int = 0
+    outer: DiLoCo = DiLoCo(every=100)  # the DiLoCo contender's outer loop: H, F, τ, int8 or fp32
     micro_batch: int = 1
     seq_len: int | None = None  # None: the preset's
     steps: int = 0  # 0: one round (every steps)
@@ -69,17 +67,12 @@ class DiLoCoBenchSpec:
         unknown = set(self.contenders) - set(CONTENDERS)
         if unknown:
             raise ValueError(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
-        steps = self.steps or self.every
-        if steps % self.every:
-            raise ValueError(f"timed steps ({steps}) must be whole rounds of H = {self.every}")
+        steps = self.steps or self.outer.every
+        if steps % self.outer.every:
+            raise ValueError(f"timed steps ({steps}) must be whole rounds of H = {self.outer.every}")
         object.__setattr__(self, "steps", steps)
         if any(not w > 0 for w in self.bandwidths) or self.latency < 0:
             raise ValueError("the simulated link needs positive bandwidths and a latency >= 0")
-
-    def outer(self):
-        from zerodp.engine.config import DiLoCo
-
-        return DiLoCo(every=self.every, fragments=self.fragments, compress=self.compress, delay=self.delay)
 
 
 @dataclass
@@ -192,7 +185,7 @@ def _build(name: str, spec: DiLoCoBenchSpec):
         engine = zerodp.parallelize(model, factory, stage=0)
         return engine, cfg, engine.comm
     units = list(model.blocks) if spec.stage == 3 else None
-    outer = spec.outer() if name == "diloco" else None
+    outer = spec.outer if name == "diloco" else None
     engine = zerodp.parallelize(model, factory, stage=spec.stage, shard_size=spec.shard_size, outer=outer,
                                 units=units)
     return engine, cfg, engine.outer.replicas if outer is not None else engine.replica_comm
@@ -234,9 +227,9 @@ def run_rank(rank: int, world: int, spec: DiLoCoBenchSpec) -> dict:
     for bandwidth in (None, *spec.bandwidths):
         for c in built.values():
             c.begin(bandwidth)
-        for _ in range(spec.steps // spec.every):
+        for _ in range(spec.steps // spec.outer.every):
             for c in built.values():
-                for _ in range(spec.every):
+                for _ in range(spec.outer.every):
                     c.timed_step(bandwidth is None)
         for c in built.values():
             c.end()
@@ -295,7 +288,7 @@ class _Contender:
             run.fragment_numels = d["fragment_numels"]
             run.outer_state_bytes = engine.stats().memory["outer_states"]
             run.expected_outer_state_bytes = d["expected_state_bytes"]
-            run.syncs = self.spec.steps // self.spec.every * self.spec.fragments
+            run.syncs = self.spec.steps // self.spec.outer.every * self.spec.outer.fragments
         return run
 
 
@@ -313,7 +306,7 @@ def predicted_bytes(spec: DiLoCoBenchSpec, measured: dict) -> dict[str, float]:
     int8 chunks."""
     from zerodp.plan.diloco import diloco_bytes
 
-    s = spec.outer().settings()
+    s = spec.outer.settings()
     out = {}
     for name, run in measured.items():
         numel = sum(run["fragment_numels"]) if name == "diloco" else run["numel"]
@@ -336,7 +329,7 @@ def table(spec: DiLoCoBenchSpec, ranks: list[dict]) -> str:
     ddp = r0["ddp"]["cross_bytes"] if "ddp" in r0 else None
     ddp_mean = statistics.fmean(ddp) if ddp else None
     labels = {"ddp": "DDP (stage 0 over all N)", "hybrid": f"hybrid stage {spec.stage} (g = {spec.shard_size})",
-              "diloco": f"DiLoCo over stage {spec.stage} ({spec.outer().settings().label()})"}
+              "diloco": f"DiLoCo over stage {spec.stage} ({spec.outer.settings().label()})"}
     links = [None, *spec.bandwidths]
     head = ["contender", "cross-group B/step", "planner", "DDP / this", "outer state (8Ψ/g)"] + [
         "step, this machine" if w is None else f"step @ {fmt_bytes(w)}/s" for w in links]
@@ -347,7 +340,7 @@ def table(spec: DiLoCoBenchSpec, ranks: list[dict]) -> str:
                  if name == "diloco" else "-")
         rows.append([labels[name], fmt_bytes(mean), fmt_bytes(planned[name]),
                      f"{ddp_mean / mean:,.0f}x" if ddp_mean and mean else "-", state]
-                    + [fmt_time(round_median(p["step_s"], spec.every)) for p in run["phases"]])
+                    + [fmt_time(round_median(p["step_s"], spec.outer.every)) for p in run["phases"]])
     title = (f"DiLoCo regime (guide §16): {spec.model}, {spec.micro_batch} sequence(s) per rank per step, "
              f"{spec.world_size} ranks in {spec.world_size // spec.shard_size} groups of {spec.shard_size}; "
              f"{spec.steps} timed steps per link, simulated link latency {fmt_time(spec.latency)} per ring step")
@@ -363,8 +356,8 @@ def crossover(spec: DiLoCoBenchSpec, ranks: list[dict]) -> dict:
     from zerodp.plan.diloco import diloco_plan
 
     r0 = ranks[0]
-    hyb = {p["bandwidth"]: round_median(p["step_s"], spec.every) for p in r0["hybrid"]["phases"]}
-    dil = {p["bandwidth"]: round_median(p["step_s"], spec.every) for p in r0["diloco"]["phases"]}
+    hyb = {p["bandwidth"]: round_median(p["step_s"], spec.outer.every) for p in r0["hybrid"]["phases"]}
+    dil = {p["bandwidth"]: round_median(p["step_s"], spec.outer.every) for p in r0["diloco"]["phases"]}
     points = sorted((1 / w, hyb[w] - dil[w]) for w in spec.bandwidths)
     measured = None
     if len(points) >= 2:
@@ -377,16 +370,17 @@ def crossover(spec: DiLoCoBenchSpec, ranks: list[dict]) -> dict:
     # compute + intra: DiLoCo's unthrottled non-sync steps are the inner step alone
     free = [p for p in r0["diloco"]["phases"] if p["bandwidth"] is None][0]
     # the outer work of a round (H steps), the median over every phase's rounds, per step
-    rounds = [sum(p["outer_steps"][i:i + spec.every]) for p in r0["diloco"]["phases"]
-              for i in range(0, len(p["outer_steps"]) - spec.every + 1, spec.every)]
-    outer_local = statistics.median(rounds) / spec.every
+    o = spec.outer
+    rounds = [sum(p["outer_steps"][i:i + o.every]) for p in r0["diloco"]["phases"]
+              for i in range(0, len(p["outer_steps"]) - o.every + 1, o.every)]
+    outer_local = statistics.median(rounds) / o.every
     inner = statistics.median(free["step_s"])
     numels = r0["diloco"]["fragment_numels"]
-    plan = diloco_plan(sum(numels), "H100", spec.world_size, spec.shard_size, spec.stage, every=spec.every,
-                       fragments=spec.fragments, compress=spec.compress or "none", delay=spec.delay,
-                       precision="fp32", compute_s=inner, intra_s=0.0, outer_s=outer_local * spec.every,
+    plan = diloco_plan(sum(numels), "H100", spec.world_size, spec.shard_size, spec.stage, every=o.every,
+                       fragments=o.fragments, compress=o.compress or "none", delay=o.delay, precision="fp32",
+                       compute_s=inner, intra_s=0.0, outer_s=outer_local * o.every,
                        hidden_s=0.0, inter_group_bw=min(spec.bandwidths) if spec.bandwidths else 1e9,
                        inter_group_latency=spec.latency, fragment_sizes=numels)
     return {"points": points, "measured_bytes_per_s": measured, "planned_bytes_per_s":
             plan.crossover_bandwidth_bytes_per_s, "planner_crossover": plan.crossover,
-            "outer_local_s_per_sync": outer_local * spec.every / spec.fragments, "inner_step_s": inner}
+            "outer_local_s_per_sync": outer_local * o.every / o.fragments, "inner_step_s": inner}
