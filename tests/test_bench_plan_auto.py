@@ -111,10 +111,14 @@ def test_a_real_run_measures_every_candidate(tmp_path):
                            "--top", "4", "--profile", str(profile), "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("measurement run ") == 8  # 4 candidates × 2 rounds, a line each
     record = json.loads((tmp_path / "out" / plan_auto.RESULT_FILE).read_text())
     (r,) = record["results"]
-    assert len(r["choice"]) == 3 and len(r["measured"]) == 4
+    # the top 4, and plan-auto's fastest of a stage they lack when it tried one (its pick may be that)
+    assert len(r["choice"]) in (3, 4) and [c["rank"] for c in r["measured"][:4]] == [1, 2, 3, 4]
+    assert {(c["stage"], c["micro_batch"]) for c in r["choice"]} <= {(c["stage"], c["micro_batch"])
+                                                                       for c in r["measured"]}
+    assert len(r["measured"]) <= 5
+    assert done.stdout.count("measurement run ") == 2 * len(r["measured"])  # 2 rounds, a line each
     best = min(c["measured_s"] for c in r["measured"])
     pick = next(c for c in r["measured"]
                 if {"stage": c["stage"], "micro_batch": c["micro_batch"]} == r["pick"])
@@ -126,4 +130,4 @@ def test_a_real_run_measures_every_candidate(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (r,) = json.loads(done.stdout)
-    assert len(r["measured"]) == 3 and done.stderr.count("measurement run ") == 6
+    assert len(r["measured"]) in (3, 4) and done.stderr.count("measurement run ") == 2 * len(r["measured"])

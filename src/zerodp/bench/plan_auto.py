@@ -5,9 +5,11 @@ local ranks:
 
 1. **The plan-auto choice**, exactly as ``zerodp train --plan auto`` makes it
    (:func:`zerodp.train.autoplan.choose`): calibrate this machine for the setting's preset (or
-   take ``--profile``), ask ``recommend`` for its top 3, trial them, keep the measured best.
+   take ``--profile``), ask ``recommend`` for its top 3 (and the fastest of a stage they lack,
+   when within reach), trial them, keep the measured best.
 2. **A separate measurement** of every configuration of the planner's top ``--top`` (K ≥ 3; all
-   that fit when fewer do), with the same trial (:func:`zerodp.train.autoplan.run_trial`: each
+   that fit when fewer do), and of plan-auto's extra candidate when it tried one, so that its pick
+   is always measured, with the same trial (:func:`zerodp.train.autoplan.run_trial`: each
    candidate trained a few steps, round-robin, median of the steps after each round's first).
 3. **The figures** (:func:`result`), all from measurement 2, so that the choice is judged on
    timings it did not see: *regret* = measured step of plan-auto's pick / best measured step among
@@ -79,8 +81,9 @@ def parse_settings(text: str) -> list[Setting]:
 
 @dataclass(frozen=True)
 class Result:
-    """One setting: plan-auto's own trial (``choice``, the top 3) and the separate measurement of
-    the top K (``measured``), each a list of :class:`~zerodp.train.autoplan.Trial`."""
+    """One setting: plan-auto's own trial (``choice``: the top 3, and the fastest of a stage they
+    lack when within reach) and the separate measurement of the top K and that extra candidate
+    (``measured``), each a list of :class:`~zerodp.train.autoplan.Trial`."""
 
     setting: Setting
     choice: tuple
@@ -192,7 +195,13 @@ def measure(setting: Setting, nproc: int, top: int, out: Path, profile: str | No
     _, record = autoplan.choose(cfg, out, say=say, progress=f"  [{setting.label}] plan-auto trial ")
     choice = tuple(_trial(c) for c in record["candidates"])
     rec, trials = autoplan.candidates(cfg, record["profile"], top=top)
-    say(f"== {setting.label}: measuring the planner's top {len(trials)} of {rec.searched} with the same trial"
+    # plan-auto also tries the fastest of a stage its top lacks (autoplan step 3): measured too,
+    # so that its pick is always among the measured candidates
+    ranked = {(t.stage, t.micro_batch) for t in trials}
+    extra = [replace(t, measured_s=float("nan"), steps=()) for t in choice if (t.stage, t.micro_batch) not in ranked]
+    trials += extra
+    say(f"== {setting.label}: measuring the planner's top {len(trials) - len(extra)} of {rec.searched}"
+        + "".join(f" and #{t.rank}" for t in extra) + " with the same trial"
         + (f", {rounds} rounds" if rounds != ROUNDS else ""))
     measured = autoplan.run_trial(cfg, trials, out, progress=f"  [{setting.label}] measurement ", rounds=rounds)
     result = Result(setting, choice, tuple(measured), time.perf_counter() - t0, rounds)
