@@ -54,6 +54,18 @@ def _refusals(engine) -> list[str]:
     return out
 
 
+def _mesh(stage: int) -> tuple:
+    """DDP's ``device_mesh=``: a 1-D mesh is its group; a 2-D one is refused in one line."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    engine = zerodp.parallelize(Net(0), stage=stage, device_mesh=init_device_mesh("cpu", (WORLD,)))
+    try:
+        zerodp.parallelize(Net(0), stage=stage, device_mesh=init_device_mesh("cpu", (1, WORLD)))
+    except ValueError as e:
+        return engine.world_size, str(e)
+    return engine.world_size, None
+
+
 def _keywords(rank: int, world: int) -> dict:
     torch.manual_seed(rank)  # different models per rank: every wrap starts from rank 0's, as DDP does
     reference = DDP(Net(rank), process_group=dist.group.WORLD, **DDP_KEYWORDS)
@@ -66,6 +78,7 @@ def _keywords(rank: int, world: int) -> dict:
                       engine.full_state_dict)  # stage 3's parameters at rest are placeholders
         out["bucket_mb", stage] = engine.config.bucket_mb  # bucket_cap_mb's value, under the engine's name
         out["refusals", stage] = _refusals(engine)
+        out["mesh", stage] = _mesh(stage)
         out[stage] = [max(((m[n] - r[n]).abs().max() / r[n].abs().max()).item() for n in r)
                       for m, r in zip(mine, ref)]
     return out
@@ -76,6 +89,8 @@ def _keywords(rank: int, world: int) -> dict:
 def test_ddp_keywords_in_the_wrap_line_mean_what_they_meant(stage):
     for rank, result in enumerate(spawn_once(_keywords, WORLD)):
         assert result["bucket_mb", stage] == DDP_KEYWORDS["bucket_cap_mb"]
+        assert result["mesh", stage] == (WORLD, "device_mesh with 2 dimensions: DDP takes a 1-D mesh; for "
+                                                "replicas of shard groups pass shard_size=g (docs/porting.md, HSDP)")
         join, hook = result["refusals", stage]
         assert join.startswith("join() (DDP's uneven inputs) is not supported") and "drop_last=True" in join
         assert hook == ("register_comm_hook(bf16_compress_hook): communication hooks are not supported; pass "
