@@ -94,6 +94,70 @@ def test_zerodp_train_replica_groups_refuses_what_it_does_not_run(tmp_path):
     assert p.returncode != 0 and len(lines) == 1 and "set REPLICA_GROUP" in lines[0], p.stderr
 
 
+# one rank of a 2-rank group: the replica-group stop rule (zerodp.ft.worker.install_stop, what every
+# zerodp.ft rank installs) or the plain one (a graceful stop with a checkpoint), then AllReduces for ever
+_RANK = """
+import datetime, os, sys
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "replica":
+    from zerodp.ft.worker import install_stop
+    install_stop(1, rank)
+else:
+    from zerodp.train import stop
+    stop.install(rank, 30.0)
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+t = torch.ones(1)
+dist.all_reduce(t)
+print("stepping", flush=True)
+while True:
+    dist.all_reduce(t)
+"""
+
+
+def _group_of_two(rule):
+    from zerodp.spawn import free_port
+
+    port = str(free_port())
+    return [subprocess.Popen([sys.executable, "-c", _RANK, rule], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=port, OMP_NUM_THREADS="1"))
+            for r in (0, 1)]
+
+
+def test_a_rank_whose_group_lost_a_peer_ends_at_once_on_the_agents_sigterm():
+    """The agent ends a group whose rank died with SIGTERM to the others. Rank 1 here stops answering
+    with its connections open (SIGSTOP, as a lost node leaves them), so rank 0 is blocked inside an
+    AllReduce, where no Python signal handler runs: under the replica-group rule it ends at once
+    (one line, status 143); under the plain rule it would wait for a checkpoint it cannot make."""
+    groups = {rule: _group_of_two(rule) for rule in ("replica", "plain")}
+    try:
+        for procs in groups.values():
+            for p in procs:
+                assert p.stdout.readline().strip() == "stepping", p.stderr.read()
+            os.kill(procs[1].pid, signal.SIGSTOP)
+        time.sleep(1.0)  # rank 0 is in its next AllReduce, waiting for rank 1
+        sent = time.monotonic()
+        for procs in groups.values():
+            procs[0].send_signal(signal.SIGTERM)
+        ft = groups["replica"][0]
+        code = ft.wait(10)
+        took = time.monotonic() - sent
+        lines = [ln for ln in ft.stderr.read().splitlines() if ln.strip()]
+        print(f"replica-group rule: rank 0, blocked in an AllReduce, ended {took:.3f} s after SIGTERM (status {code})")
+        assert code == 143 and took < 5.0, (code, took, lines)
+        assert len(lines) == 1 and lines[0].startswith("zerodp: group 1 rank 0: SIGTERM received: ending now, "
+                                                       "without a checkpoint"), lines
+        time.sleep(max(0.0, sent + 3.0 - time.monotonic()))
+        assert groups["plain"][0].poll() is None  # still blocked: its handler has not even run
+    finally:
+        for procs in groups.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+
+
 @in_make_fuzz("the fault-free run (test_zerodp_train_replica_groups_end_to_end)")
 def test_zerodp_train_replica_groups_heals_a_killed_group(tmp_path):
     out = tmp_path / "run"
@@ -126,3 +190,45 @@ def test_zerodp_train_replica_groups_heals_a_killed_group(tmp_path):
     healed = [r for r in recs if r.get("event") == "step" and r["group"] == 1 and r["attempt"] == 1]
     assert healed[0]["healed"] and healed[0]["step"] > 5
     assert healed[-1]["step"] == steps - 1
+    # the killed rank's group-mate ended with one line (its collective failed, or the launcher's SIGTERM)
+    err = _err_lines(out, 1, 1, 0)
+    assert err and err[-1].startswith("zerodp: group 1 rank 1: ") and not any("Traceback" in x for x in err), err
+
+
+def _err_lines(out, group, rank, attempt):
+    text = (out / "ft-logs" / f"g{group}-r{rank}-a{attempt}.err").read_text(errors="replace")
+    return [x for x in text.splitlines() if x.strip() and "NCCL flight recorder" not in x]  # torchft's per-quorum line
+
+
+@in_make_fuzz("the stop rule in two processes (test_a_rank_whose_group_lost_a_peer_ends_at_once_on_the_agents_sigterm)")
+def test_zerodp_train_replica_groups_ends_every_group_at_once_on_sigterm(tmp_path):
+    """A stop of the whole job: SIGTERM to the launcher ends every rank at once, each with one line, and
+    the launcher says in one line that no live group is left to heal from (status 143)."""
+    out = tmp_path / "run"
+    env = dict(os.environ, ZERODP_TEST_FT_PAUSE_S="0.1")
+    proc = subprocess.Popen(_zerodp("train", *RUN, "--steps", "100000", "--out", str(out)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            time.sleep(0.3)
+            recs = _records(out) if (out / "ft-logs").exists() else []
+            if any(r.get("event") == "step" and r["committed"] and r["step"] >= 3 for r in recs):
+                break
+        else:
+            pytest.fail("the run did not reach step 3")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 143 and took < 15, (proc.returncode, took, err[-3000:])
+    assert lines[-1].startswith("zerodp train: stopped on SIGTERM after ") and "no live group is left" in lines[-1]
+    for g in (0, 1):
+        for r in (0, 1):
+            rank = _err_lines(out, g, r, 0)
+            assert rank and rank[-1].startswith(f"zerodp: group {g} rank {r}: SIGTERM received: ending now"), rank

@@ -1,5 +1,6 @@
 """The stop request each rank keeps (zerodp.train.stop), without processes: which signals count,
-the debounce of a Ctrl-C that arrives twice, the grace-period deadline, and the agreed decision."""
+the debounce of a Ctrl-C that arrives twice, the grace-period deadline, the agreed decision, and
+the replica-group rule (a stop ends the rank at once; tests/test_ft_train.py runs it in processes)."""
 
 import io
 import signal
@@ -73,3 +74,16 @@ def test_the_agreed_stop_and_its_exit_status():
     assert stop.decided(1, 1) == signal.SIGTERM  # any SIGTERM makes it a SIGTERM stop
     assert stop.exit_code(signal.SIGTERM) == 143 and stop.exit_code(signal.SIGINT) == 130
     assert stop.margin_s(30) == 5.0 and stop.margin_s(12) == 3.0
+
+
+def test_under_replica_groups_a_stop_signal_ends_the_rank_at_once_with_one_line():
+    # zerodp.ft's rule: the state lives in the live peer groups, so nothing waits for a checkpoint
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        ended, out = [], io.StringIO()
+        req = stop.StopRequest(rank=1, grace_s=30.0, exit=ended.append, out=out, saves=False, who="group 1 rank 1")
+        req.handle(sig)
+        req.handle(signal.SIGTERM)  # a repeat (or the main thread's copy): nothing more
+        assert ended == [code] and req.signal == sig
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"zerodp: group 1 rank 1: {sig.name} received: ending now, "
+                                                       "without a checkpoint"), lines

@@ -9,6 +9,12 @@ own rendezvous), joined to the other groups by torchft (:class:`zerodp.ft.Replic
   ended whole and started again — up to ``--max-restarts`` times per group, as torchrun's agent
   restarts its job — joins the running quorum and heals from a live peer while the others step
   on. A rank that fails with an error ends the run with that error in one line.
+* **Stopping**: a group's state lives in the live groups, so a stop signal ends a rank at once,
+  without a checkpoint, with one line and the status 128 + the signal (:mod:`zerodp.train.stop`'s
+  replica-group rule, :func:`zerodp.ft.worker.install_stop`): the agent that ends a group after one
+  of its ranks died (``LocalGroups.end`` here, torchrun's on a cluster) gets it back promptly, and
+  the group started again heals. SIGTERM or SIGINT to the local launcher ends every group that way
+  and says in one line that no live group is left to heal from.
 * **Under torchrun** (:func:`run_torchrun`, a cluster: one ``torchrun`` per group): this process
   is one rank of group ``$REPLICA_GROUP`` (0..R-1), the lighthouse at ``$TORCHFT_LIGHTHOUSE``
   (``torchft_lighthouse``; docs/reliability.md shows the commands).
@@ -157,11 +163,15 @@ def _save(engine, cfg, mc, corpus, replicas, group_batch: int) -> None:
 
 
 # ---- the local launcher -------------------------------------------------------------------------------
+#: a rank's status when a stop signal ended it (zerodp.train.stop's replica-group rule: 128 + the signal)
+_SIGNALLED = (128 + signal.SIGTERM, 128 + signal.SIGINT)
+
+
 def _group_state(procs) -> str:
-    """``running``, ``done`` (every rank ended with 0), ``killed`` (a rank ended by a signal) or
-    ``failed`` (a rank ended with an error, none by a signal)."""
+    """``running``, ``done`` (every rank ended with 0), ``killed`` (a rank ended by a signal: killed,
+    or stopped by SIGTERM/SIGINT) or ``failed`` (a rank ended with an error, none by a signal)."""
     codes = [p.poll() for p in procs]
-    if any(c is not None and c < 0 for c in codes):
+    if any(c is not None and (c < 0 or c in _SIGNALLED) for c in codes):
         return "killed"
     if any(c is not None and c > 0 for c in codes):
         return "failed"
@@ -203,8 +213,8 @@ def run_local(cfg, say=print) -> int:
     seen_heals: set[tuple[int, int]] = set()
     shown = -1
     t0 = time.time()
-    c.start_all()
     try:
+        c.start_all()
         while True:
             time.sleep(0.25)
             recs = [r for r in c.records(rank=0) if r.get("event") == "step"]
@@ -231,7 +241,7 @@ def run_local(cfg, say=print) -> int:
                 if state == "failed":
                     raise RuntimeError(f"group {k} failed: {_last_error(log_dir, k, c.attempts[k])}")
                 if state == "killed" and k not in down:
-                    c.kill(k)  # its other ranks, as torchrun's agent ends the job
+                    c.end([k])  # its other ranks, as torchrun's agent ends the job: each ends at once
                     finished = any(v == "done" for v in states.values())
                     if restarts[k] < cfg.max_restarts and not finished:
                         restarts[k] += 1
@@ -248,9 +258,16 @@ def run_local(cfg, say=print) -> int:
                                    "from a checkpoint, or raise --max-restarts)")
             if all(states[k] == "done" or k in down for k in range(groups)):
                 break
-    except KeyboardInterrupt:
-        say(f"\nzerodp train: interrupted; logs in {log_dir}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # a stop signal to this process (_Stop) or a Ctrl-C
+        sig = getattr(e, "sig", signal.SIGINT)
+        for s in (signal.SIGTERM, signal.SIGINT):  # a repeat while the groups end changes nothing
+            signal.signal(s, signal.SIG_IGN)
+        c.end(sig=sig)  # every rank ends at once, each with its line
+        steps = {r["step"] for r in c.records(rank=0) if r.get("event") == "step" and r["committed"]}
+        say(f"\nzerodp train: stopped on {sig.name} after {len(steps)} committed steps: every replica group was "
+            "ended, so no live group is left to heal from; a replica-group run writes its checkpoint only after its "
+            f"last step (--resume does not run with --replica-groups); logs in {log_dir}", file=sys.stderr)
+        return 128 + sig
     except RuntimeError as e:
         say(f"zerodp train: error: {e}; logs in {log_dir}", file=sys.stderr)
         return 1
@@ -331,6 +348,7 @@ def run_torchrun(cfg) -> int:
     import torch.distributed as dist
 
     from zerodp.ft.replicas import _torchft
+    from zerodp.ft.worker import install_stop, run_target
 
     _torchft()
     group = os.environ.get("REPLICA_GROUP")
@@ -341,12 +359,26 @@ def run_torchrun(cfg) -> int:
     if not lighthouse:
         raise ValueError("--replica-groups under torchrun: set TORCHFT_LIGHTHOUSE to the lighthouse's address "
                          "(http://HOST:PORT of torchft_lighthouse)")
+    # torchrun's agent ends the group with SIGTERM when one of its ranks died: end at once, and the
+    # group started again heals from a live one (zerodp.train.stop's replica-group rule)
+    install_stop(group, os.environ.get("RANK", "0"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
     try:
-        rank_main(_ClusterContext(cfg, int(group), lighthouse))
+        return run_target(rank_main, _ClusterContext(cfg, int(group), lighthouse))
     finally:
         dist.destroy_process_group()
-    return 0
+
+
+class _Stop(KeyboardInterrupt):
+    """SIGTERM or SIGINT to the local launcher: it ends every group (docs/reliability.md)."""
+
+    def __init__(self, sig: signal.Signals):
+        super().__init__(sig.name)
+        self.sig = sig
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum))
 
 
 def run(cfg) -> int:
@@ -355,5 +387,10 @@ def run(cfg) -> int:
 
     if launched_by_torchrun():
         return run_torchrun(cfg)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM ends the local groups too
-    return run_local(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a stop signal ends the local groups, each rank at once
+        signal.signal(sig, _raise_stop)
+    try:
+        return run_local(cfg)
+    except _Stop as e:  # before the groups started
+        print(f"zerodp train: stopped on {e.sig.name} before the replica groups started", file=sys.stderr)
+        return 128 + e.sig

@@ -4,7 +4,8 @@ For demos, tests and the chaos schedule on one machine (a cluster runs one ``tor
 instead, docs/reliability.md). :class:`LocalGroups` starts the lighthouse in this process and each
 group's ranks as processes with the group's own rendezvous (``MASTER_ADDR``/``MASTER_PORT`` of its
 own: a group that dies takes no other group's store with it); kills a group (SIGKILL to each of
-its ranks) and starts it again. Each rank runs ``python -m zerodp.ft.worker`` with a target
+its ranks) and starts it again; ends a group as torchrun's agent ends a job (:meth:`LocalGroups.end`:
+SIGTERM, and SIGKILL past a few seconds). Each rank runs ``python -m zerodp.ft.worker`` with a target
 function (``module:function``) and its JSON arguments; what the rank logs
 (:meth:`zerodp.ft.worker.Context.log`) goes, one JSON object per line, to
 ``<log_dir>/g<group>-r<rank>-a<attempt>.jsonl``, read back by :meth:`LocalGroups.records`.
@@ -21,6 +22,9 @@ import time
 from pathlib import Path
 
 from zerodp.spawn import free_port
+
+#: how long :meth:`LocalGroups.end` waits for a signalled rank before it SIGKILLs it
+END_GRACE_S = 5.0
 
 
 class LocalGroups:
@@ -86,6 +90,22 @@ class LocalGroups:
                 p.send_signal(signal.SIGKILL)
         for r, p in enumerate(self.procs.get(group, [])):
             if ranks is None or r in ranks:
+                p.wait()
+
+    def end(self, groups: list[int] | None = None, sig: int = signal.SIGTERM, grace_s: float = END_GRACE_S) -> None:
+        """End the live ranks of ``groups`` (all by default) as torchrun's agent ends a job: ``sig``,
+        then SIGKILL whatever is left after ``grace_s``. A rank of a replica group ends at once on
+        it, with one line (:mod:`zerodp.train.stop`'s replica-group rule)."""
+        procs = [p for g in (self.procs if groups is None else groups) for p in self.procs.get(g, [])]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+        deadline = time.time() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
                 p.wait()
 
     def alive(self, group: int) -> bool:

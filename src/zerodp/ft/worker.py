@@ -4,7 +4,8 @@
 ``MASTER_ADDR``/``MASTER_PORT`` of its group's own rendezvous, ``ZERODP_FT_GROUP``,
 ``ZERODP_FT_GROUPS``, ``ZERODP_FT_ATTEMPT``, ``TORCHFT_LIGHTHOUSE``, the launcher's store
 ``ZERODP_FT_STORE``), joins its group's gloo process group, and calls the target
-``ZERODP_FT_TARGET`` (``module:function``) with a :class:`Context`.
+``ZERODP_FT_TARGET`` (``module:function``) with a :class:`Context`. A stop signal ends it at once
+(:func:`install_stop`).
 """
 
 from __future__ import annotations
@@ -54,11 +55,47 @@ class Context:
         return self.store.check(["stop_at"]) and step >= int(self.store.get("stop_at"))
 
 
+def install_stop(group: int | str, rank: int | str):
+    """A replica-group rank's stop rule (:mod:`zerodp.train.stop`, ``saves=False``): SIGTERM or
+    SIGINT ends it at once, with one line and the status 128 + the signal — the group's state
+    lives in the live groups, and a group started again heals from one."""
+    from zerodp.train import stop
+
+    return stop.install(int(rank), stop.DEFAULT_GRACE_S, saves=False, who=f"group {group} rank {rank}")
+
+
+#: what torchft's manager client says when the group's manager server (on the group's rank 0) is gone
+_MANAGER_GONE = ("transport error", "tcp connect error")
+
+
+def run_target(fn, ctx) -> int:
+    """``fn(ctx)``; a collective or a quorum call that failed because a peer died or stalled (a rank
+    of this group, the torchft manager server on its rank 0, the launcher's store) ends the rank
+    with one line instead of a traceback (status 1): the group ends and, started again, heals from a
+    live group. Any other error is raised as it is."""
+    try:
+        fn(ctx)
+    except Exception as exc:
+        from zerodp.train.watchdog import is_collective_error
+
+        text = str(exc).lower()
+        if not (is_collective_error(exc) or (isinstance(exc, RuntimeError) and any(m in text for m in _MANAGER_GONE))):
+            raise
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
+        print(f"zerodp: group {ctx.group} rank {ctx.rank}: a collective failed: a peer died or stopped answering "
+              f"(the backend said: {said}); this group ends, and started again it heals from a live group",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main() -> int:
+    env = os.environ
+    install_stop(env["ZERODP_FT_GROUP"], env["RANK"])  # first: before the imports that take seconds
+
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    env = os.environ
     host, port = env["ZERODP_FT_STORE"].rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
     ctx = Context(group=int(env["ZERODP_FT_GROUP"]), groups=int(env["ZERODP_FT_GROUPS"]), rank=int(env["RANK"]),
@@ -69,10 +106,9 @@ def main() -> int:
     module, _, name = env["ZERODP_FT_TARGET"].partition(":")
     fn = getattr(importlib.import_module(module), name)
     try:
-        fn(ctx)
+        return run_target(fn, ctx)
     finally:
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,16 @@ A second SIGINT aborts at once, again leaving the newest complete checkpoint as 
 a terminal reaches every process of the foreground group — the launcher and the ranks — and the
 launcher then forwards it to the ranks once more; so a rank counts a SIGINT as the second one only
 when it arrives at least :data:`DEBOUNCE_S` after the first.
+
+**Replica groups** (``zerodp train --replica-groups R``, :mod:`zerodp.ft`) stop by another rule:
+a rank's state lives in the live peer groups — a group started again heals from one — so a stop
+signal ends the rank at once, without a checkpoint, with one line and the status 128 + the
+signal (``StopRequest(saves=False)``). The agent that ends a group after one of its ranks died
+sends that SIGTERM, and the group's survivors cannot finish a step or a save whose collectives
+need the dead rank: waiting out the grace period would only delay the group's restart. The
+signal is read on a thread of its own (``signal.set_wakeup_fd``), so a rank blocked in a
+collective or an RPC that the dead peer will never answer — where a Python signal handler does
+not run until the call returns — still ends within moments.
 """
 
 from __future__ import annotations
@@ -64,28 +74,64 @@ class StopRequest:
 
     ``signal`` is the first stop signal received (None before). ``install()`` makes it the handler
     of SIGTERM and SIGINT (main thread only); ``done()`` cancels the grace-period deadline.
+
+    ``saves=False``: the replica-group rule — the first stop signal ends the process at once with
+    128 + its number, saying so in one line (``who`` names the rank in it, "rank N" by default),
+    and ``install()`` also reads the signals on a thread of its own so that this holds while the
+    main thread is blocked in C code.
     """
 
     def __init__(self, rank: int = 0, grace_s: float = DEFAULT_GRACE_S, exit=os._exit, out=None,
-                 clock=time.monotonic):
-        self.rank, self.grace_s = rank, float(grace_s)
+                 clock=time.monotonic, saves: bool = True, who: str | None = None):
+        self.rank, self.grace_s, self.saves = rank, float(grace_s), saves
+        self.who = who or f"rank {rank}"
         self.signal: signal.Signals | None = None
         self.at: float | None = None
         self._first_int: float | None = None
         self._exit, self._out, self._clock = exit, out, clock
         self._done = threading.Event()
+        self._once = threading.Lock()
 
     # -- handler
     def install(self) -> "StopRequest":
+        if not self.saves:
+            self._watch()
+            return self
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
         return self
 
+    def _watch(self) -> None:
+        """Call :meth:`handle` from a thread of its own as soon as a stop signal arrives: the C-level
+        handler writes each signal's number to a pipe (``set_wakeup_fd``) even while the main
+        thread, which alone runs Python signal handlers, is blocked in a collective. The Python
+        handler itself does nothing (it only has to be there for the C-level one to write)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _on_the_watcher)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+        def watch() -> None:
+            while True:
+                for num in os.read(read, 64):
+                    if num in STOP_SIGNALS:
+                        self.handle(num)
+
+        threading.Thread(target=watch, name="zerodp-stop", daemon=True).start()
+
     def _say(self, text: str) -> None:
-        print(f"zerodp: rank {self.rank}: {text}", file=self._out or sys.stderr, flush=True)
+        print(f"zerodp: {self.who}: {text}", file=self._out or sys.stderr, flush=True)
 
     def handle(self, signum, frame=None) -> None:
         sig, now = signal.Signals(signum), self._clock()
+        if not self.saves:
+            if self._once.acquire(blocking=False):  # the first one; the process ends with it
+                self.signal, self.at = sig, now
+                self._say(f"{sig.name} received: ending now, without a checkpoint (a replica group's state lives "
+                          "in the live groups; started again, this group heals from one)")
+                self._exit(exit_code(sig))
+            return
         if sig == signal.SIGINT and self._first_int is not None and now - self._first_int >= DEBOUNCE_S:
             self._say("second interrupt: ending now, without a checkpoint; the newest complete "
                       "checkpoint is untouched")
@@ -121,6 +167,10 @@ class StopRequest:
         return (float(self.signal == signal.SIGTERM), float(self.signal == signal.SIGINT))
 
 
+def _on_the_watcher(signum, frame) -> None:
+    """The Python-level handler under ``saves=False``: the watcher thread has the signal already."""
+
+
 _current = StopRequest()  # never installed: nothing is ever requested
 
 
@@ -128,10 +178,11 @@ def current() -> StopRequest:
     return _current
 
 
-def install(rank: int, grace_s: float) -> StopRequest:
-    """Make this process's SIGTERM and SIGINT request a graceful stop (call in the main thread)."""
+def install(rank: int, grace_s: float, saves: bool = True, who: str | None = None) -> StopRequest:
+    """Make this process's SIGTERM and SIGINT request a graceful stop (call in the main thread);
+    ``saves=False``: end it at once instead (replica groups, module docstring)."""
     global _current
-    _current = StopRequest(rank, grace_s).install()
+    _current = StopRequest(rank, grace_s, saves=saves, who=who).install()
     return _current
 
 
