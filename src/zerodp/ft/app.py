@@ -341,6 +341,24 @@ class _ClusterContext:
         return False
 
 
+def _forget_the_last_manager() -> None:
+    """torchrun keeps its store across the restarts of a job, and in it the address of the torchft
+    manager server that rank 0 of the previous attempt published (``Manager`` reads it from
+    ``MASTER_ADDR:MASTER_PORT``): the other ranks of a restarted group would connect to that dead
+    server and fail after torchft's connect timeout. Rank 0 deletes it before any rank builds its
+    manager; then each waits for the new one's."""
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if dist.get_rank() == 0:
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
 def run_torchrun(cfg) -> int:
     """One rank of group ``$REPLICA_GROUP`` under torchrun, the lighthouse at ``$TORCHFT_LIGHTHOUSE``."""
     from datetime import timedelta
@@ -364,6 +382,7 @@ def run_torchrun(cfg) -> int:
     install_stop(group, os.environ.get("RANK", "0"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
     try:
+        _forget_the_last_manager()
         return run_target(rank_main, _ClusterContext(cfg, int(group), lighthouse))
     finally:
         dist.destroy_process_group()
