@@ -341,24 +341,6 @@ class _ClusterContext:
         return False
 
 
-def _forget_the_last_manager() -> None:
-    """torchrun keeps its store across the restarts of a job, and in it the address of the torchft
-    manager server that rank 0 of the previous attempt published (``Manager`` reads it from
-    ``MASTER_ADDR:MASTER_PORT``): the other ranks of a restarted group would connect to that dead
-    server and fail after torchft's connect timeout. Rank 0 deletes it before any rank builds its
-    manager; then each waits for the new one's."""
-    import torch.distributed as dist
-    from torch.distributed import TCPStore
-    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
-
-    if dist.get_rank() == 0:
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         wait_for_workers=False)
-        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
-            store.delete_key(key)
-    dist.barrier()
-
-
 def run_torchrun(cfg) -> int:
     """One rank of group ``$REPLICA_GROUP`` under torchrun, the lighthouse at ``$TORCHFT_LIGHTHOUSE``."""
     from datetime import timedelta
@@ -380,9 +362,15 @@ def run_torchrun(cfg) -> int:
     # torchrun's agent ends the group with SIGTERM when one of its ranks died: end at once, and the
     # group started again heals from a live one (zerodp.train.stop's replica-group rule)
     install_stop(group, os.environ.get("RANK", "0"))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    # keys under a prefix per torchrun attempt: a restarted group must not read the addresses its
+    # dead attempt's ranks listened on (zerodp.train.launch.attempt_store)
+    from zerodp.train.launch import attempt_store
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=cfg.timeout_s)
+    dist.init_process_group("gloo", store=attempt_store(rank, world, int(os.environ.get(
+        "TORCHELASTIC_RESTART_COUNT", "0")), timeout), rank=rank, world_size=world, timeout=timeout)
     try:
-        _forget_the_last_manager()
         return run_target(rank_main, _ClusterContext(cfg, int(group), lighthouse))
     finally:
         dist.destroy_process_group()
