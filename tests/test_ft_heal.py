@@ -1,7 +1,9 @@
 """Replica groups that survive (issue 52, zerodp.ft): 2 groups of 2 ranks, each group a job of its
 own joined by torchft's lighthouse; one group SIGKILLed mid-run, the other committing alone, the
 killed group started again and healed from its peer — its master values and optimizer states
-equal the peer's bitwise at every step both commit. make test: stage 1; make fuzz: stages 0 and 3.
+equal the peer's bitwise at every step both commit; under a DiLoCo outer loop over the groups, the
+state it loaded equals the peer's and its outer state the peer's at every common step. make test:
+stage 1; make fuzz: stages 0 and 3.
 The long schedule (a fault every 60 s for 10 minutes) is `python -m zerodp.ft.chaos` (make chaos)."""
 
 import pytest
@@ -54,9 +56,56 @@ def test_a_killed_group_heals_from_its_peer(tmp_path, stage):
     _check(tmp_path, stage)
 
 
+def _check_diloco(tmp_path, stage):
+    """DiLoCo over the replica groups (H = 2): the groups' inner states differ between syncs by
+    design, so the healed group is checked where it must equal its peer — the state it loaded
+    equals the peer's after the peer's last step, bitwise, inner and outer — and from then on its
+    outer state (θ_outer, momentum) equals the survivor's at every common committed step."""
+    run = heal_once(str(tmp_path), stage=stage, diloco_every=2, alone=4, after=3)
+    recs, dead = run["records"], run["dead"]
+    assert run["codes"] == [0] * 4, run["codes"]
+    assert problems(recs, STALL_S) == []  # the outer digests agree at every common committed step
+    survivor = [r for r in recs if r["group"] == 0 and r["committed"]]
+    assert len([r for r in survivor if r["participants"] == 1 and r["rank"] == 0]) >= 4  # alone, syncing alone
+    again = [r for r in recs if r["group"] == dead and r["attempt"] == 1]
+    for rank in (0, 1):
+        first = next(r for r in again if r["rank"] == rank)
+        assert first["healed"] and first["committed"] and first["participants"] == 2
+        before = next(r for r in survivor if r["rank"] == rank and r["step"] == first["step"] - 1)
+        assert first["heal_digest"] == before["digest"]  # the inner state it carried on from
+        common = [(r["step"], r["outer_digest"]) for r in again if r["rank"] == rank and r["committed"]]
+        peer = {r["step"]: r["outer_digest"] for r in survivor if r["rank"] == rank}
+        assert len([s for s, _ in common if s in peer]) >= 2
+        assert all(peer[s] == d for s, d in common if s in peer)
+    print(run["times"])
+
+
+def test_a_killed_group_heals_from_its_peer_under_diloco(tmp_path):
+    _check_diloco(tmp_path, 1)
+
+
+@in_make_fuzz("stage 1 (test_a_killed_group_heals_from_its_peer_under_diloco)")
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_killed_group_heals_from_its_peer_under_diloco_at(tmp_path, stage):
+    _check_diloco(tmp_path, stage)
+
+
 def test_average_by_tokens_with_replica_groups_is_refused_in_one_line():
     from zerodp.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match=r"^average_by_tokens=True with replicas=ReplicaGroups\(\.\.\.\): .* "
                                          r"average_by_tokens=False \(guide §2\.2\)$"):
         EngineConfig(replicas=object(), average_by_tokens=True)
+
+
+@pytest.mark.parametrize("outer,words", [
+    (dict(compress="int8"), "outer=DiLoCo(compress='int8', delay=0)"),
+    (dict(delay=1), "outer=DiLoCo(compress=None, delay=1)")])
+def test_diloco_over_replica_groups_refuses_int8_and_delay_in_one_line(outer, words):
+    import zerodp
+    from zerodp.ft.replicas import ReplicaGroups
+
+    unbuilt = object.__new__(ReplicaGroups)  # the check comes before anything the object holds is read
+    with pytest.raises(ValueError, match=r"^replicas=ReplicaGroups\(\.\.\.\) with ") as caught:
+        unbuilt.bind(None, comm=None, shard=None, outer=zerodp.DiLoCo(every=4, **outer))
+    assert words in str(caught.value) and "pass compress=None and delay=0" in str(caught.value)

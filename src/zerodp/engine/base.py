@@ -228,7 +228,8 @@ class StageEngine(nn.Module):
         self.policy = Policy.of(self.stage, config.reduce_every_microbatch)
         # the step's state and what moves it (zerodp.engine.step); bound to the groups once built
         self.shard_size = shard_group_size(config.shard_size, self.policy, self.world_size)
-        if config.outer is not None:  # DiLoCo (guide §16): replica groups that talk only in its syncs
+        if config.outer is not None and config.replicas is None:  # DiLoCo (guide §16): replica groups that
+            # talk only in its syncs (with replicas=, the groups are jobs of their own: this job is one)
             self.shard_size = outer_shard_size(config.outer, self.world_size, self.shard_size, self.stage,
                                                config.shard_size)
         self.shard_comm = self.comm  # where parameters and gradients are sharded
@@ -243,11 +244,13 @@ class StageEngine(nn.Module):
         # inside the shard group (no replica reduction); only the outer loop's syncs cross the
         # groups (zerodp.engine.outer).
         self.replica_comm: Collectives | None = replicas if config.outer is None else None
-        if config.replicas is not None:  # each replica group a job of its own (zerodp.ft): torchft's groups
-            self.replica_comm = config.replicas.bind(self.recorder, comm=self.comm, shard=self.shard_comm,
-                                                     outer=config.outer)
+        across = replicas  # what the outer loop's syncs cross
+        if config.replicas is not None:  # each replica group a job of its own (zerodp.ft): torchft's groups,
+            across = config.replicas.bind(self.recorder, comm=self.comm, shard=self.shard_comm, outer=config.outer)
+            if config.outer is None:  # every step's gradients; with DiLoCo only its syncs
+                self.replica_comm = across
         self.outer: OuterLoop | None = None if config.outer is None else OuterLoop(
-            config.outer, stage=self.stage, shard=self.shard_comm, replicas=replicas)
+            config.outer, stage=self.stage, shard=self.shard_comm, replicas=across)
         # the step's state and what moves it (zerodp.engine.step); bound to the groups once built.
         # Its token counts (average_by_tokens) cross the ranks a gradient is averaged over: the
         # shard group under the outer loop, every rank otherwise.
@@ -538,15 +541,21 @@ class StageEngine(nn.Module):
             unused = self._step_unused()
             self.machine.unused = unused | self.machine.dropped if self._local_used() is None else unused
             skip = self.guard is not None and self.guard.should_skip(self)  # collective
-            if self.config.replicas is not None and not self.config.replicas.should_commit():
-                skip = True  # zerodp.ft: the quorum of replica groups did not commit this step
+            # zerodp.ft: the quorum of replica groups commits the step — before it is applied, or,
+            # under DiLoCo, after the inner step and its sync's exchange, before the outer update
+            replicas = self.config.replicas
+            commit = None if replicas is None else replicas.should_commit
+            if commit is not None and self.outer is None and not commit():
+                skip = True  # the quorum did not commit this step
             if skip:
                 self.machine.zero_grads()  # inf/NaN somewhere: apply nothing, on every rank
                 self.machine.reset_used()
+                if commit is not None and self.outer is not None:
+                    commit()  # the quorum's protocol: one vote a step (this one applies nothing)
             elif self.outer is None:
                 self.machine.optimizer_step()
             else:  # the inner step, then the outer loop's syncs due after it (zerodp.engine.outer)
-                self.outer.step(self.machine.optimizer_step)
+                self.outer.step(self.machine.optimizer_step, commit=commit)
             if not self.config.overlap_param_gather:
                 self.machine.wait_params()  # step() returns with the model's parameters up to date
         self.machine.move(StepState.STEPPED)

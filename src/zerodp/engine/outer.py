@@ -240,11 +240,16 @@ class OuterLoop:
             self._move(OuterState.LOCAL)
         self._move(OuterState.FRESH)
 
-    def step(self, inner: Callable[[], None]) -> None:
+    def step(self, inner: Callable[[], None], commit: Callable[[], bool] | None = None) -> None:
         """One inner step k (``inner``: the engine's master step and publish), then what the
         schedule asks after it: the syncs launched at k (fragments due), the int8 second halves due,
         the outer updates applied at k (launched at k − τ). The groups an update rewrites publish
-        after it, not before (one parameter AllGather at stages 1-2, as without the outer loop)."""
+        after it, not before (one parameter AllGather at stages 1-2, as without the outer loop).
+
+        ``commit``: replica groups that are jobs of their own (``zerodp.ft``, fp32, τ = 0) vote
+        once a step, after the exchanges and before the updates: a step the quorum does not commit
+        (its exchange failed: a peer died in it) applies no outer update — θ_outer stays, the
+        groups keep their local progress, and the next sync carries it."""
         self.start()
         k = self.step_count + 1
         every, F, delay = self.settings.every, self.settings.fragments, self.settings.delay
@@ -260,6 +265,8 @@ class OuterLoop:
                 self.groups[i].held = False
         self.step_count = k
         if not (launch or apply or self.pending):
+            if commit is not None:
+                commit()
             return
         with self.replicas.recorder.span("outer", COMPUTE):  # the trace's "outer" span: all of it, waits included
             for f in launch:
@@ -268,6 +275,10 @@ class OuterLoop:
                 x = self.pending[f]
                 if self.int8 and x.second is None and x.launched < k < x.due:
                     self._second_half(x)
+            if commit is not None and not commit():
+                for f in apply:
+                    self._finish(self.pending.pop(f))  # dropped: no outer update this round
+                apply = []
             for f in apply:
                 self._apply(f)
             for i in reversed(held):  # in the order the next forward needs them, as the engine publishes

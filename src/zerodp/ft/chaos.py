@@ -12,8 +12,9 @@ the healed groups did (:mod:`zerodp.ft`; docs/reliability.md, "Replica groups th
 * :func:`problems`: the checks, one sentence per violation: every group's committed steps are
   consecutive (no committed step lost or repeated); the data position advances by the groups
   that took part, each batch index taken once; every healed group's first committed steps equal
-  its peers' bitwise (a digest of every rank's master values and optimizer states); no survivor
-  step took longer than the stall bound.
+  its peers' bitwise (a digest of every rank's master values and optimizer states; under DiLoCo,
+  whose groups differ between syncs by design, of the outer state); no survivor step took longer
+  than the stall bound.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def problems(recs: list[dict], stall_s: float) -> list[str]:
             if steps and steps != list(range(steps[0], steps[0] + len(steps))):
                 out.append(f"group {g} rank {r} attempt {a}: committed steps not consecutive: {steps}")
         for x in _committed(grp):
-            if "digest" in x:
-                by_step[(x["step"], x["rank"])][g] = x["digest"]
+            # DiLoCo: the groups' inner states differ by design between syncs; their outer state not
+            key = "outer_digest" if "outer_digest" in x else "digest"
+            if key in x:
+                by_step[(x["step"], x["rank"])][g] = x[key]
     for (step, rank), digests in sorted(by_step.items()):
         if len(set(digests.values())) > 1:
             out.append(f"step {step} rank {rank}: the groups' states differ: {digests}")
@@ -85,9 +88,11 @@ def _by_attempt(recs):
 
 def heal_once(log_dir: str, stage: int = 1, groups: int = 2, ranks: int = 2, preset: str = "nano",
               before: int = 3, alone: int = 3, after: int = 2, timeout_s: float = 120.0,
-              heartbeat_timeout_ms: int = 1000) -> dict:
-    """One SIGKILL of the last group and one heal (module docstring): the records and timings."""
-    c = LocalGroups(TARGET, groups, ranks, dict(stage=stage, preset=preset, digest=True, step_sleep_s=0.02),
+              heartbeat_timeout_ms: int = 1000, diloco_every: int = 0) -> dict:
+    """One SIGKILL of the last group and one heal (module docstring): the records and timings.
+    ``diloco_every``: H, the groups under a DiLoCo outer loop (0: plain replicas)."""
+    c = LocalGroups(TARGET, groups, ranks, dict(stage=stage, preset=preset, digest=True, step_sleep_s=0.02,
+                                                diloco_every=diloco_every),
                     log_dir, heartbeat_timeout_ms=heartbeat_timeout_ms)
     dead = groups - 1
     t = {}

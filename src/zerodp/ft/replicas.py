@@ -33,6 +33,12 @@ this group's rank among the participants. A committed step advances the count by
 groups that took part, so over the committed steps every batch index is taken exactly once —
 none twice, none skipped; a step that does not commit is taken again with the same indices.
 
+**DiLoCo** (``outer=zerodp.DiLoCo(every=H)``, fp32, τ = 0): the inner steps send nothing across
+the groups; a sync's pseudo-gradient mean is the only cross-group collective, and the step's vote
+comes after it (``zerodp.engine.outer.OuterLoop.step``): a sync whose exchange failed applies no
+outer update. A healing group receives the outer state too (θ_outer, momentum, the outer step
+count) with the peer's inner state — it carries on as a copy of that peer, at any step of a round.
+
 The engine's hook receives its collaborators only (:meth:`bind`: the recorder, the group's comm);
 the healing state is read through the engine given to :meth:`attach`.
 """
@@ -48,6 +54,7 @@ import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
 from zerodp.engine.comm import ALL_REDUCE, ring_sent_bytes
+from zerodp.engine.outer import OuterState
 from zerodp.engine.state_dict import BUFFER
 from zerodp.engine.trace import COMM
 
@@ -62,6 +69,34 @@ def _torchft():
         raise ImportError("fault-tolerant replica groups need torchft: pip install 'zerodp[ft]' "
                           f"(torchft>=0.2) ({exc})") from None
     return torchft
+
+
+def _forget_the_last_manager() -> None:
+    """torchrun keeps its store across the restarts of a job, and in it the address of the torchft
+    manager server that rank 0 of the previous attempt published (``Manager`` reads it from
+    ``MASTER_ADDR:MASTER_PORT``): the other ranks of a restarted group would connect to that dead
+    server and fail after torchft's connect timeout. Rank 0 deletes it before any rank of the group
+    builds its manager (a barrier of the group's process group, when one is initialized)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or "MASTER_ADDR" not in os.environ:
+        return
+    from torch.distributed import TCPStore
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if dist.get_rank() == 0:
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
+class _Done:
+    """A finished collective's handle (the cross-group mean runs at once; the outer loop waits on it)."""
+
+    def wait(self) -> bool:
+        return True
 
 
 class ReplicaGroups:
@@ -102,6 +137,8 @@ class ReplicaGroups:
             raise ValueError(f"start_groups={start_groups!r}: from min_replicas ({min_replicas}) to groups ({groups})")
         self.min_replicas = min_replicas
         self._starting = start_groups is not None and start_groups > min_replicas
+        if store_addr is None:
+            _forget_the_last_manager()
         self.pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
         self.manager = ft.Manager(
             pg=self.pg, min_replica_size=start_groups or min_replicas, load_state_dict=None, state_dict=None,
@@ -124,9 +161,10 @@ class ReplicaGroups:
     def bind(self, recorder, *, comm, shard, outer=None) -> "ReplicaGroups":
         """Called by the engine at construction with its collaborators: the recorder its trace
         goes to, the group's comm and the shard comm (the same: ZeRO over the whole job)."""
-        if outer is not None:
-            raise ValueError("replicas=ReplicaGroups(...) with outer=DiLoCo(...): the outer loop's own "
-                             "replica syncs are not routed through torchft yet; use one of the two")
+        if outer is not None and (outer.compress is not None or outer.delay):
+            raise ValueError(f"replicas=ReplicaGroups(...) with outer=DiLoCo(compress={outer.compress!r}, "
+                             f"delay={outer.delay}): its syncs cross the groups through torchft's managed group in "
+                             "fp32 and at once; pass compress=None and delay=0")
         if shard is not comm:
             raise ValueError("replicas=ReplicaGroups(...): each replica group is a job of its own, so the engine "
                              "shards over this job's whole process group; drop shard_size (or set it to the "
@@ -139,7 +177,7 @@ class ReplicaGroups:
         """R, the groups the job was laid out for (the live count varies: :attr:`participants`)."""
         return self.groups
 
-    def all_reduce_mean(self, tensor: torch.Tensor, label: str, async_op: bool = False) -> None:
+    def all_reduce_mean(self, tensor: torch.Tensor, label: str, async_op: bool = False) -> "_Done | None":
         """Average ``tensor`` in place over the live replica groups (torchft's managed allreduce)."""
         if not self._in_step:
             raise RuntimeError("ReplicaGroups: call replicas.start_step() at the start of every step, before "
@@ -157,6 +195,7 @@ class ReplicaGroups:
             self._allreduce(tensor)
         if ev is not None:
             self.recorder.end_wait(ev, mark)
+        return _Done() if async_op else None
 
     def _allreduce(self, tensor: torch.Tensor) -> None:
         """``Manager.allreduce`` without its future chain: the sum on torchft's reconfigured gloo group
@@ -235,11 +274,22 @@ class ReplicaGroups:
     def _save(self) -> dict:
         """What a healing peer with this rank's shard index receives (torchft's quorum thread; the
         tensors are the live ones: nothing changes them until the healing group has joined this
-        step's reduction)."""
+        step's reduction — except under DiLoCo, below). Under DiLoCo also the outer state
+        (θ_outer, momentum, the outer step count) once taken: the healed group carries on from the
+        peer's inner and outer state."""
         e = self._engine
-        pieces = [(p.name, p.kind, p.start, p.stop, p.tensor) for p in e.master.pieces()]
-        buffers = {name: getattr(sub, local).detach().reshape(-1) for name, sub, local in e.state_buffers}
-        return {"scalars": e.master.scalar_state(), "pieces": pieces, "buffers": buffers,
+        held = list(e.master.pieces())
+        scalars = e.master.scalar_state()
+        # Under DiLoCo the live groups' inner steps wait for no other group, so they would change
+        # these tensors while the healing group still reads them: it is sent a copy taken now
+        # (torchft calls this inside the quorum, before this group's next step)
+        keep = (lambda t: t.detach().clone()) if e.outer is not None else (lambda t: t.detach())
+        if e.outer is not None and e.outer.state is not OuterState.FRESH:
+            held += e.outer.pieces()  # no exchange is in flight between steps (τ = 0)
+            scalars["outer"] = e.outer.scalars()
+        pieces = [(p.name, p.kind, p.start, p.stop, keep(p.tensor)) for p in held]
+        buffers = {name: keep(getattr(sub, local)).reshape(-1) for name, sub, local in e.state_buffers}
+        return {"scalars": scalars, "pieces": pieces, "buffers": buffers,
                 "rng": torch.get_rng_state(), "extra": {k: save() for k, (save, _) in self._extra.items()}}
 
     def _load(self, state: dict) -> None:

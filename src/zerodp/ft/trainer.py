@@ -10,7 +10,8 @@ and optimizer states, bitwise) — what the tests compare between a healed group
 Arguments (``ctx.args``): ``preset`` ("nano"), ``stage`` (1), ``steps`` (run until this many
 committed steps, or until the launcher says stop), ``rows`` (sequences per rank per step, 2),
 ``lr`` (1e-3), ``seed`` (0), ``digest`` (False), ``step_sleep_s`` (0: a pause per step, to
-stretch a demo), ``timeout_s`` (30, the cross-group collectives), ``quorum_timeout_s`` (60).
+stretch a demo), ``timeout_s`` (30, the cross-group collectives), ``quorum_timeout_s`` (60),
+``diloco_every`` (0: none; H: the DiLoCo outer loop over the groups, fp32).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ def batch(index: int, rows: int, seq_len: int, vocab: int, seed: int = 0) -> tup
     return x[:, :-1], x[:, 1:]
 
 
-def digest(engine) -> str:
-    """SHA-256 of every piece this rank's optimizer holds (values and states), in a fixed order."""
+def digest(engine, outer: bool = False) -> str:
+    """SHA-256 of every piece this rank's optimizer holds (values and states), in a fixed order;
+    ``outer``: of the DiLoCo outer state instead (θ_outer and momentum: equal in every live group)."""
     h = hashlib.sha256()
-    for p in sorted(engine.master.pieces(), key=lambda p: (p.name, p.kind, p.start)):
+    pieces = engine.outer.pieces() if outer else engine.master.pieces()
+    for p in sorted(pieces, key=lambda p: (p.name, p.kind, p.start)):
         h.update(f"{p.name}|{p.kind}|{p.start}|{p.stop}".encode())
         h.update(p.tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -50,8 +53,10 @@ def train(ctx) -> None:
     model = GPT(cfg)
     replicas = ReplicaGroups(ctx.group, ctx.groups, ctx.lighthouse, timeout_s=float(a.get("timeout_s", 30)),
                              quorum_timeout_s=float(a.get("quorum_timeout_s", 60)))
+    every = int(a.get("diloco_every", 0))
     engine = zerodp.parallelize(model, optimizer=lambda g: torch.optim.AdamW(g, lr=float(a.get("lr", 1e-3))),
-                                stage=int(a.get("stage", 1)), replicas=replicas)
+                                stage=int(a.get("stage", 1)), replicas=replicas,
+                                outer=zerodp.DiLoCo(every=every) if every else None)
     replicas.attach(engine)
     ctx.barrier()
     steps = int(a.get("steps", 1 << 30))
@@ -61,6 +66,7 @@ def train(ctx) -> None:
             heals = replicas.heals
             replicas.start_step()
             step = replicas.step
+            at_heal = digest(engine) if a.get("digest") and replicas.heals > heals else None
             index, first = replicas.batch_index(), replicas.batches_committed
             x, y = batch(index, rows * ctx.world_size, cfg.seq_len, cfg.vocab_size, int(a.get("seed", 0)))
             mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
@@ -76,6 +82,10 @@ def train(ctx) -> None:
                        quorum_s=round(replicas.last_quorum_s or 0.0, 4), healed=replicas.heals > heals)
             if a.get("digest"):
                 rec["digest"] = digest(engine)
+                if at_heal is not None:
+                    rec["heal_digest"] = at_heal  # what the peer sent: its state after its last step
+                if every:
+                    rec["outer_digest"] = digest(engine, outer=True)
             ctx.log(**rec)
             if a.get("step_sleep_s"):
                 time.sleep(float(a["step_sleep_s"]))
