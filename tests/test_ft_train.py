@@ -74,6 +74,23 @@ def test_zerodp_train_replica_groups_end_to_end(tmp_path):
     assert s.returncode == 0, s.stderr
 
 
+def test_zerodp_train_replica_groups_with_diloco(tmp_path):
+    """--diloco-every H over the replica groups: every step committed by both groups, each batch
+    once, the outer state (θ_outer, momentum) equal in both groups at the end, bitwise (each
+    group keeps its own inner optimizer state); int8 and a delay refused in one line."""
+    out = tmp_path / "run"
+    p = subprocess.run(_zerodp("train", *RUN, "--steps", "8", "--diloco-every", "4", "--out", str(out)),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    _check_steps(_records(out), 8)
+    report = json.loads((out / "ft-report.json").read_text())
+    assert report["steps"] == 8 and report["heals"] == 0
+    with pytest.raises(ValueError, match="--replica-groups does not run with --diloco-compress int8"):
+        from zerodp.train.config import TrainConfig
+
+        TrainConfig(replica_groups=2, diloco_every=4, diloco_compress="int8")
+
+
 def test_zerodp_train_replica_groups_refuses_what_it_does_not_run(tmp_path):
     from zerodp.train.config import TrainConfig
 
@@ -83,6 +100,7 @@ def test_zerodp_train_replica_groups_refuses_what_it_does_not_run(tmp_path):
     assert p.returncode != 0 and len(lines) == 1 and "--replica-groups must be >= 2, got 1" in lines[0], p.stderr
     for kw, words in ((dict(shard_size=2), "--shard-size"), (dict(plan="auto"), "--plan auto"),
                       (dict(shard_size=1, diloco_every=4), "--shard-size"), (dict(compile=True), "--compile"),
+                      (dict(diloco_every=4, diloco_delay=1), "--diloco-delay"),
                       (dict(resume="x"), "--resume")):
         with pytest.raises(ValueError, match=f"--replica-groups does not run with {words}"):
             TrainConfig(replica_groups=2, **kw)

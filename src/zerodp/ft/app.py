@@ -69,7 +69,8 @@ def _build(cfg, mc, replicas):
         **(dict(profile=cfg.profile, tokens_per_rank=cfg.tokens_per_rank) if cfg.bucket_mb == AUTO else {}),
         units=list(model.blocks) if cfg.stage == 3 else None, max_nonfinite_skips=cfg.max_skipped_steps,
         reduce_dtype=cfg.reduce_dtype, quantize_params=cfg.quantize is not None and cfg.quantize.params,
-        quantize_grads=cfg.quantize is not None and cfg.quantize.grads, replicas=replicas)
+        quantize_grads=cfg.quantize is not None and cfg.quantize.grads, replicas=replicas,
+        outer=cfg.outer())  # --diloco-every H: DiLoCo over the replica groups (docs/diloco.md)
     return engine, n_params
 
 
@@ -137,8 +138,9 @@ def rank_main(ctx) -> None:
                        healed=replicas.heals > heals)
             if committed and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
                 rec["val_loss"] = evaluate(engine, val_w, cfg, rctx)
-            if committed and step + 1 == cfg.steps:  # the groups' states, bitwise (equal in every group)
-                rec["digest"] = digest(engine)
+            if committed and step + 1 == cfg.steps:  # the groups' states, bitwise (equal in every group;
+                # under DiLoCo the outer state: each group keeps its own inner optimizer state)
+                rec["digest"] = digest(engine, outer=engine.outer is not None)
             ctx.log(**rec)
             if pause:
                 time.sleep(pause)

@@ -241,7 +241,8 @@ class TrainConfig:
                              "each other)")
         given = [flag for flag, on in (
             ("--shard-size (each group of --nproc ranks is sharded whole)", self.shard_size is not None),
-            ("--diloco-every (DiLoCo's outer loop is not routed through torchft yet)", self.diloco_every is not None),
+            ("--diloco-compress int8 (DiLoCo's syncs cross torchft's group in fp32)", self.diloco_compress is not None),
+            ("--diloco-delay (DiLoCo's syncs cross torchft's group at once)", self.diloco_delay != 0),
             ("--plan auto", self.plan is not None), ("--resume (a restarted group heals from a live peer)",
                                                       self.resume is not None),
             ("--stop-after", self.stop_after is not None), ("--compile", self.compile), ("--trace", self.trace),
@@ -273,9 +274,10 @@ class TrainConfig:
                            momentum=self.diloco_momentum)
         except ValueError as e:
             raise ValueError(f"--diloco-*: {e}") from None
-        if self.shard_size is None:
+        if self.shard_size is None and self.replica_groups is None:
             raise ValueError("--diloco-every needs --shard-size G: the replica groups of G ranks that sync every "
-                             f"{self.diloco_every} steps (at least two groups: G at most half the ranks)")
+                             f"{self.diloco_every} steps (at least two groups: G at most half the ranks); or "
+                             "--replica-groups R: R jobs of --nproc ranks that heal from a peer")
 
     def outer(self):
         """The engine's ``outer=`` for this run (``zerodp.DiLoCo``), or None without ``--diloco-every``."""
