@@ -51,7 +51,7 @@ test-fast: setup
 # the long end-to-end runs (tests marked in_make_fuzz, each naming what make test keeps): the
 # short chaos run, SIGTERM preemption with its bitwise resume, the two-launcher hybrid run, the
 # quick bench, train --bucket-mb auto, a corpus smaller than one global batch at world 3, the replica
-# groups' heal at stages 0 and 3 and zerodp train --replica-groups with a killed group; the
+# groups' heal at stages 0 and 3 (plain and under DiLoCo) and zerodp train --replica-groups with a killed group; the
 # four ported scripts at worlds 2 and 3 with twice the steps (make test: world 2); and the compat tier
 # on the oldest (2.9.1) and newest (2.15.0) torch (make compat).
 fuzz: setup
