@@ -46,16 +46,6 @@ def _check(tmp_path, stage):
     print(run["times"])
 
 
-def test_a_killed_group_heals_from_its_peer_at_stage_1(tmp_path):
-    _check(tmp_path, 1)
-
-
-@in_make_fuzz("stage 1 (test_a_killed_group_heals_from_its_peer_at_stage_1)")
-@pytest.mark.parametrize("stage", [0, 3])
-def test_a_killed_group_heals_from_its_peer(tmp_path, stage):
-    _check(tmp_path, stage)
-
-
 def _check_diloco(tmp_path, stage):
     """DiLoCo over the replica groups (H = 2): the groups' inner states differ between syncs by
     design, so the healed group is checked where it must equal its peer — the state it loaded
@@ -80,14 +70,19 @@ def _check_diloco(tmp_path, stage):
     print(run["times"])
 
 
-def test_a_killed_group_heals_from_its_peer_under_diloco(tmp_path):
-    _check_diloco(tmp_path, 1)
+CHECKS = {"replicas": _check, "diloco": _check_diloco}
 
 
-@in_make_fuzz("stage 1 (test_a_killed_group_heals_from_its_peer_under_diloco)")
+@pytest.mark.parametrize("how", CHECKS)
+def test_a_killed_group_heals_from_its_peer_at_stage_1(tmp_path, how):
+    CHECKS[how](tmp_path, 1)
+
+
+@in_make_fuzz("stage 1 (test_a_killed_group_heals_from_its_peer_at_stage_1)")
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_killed_group_heals_from_its_peer_under_diloco_at(tmp_path, stage):
-    _check_diloco(tmp_path, stage)
+@pytest.mark.parametrize("how", CHECKS)
+def test_a_killed_group_heals_from_its_peer(tmp_path, stage, how):
+    CHECKS[how](tmp_path, stage)
 
 
 def test_average_by_tokens_with_replica_groups_is_refused_in_one_line():
