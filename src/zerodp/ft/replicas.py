@@ -156,6 +156,8 @@ class ReplicaGroups:
         self.last_heal_s: float | None = None
         self.last_quorum_s: float | None = None
         self.commits = self.aborted = 0  # steps this group committed / did not
+        self._outer = False  # DiLoCo over the groups (bind)
+        self._last_quorum: int | None = None
 
     # ---- the engine's hook ------------------------------------------------------------------------
     def bind(self, recorder, *, comm, shard, outer=None) -> "ReplicaGroups":
@@ -165,6 +167,7 @@ class ReplicaGroups:
             raise ValueError(f"replicas=ReplicaGroups(...) with outer=DiLoCo(compress={outer.compress!r}, "
                              f"delay={outer.delay}): its syncs cross the groups through torchft's managed group in "
                              "fp32 and at once; pass compress=None and delay=0")
+        self._outer = outer is not None
         if shard is not comm:
             raise ValueError("replicas=ReplicaGroups(...): each replica group is a job of its own, so the engine "
                              "shards over this job's whole process group; drop shard_size (or set it to the "
@@ -247,6 +250,13 @@ class ReplicaGroups:
         if errored is not None:
             raise RuntimeError(f"the quorum or the heal failed: {errored}") from None
         self._in_step = True
+        quorum = getattr(self.manager, "_quorum_id", None)  # None: not exposed; meet at every step
+        if self._outer and (quorum is None or quorum != self._last_quorum):
+            # DiLoCo's inner steps cross nothing, so a live group would reach its vote — which
+            # closes its checkpoint to readers — before a healing group has fetched it: the groups
+            # of a new quorum meet first (one element, the healing one after its fetch)
+            self._allreduce(torch.zeros(1))
+        self._last_quorum = quorum
 
     @property
     def step(self) -> int:
