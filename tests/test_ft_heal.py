@@ -1,7 +1,9 @@
 """Replica groups that survive (issue 52, zerodp.ft): 2 groups of 2 ranks, each group a job of its
 own joined by torchft's lighthouse; one group SIGKILLed mid-run, the other committing alone, the
 killed group started again and healed from its peer — its master values and optimizer states
-equal the peer's bitwise at every step both commit; under a DiLoCo outer loop over the groups, the
+equal the peer's bitwise at every step both commit, and every loss the run logged at a committed step
+equals a fault-free single-process run's that takes the same committed batches (the run's final
+loss included) within float32's trajectory tolerance; under a DiLoCo outer loop over the groups, the
 state it loaded equals the peer's and its outer state the peer's at every common step. make test:
 stage 1; make fuzz: stages 0 and 3.
 The long schedule (a fault every 60 s for 10 minutes) is `python -m zerodp.ft.chaos` (make chaos)."""
@@ -12,7 +14,7 @@ pytest.importorskip("torchft")
 
 from zerodp.ft.chaos import heal_once, problems  # noqa: E402
 
-from _engine_common import in_make_fuzz  # noqa: E402
+from _engine_common import in_make_fuzz, trajectory_tolerance  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -43,7 +45,59 @@ def _check(tmp_path, stage):
         mine = [(r["step"], r["digest"]) for r in again if r["rank"] == rank]
         assert mine and all(peer[s] == d for s, d in mine if s in peer)
         assert any(s in peer for s, _ in mine)
+    _check_against_one_process(recs)
     print(run["times"])
+
+
+#: what heal_once's ranks train (zerodp.ft.trainer's defaults): the nano GPT from seed 0, AdamW at
+#: lr 1e-3, ``ROWS`` sequences per rank of the global batch ``batch(index, ROWS * RANKS, ...)``
+ROWS, RANKS, SEED, LR = 2, 2, 0, 1e-3
+
+
+def _check_against_one_process(recs):
+    """The run's committed steps replayed in one process without faults: step s takes the batches
+    its participants took (indices ``first .. first + participants - 1``), each rank's slice of each
+    one forward and backward as that rank did, the gradient their mean (data parallelism over the
+    live groups), then the stock AdamW. Every loss a rank logged at a committed step — the healed
+    group's included — equals the reference's for its slice, within ``trajectory_tolerance(N, k+1)``
+    after k steps (N: the tokens a step's gradient sums; tests/_engine_common.py)."""
+    import torch
+    import torch.nn.functional as F
+
+    from zerodp.ft.trainer import batch
+    from zerodp.train.model import GPT, PRESETS
+
+    cfg = PRESETS["nano"]
+    committed = sorted({(r["step"], r["first"], r["participants"]) for r in recs
+                        if r.get("event", "step") == "step" and r["committed"]})
+    assert [s for s, _, _ in committed] == list(range(len(committed))), committed  # one entry per step
+    torch.manual_seed(SEED)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    want, worst = {}, (0.0, None)
+    for step, first, groups in committed:
+        n_terms = groups * RANKS * ROWS * cfg.seq_len
+        for index in range(first, first + groups):
+            x, y = batch(index, ROWS * RANKS, cfg.seq_len, cfg.vocab_size, SEED)
+            for rank in range(RANKS):
+                mine = slice(rank * ROWS, (rank + 1) * ROWS)
+                loss = F.cross_entropy(model(x[mine]).flatten(0, 1), y[mine].flatten())
+                (loss / (groups * RANKS)).backward()
+                want[step, index, rank] = float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        for r in recs:
+            if r.get("event", "step") == "step" and r["committed"] and r["step"] == step:
+                got, ref = r["loss"], want[step, r["batch"], r["rank"]]
+                bound = trajectory_tolerance(n_terms, step + 1)
+                rel = abs(got - ref) / abs(ref)
+                if rel / bound >= worst[0]:
+                    worst = (rel / bound, (r["group"], r["rank"], r["attempt"], step, got, ref, bound))
+    ratio, case = worst
+    assert ratio <= 1.0, ("group {}, rank {}, attempt {}: its loss at committed step {} is {!r}, the fault-free "
+                          "reference's {!r}: relative difference past the bound {:.3g}".format(*case))
+    print(f"losses against the one-process replay of {len(committed)} committed steps: worst "
+          f"{ratio:.3g} of the bound")
 
 
 def _check_diloco(tmp_path, stage):
