@@ -156,7 +156,7 @@ def part_loss(args) -> dict:
     """DDP against DiLoCo at each H, equal tokens, final validation loss."""
     from zerodp.plan._common import table
 
-    everys = [int(h) for h in args.loss_every.split(",")]
+    everys = [int(h) for h in args.loss_every.split(",") if h.strip()]  # "": warm-up runs only
     if any(args.loss_steps % h for h in everys):
         raise SystemExit(f"--loss-steps {args.loss_steps} must be a multiple of every H in --loss-every")
     warmups = _warmups(args)
@@ -181,11 +181,11 @@ def part_loss(args) -> dict:
                            "loss_ratio_vs_ddp": round(ratio, 4), "tokens": tokens, "replicas": 2, "shard_size": 2,
                            "stage": 3, "delay": 0, "ddp_val_loss": round(ddp["final"], 4),
                            "val_loss": round(r["final"], 4), "steps": args.loss_steps,
-                           "source": f"python tools/diloco_report.py --parts loss --loss-steps {args.loss_steps} "
+                           "source": f"python tools/diloco_report.py --parts loss --model {args.model} --loss-steps {args.loss_steps} "
                                      f"--loss-every {args.loss_every} (zerodp train, bundled corpus, seed {args.seed}, "
                                      f"{args.tokens_per_step} tokens per step, 4 CPU ranks)",
                            "date": datetime.date.today().isoformat()})
-    warm_everys = [int(h) for h in (args.loss_warmup_every or args.loss_every).split(",")]
+    warm_everys = [int(h) for h in (args.loss_warmup_every or args.loss_every).split(",") if h.strip()]
     for w in warmups:  # DiLoCo from DDP's checkpoint after w steps (the same data order and schedule after it)
         start = Path(args.out) / "ddp" / "checkpoints" / f"step_{w:08d}"
         for h in warm_everys:
@@ -204,7 +204,7 @@ def part_loss(args) -> dict:
                                "loss_ratio_vs_ddp": round(ratio, 4), "tokens": tokens, "replicas": 2,
                                "shard_size": 2, "stage": 3, "delay": 0, "ddp_val_loss": round(ddp["final"], 4),
                                "val_loss": round(r["final"], 4), "steps": args.loss_steps,
-                               "source": f"python tools/diloco_report.py --parts loss --loss-steps {args.loss_steps} "
+                               "source": f"python tools/diloco_report.py --parts loss --model {args.model} --loss-steps {args.loss_steps} "
                                          f"--loss-every {args.loss_every} --loss-warmup {args.loss_warmup} "
                                          f"--loss-warmup-every {args.loss_warmup_every or args.loss_every} (zerodp "
                                          f"train, bundled corpus, seed {args.seed}, {args.tokens_per_step} tokens per "
@@ -231,11 +231,11 @@ def part_loss(args) -> dict:
         path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
         print(f"wrote {len(table_rows)} rows into {path.relative_to(ROOT)}")
     if args.plot:
-        _plot(runs, Path(args.plot), tokens)
+        _plot(runs, Path(args.plot), tokens, args.model)
     return {"rows": rows, "runs": runs, "checks": checks}
 
 
-def _plot(runs: list[dict], path: Path, tokens: int) -> None:
+def _plot(runs: list[dict], path: Path, tokens: int, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +250,7 @@ def _plot(runs: list[dict], path: Path, tokens: int) -> None:
         ax.plot(*zip(*r["evals"]), "o-" if r["name"] == "ddp" else ".-", lw=1.3, ms=3, label=label)
     ax.set_xlabel("step (equal tokens per step)")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(f"tiny GPT, 4 CPU ranks, {tokens:,} tokens: DDP vs DiLoCo (2 groups of 2)", fontsize=10)
+    ax.set_title(f"{model} GPT, 4 CPU ranks, {tokens:,} tokens: DDP vs DiLoCo (2 groups of 2)", fontsize=10)
     low = min(v for r in runs for _, v in r["evals"])
     ax.set_ylim(low - 0.1, min(3.0, max(v for r in runs for _, v in r["evals"])))  # step 0 (5.6) is off the top
     ax.legend()
@@ -276,7 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidths", default="50MB,100MB,200MB,400MB,800MB",
                    help="simulated inter-group bandwidths of the crossover part, bytes/s per rank")
     p.add_argument("--crossover-steps", type=int, default=120, help="timed steps per bandwidth and contender")
-    p.add_argument("--loss-every", default="50,100,500", help="the H of the loss part's DiLoCo runs")
+    p.add_argument("--loss-every", default="50,100,500",
+                   help="the H of the loss part's DiLoCo runs from the first step (\"\": none, only --loss-warmup's)")
     p.add_argument("--loss-steps", type=int, default=500, help="steps of every loss run (a multiple of each H)")
     p.add_argument("--loss-warmup", default="",
                    help="also DiLoCo started from the DDP run's checkpoint after these steps (a data-parallel "
