@@ -61,6 +61,8 @@ def _check_against_one_process(recs):
     live groups), then the stock AdamW. Every loss a rank logged at a committed step — the healed
     group's included — equals the reference's for its slice, within ``trajectory_tolerance(N, k+1)``
     after k steps (N: the tokens a step's gradient sums; tests/_engine_common.py)."""
+    from collections import defaultdict
+
     import torch
     import torch.nn.functional as F
 
@@ -68,8 +70,11 @@ def _check_against_one_process(recs):
     from zerodp.train.model import GPT, PRESETS
 
     cfg = PRESETS["nano"]
-    committed = sorted({(r["step"], r["first"], r["participants"]) for r in recs
-                        if r.get("event", "step") == "step" and r["committed"]})
+    logged = defaultdict(list)  # committed step -> every rank's record of it
+    for r in recs:
+        if r.get("event", "step") == "step" and r["committed"]:
+            logged[r["step"]].append(r)
+    committed = sorted({(r["step"], r["first"], r["participants"]) for rs in logged.values() for r in rs})
     assert [s for s, _, _ in committed] == list(range(len(committed))), committed  # one entry per step
     torch.manual_seed(SEED)
     model = GPT(cfg)
@@ -86,13 +91,12 @@ def _check_against_one_process(recs):
                 want[step, index, rank] = float(loss.detach())
         opt.step()
         opt.zero_grad()
-        for r in recs:
-            if r.get("event", "step") == "step" and r["committed"] and r["step"] == step:
-                got, ref = r["loss"], want[step, r["batch"], r["rank"]]
-                bound = trajectory_tolerance(n_terms, step + 1)
-                rel = abs(got - ref) / abs(ref)
-                if rel / bound >= worst[0]:
-                    worst = (rel / bound, (r["group"], r["rank"], r["attempt"], step, got, ref, bound))
+        bound = trajectory_tolerance(n_terms, step + 1)
+        for r in logged[step]:
+            got, ref = r["loss"], want[step, r["batch"], r["rank"]]
+            rel = abs(got - ref) / abs(ref)
+            if rel / bound >= worst[0]:
+                worst = (rel / bound, (r["group"], r["rank"], r["attempt"], step, got, ref, bound))
     ratio, case = worst
     assert ratio <= 1.0, ("group {}, rank {}, attempt {}: its loss at committed step {} is {!r}, the fault-free "
                           "reference's {!r}: relative difference past the bound {:.3g}".format(*case))

@@ -152,6 +152,22 @@ def _train(args, name: str, extra: list[str], need: Path | None = None) -> dict:
     return {"name": name, "evals": evals, "final": evals[-1][1], "command": "zerodp " + " ".join(cmd[3:])}
 
 
+def _loss_row(args, h: int, run: dict, ddp: dict, warmup: int = 0) -> dict:
+    """One row of ``plan/diloco_loss.json``: DiLoCo at H = ``h`` (from DDP's checkpoint after
+    ``warmup`` steps, 0: from the first step) against the DDP run, with the command that measured it."""
+    cmd = (f"python tools/diloco_report.py --parts loss --model {args.model} --loss-steps {args.loss_steps} "
+           f"--loss-every {args.loss_every}")
+    how = f"zerodp train, bundled corpus, seed {args.seed}, {args.tokens_per_step} tokens per step, 4 CPU ranks"
+    if warmup:
+        cmd += f" --loss-warmup {args.loss_warmup} --loss-warmup-every {args.loss_warmup_every or args.loss_every}"
+        how += f"; the first {warmup} steps DDP's, then --resume of its checkpoint with --diloco-every H"
+    return {"model": args.model, "H": h, "compress": "none", "fragments": 1, **({"warmup": warmup} if warmup else {}),
+            "loss_ratio_vs_ddp": round(run["final"] / ddp["final"], 4),
+            "tokens": args.loss_steps * args.tokens_per_step, "replicas": 2, "shard_size": 2, "stage": 3, "delay": 0,
+            "ddp_val_loss": round(ddp["final"], 4), "val_loss": round(run["final"], 4), "steps": args.loss_steps,
+            "source": f"{cmd} ({how})", "date": datetime.date.today().isoformat()}
+
+
 def part_loss(args) -> dict:
     """DDP against DiLoCo at each H, equal tokens, final validation loss."""
     from zerodp.plan._common import table
@@ -177,14 +193,7 @@ def part_loss(args) -> dict:
         rows.append([f"DiLoCo H = {h} over ZeRO-3 (2 groups of 2)", f"{r['final']:.4f}", f"{ratio:.3f}"])
         if h == 50:
             checks.append(("DiLoCo H = 50 final validation loss <= 1.03x DDP's", ratio <= 1.03))
-        table_rows.append({"model": args.model, "H": h, "compress": "none", "fragments": 1,
-                           "loss_ratio_vs_ddp": round(ratio, 4), "tokens": tokens, "replicas": 2, "shard_size": 2,
-                           "stage": 3, "delay": 0, "ddp_val_loss": round(ddp["final"], 4),
-                           "val_loss": round(r["final"], 4), "steps": args.loss_steps,
-                           "source": f"python tools/diloco_report.py --parts loss --model {args.model} --loss-steps {args.loss_steps} "
-                                     f"--loss-every {args.loss_every} (zerodp train, bundled corpus, seed {args.seed}, "
-                                     f"{args.tokens_per_step} tokens per step, 4 CPU ranks)",
-                           "date": datetime.date.today().isoformat()})
+        table_rows.append(_loss_row(args, h, r, ddp))
     warm_everys = [int(h) for h in (args.loss_warmup_every or args.loss_every).split(",") if h.strip()]
     for w in warmups:  # DiLoCo from DDP's checkpoint after w steps (the same data order and schedule after it)
         start = Path(args.out) / "ddp" / "checkpoints" / f"step_{w:08d}"
@@ -200,17 +209,7 @@ def part_loss(args) -> dict:
             if h == 50:
                 checks.append((f"DiLoCo H = 50 after a {w}-step DDP warm-up: final validation loss <= 1.03x DDP's",
                                ratio <= 1.03))
-            table_rows.append({"model": args.model, "H": h, "compress": "none", "fragments": 1, "warmup": w,
-                               "loss_ratio_vs_ddp": round(ratio, 4), "tokens": tokens, "replicas": 2,
-                               "shard_size": 2, "stage": 3, "delay": 0, "ddp_val_loss": round(ddp["final"], 4),
-                               "val_loss": round(r["final"], 4), "steps": args.loss_steps,
-                               "source": f"python tools/diloco_report.py --parts loss --model {args.model} --loss-steps {args.loss_steps} "
-                                         f"--loss-every {args.loss_every} --loss-warmup {args.loss_warmup} "
-                                         f"--loss-warmup-every {args.loss_warmup_every or args.loss_every} (zerodp "
-                                         f"train, bundled corpus, seed {args.seed}, {args.tokens_per_step} tokens per "
-                                         f"step, 4 CPU ranks; the first {w} steps DDP's, then --resume of its "
-                                         "checkpoint with --diloco-every H)",
-                               "date": datetime.date.today().isoformat()})
+            table_rows.append(_loss_row(args, h, r, ddp, warmup=w))
     for h in [int(x) for x in args.loss_average_every.split(",") if x.strip()]:
         r = _train(args, f"average-h{h}", ["--stage", "3", "--shard-size", "2", "--diloco-every", str(h),
                                            "--diloco-lr", "1", "--diloco-momentum", "0"])
