@@ -360,3 +360,29 @@ def test_memory_repeats_take_the_median_per_rank_and_measure_every_contender_bef
     assert calls == ["ours0", "ddp"] * 3
     assert out[("compute", "ours0")] == [200, 210]
     assert out[("compute", "ddp")] == [60, None]
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_keep"])
+def test_the_fsdp2_peers_mesh_is_on_the_models_device(monkeypatch, name):
+    """fully_shard moves every parameter to its mesh's device: the FSDP2 peers build their mesh on
+    the device the model is on. With a "cpu" mesh a CUDA model was taken to the host and the bench's
+    stages 2-3 failed on one GPU (docs/gpu.md); on CPU both are "cpu", so the model here is built on
+    the meta device and torch's mesh and fully_shard only record what they are given."""
+    import torch
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as fsdp
+
+    from zerodp.bench import peers
+    from zerodp.train.model import GPT
+
+    given, sharded = [], []
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda kind, shape: given.append((kind, shape)) or kind)
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, mesh, **kw: sharded.append(mesh))
+
+    def make_model():
+        with torch.device("meta"):
+            return GPT(PRESETS["nano"])
+
+    peers.build(name, make_model, world_size=2)
+    assert given == [("meta", (2,))]
+    assert sharded and set(sharded) == {"meta"}  # every block and the root on that mesh

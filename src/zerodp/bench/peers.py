@@ -259,7 +259,9 @@ def build(name: str, make_model: Callable[[], nn.Module], world_size: int,
         from torch.distributed.fsdp import fully_shard
 
         reshard = kind == "fsdp2"
-        mesh = init_device_mesh("cpu", (world_size,))
+        # the mesh on the model's device: fully_shard moves every parameter to its mesh's device, so a
+        # "cpu" mesh took a CUDA model to the host (gpu-check's stages 2-3 failed so on one GPU)
+        mesh = init_device_mesh(next(model.parameters()).device.type, (world_size,))
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
