@@ -1,12 +1,13 @@
 """``zerodp bench --regimes diloco`` (``zerodp.bench.diloco``): the bytes it reports are the engine's and
-the planner's, and its simulated link holds each cross-group collective for bytes / bandwidth.
+the planner's, and its simulated link holds each cross-group collective for bytes / bandwidth after
+its real end.
 
 4 gloo ranks, the nano GPT at stage 1 in 2 groups of 2, DiLoCo at H = 2 with int8, one phase on
 this machine's link and one at 2 MB/s — slow enough that the throttle, not this machine's own link,
 sets the time of every cross-group collective. Timings are not asserted (a loaded CI machine); the
-throttle's own accounting is: each of hybrid ZeRO's replica AllReduces (waited for at once) is held
-until ``bytes / W`` after its launch — it lasts at least that long from issue to end, and the
-throttle slept at most that long (the real transfer and the peers' arrival count towards it).
+throttle's own accounting is: each of hybrid ZeRO's replica AllReduces is held until ``bytes / W``
+after its real end — it lasts at least that long from issue to end, and the throttle slept at most
+that long (what ran between its real end and its wait hides part of it).
 """
 
 import pytest

@@ -139,8 +139,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="inner steps an exchange runs behind (default 0)")
     g.add_argument("--inter-group-bw", default=None, metavar="W[,W...]",
                    help="simulated bandwidths between the groups, bytes/s per rank (e.g. 50MB,200MB): one "
-                        "timed phase each; the collectives across the groups complete no sooner than "
-                        "latency x ring steps + bytes sent / W after their launch (a throttle in the bench only)")
+                        "timed phase each; the collectives across the groups complete latency x ring steps + "
+                        "bytes sent / W after their real end, in series with this machine's link (a throttle "
+                        "in the bench only)")
     g.add_argument("--inter-group-latency", default="0", metavar="S",
                    help="the simulated link's latency per ring step, e.g. 20us (default 0)")
     runconfig.add_config_options(b, "zerodp bench")
@@ -425,11 +426,8 @@ def run_diloco_regime(args, model: str) -> int:
             continue
         print(diloco.table(spec, ranks))
         cross = out.get("crossover")
-        if cross and cross["measured_bytes_per_s"] and cross["planned_bytes_per_s"]:
-            print(f"crossover: DiLoCo's step is the shorter below {cross['measured_bytes_per_s'] / 1e6:.1f} MB/s "
-                  f"measured, {cross['planned_bytes_per_s'] / 1e6:.1f} MB/s planned (diloco_plan with the measured "
-                  f"inner step {cross['inner_step_s'] * 1e3:.1f} ms and outer work "
-                  f"{cross['outer_local_s_per_sync'] * 1e3:.2f} ms per sync)")
+        if cross:
+            print("\n".join(diloco.crossover_lines(cross)))
         print(f"wrote {path}\n")
     return 0
 

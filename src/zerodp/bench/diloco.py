@@ -10,21 +10,23 @@ groups on an inner step; every H steps each rank's shard of the pseudo-gradient 
   step in collectives that cross the groups — DDP's every collective, the ``"inter"`` leg of the
   others (:mod:`zerodp.engine.comm`) — averaged over ``steps`` (a whole number of rounds of H);
   beside it the planner's figure (:func:`zerodp.plan.diloco.diloco_bytes`);
-* **step time** under a **simulated slow link** between the groups, one figure per bandwidth: the
-  collectives that cross the groups complete no sooner than ``latency × ring steps + bytes this
-  rank sends / bandwidth`` after their launch (:class:`SlowLink`, the planner's
-  :meth:`~zerodp.plan.diloco.GroupLink.time`; the real transfer on this machine counts when it is
-  slower). The throttle lives here, in the bench harness, around the replica group's
-  :class:`~zerodp.engine.comm.Collectives` (DDP: its world group); the engine's path never sleeps.
-  What a collective waits for beyond its transfer is the link's; what runs meanwhile (a delayed
-  fragment, τ) hides it, as the planner assumes;
+* **step time** under a **simulated slow link** between the groups, one figure per bandwidth: each
+  collective that crosses the groups completes ``latency × ring steps + bytes this rank sends /
+  bandwidth`` after its real end on this machine (:class:`SlowLink`, the planner's
+  :meth:`~zerodp.plan.diloco.GroupLink.time`): the simulated link is in series with this machine's
+  own, as a slow link's transfer follows the peers' arrival. The throttle lives here, in the bench
+  harness, around the replica group's :class:`~zerodp.engine.comm.Collectives` (DDP: its world
+  group); the engine's path never sleeps. What runs between a collective's real end and its wait
+  (backward behind DDP's buckets, inner steps behind a delayed fragment, τ) hides the link's time,
+  as the planner assumes;
 * the outer loop's **local time per sync** (the DiLoCo steps' outer work: Δ, the outer SGD,
   θ_local ← θ_outer, less the exchange's waits) and the **outer state** bytes against 8Ψ/g.
 
 :func:`crossover` fits the measured step-time difference hybrid − DiLoCo, linear in 1/W (guide
 §16.4), and solves it for the bandwidth where the two steps are equally long, beside the planner's
 figure from the measured compute and outer times (``diloco_plan(..., compute_s=, intra_s=,
-outer_s=)``).
+outer_s=)``) on the whole link — the simulated one in series with this machine's own
+(:func:`own_link`, :func:`series`).
 """
 
 from __future__ import annotations
@@ -120,18 +122,38 @@ class ContenderRun:
 
 
 class _Late:
-    """A launched collective on the simulated link (:class:`SlowLink`): it completes no sooner than
-    ``cost`` seconds after its launch. The real transfer on this machine and the wait for the peers
-    to join count towards that time (the simulated link stands for the real one: a collective takes
-    max(real, cost)); one launched behind compute and waited for later (DDP's buckets in backward, a
-    fragment's exchange under a delay τ) hides what of it the compute covered."""
+    """A launched collective on the simulated link (:class:`SlowLink`): it completes ``cost`` seconds
+    after the real collective on this machine did. The simulated link is in series with this
+    machine's own: a slow link's transfer begins when the peers have joined, so its time adds to
+    the real one (the peers' arrival and the transfer on this machine's link) rather than hiding
+    behind it. The real completion is taken from the collective's future when it has one (then a
+    collective launched behind compute and waited for later — DDP's buckets in backward, a
+    fragment's exchange under a delay τ — still hides what of the link the compute covered), else
+    from when it is first seen complete."""
 
-    def __init__(self, work, launched: float, cost: float, link: "SlowLink"):
-        self.work, self.launched, self.cost, self.link = work, launched, cost, link
+    def __init__(self, work, cost: float, link: "SlowLink"):
+        self.work, self.cost, self.link = work, cost, link
+        self.real_end: float | None = None
+        future = None
+        try:
+            future = work.get_future()
+        except (AttributeError, RuntimeError):  # the int8 collectives' own work objects have none
+            pass
+        if future is not None:
+            future.add_done_callback(self._done)
+
+    def _done(self, _future) -> None:
+        if self.real_end is None:
+            self.real_end = time.perf_counter()
+
+    def _left(self) -> float:
+        if self.real_end is None:
+            self.real_end = time.perf_counter()
+        return self.real_end + self.cost - time.perf_counter()
 
     def wait(self, timeout=None) -> bool:
         self.work.wait() if timeout is None else self.work.wait(timeout)
-        left = self.launched + self.cost - time.perf_counter()
+        left = self._left()
         if left > 0:
             time.sleep(left)
             self.link.slept += left
@@ -139,17 +161,17 @@ class _Late:
 
     def is_completed(self) -> bool:
         inner = getattr(self.work, "work", None)  # the int8 collectives' own transfer
-        done = (inner if inner is not None else self.work).is_completed()
-        return done and time.perf_counter() >= self.launched + self.cost
+        if not (inner if inner is not None else self.work).is_completed():
+            return False
+        return self._left() <= 0
 
 
 class SlowLink:
     """The simulated link between replica groups, around one :class:`~zerodp.engine.comm.Collectives`
-    (module docstring): each collective issued through it completes no sooner than
-    ``latency · ring steps + bytes sent per rank / bandwidth`` after its launch
-    (:class:`_Late`). ``bandwidth``
-    None: no throttle. The bench's own wrapper of the instance's issue method — the engine's
-    classes are untouched."""
+    (module docstring): each collective issued through it completes
+    ``latency · ring steps + bytes sent per rank / bandwidth`` after its real completion on this
+    machine (:class:`_Late`). ``bandwidth`` None: no throttle. The bench's own wrapper of the
+    instance's issue method — the engine's classes are untouched."""
 
     def __init__(self, comm, bandwidth: float | None = None, latency: float = 0.0):
         from zerodp.engine.comm import ring_sent_bytes
@@ -160,12 +182,11 @@ class SlowLink:
 
         def slow_issue(kind, label, nbytes, launch, after, async_op):
             def slow_launch():
-                began = time.perf_counter()
                 work = launch()
                 if self.bandwidth is None:
                     return work
                 cost = self.latency * ring_steps(kind, n) + ring_sent_bytes(kind, nbytes, n) / self.bandwidth
-                return _Late(work, began, cost, self)
+                return _Late(work, cost, self)
             return issue(kind, label, nbytes, slow_launch, after, async_op)
 
         comm._issue = slow_issue
@@ -347,12 +368,39 @@ def table(spec: DiLoCoBenchSpec, ranks: list[dict]) -> str:
     return text_table(head, rows, title=title)
 
 
+def own_link(r0: dict) -> float:
+    """This machine's own link between the groups as the steps met it, in bytes/s (infinite when it
+    cost nothing measurable): on the unthrottled phase, the difference of hybrid ZeRO's and
+    DiLoCo's exposed waits for their cross-group collectives over the difference of their bytes
+    per step — what the two share (the wait for the slowest peer, a collective's fixed cost)
+    cancels, what grows with the bytes remains."""
+    free = {n: [p for p in r0[n]["phases"] if p["bandwidth"] is None][0] for n in ("hybrid", "diloco")}
+    wait = {n: p["cross_wait_s"] / len(p["step_s"]) for n, p in free.items()}
+    sent = {n: statistics.fmean(r0[n]["cross_bytes"]) for n in free}
+    extra = wait["hybrid"] - wait["diloco"]
+    return (sent["hybrid"] - sent["diloco"]) / extra if extra > 0 else float("inf")
+
+
+def series(bandwidth: float, own: float) -> float:
+    """Two links in series, as the bench runs the simulated one behind this machine's own
+    (:class:`_Late`): 1/W = 1/W_sim + 1/W_own."""
+    return 1 / (1 / bandwidth + 1 / own)
+
+
 def crossover(spec: DiLoCoBenchSpec, ranks: list[dict]) -> dict:
-    """The bandwidth where hybrid ZeRO's and DiLoCo's steps (:func:`round_median`) are equal:
-    measured (a least-squares line through hybrid − DiLoCo against 1/W over the throttled phases,
-    rank 0's clock) and the
-    planner's (:func:`zerodp.plan.diloco.diloco_plan` given the measured compute, intra-group and
-    outer times, the link's latency and no overlap, as the throttle runs)."""
+    """The bandwidth where hybrid ZeRO's and DiLoCo's steps (:func:`round_median`) are equal,
+    measured and planned, on two scales.
+
+    *Measured*: a least-squares line through hybrid − DiLoCo against 1/W over the throttled phases
+    (rank 0's clock), solved for zero. *Planned*: :func:`zerodp.plan.diloco.diloco_plan` given the
+    measured compute and outer times and no overlap, as the throttle runs, on the link the steps ran
+    on — the simulated one in series with this machine's own (:func:`own_link`).
+
+    ``*_link_bytes_per_s``: the crossover as the bandwidth of that whole link between the groups,
+    1/W_link = 1/W + 1/W_own — what a user's cluster has and gives the planner, and the scale the
+    two are compared on; ``*_bytes_per_s``: as the simulated W alone, 1/W = 1/W_link − 1/W_own
+    (None when W_link is not below W_own). Where this machine's own link is about as slow as the
+    crossover, the second scale magnifies the noise of both figures (guide §16.4)."""
     from zerodp.plan.diloco import diloco_plan
 
     r0 = ranks[0]
@@ -376,11 +424,40 @@ def crossover(spec: DiLoCoBenchSpec, ranks: list[dict]) -> dict:
     outer_local = statistics.median(rounds) / o.every
     inner = statistics.median(free["step_s"])
     numels = r0["diloco"]["fragment_numels"]
-    plan = diloco_plan(sum(numels), "H100", spec.world_size, spec.shard_size, spec.stage, every=o.every,
-                       fragments=o.fragments, compress=o.compress or "none", delay=o.delay, precision="fp32",
-                       compute_s=inner, intra_s=0.0, outer_s=outer_local * o.every,
-                       hidden_s=0.0, inter_group_bw=min(spec.bandwidths) if spec.bandwidths else 1e9,
-                       inter_group_latency=spec.latency, fragment_sizes=numels)
-    return {"points": points, "measured_bytes_per_s": measured, "planned_bytes_per_s":
-            plan.crossover_bandwidth_bytes_per_s, "planner_crossover": plan.crossover,
+    own = own_link(r0)
+    def plan_at(bandwidth: float):
+        return diloco_plan(sum(numels), "H100", spec.world_size, spec.shard_size, spec.stage, every=o.every,
+                           fragments=o.fragments, compress=o.compress or "none", delay=o.delay, precision="fp32",
+                           compute_s=inner, intra_s=0.0, outer_s=outer_local * o.every, hidden_s=0.0,
+                           inter_group_bw=series(bandwidth, own), inter_group_latency=spec.latency,
+                           fragment_sizes=numels)
+
+    def difference(plan) -> float:
+        step = {m["method"]: m["step_s"] for m in plan.methods}
+        return step["hybrid"] - step["diloco"]
+
+    plan = plan_at(min(spec.bandwidths) if spec.bandwidths else 1e9)
+    planned_points = [(x, difference(plan_at(1 / x))) for x, _ in points]
+    link = plan.crossover_bandwidth_bytes_per_s
+    return {"points": points, "planned_points": planned_points, "measured_bytes_per_s": measured,
+            "own_link_bytes_per_s": own,
+            "planned_bytes_per_s": 1 / (1 / link - 1 / own) if link and link < own else None,
+            "measured_link_bytes_per_s": series(measured, own) if measured else None,
+            "planned_link_bytes_per_s": link, "planner_crossover": plan.crossover,
             "outer_local_s_per_sync": outer_local * o.every / o.fragments, "inner_step_s": inner}
+
+
+def crossover_lines(cross: dict) -> list[str]:
+    """:func:`crossover`'s figures as the report prints them: the whole link's crossover, measured
+    and planned, then the simulated bandwidth alone and this machine's own link."""
+    def mb(x):
+        return f"{x / 1e6:,.1f} MB/s" if x and x != float("inf") else "none"
+
+    return [f"crossover (the link between the groups: simulated, in series with this machine's own): "
+            f"DiLoCo's step is the shorter below {mb(cross['measured_link_bytes_per_s'])} measured, "
+            f"{mb(cross['planned_link_bytes_per_s'])} planned (diloco_plan with the measured inner step "
+            f"{cross['inner_step_s'] * 1e3:.1f} ms and outer work {cross['outer_local_s_per_sync'] * 1e3:.2f} ms "
+            f"per sync)",
+            f"  as the simulated bandwidth alone: {mb(cross['measured_bytes_per_s'])} measured, "
+            f"{mb(cross['planned_bytes_per_s'])} planned; this machine's own link as the steps met it: "
+            f"{mb(cross['own_link_bytes_per_s'])}"]
