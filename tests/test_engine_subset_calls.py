@@ -328,14 +328,16 @@ def test_rank0_eval_is_served_stage3():
 
 def test_rank0_eval_ends_and_every_process_exits_stage3():
     """Rank 1 is away past the limit (a long host-side task, no collective to serve from): rank 0
-    names its evaluation and ends; rank 1, back, learns that rank 0's process ended, and ends
-    too — both processes exit."""
+    names its evaluation and ends; rank 1, back, learns that rank 0's process ended — or, when its
+    own limit runs out first while rank 0's process is still ending (a loaded machine), reads rank
+    0's post and names the evaluation too — and ends; both processes exit."""
     out = results()
     first = out["eval_stage3", 0]["said"] or ""
     assert "(an evaluation) was called on rank 0 only" in first and "evaluate on every rank" in first, first
     _check_ended("eval_stage3", ("",), "")
     second = out["eval_stage3", 1]["said"]
-    assert "another rank's process ended" in second or "did not complete" in second, second
+    assert ("another rank's process ended" in second or "did not complete" in second
+            or "(an evaluation) was called on rank 0 only" in second), second
 
 
 def test_different_calls_on_different_ranks_are_named_on_both_and_the_group_stays_usable():

@@ -11,6 +11,7 @@ in such a call, joins it, and goes back to its wait (:meth:`Control.serve_pendin
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -18,7 +19,9 @@ import enum
 import functools
 import json
 import pickle
+import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -123,6 +126,19 @@ UNANNOUNCED = (GRAD_NORM, CLIP_GRAD_NORM, UNIT_SCHEDULE)
 POLL_S = 0.25
 #: the least time the control group gets to connect when the engine is built (parallelize is collective)
 CONNECT_FLOOR_S = 60.0
+#: The longest a rank at the end of its script serves the others' calls made alone, waiting for
+#: every rank to end (``timeout_s`` when shorter; :meth:`Control.serve_until_all_exit`): a final save
+#: comes right after the last step; a rank that never ends (stalled, or failed outside the engine
+#: under a launcher that exits quietly) keeps this one no longer than this.
+EXIT_WAIT_S = 60.0
+
+
+def _serve_at_exit(ref: "weakref.ref[Control]") -> None:
+    """The interpreter is exiting: the control, if its engine still lives, serves the calls the
+    other ranks make alone until every rank has ended (:meth:`Control.serve_until_all_exit`)."""
+    control = ref()
+    if control is not None:
+        control.serve_until_all_exit()
 
 
 class Routing(enum.Enum):
@@ -167,13 +183,19 @@ class Control:
         self.servers: dict[Call, Callable[[], object]] = {}
         self.poll_s = POLL_S if self.world_size > 1 else None  # read by Pending's wait
         self.failure: str | None = None
+        self.ended_by: str | None = None  # the error the script is ending with, when it says so (end_with)
         self.group = None  # connected at construction (below)
+        self._job_store = self._default_store()  # kept: a script may destroy the process group before it exits
         self.name = self._name(group) if self.world_size > 1 else None
         self._comms = [c for c in comms if c is not None]
         for c in self._comms:
             c.control = self
         if self.world_size > 1:  # now, while every rank builds the engine: a call made alone later must
             self._connected(UNIT_SCHEDULE)  # not wait in a rendezvous it cannot poll (serve_pending)
+            # the newest engine of this process serves at its exit (serve_until_all_exit): counted in the store
+            self._newest = f"zerodp/controls/{dist.get_rank()}"
+            self._number_built = self._store().add(self._newest, 1) if self._store() is not None else 0
+            atexit.register(_serve_at_exit, weakref.ref(self))
 
     def _name(self, group: dist.ProcessGroup | None) -> str:
         """This control's name in the job's store: the engine group's name and how many controls
@@ -418,8 +440,9 @@ class Control:
                     self.abandon()
                     raise CollectiveTimeout(
                         f"{call.name} was made on this rank alone and another rank's process ended before serving "
-                        "it: the others serve such a call from their next step's collectives, and after their last "
-                        f"step there is none — {call.fix}; the job ends") from error
+                        "it: the others serve such a call from their next step's collectives or, after their last "
+                        "step, from the end of their script (a process that ends otherwise serves nothing) — "
+                        f"{call.fix}; the job ends") from error
                 raise error from None
 
     def _refusal(self) -> str | None:
@@ -482,12 +505,56 @@ class Control:
         raise CollectiveTimeout(self.failure) from error
 
     def _store(self):
+        return self._job_store
+
+    def _default_store(self):
         if self.world_size == 1:
             return None
         try:
             return dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - no store: each rank speaks for itself
             return None
+
+    def end_with(self, error: BaseException) -> None:
+        """The script is ending with ``error`` (a training loop that caught it says so before it
+        re-raises): at the exit this rank then only posts its end and serves nothing, so that its
+        process ends at once and the other ranks learn of it from their collectives."""
+        self.ended_by = f"{type(error).__name__}: {error}"
+
+    def serve_until_all_exit(self) -> None:
+        """At the end of the script (the interpreter's exit): serve the calls another rank makes
+        alone after its last step — DDP's habit, ``if rank == 0: torch.save({"model":
+        model.state_dict(), "optimizer": optimizer.state_dict()}, path)`` once training is over —
+        until every rank has reached the end of its own script, at most ``timeout_s`` or
+        :data:`EXIT_WAIT_S`, whichever is shorter. Each rank posts in the job's store that it has ended and
+        serves (:meth:`serve_pending`) until every rank's post is there. Only the newest engine of
+        the process serves; after a failure of the engine, or when the script ended with an
+        exception (uncaught, or reported by :meth:`end_with`), it only posts: a call it would have
+        served learns of the end from its collectives at once, as before (guide §12.9)."""
+        if self.world_size == 1:
+            return
+        store = self._store()
+        ended = [self._key("ended", r) for r in range(self.world_size)]
+        try:
+            store.set(ended[self.rank], "1")  # first: the others wait for no rank that has ended
+            newest = store.add(self._newest, 0) == self._number_built
+        except Exception:  # noqa: BLE001 - no store (the rank that hosted it has ended): nothing to serve
+            return
+        if (not newest or self.failure is not None or self.ended_by is not None or hasattr(sys, "last_value")
+                or getattr(sys, "last_exc", None) is not None):
+            return
+        deadline = time.monotonic() + min(self.timeout_s or EXIT_WAIT_S, EXIT_WAIT_S)
+        while time.monotonic() < deadline:
+            try:
+                if store.check(ended):
+                    return
+                self.serve_pending("the end of its script")
+            except CollectiveTimeout as refused:  # a call that cannot be served: the caller has its message
+                print(f"zerodp: rank {self.rank}: {refused}", file=sys.stderr)
+                return
+            except Exception:  # noqa: BLE001 - the store went with the rank that hosted it: it has ended
+                return
+            time.sleep(POLL_S)
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.name}/{kind}/{rank}"

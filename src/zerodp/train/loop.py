@@ -280,17 +280,20 @@ def train(cfg: TrainConfig, ctx: RankContext, hooks: Hooks | None = None) -> dic
     hooks = Faults.from_env(ctx.rank) if hooks is None else hooks
     with Watchdog.for_timeout(cfg.timeout_s, ctx.rank) as dog:
         dog.slow("start-up")  # longer limit until the first step
+        run = None
         try:
-            return _train(cfg, ctx, dog, hooks)
+            run = Run(cfg, ctx, dog, hooks)  # data, model, engine, the resumed state, metrics log, progress
+            return _train(run, cfg, ctx, dog)
         except Exception as e:
+            if run is not None:  # this process ends with the error: its engine serves nothing at the exit
+                run.engine.control.end_with(e)
             if is_collective_error(e):
                 raise explain(e, ctx.rank, ctx.world, dog.where, cfg.timeout_s) from None
             raise
 
 
-def _train(cfg: TrainConfig, ctx: RankContext, dog: Watchdog, hooks: Hooks) -> dict:
+def _train(run: "Run", cfg: TrainConfig, ctx: RankContext, dog: Watchdog) -> dict:
     """The loop of guide §5, step by step: train, agree on a stop, evaluate, log, checkpoint."""
-    run = Run(cfg, ctx, dog, hooks)  # data, model, engine, the resumed state, metrics log, progress
     run.evaluate_before_first_step()
     t_run = time.perf_counter()
     stopped = None  # why this invocation ends before ``run.end``, if it does
