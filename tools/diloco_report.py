@@ -108,8 +108,7 @@ def part_crossover(args) -> dict:
                 title="the step-time difference on the simulated link"))
     print("\n".join(diloco.crossover_lines(cross)))
     m, p = cross["measured_link_bytes_per_s"], cross["planned_link_bytes_per_s"]
-    own = {n: [q for q in ranks[0][n]["phases"] if q["bandwidth"] is None][0] for n in ("hybrid", "diloco")}
-    real = {n: q["cross_wait_s"] / len(q["step_s"]) for n, q in own.items()}
+    real = diloco.unthrottled_waits(ranks[0])
     print(f"unthrottled, the steps waited {real['hybrid'] * 1e3:.2f} ms for hybrid ZeRO-3's cross-group collectives "
           f"and {real['diloco'] * 1e3:.2f} ms for DiLoCo's; the simulated link adds its bytes / W after each "
           "collective's real end")

@@ -368,15 +368,21 @@ def table(spec: DiLoCoBenchSpec, ranks: list[dict]) -> str:
     return text_table(head, rows, title=title)
 
 
+def unthrottled_waits(r0: dict) -> dict[str, float]:
+    """Per step of the unthrottled phase, how long hybrid ZeRO's and DiLoCo's steps waited for their
+    cross-group collectives (rank 0's record)."""
+    free = {n: [p for p in r0[n]["phases"] if p["bandwidth"] is None][0] for n in ("hybrid", "diloco")}
+    return {n: p["cross_wait_s"] / len(p["step_s"]) for n, p in free.items()}
+
+
 def own_link(r0: dict) -> float:
     """This machine's own link between the groups as the steps met it, in bytes/s (infinite when it
     cost nothing measurable): on the unthrottled phase, the difference of hybrid ZeRO's and
     DiLoCo's exposed waits for their cross-group collectives over the difference of their bytes
     per step — what the two share (the wait for the slowest peer, a collective's fixed cost)
     cancels, what grows with the bytes remains."""
-    free = {n: [p for p in r0[n]["phases"] if p["bandwidth"] is None][0] for n in ("hybrid", "diloco")}
-    wait = {n: p["cross_wait_s"] / len(p["step_s"]) for n, p in free.items()}
-    sent = {n: statistics.fmean(r0[n]["cross_bytes"]) for n in free}
+    wait = unthrottled_waits(r0)
+    sent = {n: statistics.fmean(r0[n]["cross_bytes"]) for n in wait}
     extra = wait["hybrid"] - wait["diloco"]
     return (sent["hybrid"] - sent["diloco"]) / extra if extra > 0 else float("inf")
 

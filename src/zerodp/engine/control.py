@@ -194,7 +194,7 @@ class Control:
             self._connected(UNIT_SCHEDULE)  # not wait in a rendezvous it cannot poll (serve_pending)
             # the newest engine of this process serves at its exit (serve_until_all_exit): counted in the store
             self._newest = f"zerodp/controls/{dist.get_rank()}"
-            self._number_built = self._store().add(self._newest, 1) if self._store() is not None else 0
+            self._number_built = self._job_store.add(self._newest, 1) if self._job_store is not None else 0
             atexit.register(_serve_at_exit, weakref.ref(self))
 
     def _name(self, group: dist.ProcessGroup | None) -> str:
@@ -526,8 +526,8 @@ class Control:
         alone after its last step — DDP's habit, ``if rank == 0: torch.save({"model":
         model.state_dict(), "optimizer": optimizer.state_dict()}, path)`` once training is over —
         until every rank has reached the end of its own script, at most ``timeout_s`` or
-        :data:`EXIT_WAIT_S`, whichever is shorter. Each rank posts in the job's store that it has ended and
-        serves (:meth:`serve_pending`) until every rank's post is there. Only the newest engine of
+        :data:`EXIT_WAIT_S`, whichever is shorter. Each rank posts in the job's store that it has
+        ended and serves (:meth:`serve_pending`) until every rank's post is there. Only the newest engine of
         the process serves; after a failure of the engine, or when the script ended with an
         exception (uncaught, or reported by :meth:`end_with`), it only posts: a call it would have
         served learns of the end from its collectives at once, as before (guide §12.9)."""
