@@ -48,10 +48,11 @@ def _check_steps(recs, steps):
     for r in committed:
         by_step.setdefault(r["step"], []).append(r)
     assert sorted(by_step) == list(range(steps))
-    batches = [r["batch"] for rs in by_step.values() for r in rs]
+    # a group healing during a step logs no batch (it took no part: zerodp.ft.replicas)
+    batches = [r["batch"] for rs in by_step.values() for r in rs if r["batch"] is not None]
     assert sorted(batches) == list(range(len(batches)))  # each group batch once, none skipped
     for rs in by_step.values():
-        assert len(rs) == rs[0]["participants"]
+        assert len([r for r in rs if r["batch"] is not None]) == rs[0]["participants"]
     for rank in (0, 1):  # at the last step every group holds the same state, bitwise
         last = [r for r in recs if r.get("step") == steps - 1 and r["committed"] and r["rank"] == rank]
         assert len(last) == 2 and len({r["digest"] for r in last}) == 1, last

@@ -133,7 +133,7 @@ def rank_main(ctx) -> None:
                 continue
             dist.all_reduce(loss_sum)  # the group's mean loss
             rec = dict(event="step", step=step, committed=committed, participants=replicas.participants,
-                       batch=index, first=first, loss=float(loss_sum) / g, lr=lr,
+                       batch=index if replicas.took_part else None, first=first, loss=float(loss_sum) / g, lr=lr,
                        s=round(time.perf_counter() - t0, 4), quorum_s=round(replicas.last_quorum_s or 0.0, 4),
                        healed=replicas.heals > heals)
             if committed and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):

@@ -61,6 +61,8 @@ def problems(recs: list[dict], stall_s: float) -> list[str]:
     taken: dict[int, set[int]] = defaultdict(set)
     for x in _committed(recs, rank=0):
         firsts.setdefault(x["step"], (x["first"], x["participants"]))
+        if x["batch"] is None:  # a group healing during the step: its batch did not count
+            continue
         taken[x["step"]].add(x["batch"])
         if not x["first"] <= x["batch"] < x["first"] + x["participants"]:
             out.append(f"group {x['group']} step {x['step']}: batch {x['batch']} outside [{x['first']}, "
@@ -69,7 +71,7 @@ def problems(recs: list[dict], stall_s: float) -> list[str]:
         if s + 1 in firsts and firsts[s + 1][0] != sum(firsts[s]):
             out.append(f"step {s + 1} starts at batch {firsts[s + 1][0]}, step {s} ended at {sum(firsts[s])}")
     for s, batches in taken.items():
-        if len(batches) != len(_committed(recs, rank=0, step=s)):
+        if len(batches) != len([x for x in _committed(recs, rank=0, step=s) if x["batch"] is not None]):
             out.append(f"step {s}: two groups took the same batch ({sorted(batches)})")
     slow = [x for x in recs if x["s"] > stall_s]
     if slow:
@@ -88,11 +90,12 @@ def _by_attempt(recs):
 
 def heal_once(log_dir: str, stage: int = 1, groups: int = 2, ranks: int = 2, preset: str = "nano",
               before: int = 3, alone: int = 3, after: int = 2, timeout_s: float = 120.0,
-              heartbeat_timeout_ms: int = 1000, diloco_every: int = 0) -> dict:
+              heartbeat_timeout_ms: int = 1000, diloco_every: int = 0, overlap_quorum: bool = True) -> dict:
     """One SIGKILL of the last group and one heal (module docstring): the records and timings.
-    ``diloco_every``: H, the groups under a DiLoCo outer loop (0: plain replicas)."""
+    ``diloco_every``: H, the groups under a DiLoCo outer loop (0: plain replicas);
+    ``overlap_quorum``: ``ReplicaGroups(overlap_quorum=...)`` in every group."""
     c = LocalGroups(TARGET, groups, ranks, dict(stage=stage, preset=preset, digest=True, step_sleep_s=0.02,
-                                                diloco_every=diloco_every),
+                                                diloco_every=diloco_every, overlap_quorum=overlap_quorum),
                     log_dir, heartbeat_timeout_ms=heartbeat_timeout_ms)
     dead = groups - 1
     t = {}

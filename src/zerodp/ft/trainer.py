@@ -52,7 +52,8 @@ def train(ctx) -> None:
     torch.manual_seed(int(a.get("seed", 0)))
     model = GPT(cfg)
     replicas = ReplicaGroups(ctx.group, ctx.groups, ctx.lighthouse, timeout_s=float(a.get("timeout_s", 30)),
-                             quorum_timeout_s=float(a.get("quorum_timeout_s", 60)))
+                             quorum_timeout_s=float(a.get("quorum_timeout_s", 60)),
+                             overlap_quorum=bool(a.get("overlap_quorum", True)))
     every = int(a.get("diloco_every", 0))
     engine = zerodp.parallelize(model, optimizer=lambda g: torch.optim.AdamW(g, lr=float(a.get("lr", 1e-3))),
                                 stage=int(a.get("stage", 1)), replicas=replicas,
@@ -77,7 +78,8 @@ def train(ctx) -> None:
             engine.step()
             engine.zero_grad()
             committed = replicas.commits > before
-            rec = dict(step=step, committed=committed, participants=replicas.participants, batch=index, first=first,
+            rec = dict(step=step, committed=committed, participants=replicas.participants,
+                       batch=index if replicas.took_part else None, first=first,
                        loss=float(loss.detach()), s=round(time.perf_counter() - t0, 4),
                        quorum_s=round(replicas.last_quorum_s or 0.0, 4), healed=replicas.heals > heals)
             if a.get("digest"):
