@@ -58,12 +58,12 @@ def problems(recs: list[dict], stall_s: float) -> list[str]:
             out.append(f"step {step} rank {rank}: the groups' states differ: {digests}")
     # the data position: per committed step, first + participants is the next step's first
     firsts: dict[int, tuple[int, int]] = {}
-    taken: dict[int, set[int]] = defaultdict(set)
+    taken: dict[int, list[int]] = defaultdict(list)
     for x in _committed(recs, rank=0):
         firsts.setdefault(x["step"], (x["first"], x["participants"]))
         if x["batch"] is None:  # a group healing during the step: its batch did not count
             continue
-        taken[x["step"]].add(x["batch"])
+        taken[x["step"]].append(x["batch"])
         if not x["first"] <= x["batch"] < x["first"] + x["participants"]:
             out.append(f"group {x['group']} step {x['step']}: batch {x['batch']} outside [{x['first']}, "
                        f"{x['first'] + x['participants']})")
@@ -71,7 +71,7 @@ def problems(recs: list[dict], stall_s: float) -> list[str]:
         if s + 1 in firsts and firsts[s + 1][0] != sum(firsts[s]):
             out.append(f"step {s + 1} starts at batch {firsts[s + 1][0]}, step {s} ended at {sum(firsts[s])}")
     for s, batches in taken.items():
-        if len(batches) != len([x for x in _committed(recs, rank=0, step=s) if x["batch"] is not None]):
+        if len(set(batches)) != len(batches):
             out.append(f"step {s}: two groups took the same batch ({sorted(batches)})")
     slow = [x for x in recs if x["s"] > stall_s]
     if slow:

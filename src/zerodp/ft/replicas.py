@@ -328,8 +328,6 @@ class ReplicaGroups:
             # of a new quorum meet first (one element, the healing one after its fetch)
             self._allreduce(torch.zeros(1))
         self._last_quorum = quorum
-        if not self.overlap:
-            self._stale = None  # a synchronous quorum: the batch is chosen after it
 
     def _join(self) -> None:
         """Wait for this step's quorum (at once when torchft waited in start_quorum) and compare it
@@ -344,9 +342,10 @@ class ReplicaGroups:
         # quorum id also moves after any step that did not commit, the groups unchanged)
         now = (self.manager.num_participants(), self.manager.participating_rank())
         self._stale = None
-        # a healing group (no rank: torchft's asynchronous heal) takes no part in this step's mean;
-        # whether the step commits is read off its peer's last quorum when the peer's state arrives
-        if now[1] is not None and (self._last is None or now != self._last):
+        # a synchronous quorum: the batch is chosen after it. A healing group (no rank: torchft's
+        # asynchronous heal) takes no part in this step's mean; whether the step commits is read
+        # off its peer's last quorum when the peer's state arrives
+        if self.overlap and now[1] is not None and (self._last is None or now != self._last):
             self._stale = (f"the quorum changed (participants, this group's rank: {self._last} -> {now}); the "
                            "step's batch was chosen for the last one: it is taken again")
         self._last = now
@@ -358,11 +357,13 @@ class ReplicaGroups:
     def _remember_start(self) -> None:
         """The step's start, as a healing peer receives it and a step that does not commit leaves
         it: the CPU RNG, the module's buffers, the loop's registered state (module docstring)."""
-        e = self._engine
+        # with the synchronous quorum torchft reads them inside start_step, before anything moved:
+        # the live buffers, and the loop's state when it does (_save)
+        copy = (lambda t: t.detach().clone()) if self.overlap else (lambda t: t.detach())
         self._start = {"last": self._last, "rng": torch.get_rng_state(),
-                       "buffers": {name: getattr(sub, local).detach().clone().reshape(-1)
-                                   for name, sub, local in e.state_buffers},
-                       "extra": {k: save() for k, (save, _) in self._extra.items()}}
+                       "buffers": {name: copy(getattr(sub, local)).reshape(-1)
+                                   for name, sub, local in self._engine.state_buffers},
+                       "extra": {k: save() for k, (save, _) in self._extra.items()} if self.overlap else None}
 
     def _restore(self) -> None:
         torch.set_rng_state(self._start["rng"])
@@ -420,8 +421,11 @@ class ReplicaGroups:
         # the RNG, buffers and loop state as the step began (torchft's quorum thread may call this
         # while the step computes: they may have moved since)
         start = self._start
+        extra = start["extra"]
+        if extra is None:  # the synchronous quorum: read now, at the step's start
+            extra = {k: save() for k, (save, _) in self._extra.items()}
         return {"scalars": scalars, "pieces": pieces, "buffers": {k: keep(v) for k, v in start["buffers"].items()},
-                "rng": start["rng"], "extra": start["extra"], "last": start["last"]}
+                "rng": start["rng"], "extra": extra, "last": start["last"]}
 
     def _load(self, state: dict) -> None:
         """Load a peer's state (the main thread; collective in the group): inside start_step, or —
