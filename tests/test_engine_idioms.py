@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import zerodp
 from _engine_common import (Boom, Counting, LARS, Net, Residual, decay_groups, regression_batch, run_checks, shard,
-                            spawn_once, trajectory_tolerance)
+                            spawn_once, sum_tolerance, trajectory_tolerance)
 
 pytestmark = pytest.mark.dist
 WORLD = 2
@@ -376,6 +376,76 @@ def torch_clip_with_gradients_reduced_in_bf16(rank, stage):
     return torch_clip_grad_norm(rank, stage, torch.bfloat16, reduce_dtype="bf16")
 
 
+def torch_clip_grad_value(rank, stage, dtype=torch.float32, **options):
+    """``torch.nn.utils.clip_grad_value_(model.parameters(), c)`` on the averaged gradients, and
+    a second micro-batch's backward added onto the clipped ones before the step — what DDP gives:
+    the clamp of the mean, then the mean of the next micro-batch added."""
+    _, engine, ref = build(stage, lambda g: torch.optim.SGD(g, lr=0.1), **options)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = batch(2 * step)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        ref(x, y).backward()
+        # a fifth of the largest element
+        clip = 0.2 * max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+        torch.nn.utils.clip_grad_value_(engine.parameters(), clip)
+        torch.nn.utils.clip_grad_value_(ref.parameters(), clip)
+        x, y = batch(2 * step + 1)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        ref(x, y).backward()
+        got = engine.full_grad_dict()  # the step's gradient: two sums of world × ROWS rows each
+        for name, p in ref.named_parameters():
+            if p.grad is not None and name in got:
+                err = (got[name].float() - p.grad).abs().max().item()
+                bound = sum_tolerance(2 * WORLD * ROWS, dtype) * p.grad.abs().max().item()
+                if err > bound:
+                    return f"step {step}: the gradient of {name} differs by {err:.3g} from DDP's (bound {bound:.3g})"
+        engine.step()
+        engine.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return distance(engine, ref, 4, dtype)
+
+
+def torch_clip_grad_value_with_gradients_reduced_in_bf16(rank, stage):
+    """As above with the full local gradients at rest beside a gradient shard of its own (stage 1
+    in bf16): the clamp moves them too, so the second micro-batch adds onto the clipped mean."""
+    return torch_clip_grad_value(rank, stage, torch.bfloat16, reduce_dtype="bf16")
+
+
+def every_stock_optimizer_built_after_the_wrap(rank, stage):
+    """The wrap-line port: ``model = parallelize(model, stage=s)`` then ``torch.optim.X(model.parameters())``
+    for every stock class the engine runs (Adafactor at stage 0, where every rank holds every
+    tensor whole; at stages 1-3 it goes to ``parallelize(optimizer=...)``: refused in one line)."""
+    from zerodp.engine.optimizer_plan import ELEMENTWISE_OPTIMIZERS
+    classes = list(ELEMENTWISE_OPTIMIZERS) + [torch.optim.Adafactor]
+    for cls in classes:
+        model, ref = Net(), Net()
+        engine = zerodp.parallelize(model, stage=stage, bucket_mb=0.0002, first_bucket_mb=0.0001,
+                                    **({} if stage == 3 else {"find_unused_parameters": True}))
+        opt, ref_opt = cls(model.parameters(), lr=0.01), cls(ref.parameters(), lr=0.01)
+        if cls is torch.optim.Adafactor and stage > 0:
+            x, y = batch(0)
+            engine(mine(x, rank), mine(y, rank)).backward()
+            try:
+                opt.step()
+                return f"{cls.__name__} built after the wrap at stage {stage} was taken"
+            except ValueError as e:
+                if "parallelize(model, optimizer=[...])" not in str(e) or "\n" in str(e):
+                    return f"{cls.__name__}: unclear message: {e}"
+            continue
+        train_both(engine, opt, ref, ref_opt, rank, range(3))
+        bad = distance(engine, ref, 3)
+        if bad is not None:
+            return f"{cls.__name__}: {bad}"
+        mine_state, ref_state = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        shapes = [{k: tuple(v.shape) if torch.is_tensor(v) else v for k, v in sorted(st.items())}
+                  for st in (mine_state.get(0, {}), ref_state.get(0, {}))]
+        if stage == 0 and shapes[0] != shapes[1]:
+            return f"{cls.__name__}: state of parameter 0 {shapes[0]}, torch's {shapes[1]}"
+    return None
+
+
 # ---- habits that went silently wrong before (issue 48): each check is named after its habit -------
 def _unused_ok(stage: int) -> dict:
     return {} if stage == 3 else {"find_unused_parameters": True}  # the extra branch goes unused
@@ -518,7 +588,8 @@ def double_backward_at_stage_3_is_refused(rank, stage):
     return refused(gradient_penalty, "a double backward", "a double backward at stage 3 went through")
 
 
-CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16,
+CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch_clip_grad_value,
+          torch_clip_grad_value_with_gradients_reduced_in_bf16, every_stock_optimizer_built_after_the_wrap,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,

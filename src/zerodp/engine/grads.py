@@ -1,4 +1,4 @@
-"""``param.grad`` where the averaged gradient lives in shards, for torch's own clipping.
+"""``param.grad`` where the averaged gradient lives in shards, for torch's own clipping (by norm and by value).
 
 A DDP script clips with ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)``. At stages 2-3
 (and wherever the gradient shard is a buffer of its own beside full local gradients) no module
@@ -13,7 +13,12 @@ shape whose data is this rank's slice of the gradient shard, and which implement
 - ``g.mul_(c)``, ``g.div_(c)``, ``g.zero_()``: change the local slice, i.e. the gradient shard the
   optimizer step reads, and where full local gradients stay at rest beside the shard (stage 1)
   the parameter's part of them too, so that later micro-batches add onto the clipped gradient
-  (guide §12.5).
+  (guide §12.5);
+- the other in-place elementwise changes a script makes to an averaged gradient with scalars —
+  ``g.clamp_(-c, c)`` (``torch.nn.utils.clip_grad_value_``), ``clamp_min_``, ``clamp_max_``,
+  ``nan_to_num_``: the local slice as above; the full local gradients at rest are moved by
+  N·(new − old) on this rank's slice of the parameter, so that their mean over the N ranks — what
+  the next ReduceScatter averages — moves by exactly the change the slice made.
 
 Anything else raises one line naming ``engine.full_grad_dict()`` (the gathered gradients) and
 ``engine.clip_grad_norm_`` (one AllReduce for the whole model instead of one per parameter).
@@ -36,6 +41,10 @@ aten = torch.ops.aten
 _IN_PLACE = {aten.mul_.Tensor: torch.Tensor.mul_, aten.mul_.Scalar: torch.Tensor.mul_,
              aten.div_.Tensor: torch.Tensor.div_, aten.div_.Scalar: torch.Tensor.div_,
              aten.zero_.default: torch.Tensor.zero_}
+#: in-place elementwise changes with scalar arguments that are not scalings (a clip by value,
+#: non-finite values replaced): applied to this rank's slice, the local gradient moved by N·change
+_ELEMENTWISE = {aten.clamp_.default: torch.Tensor.clamp_, aten.clamp_min_.default: torch.Tensor.clamp_min_,
+                aten.clamp_max_.default: torch.Tensor.clamp_max_, aten.nan_to_num_.default: torch.Tensor.nan_to_num_}
 
 
 class ShardedGrad(torch.Tensor):
@@ -44,14 +53,17 @@ class ShardedGrad(torch.Tensor):
     _local: torch.Tensor
     _comm: object  # zerodp.engine.comm.Collectives of the shard group
     _also: torch.Tensor | None  # the parameter's full local gradient, scaled with the slice
+    _mine: torch.Tensor | None  # the part of it at this rank's slice's positions
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, local: torch.Tensor, comm, also: torch.Tensor | None = None) -> "ShardedGrad":
+    def __new__(cls, like: torch.Tensor, local: torch.Tensor, comm, also: torch.Tensor | None = None,
+                mine: torch.Tensor | None = None) -> "ShardedGrad":
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
                                                 requires_grad=False)
         t._local = local
         t._comm = comm
         t._also = also
+        t._mine = mine
         return t
 
     def __repr__(self) -> str:  # noqa: D105
@@ -82,8 +94,17 @@ class ShardedGrad(torch.Tensor):
                 if t is not None:
                     op(t, *[o.to(t.dtype) if isinstance(o, torch.Tensor) else o for o in rest])
             return args[0]
+        if func in _ELEMENTWISE and isinstance(args[0], ShardedGrad) \
+                and not any(isinstance(o, torch.Tensor) for o in (*args[1:], *kwargs.values())):
+            g = args[0]
+            before = g._local.clone() if g._mine is not None else None
+            _ELEMENTWISE[func](g._local, *args[1:], **kwargs)
+            if before is not None:  # the mean of the local gradients moves with the slice (module docstring)
+                g._mine.add_((g._local - before).to(g._mine.dtype), alpha=g._comm.world_size)
+            return args[0]
         if func is aten.detach.default:
             return args[0]
         raise NotImplementedError(
-            f"{func}: this gradient is sharded across ranks (zerodp stage 2-3): torch.nn.utils.clip_grad_norm_ works "
-            "on it; to read gradients use engine.full_grad_dict(), to clip faster engine.clip_grad_norm_(max_norm)")
+            f"{func}: this gradient is sharded across ranks (zerodp stage 2-3): torch.nn.utils.clip_grad_norm_ and "
+            "clip_grad_value_ work on it, as do in-place scalings and clamps; to read gradients use "
+            "engine.full_grad_dict(), to clip faster engine.clip_grad_norm_(max_norm)")

@@ -31,17 +31,19 @@ from zerodp.engine.config import ALIGNED
 from zerodp.plan.ownership import state_numel
 
 # Optimizers whose update of element i reads only element i of the parameter, its gradient and
-# its states (plus scalars shared by the whole tensor, such as the step count).
+# its states (plus scalars shared by the whole tensor, such as the step count — and ASGD's eta and
+# mu, which depend on the step count alone; Rprop's step sizes are per element).
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta")
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop",
+                 "ASGD")
     if hasattr(torch.optim, name)
 )
 
 # Optimizers whose update of a tensor reads that whole tensor (and its gradient and states) but
 # no other tensor: exact on the tensor-ownership path, where each rank steps whole tensors.
 PER_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
-    getattr(torch.optim, name) for name in ("Adafactor", "Muon", "Rprop", "ASGD") if hasattr(torch.optim, name))
+    getattr(torch.optim, name) for name in ("Adafactor", "Muon") if hasattr(torch.optim, name))
 
 # Optimizers no data-parallel layout runs, and why (one line each).
 REFUSED_OPTIMIZERS: dict[str, str] = {
@@ -432,19 +434,25 @@ class OptimizerPlan:
                 groups: list, policy, config) -> "OptimizerPlan":
         """The plan of an optimizer the script built over the module's parameters after the wrap
         (:mod:`zerodp.engine.adopt`): its factory, groups and param-groups rule; the
-        placement stays (the buffers are laid out), the groups read whole are the new optimizer's
-        on the owner placement. One that needs another layout than the one ``groups`` were laid
-        out for is refused in one line, naming ``parallelize(model, optimizer=...)``."""
-        if choose_layout(optimizer, config.elementwise_optimizer, config.optimizer_layout) != FLAT \
-                and self.placement == FLAT:
+        placement stays (the buffers are laid out) — except at stage 0, where a per-tensor
+        optimizer steps whole tensors on the buffers as they are (every rank holds all of them) —
+        and the groups read whole are the new optimizer's on the owner placement. One that needs
+        another layout than the one ``groups`` were laid out for is refused in one line, naming
+        ``parallelize(model, optimizer=...)``."""
+        layout = choose_layout(optimizer, config.elementwise_optimizer, config.optimizer_layout)
+        placement = self.placement
+        if layout != FLAT and placement == FLAT and not self.sharded:
+            placement = OWNER  # stage 0: whole tensors on the buffers as laid out, nothing to move
+        if layout != FLAT and placement == FLAT:
             raise ValueError(f"{type(optimizer).__name__} steps whole tensors, and the engine laid its buffers out "
-                             "for flat shards at parallelize: pass it there, parallelize(model, optimizer=[...]), "
-                             "instead of building it after the wrap")
+                             "for flat shards at parallelize (it got no optimizer, so it adopts the first that steps "
+                             "the model, and at stages 1-3 only an elementwise one fits): pass it there, "
+                             "parallelize(model, optimizer=[...])")
         factory, rule = from_built(optimizer, module)
         options, group_of = resolve_param_groups(named_params, rule)
         whole = whole_groups(optimizer, OWNER, config.optimizer_layout) if self.sharded else frozenset()
         new = replace(self, factory=factory, group_options=tuple(options), group_of=tuple(group_of),
-                      whole_groups=whole, built=None, rule=rule)
+                      whole_groups=whole, built=None, rule=rule, placement=placement)
         if new.placement == OWNER and policy.whole_tensors == ALIGNED:  # buckets laid out for the first optimizer
             by_name = new.group_by_name
             cut = [s.name for g in groups if not g.layout.aligned
@@ -452,7 +460,8 @@ class OptimizerPlan:
             if cut:
                 raise ValueError(f"{type(optimizer).__name__} reads {cut[0]!r} whole, and the engine laid it out in a "
                                  "flat bucket for the optimizer given at parallelize: pass this one there, "
-                                 "parallelize(model, optimizer=[...]), instead of building it after the wrap")
+                                 "parallelize(model, optimizer=[...]), instead of stepping another one than "
+                                 "parallelize got")
         return new
 
 

@@ -251,7 +251,8 @@ class StepMachine:
                 slot, p = g.layout.slots[i], g.params[i]
                 a, b = max(slot.offset, lo), min(slot.stop, hi)
                 local = g.grads.grad_shard[a - lo:b - lo] if a < b else g.grads.grad_shard[:0]
-                sharded = ShardedGrad(p, local, g.comm, also=None if full is None else full[slot.offset:slot.stop])
+                sharded = ShardedGrad(p, local, g.comm, also=None if full is None else full[slot.offset:slot.stop],
+                                      mine=None if full is None else full[a:b] if a < b else full[:0])
                 self.grads_under_sharded[id(p)] = (p.grad, sharded)
                 p.grad = sharded
 
