@@ -673,6 +673,7 @@ def _watch_hook(ref: "weakref.ref[UnitHooks]", index: int, name: str):
     return hook
 
 
+@host_only
 def _unit_hook(ref: "weakref.ref[UnitHooks]", method: str, index: int, skip: int, *args):
     """A unit's forward hook: ``method(unit, *args[skip:])`` (the module and, after forward, its
     inputs left out), holding the engine weakly."""
