@@ -446,6 +446,23 @@ def every_stock_optimizer_built_after_the_wrap(rank, stage):
     return None
 
 
+def torch_state_dict_helpers_name_the_engines_calls(rank, stage):
+    """An FSDP2 script's ``get_model_state_dict(model)``: torch walks the names from the engine,
+    which (as DDP) does not forward the model's attributes — one line naming ``model.module.<name>``
+    and the engine's own state-dict calls, not a bare AttributeError; ``hasattr`` stays False."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    _, engine, _ = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
+    if hasattr(engine, "inp") or not hasattr(engine.module, "inp"):
+        return "hasattr(engine, 'inp') changed"
+    try:
+        get_model_state_dict(engine)
+        return "get_model_state_dict(engine) ran"  # then it should be checked for values, not refused
+    except AttributeError as e:
+        words = ("model.module.", "model.state_dict()", "load_dcp")
+        return None if all(w in str(e) for w in words) and "\n" not in str(e) else f"unclear message: {e}"
+
+
 # ---- habits that went silently wrong before (issue 48): each check is named after its habit -------
 def _unused_ok(stage: int) -> dict:
     return {} if stage == 3 else {"find_unused_parameters": True}  # the extra branch goes unused
@@ -590,6 +607,7 @@ def double_backward_at_stage_3_is_refused(rank, stage):
 
 CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch_clip_grad_value,
           torch_clip_grad_value_with_gradients_reduced_in_bf16, every_stock_optimizer_built_after_the_wrap,
+          torch_state_dict_helpers_name_the_engines_calls,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,

@@ -417,6 +417,22 @@ class StageEngine(nn.Module):
             self.machine.attach_sharded_grads()
         return out
 
+    def __getattr__(self, name: str):
+        """As under DDP, the wrapped model's own attributes are ``model.module.<name>``; asking the
+        engine for one says so in one line (torch's ``get_model_state_dict`` and ``set_state_dict``
+        walk parameter names from the engine and end here, so the line names the engine's calls)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name.startswith("_") or not hasattr(inner, name):
+                raise
+        raise AttributeError(
+            f"{type(self).__name__} has no attribute {name!r}: it is the wrapped model's, model.module.{name} "
+            "(as under DDP); torch.distributed.checkpoint's get_model_state_dict / get_state_dict / set_state_dict "
+            "do not see through the wrapper: use model.state_dict(), model.optimizer_state_dict(), "
+            "model.load_state_dict() or zerodp.engine.dcp.save_dcp / load_dcp (docs/porting.md, From FSDP2)")
+
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module.to/cuda/half/float/...`` pass through here: a call that leaves every
         parameter and buffer as it is (``model.to(its own device)``) is served, one that would move
