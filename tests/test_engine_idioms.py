@@ -463,6 +463,30 @@ def torch_state_dict_helpers_name_the_engines_calls(rank, stage):
         return None if all(w in str(e) for w in words) and "\n" not in str(e) else f"unclear message: {e}"
 
 
+def module_signatures_and_torchs_helper_on_the_module(rank, stage):
+    """``model.load_state_dict(state_dict=sd, strict=True, assign=False)`` (nn.Module's signature),
+    ``named_parameters`` and ``named_buffers`` under ``state_dict``'s names, and torch's
+    ``get_optimizer_state_dict(model.module, opt)`` on an optimizer the engine took over: it finds
+    the state there and takes no step of its own (torch creates a missing state with a zero-gradient
+    step), so training goes on equal to the reference."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, ref = Net(), Net()
+    model.register_buffer("scale", torch.ones(3))  # a buffer of the model's own, by its name
+    ref.register_buffer("scale", torch.ones(3))
+    engine = zerodp.parallelize(model, stage=stage, bucket_mb=0.0002, first_bucket_mb=0.0001, **_unused_ok(stage))
+    opt, ref_opt = torch.optim.AdamW(engine.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    train_both(engine, opt, ref, ref_opt, rank, range(2))
+    keys = set(engine.state_dict())
+    names = {n for n, _ in engine.named_parameters()} | {n for n, _ in engine.named_buffers()}
+    if not names <= keys or "scale" not in names:
+        return f"named_parameters/named_buffers names not in state_dict: {sorted(names - keys)[:3]}"
+    engine.load_state_dict(state_dict=engine.state_dict(), strict=True, assign=False)
+    get_optimizer_state_dict(engine.module, opt)
+    train_both(engine, opt, ref, ref_opt, rank, range(2, 4))
+    return distance(engine, ref, 4)
+
+
 # ---- habits that went silently wrong before (issue 48): each check is named after its habit -------
 def _unused_ok(stage: int) -> dict:
     return {} if stage == 3 else {"find_unused_parameters": True}  # the extra branch goes unused
@@ -607,7 +631,7 @@ def double_backward_at_stage_3_is_refused(rank, stage):
 
 CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch_clip_grad_value,
           torch_clip_grad_value_with_gradients_reduced_in_bf16, every_stock_optimizer_built_after_the_wrap,
-          torch_state_dict_helpers_name_the_engines_calls,
+          torch_state_dict_helpers_name_the_engines_calls, module_signatures_and_torchs_helper_on_the_module,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,

@@ -23,6 +23,7 @@ flat shards at ``parallelize`` (guide §12.3); it is refused with the line that 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -143,7 +144,8 @@ class Adoption:
         optimizer.state_dict = state_dict
         optimizer.load_state_dict = load_state_dict
         optimizer.add_param_group = add_param_group
-        optimizer.state = _TakenState(optimizer.state, self._param_ids)
+        optimizer.state = _TakenState(optimizer.state, self._param_ids,
+                                      lambda: (e := ref()) is not None and bool(e.master.optimizer.state))
         if saved is not None:
             load_state_dict(saved)
 
@@ -151,11 +153,17 @@ class Adoption:
 class _TakenState(dict):
     """The ``state`` of an optimizer the engine took over: empty, as its states live on the
     engine's fp32 master; looking up one of the model's parameters says where they are rather than
-    returning ``{}`` as torch's defaultdict would."""
+    returning ``{}`` as torch's defaultdict would. It is true once the engine's optimizer holds
+    state, as a stepped optimizer's ``state`` is: torch.distributed.checkpoint's helpers otherwise
+    take a step with zero gradients to create it (``_init_optim_state``), which the engine would run."""
 
-    def __init__(self, state: dict, param_ids: set[int]):
+    def __init__(self, state: dict, param_ids: set[int], holds: Callable[[], bool]):
         super().__init__(state)
         self._param_ids = param_ids
+        self._holds = holds
+
+    def __bool__(self) -> bool:
+        return len(self) > 0 or self._holds()
 
     def __missing__(self, key):
         if id(key) in self._param_ids:

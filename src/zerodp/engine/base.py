@@ -458,6 +458,11 @@ class StageEngine(nn.Module):
         self.machine.attach_sharded_grads()
         return self.module.named_parameters(*args, **kwargs)
 
+    def named_buffers(self, *args, **kwargs):
+        """The model's buffers under the model's names, as :meth:`named_parameters` and
+        :meth:`state_dict` name them."""
+        return self.module.named_buffers(*args, **kwargs)
+
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True) -> Iterator[None]:
         """Guide §5: inside, backward accumulates gradients locally and communicates nothing.
@@ -671,9 +676,11 @@ class StageEngine(nn.Module):
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], **options):
-        """Collective: load parameters and buffers by name (each rank copies what it holds)."""
-        return load_state_dict(self, state, **options)
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Collective: load parameters and buffers by name (each rank copies what it holds).
+        ``nn.Module``'s signature; ``assign`` copies too — the parameters are views into the
+        engine's flat buffers, which keep their dtype and place."""
+        return load_state_dict(self, state_dict, strict=strict)
 
     def optimizer_state_dict(self, **options) -> dict:
         """Collective: the optimizer's state keyed by parameter name, in the shape
