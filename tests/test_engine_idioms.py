@@ -75,6 +75,14 @@ def train_both(engine, opt, ref: nn.Module, ref_opt: torch.optim.Optimizer, rank
         ref_opt.zero_grad()
 
 
+def step_both(engine, ref_opt: torch.optim.Optimizer) -> None:
+    """The step on the engine and on the reference, and their gradients zeroed."""
+    engine.step()
+    engine.zero_grad()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def refused(call, words: str, silent: str) -> str | None:
     """None when ``call()`` raises a RuntimeError whose message, one line, holds ``words``; else
     what happened."""
@@ -363,10 +371,7 @@ def torch_clip_grad_norm(rank, stage, dtype=torch.float32, **options):
         tol = trajectory_tolerance(WORLD * ROWS, step + 1, dtype)
         if abs(norm.item() - ref_norm.item()) > tol * ref_norm.item():
             return f"step {step}: norm {norm.item():.6g}, torch's {ref_norm.item():.6g}"
-        engine.step()
-        engine.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_both(engine, ref_opt)
     return distance(engine, ref, 2, dtype)
 
 
@@ -400,10 +405,7 @@ def torch_clip_grad_value(rank, stage, dtype=torch.float32, **options):
                 bound = sum_tolerance(2 * WORLD * ROWS, dtype) * p.grad.abs().max().item()
                 if err > bound:
                     return f"step {step}: the gradient of {name} differs by {err:.3g} from DDP's (bound {bound:.3g})"
-        engine.step()
-        engine.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_both(engine, ref_opt)
     return distance(engine, ref, 4, dtype)
 
 
@@ -481,6 +483,11 @@ def module_signatures_and_torchs_helper_on_the_module(rank, stage):
     names = {n for n, _ in engine.named_parameters()} | {n for n, _ in engine.named_buffers()}
     if not names <= keys or "scale" not in names:
         return f"named_parameters/named_buffers names not in state_dict: {sorted(names - keys)[:3]}"
+    for name, p in engine.named_parameters():
+        if engine.get_parameter(name) is not p or engine.get_parameter(f"module.{name}") is not p:
+            return f"get_parameter({name!r}) is not named_parameters' tensor"
+    if engine.get_buffer("scale") is not model.scale:
+        return "get_buffer('scale') is not the model's buffer"
     engine.load_state_dict(state_dict=engine.state_dict(), strict=True, assign=False)
     get_optimizer_state_dict(engine.module, opt)
     train_both(engine, opt, ref, ref_opt, rank, range(2, 4))
