@@ -463,14 +463,6 @@ class StageEngine(nn.Module):
         :meth:`state_dict` name them."""
         return self.module.named_buffers(*args, **kwargs)
 
-    def get_parameter(self, target: str) -> nn.Parameter:
-        """By the name :meth:`named_parameters` gives (``module.``-prefixed, DDP's, works too)."""
-        return super().get_parameter(target) if target.startswith("module.") else self.module.get_parameter(target)
-
-    def get_buffer(self, target: str) -> torch.Tensor:
-        """By the name :meth:`named_buffers` gives (``module.``-prefixed, DDP's, works too)."""
-        return super().get_buffer(target) if target.startswith("module.") else self.module.get_buffer(target)
-
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True) -> Iterator[None]:
         """Guide §5: inside, backward accumulates gradients locally and communicates nothing.
