@@ -448,21 +448,85 @@ def every_stock_optimizer_built_after_the_wrap(rank, stage):
     return None
 
 
-def torch_state_dict_helpers_name_the_engines_calls(rank, stage):
-    """An FSDP2 script's ``get_model_state_dict(model)``: torch walks the names from the engine,
-    which (as DDP) does not forward the model's attributes — one line naming ``model.module.<name>``
-    and the engine's own state-dict calls, not a bare AttributeError; ``hasattr`` stays False."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def torch_state_dict_helpers_through_the_engine(rank, stage):
+    """An FSDP2 script's checkpoint lines on the engine (torch.distributed.checkpoint.state_dict):
+    ``get_state_dict(model, opt)`` under the model's own names, whole (``full_state_dict``), loaded
+    with ``set_state_dict`` into a one-process model and its AdamW; the same from a one-process
+    model into a fresh engine; rank 0's copy (``cpu_offload``) broadcast into another with
+    ``set_model_state_dict`` / ``set_optimizer_state_dict(broadcast_from_rank0=True)``; and the
+    default form through ``dcp.save`` / ``dcp.load``. Each goes on two steps beside the reference."""
+    import shutil
+    import tempfile
 
-    _, engine, _ = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict, set_state_dict)
+
+    def fresh(seed: int):
+        engine = zerodp.parallelize(Net(seed), stage=stage, bucket_mb=0.0002, first_bucket_mb=0.0001,
+                                    **_unused_ok(stage))
+        return engine, torch.optim.AdamW(engine.parameters(), lr=1e-2)
+
+    def go_on(model, opt, split: bool) -> None:
+        for step in (2, 3):
+            x, y = batch(step)
+            (model(mine(x, rank), mine(y, rank)) if split else model(x, y)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    engine, opt = fresh(0)
+    ref = Net(0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    train_both(engine, opt, ref, ref_opt, rank, range(2))
     if hasattr(engine, "inp") or not hasattr(engine.module, "inp"):
         return "hasattr(engine, 'inp') changed"
-    try:
-        get_model_state_dict(engine)
-        return "get_model_state_dict(engine) ran"  # then it should be checked for values, not refused
-    except AttributeError as e:
-        words = ("model.module.", "model.state_dict()", "load_dcp")
-        return None if all(w in str(e) for w in words) and "\n" not in str(e) else f"unclear message: {e}"
+    whole = StateDictOptions(full_state_dict=True)
+    model_sd, optim_sd = get_state_dict(engine, opt, options=whole)
+    if set(model_sd) != set(ref.state_dict()) or set(optim_sd["state"]) != {n for n, _ in ref.named_parameters()}:
+        return f"names {sorted(model_sd)[:3]} / {sorted(optim_sd['state'])[:3]}: not the model's"
+    rank0 = get_state_dict(engine, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    path = [tempfile.mkdtemp(prefix="zerodp-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(engine, opt))), checkpoint_id=path[0])
+
+    one = Net(7)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    set_state_dict(one, one_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    ref_opt.zero_grad()
+    src = Net(0)  # the one-process model at step 2, into a fresh engine
+    src_opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    for step in range(2):
+        ref_step(src, src_opt, step)
+        src_opt.zero_grad()
+    into, into_opt = fresh(5)
+    src_model_sd, src_optim_sd = get_state_dict(src, src_opt, options=whole)
+    set_state_dict(into, into_opt, model_state_dict=src_model_sd, optim_state_dict=src_optim_sd, options=whole)
+    cast, cast_opt = fresh(6)
+    both = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(cast, rank0[0], options=both)
+    set_optimizer_state_dict(cast, cast_opt, rank0[1], options=both)
+    read, read_opt = fresh(8)
+    saved = dict(zip(("model", "optim"), get_state_dict(read, read_opt)))
+    dcp.load(saved, checkpoint_id=path[0])
+    set_state_dict(read, read_opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+
+    go_on(ref, ref_opt, split=False)
+    go_on(one, one_opt, split=False)
+    for name, (model, model_opt) in {"engine": (engine, opt), "into": (into, into_opt), "cast": (cast, cast_opt),
+                                     "read": (read, read_opt)}.items():
+        go_on(model, model_opt, split=True)
+        bad = distance(model, ref, 4)
+        if bad is not None:
+            return f"{name}: {bad}"
+    tol = trajectory_tolerance(WORLD * ROWS, 4)
+    for name, p in ref.named_parameters():
+        err = (one.get_parameter(name) - p).abs().max().item()
+        if err > tol * p.abs().max().item():
+            return f"one process, loaded from the engine: {name} differs by {err:.3g}"
+    return None
 
 
 def module_signatures_and_torchs_helper_on_the_module(rank, stage):
@@ -633,7 +697,7 @@ def double_backward_at_stage_3_is_refused(rank, stage):
 
 CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch_clip_grad_value,
           torch_clip_grad_value_with_gradients_reduced_in_bf16, every_stock_optimizer_built_after_the_wrap,
-          torch_state_dict_helpers_name_the_engines_calls, module_signatures_and_torchs_helper_on_the_module,
+          torch_state_dict_helpers_through_the_engine, module_signatures_and_torchs_helper_on_the_module,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,

@@ -131,8 +131,8 @@ class Adoption:
         def state_dict() -> dict:
             return ref().optimizer.state_dict()
 
-        def load_state_dict(state: dict) -> None:
-            ref().optimizer.load_state_dict(state)
+        def load_state_dict(state_dict: dict) -> None:  # torch's signature: torch's helpers pass it by name
+            ref().optimizer.load_state_dict(state_dict)
 
         def add_param_group(group: dict) -> None:
             raise RuntimeError(

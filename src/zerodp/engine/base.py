@@ -419,8 +419,7 @@ class StageEngine(nn.Module):
 
     def __getattr__(self, name: str):
         """As under DDP, the wrapped model's own attributes are ``model.module.<name>``; asking the
-        engine for one says so in one line (torch's ``get_model_state_dict`` and ``set_state_dict``
-        walk parameter names from the engine and end here, so the line names the engine's calls)."""
+        engine for one says so in one line rather than in a bare ``AttributeError``."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -429,9 +428,16 @@ class StageEngine(nn.Module):
                 raise
         raise AttributeError(
             f"{type(self).__name__} has no attribute {name!r}: it is the wrapped model's, model.module.{name} "
-            "(as under DDP); torch.distributed.checkpoint's get_model_state_dict / get_state_dict / set_state_dict "
-            "do not see through the wrapper: use model.state_dict(), model.optimizer_state_dict(), "
-            "model.load_state_dict() or zerodp.engine.dcp.save_dcp / load_dcp (docs/porting.md, From FSDP2)")
+            "(as under DDP: the engine's own calls are model.state_dict(), model.load_state_dict(), "
+            "model.optimizer_state_dict(); docs/porting.md)")
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """The names torch.distributed.checkpoint's ``get_state_dict`` / ``set_state_dict`` (and the
+        model-only and optimizer-only forms) use for the engine's entries: the model's own, as
+        :meth:`state_dict` and :meth:`named_parameters` give them. torch asks a module for this map
+        (attribute name under the model -> the child that holds it) to leave a wrapper's child
+        out of its names, as it leaves out DDP's ``module.`` (docs/porting.md, From FSDP2)."""
+        return {name: "module" for name, _ in self.module.named_children()}
 
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module.to/cuda/half/float/...`` pass through here: a call that leaves every
