@@ -478,8 +478,6 @@ def torch_state_dict_helpers_through_the_engine(rank, stage):
     ref = Net(0)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     train_both(engine, opt, ref, ref_opt, rank, range(2))
-    if hasattr(engine, "inp") or not hasattr(engine.module, "inp"):
-        return "hasattr(engine, 'inp') changed"
     whole = StateDictOptions(full_state_dict=True)
     model_sd, optim_sd = get_state_dict(engine, opt, options=whole)
     if set(model_sd) != set(ref.state_dict()) or set(optim_sd["state"]) != {n for n, _ in ref.named_parameters()}:
@@ -527,6 +525,27 @@ def torch_state_dict_helpers_through_the_engine(rank, stage):
         if err > tol * p.abs().max().item():
             return f"one process, loaded from the engine: {name} differs by {err:.3g}"
     return None
+
+
+def fsdp2_scripts_read_the_models_attributes(rank, stage):
+    """An FSDP2 script's model is the model itself: ``model.inp``, ``model.blocks[0]``,
+    ``model.get_parameter("inp.weight")`` and the model's own methods reach the wrapped model
+    through the engine; the engine's own names (``state_dict``, ``forward``) come first; a name
+    neither has is an AttributeError, so ``hasattr`` is False."""
+    model, engine, ref = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
+    if engine.inp is not model.inp or engine.blocks[0] is not model.blocks[0]:
+        return "engine.inp / engine.blocks[0] are not the model's"
+    if engine.get_parameter("inp.weight") is not model.inp.weight or engine.get_submodule("out") is not model.out:
+        return "get_parameter / get_submodule under the model's names"
+    if engine.state_dict.__func__ is not type(engine).state_dict or hasattr(engine, "no_such_name"):
+        return "the engine's own names do not come first, or hasattr is True for a missing name"
+    x, y = batch(0)
+    loss = engine.forward(mine(x, rank), mine(y, rank))  # a bound forward still goes through the engine
+    loss.backward()
+    engine.step()
+    engine.zero_grad()
+    ref_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 0)
+    return distance(engine, ref, 1)
 
 
 def module_signatures_and_torchs_helper_on_the_module(rank, stage):
@@ -697,7 +716,8 @@ def double_backward_at_stage_3_is_refused(rank, stage):
 
 CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch_clip_grad_value,
           torch_clip_grad_value_with_gradients_reduced_in_bf16, every_stock_optimizer_built_after_the_wrap,
-          torch_state_dict_helpers_through_the_engine, module_signatures_and_torchs_helper_on_the_module,
+          torch_state_dict_helpers_through_the_engine, fsdp2_scripts_read_the_models_attributes,
+          module_signatures_and_torchs_helper_on_the_module,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,

@@ -418,18 +418,16 @@ class StageEngine(nn.Module):
         return out
 
     def __getattr__(self, name: str):
-        """As under DDP, the wrapped model's own attributes are ``model.module.<name>``; asking the
-        engine for one says so in one line rather than in a bare ``AttributeError``."""
+        """The wrapped model's public attributes, read through the engine: an FSDP2 script's model
+        is the model itself (``model.config``, ``model.layers``, ``model.generate(...)``), and a DDP
+        script's ``model.module.<name>`` serves as well. The engine's own names come first."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get("module")
-            if inner is None or name.startswith("_") or not hasattr(inner, name):
+            if inner is None or name.startswith("_"):
                 raise
-        raise AttributeError(
-            f"{type(self).__name__} has no attribute {name!r}: it is the wrapped model's, model.module.{name} "
-            "(as under DDP: the engine's own calls are model.state_dict(), model.load_state_dict(), "
-            "model.optimizer_state_dict(); docs/porting.md)")
+        return getattr(inner, name)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """The names torch.distributed.checkpoint's ``get_state_dict`` / ``set_state_dict`` (and the
