@@ -12,6 +12,7 @@ differs by up to ``sum_tolerance`` of its magnitude, and after k steps the param
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -548,6 +549,69 @@ def fsdp2_scripts_read_the_models_attributes(rank, stage):
     return distance(engine, ref, 1)
 
 
+class _Carry:
+    """A block's output as a script's own class: the tensor kept as an attribute."""
+
+    def __init__(self, h: torch.Tensor):
+        self.h = h
+
+
+class _CarryBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(7, 7)
+
+    def forward(self, carry: _Carry) -> _Carry:
+        return _Carry(carry.h + torch.tanh(self.lin(carry.h)))
+
+
+class _ObjectNet(nn.Module):
+    """Outputs pytree does not open: each block returns a ``_Carry``; the model returns a
+    ``SimpleNamespace``, or nothing, keeping its loss as an attribute (``mode="attribute"``)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList([_CarryBlock() for _ in range(2)])
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x, y, mode: str = "namespace"):
+        carry = _Carry(self.inp(x))
+        for b in self.blocks:
+            carry = b(carry)
+        loss = nn.functional.mse_loss(self.out(carry.h), y)
+        if mode == "attribute":
+            self.last_loss = loss
+            return None
+        return types.SimpleNamespace(loss=loss, hidden=carry)
+
+
+def outputs_the_engine_cannot_rebuild(rank, stage):
+    """A model whose blocks return an object of the script's own class and which returns a
+    ``SimpleNamespace`` — or nothing, its loss kept as ``model.last_loss`` — trains as the reference
+    (stage 3 found no tensor in such outputs: the root unit was freed before its backward, and
+    backward raised torch's ``setStorage ... storage of size 0``)."""
+    for mode in ("namespace", "attribute"):
+        model, ref = _ObjectNet(), _ObjectNet()
+        engine = zerodp.parallelize(model, stage=stage, bucket_mb=0.0002, first_bucket_mb=0.0001)
+        opt, ref_opt = torch.optim.SGD(engine.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = batch(step)
+            out = engine(mine(x, rank), mine(y, rank), mode=mode)
+            (model.last_loss if mode == "attribute" else out.loss).backward()
+            opt.step()
+            opt.zero_grad()
+            ref_out = ref(x, y, mode=mode)
+            (ref.last_loss if mode == "attribute" else ref_out.loss).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        bad = distance(engine, ref, 2)
+        if bad is not None:
+            return f"{mode}: {bad}"
+    return None
+
+
 def module_signatures_and_torchs_helper_on_the_module(rank, stage):
     """``model.load_state_dict(state_dict=sd, strict=True, assign=False)`` (nn.Module's signature),
     ``named_parameters`` and ``named_buffers`` under ``state_dict``'s names, and torch's
@@ -717,7 +781,7 @@ def double_backward_at_stage_3_is_refused(rank, stage):
 CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch_clip_grad_value,
           torch_clip_grad_value_with_gradients_reduced_in_bf16, every_stock_optimizer_built_after_the_wrap,
           torch_state_dict_helpers_through_the_engine, fsdp2_scripts_read_the_models_attributes,
-          module_signatures_and_torchs_helper_on_the_module,
+          outputs_the_engine_cannot_rebuild, module_signatures_and_torchs_helper_on_the_module,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,

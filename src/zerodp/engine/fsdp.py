@@ -418,9 +418,10 @@ class UnitHooks:
             self.next_bwd = {a.index: b for a, b in zip(back, back[1:])}
         if torch.is_grad_enabled():
             self.watching = False
-        if last is not None:
-            if not (torch.is_grad_enabled() and grad_tensors(out)):
-                self.free(last)  # else kept gathered: backward uses it first (guide §9.3: 2L − 1 gathers)
+        if last is not None and not torch.is_grad_enabled():
+            self.free(last)  # else kept gathered: backward uses it first (guide §9.3: 2L − 1 gathers),
+            # also when the output shows no tensor needing grad (a loss kept on an attribute): the
+            # next forward frees it when no backward came
         if not torch.is_grad_enabled():
             self.machine.attach_sharded_grads()  # an evaluation forward of the module keeps .grad, as torch's
         self.close_evaluation()
