@@ -276,17 +276,21 @@ class Control:
                   json.dumps({"code": call.code, "step": self.recorder.step, "number": self._number}))
         return True
 
-    def serve_pending(self, what: str) -> None:
+    def serve_pending(self, what: str, at_exit: bool = False) -> None:
         """Called by a rank that has waited POLL_S in one of the step's collectives (``what``):
         a call another rank is making alone is served here — this rank joins it with its
         collectives on the control group, drops the result and goes back to its wait — when it
         is one of SERVED and the two ranks are at the same step; any other call ends this rank
-        at once, and the caller with it (:meth:`_refuse`), instead of both waiting ``timeout_s``."""
+        at once, and the caller with it (:meth:`_refuse`), instead of both waiting ``timeout_s``.
+        So does another rank's end of its script (:meth:`_refuse_ended`), except ``at_exit``: this
+        rank has ended too and serves until every rank has."""
         if self._calls or self.world_size == 1:
             return
         store = self._store()
         if store is None:
             return
+        if not at_exit:
+            self._refuse_ended(store, what)
         for r in range(self.world_size):
             key = self._key("calling", r)
             try:
@@ -307,6 +311,30 @@ class Control:
             finally:
                 self.routing = Routing.ENGINE
             return
+
+    def _refuse_ended(self, store, what: str) -> None:
+        """A rank whose script has ended (it posted so at its exit: :meth:`serve_until_all_exit`)
+        makes no more collectives of the step: this rank's wait in one ends now, in one line, and
+        not when that rank's process goes (a bare backend error) or after ``timeout_s``."""
+        for r in range(self.world_size):
+            key = self._key("ended", r)
+            try:
+                if r == self.rank or not store.check([key]):
+                    continue
+                post = json.loads(store.get(key))
+            except Exception:  # noqa: BLE001 - the post went between check and get, or the store did
+                continue
+            if post.get("error"):
+                why = f"rank {r}'s script ended with {post['error'][:200]}"
+                fix = "its own message says why"
+            else:
+                why = f"rank {r} reached the end of its script after {post.get('step')} steps"
+                fix = ("every rank must take the same number of steps: give each the same number of batches "
+                       "(DistributedSampler(..., drop_last=True), or drop the last uneven batch on every rank)")
+            self.failure = (f"{why} while rank {self.rank} waits in {what} in step {self.recorder.step + 1}: {fix}; "
+                            "the job ends")
+            self.abandon()
+            raise CollectiveTimeout(self.failure)
 
     def _refuse(self, call: Call, caller: int, post: dict, what: str) -> None:
         """End this rank, and through the store the caller, with one message naming the call."""
@@ -536,7 +564,10 @@ class Control:
         store = self._store()
         ended = [self._key("ended", r) for r in range(self.world_size)]
         try:
-            store.set(ended[self.rank], "1")  # first: the others wait for no rank that has ended
+            last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # an uncaught exception
+            error = self.failure or self.ended_by or (f"{type(last).__name__}: {last}" if last is not None else None)
+            store.set(ended[self.rank], json.dumps({"step": self.recorder.step, "error": error}))  # first: the
+            # others wait for no rank that has ended
             newest = store.add(self._newest, 0) == self._number_built
         except Exception:  # noqa: BLE001 - no store (the rank that hosted it has ended): nothing to serve
             return
@@ -548,7 +579,7 @@ class Control:
             try:
                 if store.check(ended):
                     return
-                self.serve_pending("the end of its script")
+                self.serve_pending("the end of its script", at_exit=True)
             except CollectiveTimeout as refused:  # a call that cannot be served: the caller has its message
                 print(f"zerodp: rank {self.rank}: {refused}", file=sys.stderr)
                 return
