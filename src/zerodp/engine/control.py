@@ -618,7 +618,8 @@ class Control:
         silent = [r for r in range(self.world_size) if r not in posts]
         elsewhere = "; ".join(
             [f"rank {r} was in {posts[r]['what']}" for r in sorted(posts) if not posts[r]["call"]]
-            + [f"rank {r} said nothing (stalled, gone, or outside the engine)" for r in silent])
+            + [f"rank {r} said nothing (stalled, gone, or waiting outside the engine — in a dist.barrier() or "
+               "all_reduce of the script's own, which cannot serve: put it before this call)" for r in silent])
         after = "; the job ends (parallelize(..., timeout_s=...) sets the limit)"
         if len(called) == 1 and (silent or len(posts) > len(next(iter(called.values())))):
             name, ranks = next(iter(called.items()))
