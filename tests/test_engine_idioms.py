@@ -410,6 +410,39 @@ def torch_clip_grad_value(rank, stage, dtype=torch.float32, **options):
     return distance(engine, ref, 4, dtype)
 
 
+def reads_of_gradients_a_script_logs(rank, stage):
+    """What a script reads off ``p.grad`` after backward to log it or to check it is finite —
+    ``torch.isfinite(g).all()``, ``g.isnan().any()``, ``g.abs().max()``, ``(g ** 2).sum()``,
+    ``g.mean()``, ``g.min()`` — on every rank: the averaged gradient's values, as DDP's (at stages
+    2-3 from the shards, one AllReduce each); the step after the reads is the reference's."""
+    _, engine, ref = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = batch(0)
+    engine(mine(x, rank), mine(y, rank)).backward()
+    ref(x, y).backward()
+    mine_grads = dict(engine.named_parameters())
+    eps = torch.finfo(torch.float32).eps
+    for name, p in ref.named_parameters():
+        g, want = mine_grads[name].grad, p.grad
+        if want is None:
+            continue
+        flags = [bool(torch.isfinite(g).all()), bool(g.isnan().any()), bool((g.abs() >= 0).any()),
+                 bool((g > 1e30).any())]
+        if flags != [True, False, True, False]:
+            return f"{name}: isfinite.all, isnan.any, (|g| >= 0).any, (g > 1e30).any gave {flags}"
+        scale = want.abs().max().item()
+        tol = (sum_tolerance(WORLD * ROWS) + want.numel() * eps) * scale
+        for what, got, ref_value, bound in (
+                ("abs().max()", g.abs().max(), want.abs().max(), tol), ("min()", g.min(), want.min(), tol),
+                ("mean()", g.mean(), want.mean(), tol),
+                ("(g ** 2).sum()", (g ** 2).sum(), (want ** 2).sum(), 2 * tol * scale * want.numel())):
+            if got.dtype != ref_value.dtype or abs(got.item() - ref_value.item()) > bound:
+                return (f"{name}: {what} = {got.item():.6g} ({got.dtype}), DDP's {ref_value.item():.6g} "
+                        f"(bound {bound:.3g})")
+    step_both(engine, ref_opt)
+    return distance(engine, ref, 1)
+
+
 def torch_clip_grad_value_with_gradients_reduced_in_bf16(rank, stage):
     """As above with the full local gradients at rest beside a gradient shard of its own (stage 1
     in bf16): the clamp moves them too, so the second micro-batch adds onto the clipped mean."""
@@ -779,7 +812,8 @@ def double_backward_at_stage_3_is_refused(rank, stage):
 
 
 CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch_clip_grad_value,
-          torch_clip_grad_value_with_gradients_reduced_in_bf16, every_stock_optimizer_built_after_the_wrap,
+          reads_of_gradients_a_script_logs, torch_clip_grad_value_with_gradients_reduced_in_bf16,
+          every_stock_optimizer_built_after_the_wrap,
           torch_state_dict_helpers_through_the_engine, fsdp2_scripts_read_the_models_attributes,
           outputs_the_engine_cannot_rebuild, module_signatures_and_torchs_helper_on_the_module,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,

@@ -20,6 +20,13 @@ shape whose data is this rank's slice of the gradient shard, and which implement
   N·(new − old) on this rank's slice of the parameter, so that their mean over the N ranks — what
   the next ReduceScatter averages — moves by exactly the change the slice made.
 
+- what a script reads off a gradient to log it or to check it is finite — ``torch.isfinite(g).all()``,
+  ``g.isnan().any()``, ``g.abs().max()``, ``(g ** 2).sum()``, ``g.mean()``: an elementwise op with
+  scalars (or between two such gradients of one parameter) gives another :class:`ShardedGrad`, of
+  this rank's slice only; a whole-tensor reduction of one (``sum``, ``mean``, ``max``/``amax``,
+  ``min``/``amin``, ``all``, ``any``) gives the *global* value, from the slices with one AllReduce
+  over the shard group (SUM, MAX or MIN). Every rank makes it, as every rank clips.
+
 Anything else raises one line naming ``engine.full_grad_dict()`` (the gathered gradients) and
 ``engine.clip_grad_norm_`` (one AllReduce for the whole model instead of one per parameter).
 They are on the module's parameters after every backward whose gradients were reduced and after
@@ -45,6 +52,18 @@ _IN_PLACE = {aten.mul_.Tensor: torch.Tensor.mul_, aten.mul_.Scalar: torch.Tensor
 #: non-finite values replaced): applied to this rank's slice, the local gradient moved by N·change
 _ELEMENTWISE = {aten.clamp_.default: torch.Tensor.clamp_, aten.clamp_min_.default: torch.Tensor.clamp_min_,
                 aten.clamp_max_.default: torch.Tensor.clamp_max_, aten.nan_to_num_.default: torch.Tensor.nan_to_num_}
+#: out-of-place elementwise ops a script reads a gradient with: applied to the slice, a ShardedGrad again
+_READS = {aten.abs.default, aten.neg.default, aten.isnan.default, aten.isinf.default, aten.isfinite.default,
+          aten.isneginf.default, aten.isposinf.default, aten.logical_not.default, aten.sign.default,
+          aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar,
+          aten.eq.Scalar, aten.ne.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.lt.Scalar, aten.le.Scalar,
+          aten.eq.Tensor, aten.ne.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor,
+          aten.logical_and.default, aten.logical_or.default, aten.square.default, aten._to_copy.default}
+#: whole-tensor reductions: the local value of the slice, then one AllReduce with this op; what a rank
+#: with an empty slice contributes
+_REDUCTIONS = {aten.sum.default: ("sum", 0.0), aten.mean.default: ("sum", 0.0), aten.max.default: ("max", -math.inf),
+               aten.amax.default: ("max", -math.inf), aten.min.default: ("min", math.inf),
+               aten.amin.default: ("min", math.inf), aten.all.default: ("min", 1.0), aten.any.default: ("max", 0.0)}
 
 
 class ShardedGrad(torch.Tensor):
@@ -57,8 +76,8 @@ class ShardedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, local: torch.Tensor, comm, also: torch.Tensor | None = None,
-                mine: torch.Tensor | None = None) -> "ShardedGrad":
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                mine: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> "ShardedGrad":
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype, device=like.device,
                                                 requires_grad=False)
         t._local = local
         t._comm = comm
@@ -82,9 +101,39 @@ class ShardedGrad(torch.Tensor):
         self._comm.reduce_for(GRAD_NORM, value, detail=self.numel())
         return value[0].pow(1.0 / p)
 
+    def _reduce(self, func) -> torch.Tensor:
+        """A whole-tensor reduction's global value (module docstring)."""
+        op, empty = _REDUCTIONS[func]
+        local = self._local.detach()
+        if local.dtype == torch.bool:
+            local = local.to(torch.int64 if op == "sum" else torch.float32)
+        base = aten.sum.default if func is aten.mean.default else func
+        value = (base(local).double() if local.numel() else torch.tensor(empty, dtype=torch.float64)).reshape(1)
+        if op == "min":  # the control exchanges SUM and MAX: MIN is MAX of the negated values
+            value.neg_()
+        self._comm.reduce_for(GRAD_NORM, value, "sum" if op == "sum" else "max", detail=self.numel())
+        if op == "min":
+            value.neg_()
+        if func is aten.mean.default:
+            value /= self.numel()
+        dtype = (torch.bool if func in (aten.all.default, aten.any.default)
+                 else torch.int64 if self.dtype == torch.bool or not self.dtype.is_floating_point else self.dtype)
+        return value[0].to(dtype=dtype, device=self._local.device)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _REDUCTIONS and len(args) == 1 and not kwargs and isinstance(args[0], ShardedGrad):
+            return args[0]._reduce(func)
+        if func in _READS and isinstance(args[0], ShardedGrad):
+            g = args[0]
+            others = [o for o in (*args[1:], *kwargs.values()) if isinstance(o, torch.Tensor)]
+            if all(o.dim() == 0 and not isinstance(o, ShardedGrad)
+                   or isinstance(o, ShardedGrad) and o._local.shape == g._local.shape and o.shape == g.shape
+                   for o in others):
+                local = func(*[a._local if isinstance(a, ShardedGrad) else a for a in args],
+                             **{k: v._local if isinstance(v, ShardedGrad) else v for k, v in kwargs.items()})
+                return ShardedGrad(g, local, g._comm, dtype=local.dtype)
         if func is aten.linalg_vector_norm.default and not kwargs.get("dim") and len(args) <= 2:
             p = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
             return args[0]._norm(p)
@@ -106,5 +155,6 @@ class ShardedGrad(torch.Tensor):
             return args[0]
         raise NotImplementedError(
             f"{func}: this gradient is sharded across ranks (zerodp stage 2-3): torch.nn.utils.clip_grad_norm_ and "
-            "clip_grad_value_ work on it, as do in-place scalings and clamps; to read gradients use "
+            "clip_grad_value_ work on it, as do in-place scalings and clamps, elementwise reads and whole-tensor "
+            "sum/mean/max/min/all/any (g.isnan().any(), g.abs().max()); to read whole gradients use "
             "engine.full_grad_dict(), to clip faster engine.clip_grad_norm_(max_norm)")
