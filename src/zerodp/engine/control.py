@@ -291,14 +291,7 @@ class Control:
             return
         if not at_exit:
             self._refuse_ended(store, what)
-        for r in range(self.world_size):
-            key = self._key("calling", r)
-            try:
-                if r == self.rank or not store.check([key]):
-                    continue
-                post = json.loads(store.get(key))
-            except Exception:  # noqa: BLE001 - the post went between check and get, or the store did
-                continue
+        for r, post in self._posts(store, "calling"):
             if post["number"] <= self._joined.get(r, 0):
                 continue
             call = CALLS[int(post["code"]) - 1]
@@ -316,14 +309,7 @@ class Control:
         """A rank whose script has ended (it posted so at its exit: :meth:`serve_until_all_exit`)
         makes no more collectives of the step: this rank's wait in one ends now, in one line, and
         not when that rank's process goes (a bare backend error) or after ``timeout_s``."""
-        for r in range(self.world_size):
-            key = self._key("ended", r)
-            try:
-                if r == self.rank or not store.check([key]):
-                    continue
-                post = json.loads(store.get(key))
-            except Exception:  # noqa: BLE001 - the post went between check and get, or the store did
-                continue
+        for r, post in self._posts(store, "ended"):
             if post.get("error"):
                 why = f"rank {r}'s script ended with {post['error'][:200]}"
                 fix = "its own message says why"
@@ -335,6 +321,18 @@ class Control:
                             "the job ends")
             self.abandon()
             raise CollectiveTimeout(self.failure)
+
+    def _posts(self, store, kind: str):
+        """The other ranks' posts of ``kind`` in the job's store, as (rank, post)."""
+        for r in range(self.world_size):
+            key = self._key(kind, r)
+            try:
+                if r == self.rank or not store.check([key]):
+                    continue
+                post = json.loads(store.get(key))
+            except Exception:  # noqa: BLE001 - the post went between check and get, or the store did
+                continue
+            yield r, post
 
     def _refuse(self, call: Call, caller: int, post: dict, what: str) -> None:
         """End this rank, and through the store the caller, with one message naming the call."""
