@@ -565,7 +565,9 @@ def fsdp2_scripts_read_the_models_attributes(rank, stage):
     """An FSDP2 script's model is the model itself: ``model.inp``, ``model.blocks[0]``,
     ``model.get_parameter("inp.weight")`` and the model's own methods reach the wrapped model
     through the engine; the engine's own names (``state_dict``, ``forward``) come first; a name
-    neither has is an AttributeError, so ``hasattr`` is False."""
+    neither has is an AttributeError, so ``hasattr`` is False. FSDP2's accumulation,
+    ``model.set_requires_gradient_sync(is_last_micro_batch)``, trains as the reference; its
+    ``unshard()`` / ``reshard()`` say in one line what does their work here."""
     model, engine, ref = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
     if engine.inp is not model.inp or engine.blocks[0] is not model.blocks[0]:
         return "engine.inp / engine.blocks[0] are not the model's"
@@ -573,13 +575,31 @@ def fsdp2_scripts_read_the_models_attributes(rank, stage):
         return "get_parameter / get_submodule under the model's names"
     if engine.state_dict.__func__ is not type(engine).state_dict or hasattr(engine, "no_such_name"):
         return "the engine's own names do not come first, or hasattr is True for a missing name"
+    if hasattr(engine, "unshard"):
+        return "hasattr(engine, 'unshard') is True"
+    try:
+        engine.reshard()
+        return "engine.reshard() ran"
+    except AttributeError as e:
+        if "model.gathered()" not in str(e) or "\n" in str(e):
+            return f"unclear message: {e}"
     x, y = batch(0)
     loss = engine.forward(mine(x, rank), mine(y, rank))  # a bound forward still goes through the engine
     loss.backward()
     engine.step()
     engine.zero_grad()
-    ref_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), 0)
-    return distance(engine, ref, 1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_step(ref, ref_opt, 0)
+    ref_opt.zero_grad()
+    for micro in (1, 2):  # FSDP2's accumulation: no sync but on the last micro-batch
+        engine.set_requires_gradient_sync(micro == 2)
+        if engine.require_backward_grad_sync is not (micro == 2):
+            return "set_requires_gradient_sync did not set require_backward_grad_sync"
+        x, y = batch(micro)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        ref(x, y).backward()
+    step_both(engine, ref_opt)
+    return distance(engine, ref, 2)
 
 
 class _Carry:

@@ -77,6 +77,24 @@ from zerodp.engine.step import StepMachine
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
 _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+#: FSDP2's ``FSDPModule`` calls a script ported by the wrap line makes on its model, and what does
+#: their work here (docs/porting.md, From FSDP2); ``set_requires_gradient_sync`` is served (__getattr__)
+_FSDP2_CALLS = {
+    "unshard": "stage 3 gathers each unit in its forward, one unit ahead (prefetch=True); to read whole "
+               "parameters, `with model.gathered():`",
+    "reshard": "stage 3 frees each unit after its forward and its backward; `with model.gathered():` for whole "
+               "parameters",
+    "set_reshard_after_forward": "stage=2 keeps every parameter whole (there is no per-unit choice)",
+    "set_reshard_after_backward": "stage=2 keeps every parameter whole (there is no per-unit choice)",
+    "set_modules_to_forward_prefetch": "prefetch=True (the default) gathers one unit ahead",
+    "set_modules_to_backward_prefetch": "prefetch=True (the default) gathers one unit ahead",
+    "set_is_last_backward": "a backward outside no_sync() reduces; use model.set_requires_gradient_sync(...)",
+    "set_requires_all_reduce": "the cross-group AllReduce of hybrid sharding follows no_sync() / "
+                               "model.set_requires_gradient_sync(...) too",
+    "set_gradient_divide_factor": "gradients are averaged over the ranks: scale the loss instead",
+    "set_reduce_scatter_divide_factor": "gradients are averaged over the ranks: scale the loss instead",
+    "set_unshard_in_backward": "stage 3 gathers each unit again before its backward",
+}
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -420,14 +438,25 @@ class StageEngine(nn.Module):
     def __getattr__(self, name: str):
         """The wrapped model's public attributes, read through the engine: an FSDP2 script's model
         is the model itself (``model.config``, ``model.layers``, ``model.generate(...)``), and a DDP
-        script's ``model.module.<name>`` serves as well. The engine's own names come first."""
+        script's ``model.module.<name>`` serves as well. The engine's own names come first. FSDP2's
+        ``model.set_requires_gradient_sync(flag)`` sets DDP's ``require_backward_grad_sync`` (what
+        ``no_sync()`` sets); its other calls (``_FSDP2_CALLS``) name what does their work here."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None or name.startswith("_"):
                 raise
-        return getattr(inner, name)
+        if hasattr(inner, name):
+            return getattr(inner, name)
+        if name == "set_requires_gradient_sync":
+            def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+                self.require_backward_grad_sync = requires_gradient_sync
+            return set_requires_gradient_sync
+        if name in _FSDP2_CALLS:
+            raise AttributeError(f"{type(self).__name__} has no {name}() (FSDP2's): {_FSDP2_CALLS[name]} "
+                                 "(docs/porting.md, From FSDP2)")
+        return getattr(inner, name)  # the model's own AttributeError
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """The names torch.distributed.checkpoint's ``get_state_dict`` / ``set_state_dict`` (and the
