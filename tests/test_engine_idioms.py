@@ -665,6 +665,35 @@ def outputs_the_engine_cannot_rebuild(rank, stage):
     return None
 
 
+def ema_of_the_engine_names_what_to_average(rank, stage):
+    """A DDP script's EMA, ``AveragedModel(model)``, deep-copies the wrapper: on the engine that is
+    one line naming what to average (the wrapped model at stages 0-2, a fresh model loaded from
+    ``model.state_dict()`` at stage 3), not torch's "cannot pickle 'ProcessGroupGloo'"; at stages
+    0-2 ``AveragedModel(model.module)`` then averages as over the reference's parameters."""
+    from torch.optim.swa_utils import AveragedModel
+
+    _, engine, ref = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
+    words = "model.state_dict()" if stage == 3 else "AveragedModel(model.module)"
+    bad = refused(lambda: AveragedModel(engine), words, "AveragedModel(engine) went through")
+    if bad is not None or stage == 3:
+        return bad
+    ema, ref_ema = AveragedModel(engine.module), AveragedModel(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = batch(step)
+        engine(mine(x, rank), mine(y, rank)).backward()
+        ref(x, y).backward()
+        step_both(engine, ref_opt)
+        ema.update_parameters(engine.module)
+        ref_ema.update_parameters(ref)
+    tol = trajectory_tolerance(WORLD * ROWS, 2)
+    for (name, got), want in zip(ema.module.named_parameters(), ref_ema.module.parameters()):
+        err = (got - want).abs().max().item()
+        if err > tol * want.abs().max().item():
+            return f"the average of {name} differs by {err:.3g}"
+    return None
+
+
 def module_signatures_and_torchs_helper_on_the_module(rank, stage):
     """``model.load_state_dict(state_dict=sd, strict=True, assign=False)`` (nn.Module's signature),
     ``named_parameters`` and ``named_buffers`` under ``state_dict``'s names, and torch's
@@ -835,7 +864,8 @@ CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch
           reads_of_gradients_a_script_logs, torch_clip_grad_value_with_gradients_reduced_in_bf16,
           every_stock_optimizer_built_after_the_wrap,
           torch_state_dict_helpers_through_the_engine, fsdp2_scripts_read_the_models_attributes,
-          outputs_the_engine_cannot_rebuild, module_signatures_and_torchs_helper_on_the_module,
+          outputs_the_engine_cannot_rebuild, ema_of_the_engine_names_what_to_average,
+          module_signatures_and_torchs_helper_on_the_module,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,

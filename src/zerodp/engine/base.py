@@ -458,6 +458,17 @@ class StageEngine(nn.Module):
                                  "(docs/porting.md, From FSDP2)")
         return getattr(inner, name)  # the model's own AttributeError
 
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy(model)`` and ``AveragedModel(model)`` (an EMA) on the engine: it holds
+        process groups and flat buffers shared with the model, which a copy cannot hold; one line
+        names what to copy instead."""
+        what = ("AveragedModel(model.module) or copy.deepcopy(model.module): at this stage the wrapped "
+                "model's parameters hold the whole values" if not self.policy.shard_params else
+                "build a fresh model and load model.state_dict() into it (every rank calls it): at stage 3 "
+                "each rank holds a shard of each parameter")
+        raise RuntimeError(f"copy.deepcopy of the {type(self).__name__} (an EMA's AveragedModel(model) makes one): "
+                           f"it holds process groups and buffers shared with the model; {what}")
+
     def _fqn_modifiers(self) -> dict[str, str]:
         """The names torch.distributed.checkpoint's ``get_state_dict`` / ``set_state_dict`` (and the
         model-only and optimizer-only forms) use for the engine's entries: the model's own, as

@@ -131,9 +131,13 @@ def from_built(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in group_of:
             held = " or ".join(type(o).__name__ for o in built)
+            several = ("" if len(built) > 1 else
+                       "; a script with one optimizer per part (o1 over some parameters, o2 over the rest) builds "
+                       "them before the wrap and passes them together, parallelize(model, optimizer=[o1, o2]), then "
+                       "steps model.optimizer once per step")
             raise ValueError(
                 f"parameter {name!r} requires grad but is in none of the given {held}'s param groups, so nothing "
-                "would train it: add it to an optimizer, or set requires_grad=False before parallelize")
+                f"would train it: add it to an optimizer, or set requires_grad=False before parallelize{several}")
     builders = [_rebuilder(opt) for opt in built]
 
     def factory(groups: list[dict]) -> torch.optim.Optimizer:
