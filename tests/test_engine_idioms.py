@@ -694,6 +694,18 @@ def ema_of_the_engine_names_what_to_average(rank, stage):
     return None
 
 
+def to_empty_after_the_wrap_at_stage_3_names_init_fn(rank, stage):
+    """FSDP2's meta-device flow ported by the wrap line — build on meta, wrap, ``model.to_empty(device=...)``,
+    ``init_weights()`` — ends at ``to_empty`` in one line naming ``init_fn`` (the parameters at rest
+    are placeholders ``init_weights`` cannot write), not later in torch's "more than one element of
+    the written-to tensor refers to a single memory location"; ``model.to(its own device)`` is still
+    served."""
+    _, engine, _ = build(stage, lambda g: torch.optim.SGD(g, lr=0.1))
+    engine.to("cpu")
+    engine.float()
+    return refused(lambda: engine.to_empty(device="cpu"), "init_fn=", "to_empty went through at stage 3")
+
+
 def module_signatures_and_torchs_helper_on_the_module(rank, stage):
     """``model.load_state_dict(state_dict=sd, strict=True, assign=False)`` (nn.Module's signature),
     ``named_parameters`` and ``named_buffers`` under ``state_dict``'s names, and torch's
@@ -865,7 +877,7 @@ CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch
           every_stock_optimizer_built_after_the_wrap,
           torch_state_dict_helpers_through_the_engine, fsdp2_scripts_read_the_models_attributes,
           outputs_the_engine_cannot_rebuild, ema_of_the_engine_names_what_to_average,
-          module_signatures_and_torchs_helper_on_the_module,
+          to_empty_after_the_wrap_at_stage_3_names_init_fn, module_signatures_and_torchs_helper_on_the_module,
           optimizer_step_and_grad_scaler, enabled_grad_scaler_is_refused, built_optimizer_and_lr_by_hand,
           torch_format_state_dict,
           zeros_are_stepped_after_set_to_none_false, step_twice_applies_twice, raised_backward_is_recoverable,
@@ -876,7 +888,8 @@ CHECKS = [torch_clip_grad_norm, torch_clip_with_gradients_reduced_in_bf16, torch
           optimizer_state_of_a_model_parameter_says_where_it_is, engine_is_a_module_and_a_parents_child,
           wrapper_optimizer_built_before_the_wrap_is_refused_in_one_line, double_backward_at_stage_3_is_refused]
 NOT_AT_STAGE_3 = {"uneven_evaluation_does_not_hang"}  # stage 3 gathers in every forward: ranks must agree
-ONLY_AT_STAGE_3 = {"double_backward_at_stage_3_is_refused"}  # stages 0-2 keep whole parameters
+ONLY_AT_STAGE_3 = {"double_backward_at_stage_3_is_refused",  # stages 0-2 keep whole parameters
+                   "to_empty_after_the_wrap_at_stage_3_names_init_fn"}
 
 
 def _runs(check, stage: int) -> bool:

@@ -480,7 +480,10 @@ class StageEngine(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module.to/cuda/half/float/...`` pass through here: a call that leaves every
         parameter and buffer as it is (``model.to(its own device)``) is served, one that would move
-        or cast them is refused — they are views into the engine's flat buffers."""
+        or cast them is refused — they are views into the engine's flat buffers. At stage 3 a call
+        that makes new tensors of the same kind (``model.to_empty(device=...)``, FSDP2's step before
+        ``init_weights()`` of a model built on the meta device) is refused as well, naming ``init_fn``:
+        the module's parameters are placeholders there, which ``init_weights`` cannot write."""
         for t in [*self._module.parameters(), *self._module.buffers()]:
             out = fn(t)
             if out is not t and (out.dtype != t.dtype or out.device != t.device):
@@ -488,6 +491,13 @@ class StageEngine(nn.Module):
                     f"the engine's parameters are views into its flat buffers and cannot be moved or cast in place "
                     f"({t.dtype} on {t.device} -> {out.dtype} on {out.device}): call model.to(device) before "
                     "zerodp.parallelize, and ask for a compute dtype with mixed_precision='bf16'")
+            if out is not t and self.policy.shard_params and isinstance(t, nn.Parameter):
+                raise RuntimeError(
+                    "model.to_empty(...) (or another call making new parameters) after the wrap at stage 3: the engine "
+                    "holds each rank's shard of every parameter, and the module's parameters at rest are placeholders "
+                    "that init_weights() cannot write; for a model built on the meta device pass "
+                    "parallelize(model, ..., init_fn=<its init, e.g. M.init_weights>) so each rank initializes its "
+                    "shards, or write values inside `with model.gathered(writeback=True):` on every rank")
         return self
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
