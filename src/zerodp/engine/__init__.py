@@ -19,6 +19,7 @@ Entry point: :func:`parallelize`. Every module, one concept each (docs/layout.md
                    safetensors, DCP, durable writes
 - ``deferred`` / ``devices`` / ``module_view`` / ``nest`` / ``compiled``  meta models, device checks,
                    stage 3's module view, nested inputs, host bookkeeping kept out of compiled graphs
+- ``foreign``      DDP's and FSDP2's own calls on the model, served or refused in one line
 - ``quant``        blockwise int8, ZeRO++ qwZ and qgZ (guide §15);  ``schedule``  stage 3's unit schedule
 - ``outer``        DiLoCo's outer loop over the replica groups of hybrid sharding (guide §16)
 - ``trace`` / ``stats``  the per-rank event recorder; measured memory and comm vs the guide's formulas

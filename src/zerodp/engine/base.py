@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zerodp.engine import foreign
 from zerodp.engine.adopt import Adoption
 from zerodp.engine.comm import Collectives
 from zerodp.engine.control import (CHROME_TRACE, CLIP_GRAD_NORM, EVAL_FORWARD, FULL_STATE_DICT, OPTIMIZER_STATE_DICT,
@@ -77,24 +78,6 @@ from zerodp.engine.step import StepMachine
 from zerodp.engine.trace import COMPUTE, Recorder, write_chrome_trace
 
 _NORM_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
-#: FSDP2's ``FSDPModule`` calls a script ported by the wrap line makes on its model, and what does
-#: their work here (docs/porting.md, From FSDP2); ``set_requires_gradient_sync`` is served (__getattr__)
-_FSDP2_CALLS = {
-    "unshard": "stage 3 gathers each unit in its forward, one unit ahead (prefetch=True); to read whole "
-               "parameters, `with model.gathered():`",
-    "reshard": "stage 3 frees each unit after its forward and its backward; `with model.gathered():` for whole "
-               "parameters",
-    "set_reshard_after_forward": "stage=2 keeps every parameter whole (there is no per-unit choice)",
-    "set_reshard_after_backward": "stage=2 keeps every parameter whole (there is no per-unit choice)",
-    "set_modules_to_forward_prefetch": "prefetch=True (the default) gathers one unit ahead",
-    "set_modules_to_backward_prefetch": "prefetch=True (the default) gathers one unit ahead",
-    "set_is_last_backward": "a backward outside no_sync() reduces; use model.set_requires_gradient_sync(...)",
-    "set_requires_all_reduce": "the cross-group AllReduce of hybrid sharding follows no_sync() / "
-                               "model.set_requires_gradient_sync(...) too",
-    "set_gradient_divide_factor": "gradients are averaged over the ranks: scale the loss instead",
-    "set_reduce_scatter_divide_factor": "gradients are averaged over the ranks: scale the loss instead",
-    "set_unshard_in_backward": "stage 3 gathers each unit again before its backward",
-}
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -438,9 +421,8 @@ class StageEngine(nn.Module):
     def __getattr__(self, name: str):
         """The wrapped model's public attributes, read through the engine: an FSDP2 script's model
         is the model itself (``model.config``, ``model.layers``, ``model.generate(...)``), and a DDP
-        script's ``model.module.<name>`` serves as well. The engine's own names come first. FSDP2's
-        ``model.set_requires_gradient_sync(flag)`` sets DDP's ``require_backward_grad_sync`` (what
-        ``no_sync()`` sets); its other calls (``_FSDP2_CALLS``) name what does their work here."""
+        script's ``model.module.<name>`` serves as well. The engine's own names come first; DDP's
+        and FSDP2's own calls come last (:mod:`zerodp.engine.foreign`)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -449,14 +431,8 @@ class StageEngine(nn.Module):
                 raise
         if hasattr(inner, name):
             return getattr(inner, name)
-        if name == "set_requires_gradient_sync":
-            def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-                self.require_backward_grad_sync = requires_gradient_sync
-            return set_requires_gradient_sync
-        if name in _FSDP2_CALLS:
-            raise AttributeError(f"{type(self).__name__} has no {name}() (FSDP2's): {_FSDP2_CALLS[name]} "
-                                 "(docs/porting.md, From FSDP2)")
-        return getattr(inner, name)  # the model's own AttributeError
+        served = foreign.answer(self, name)
+        return served if served is not None else getattr(inner, name)  # else the model's own AttributeError
 
     def __deepcopy__(self, memo):
         """``copy.deepcopy(model)`` and ``AveragedModel(model)`` (an EMA) on the engine: it holds
@@ -532,27 +508,6 @@ class StageEngine(nn.Module):
             yield
         finally:
             self.machine.sync = previous
-
-    def join(self, *args, **kwargs):
-        """torch DDP's ``join()`` for uneven inputs has no counterpart: refused in one line."""
-        raise NotImplementedError(
-            "join() (DDP's uneven inputs) is not supported: a rank out of batches would leave the others waiting "
-            "in their collectives; give every rank the same number of batches per epoch (DistributedSampler("
-            "..., drop_last=True), or drop the last uneven batch on every rank)")
-
-    def register_comm_hook(self, state, hook) -> None:
-        """torch DDP's communication hooks have no counterpart; the one line names the option that
-        does what torch's stock hook did (guide §15)."""
-        name = getattr(hook, "__name__", repr(hook))
-        instead = {"bf16_compress_hook": "reduce_dtype='bf16'", "bf16_compress_wrapper": "reduce_dtype='bf16'",
-                   "fp16_compress_hook": "reduce_dtype='bf16' (fp16 is refused: it needs loss scaling)",
-                   "fp16_compress_wrapper": "reduce_dtype='bf16' (fp16 is refused: it needs loss scaling)",
-                   "allreduce_hook": "nothing: it is what the engine does",
-                   "powerSGD_hook": "quantize_grads=True at stages 1-3 (int8, guide §15)",
-                   "batched_powerSGD_hook": "quantize_grads=True at stages 1-3 (int8, guide §15)"}
-        raise NotImplementedError(f"register_comm_hook({name}): communication hooks are not supported; pass "
-                                  f"{instead.get(name, 'reduce_dtype= or quantize_grads= (guide §15)')} to "
-                                  "zerodp.parallelize instead")
 
     def count_tokens(self, n: int | float) -> None:
         """With ``average_by_tokens=True``: add this micro-batch's token count on this rank, before
