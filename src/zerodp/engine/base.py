@@ -429,10 +429,13 @@ class StageEngine(nn.Module):
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None or name.startswith("_"):
                 raise
-        if hasattr(inner, name):
+        try:
             return getattr(inner, name)
-        served = foreign.answer(self, name)
-        return served if served is not None else getattr(inner, name)  # else the model's own AttributeError
+        except AttributeError:
+            served = foreign.answer(self, name)
+            if served is None:
+                raise  # the model's own AttributeError
+            return served
 
     def __deepcopy__(self, memo):
         """``copy.deepcopy(model)`` and ``AveragedModel(model)`` (an EMA) on the engine: it holds

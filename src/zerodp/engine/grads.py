@@ -117,7 +117,7 @@ class ShardedGrad(torch.Tensor):
         if func is aten.mean.default:
             value /= self.numel()
         dtype = (torch.bool if func in (aten.all.default, aten.any.default)
-                 else torch.int64 if self.dtype == torch.bool or not self.dtype.is_floating_point else self.dtype)
+                 else self.dtype if self.dtype.is_floating_point else torch.int64)
         return value[0].to(dtype=dtype, device=self._local.device)
 
     @classmethod
